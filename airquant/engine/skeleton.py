@@ -1,0 +1,115 @@
+"""The transformers model built on the meta device, with only the small resident parts made real.
+
+Decoder layers stay on meta: a ``StreamedLayer`` wrapper runs each one with the tensors the
+streamer hands it (``torch.func.functional_call``), so the module itself never owns weights and
+nothing has to be evicted. The model's own forward (masking, rotary, Cache API) is used unchanged,
+which is what makes streamed and resident logits agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from airquant.errors import StoreError
+from airquant.store.manifest import Manifest, ShardEntry
+
+log = logging.getLogger(__name__)
+
+
+def load_config(store: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(store)
+
+
+def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: torch.dtype) -> None:
+    """Replace the layer's quantized linears by the modules their scheme (from the manifest) computes with."""
+    if not entry.modules:
+        return
+    from airquant.quant import make_linear
+
+    for name, meta in entry.modules.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        old = getattr(parent, child)
+        with torch.device("meta"):
+            new = make_linear(meta, old.in_features, old.out_features, old.bias is not None,
+                              compute_dtype=compute_dtype)
+        setattr(parent, child, new)
+
+
+def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
+                     dtype: torch.dtype) -> None:
+    """Embeddings, final norm, lm_head (tied or not) and rotary buffers, made real on ``device``."""
+    inner = model.model
+    parts = {"embed": inner.embed_tokens, "norm": inner.norm}
+    if not manifest.tied_lm_head:
+        parts["lm_head"] = model.lm_head
+    for group, module in parts.items():
+        tensors = load_file(store / manifest.shards[group].file, device=str(device))
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+        module.load_state_dict(tensors, assign=True, strict=True)
+    if manifest.tied_lm_head:
+        model.lm_head.weight = inner.embed_tokens.weight
+    rotary = inner.rotary_emb
+    with torch.device(device):  # the inv_freq buffers are computed in __init__, not loaded
+        inner.rotary_emb = type(rotary)(config=model.config)
+    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if t.is_meta and not n.startswith("model.layers.")]
+    if leftovers:
+        raise StoreError(f"store {store} left these tensors unset: {leftovers[:5]}; the store is incomplete.")
+
+
+class StreamedLayer(nn.Module):
+    """Runs a meta decoder layer with weights fetched for this call only."""
+
+    def __init__(self, layer: nn.Module, index: int, streamer):
+        super().__init__()
+        self.layer = layer
+        self.index = index
+        self._streamer = streamer
+        # Some decoder stacks (Qwen2, Mistral) pick their mask by the layer's attention type.
+        if hasattr(layer, "attention_type"):
+            self.attention_type = layer.attention_type
+
+    def forward(self, *args, **kwargs):
+        tensors = self._streamer.fetch(self.index)
+        try:
+            return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
+        finally:
+            self._streamer.release(self.index)
+
+
+def attach_streamer(model: nn.Module, streamer) -> None:
+    layers = decoder_layers(model)
+    for i in range(len(layers)):
+        layers[i] = StreamedLayer(layers[i], i, streamer)
+
+
+def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
+                         dtype: torch.dtype) -> None:
+    """Fill every decoder layer with its weights on ``device`` (the resident reference mode)."""
+    for i, layer in enumerate(decoder_layers(model)):
+        entry = manifest.shards[f"layer.{i}"]
+        tensors = load_file(store / entry.file, device=str(device))
+        dense = {k for k, m in entry.tensors.items() if m.get("scheme", "dense") == "dense"}
+        tensors = {k: (v.to(dtype) if k in dense and v.is_floating_point() else v) for k, v in tensors.items()}
+        layer.load_state_dict(tensors, assign=True, strict=True)

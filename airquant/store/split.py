@@ -1,0 +1,166 @@
+"""One-time split of a checkpoint into one safetensors shard per module.
+
+Atomic and resumable: each shard is written under a temp name, fsynced and renamed, then the
+manifest is rewritten (``complete: false``) so an interrupted split resumes by skipping every
+shard whose sha256 still verifies. A store that belongs to another model or setting is refused,
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save as st_save
+from tqdm.auto import tqdm
+
+from airquant import __version__
+from airquant.errors import DiskSpaceError, StoreError
+from airquant.models import ModelSource
+from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest,
+                                     save_manifest, sha256_file)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Headroom for safetensors headers, tokenizer files and filesystem rounding.
+_DISK_MARGIN = 1.02
+_DISK_SLACK_BYTES = 64 << 20
+
+# A hook that turns one group's tensors into what is stored: (tensors, modules-meta).
+GroupTransform = Callable[[str, dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], dict[str, dict]]]
+
+
+def shard_file(group: str) -> str:
+    if group.startswith("layer."):
+        return f"layer_{int(group.split('.')[1]):04d}.safetensors"
+    return f"{group}.safetensors"
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def estimate_bytes(source: ModelSource, dtype: str, bytes_per_weight: float | None = None) -> int:
+    """Bytes the split will write, from tensor headers (no weights read)."""
+    per = bytes_per_weight if bytes_per_weight is not None else DTYPES[dtype].itemsize
+    total = 0
+    for tensors in source.group_shapes().values():
+        for shape, _ in tensors.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += int(n * per)
+    return total
+
+
+def _store_identity(source: ModelSource, dtype: str, quant: dict) -> dict:
+    spec = source.spec if source.kind in ("default", "hub") else str(source.path.resolve())
+    return {"spec": spec, "kind": source.kind, "model_type": source.config.model_type,
+            "name": source.name}
+
+
+def _check_existing(store: Path, identity: dict, dtype: str, quant: dict) -> Manifest | None:
+    if not (store / MANIFEST).is_file():
+        if store.is_dir() and any(p.suffix == ".safetensors" for p in store.iterdir()):
+            raise StoreError(f"{store} holds safetensors files but no manifest; choose an empty --store.")
+        return None
+    old = load_manifest(store)
+    if old.source.get("spec") != identity["spec"] or old.dtype != dtype or old.quant != quant:
+        raise StoreError(
+            f"{store} already holds {old.source.get('spec')} ({old.dtype}, quant {old.quant.get('method')}); "
+            f"it is left untouched. Use another --store for {identity['spec']} ({dtype}, quant {quant.get('method')}).")
+    return old
+
+
+def _check_disk(store: Path, needed: int) -> None:
+    free = _free_bytes(store)
+    want = int(needed * _DISK_MARGIN) + _DISK_SLACK_BYTES
+    if free < want:
+        raise DiskSpaceError(
+            f"not enough disk space in {store}: the split needs about {want / 1e9:.2f} GB more, "
+            f"{free / 1e9:.2f} GB are free. Free space or choose another --store.")
+
+
+def _verified(store: Path, entry: ShardEntry | None) -> bool:
+    if entry is None:
+        return False
+    path = store / entry.file
+    return path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+
+
+def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modules: dict[str, dict],
+                schemes: dict[str, str]) -> ShardEntry:
+    """Serialize, hash and atomically write one shard; returns its manifest entry."""
+    data = st_save(tensors, metadata={"airquant_group": group})
+    file = shard_file(group)
+    atomic_write_bytes(store / file, data)
+    meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                "scheme": schemes.get(k, "dense")} for k, v in tensors.items()}
+    return ShardEntry(group=group, file=file, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                      tensors=meta, modules=modules)
+
+
+def _save_side_files(store: Path, source: ModelSource) -> None:
+    cfg = source.clean_config()
+    atomic_write_bytes(store / "config.json", json.dumps(cfg, indent=1).encode())
+    gen_cfg = source.path / "generation_config.json"
+    if not source.gguf_file and gen_cfg.is_file():
+        atomic_write_bytes(store / "generation_config.json", gen_cfg.read_bytes())
+    tok_dir = store / "tokenizer"
+    tmp = store / ".tokenizer.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    source.tokenizer().save_pretrained(tmp)
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    tmp.rename(tok_dir)
+
+
+def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", quant: dict | None = None,
+          transform: GroupTransform | None = None, bytes_per_weight: float | None = None,
+          progress: bool = True) -> Manifest:
+    """Split ``source`` into ``store``; resumes an interrupted split of the same source and settings."""
+    if dtype not in DTYPES:
+        raise StoreError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}.")
+    quant = quant or {"method": "none"}
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    identity = _store_identity(source, dtype, quant)
+    old = _check_existing(store, identity, dtype, quant)
+    manifest = Manifest(source=identity, dtype=dtype, quant=quant, num_layers=source.num_layers,
+                        tied_lm_head=source.tied, tool_version=__version__)
+    keep = {g: e for g, e in (old.shards.items() if old else []) if _verified(store, e)}
+    remaining = estimate_bytes(source, dtype, bytes_per_weight) - sum(e.bytes for e in keep.values())
+    _check_disk(store, max(remaining, 0))
+    _save_side_files(store, source)
+    manifest.shards.update(keep)
+    todo = [g for g in manifest.layer_order if g not in keep]
+    bar = tqdm(total=len(manifest.layer_order), initial=len(keep), desc="split", unit="shard", disable=not progress)
+    if todo:
+        for group, tensors in source.tensor_groups():
+            if group in keep:
+                continue
+            tensors = _cast(tensors, DTYPES[dtype])
+            modules: dict[str, dict] = {}
+            if transform is not None:
+                tensors, modules = transform(group, tensors)
+            schemes = {f"{m}.{s}": meta["scheme"] for m, meta in modules.items() for s in meta.get("tensors", [])}
+            manifest.shards[group] = write_shard(store, group, tensors, modules, schemes)
+            save_manifest(store, manifest)
+            bar.update(1)
+    bar.close()
+    missing = [g for g in manifest.layer_order if g not in manifest.shards]
+    if missing:
+        raise StoreError(f"the source yielded no tensors for {missing}; the checkpoint is incomplete.")
+    manifest.complete = True
+    save_manifest(store, manifest)
+    log.info("store %s: %d shards, %.1f MB", store, len(manifest.shards), manifest.total_bytes / 1e6)
+    return manifest

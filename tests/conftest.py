@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random models saved as real checkpoints, and the embedded default model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from airquant.models import DEFAULT_GGUF, DEFAULT_PACKAGE
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(default_gguf):
+    """The default model's tokenizer: a real BPE tokenizer with a chat template, available offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+def make_tiny_model(folder: Path, tokenizer, *, model_type: str = "llama", layers: int = 3,
+                    tied: bool = False, seed: int = 0) -> Path:
+    """A random model of a supported architecture, saved as a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; a larger spread makes greedy decoding less tie-prone.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, real_tokenizer) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), real_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, real_tokenizer) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), real_tokenizer, model_type="qwen2", tied=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_llama) -> Path:
+    from airquant.models import resolve
+    from airquant.store.split import split
+
+    store = tmp_path_factory.mktemp("store") / "tiny"
+    split(resolve(str(tiny_llama)), store, dtype="float32", progress=False)
+    return store
+
+
+@pytest.fixture(scope="session")
+def default_store(tmp_path_factory) -> Path:
+    """The embedded SmolLM2-135M split once per session (bf16, ~270 MB)."""
+    from airquant.models import resolve
+    from airquant.store.split import split
+
+    store = tmp_path_factory.mktemp("default") / "store"
+    split(resolve("default"), store, dtype="bfloat16", progress=False)
+    return store

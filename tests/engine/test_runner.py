@@ -1,0 +1,130 @@
+"""The streamed engine against the resident transformers model, loaded another way."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from airquant.engine.runner import Engine
+from airquant.errors import PromptTooLongError, StoreError
+from airquant.models import resolve
+from airquant.store.split import split
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
+
+
+def _reference_logits(folder, tokenizer, prompts):
+    """Each prompt alone (no padding) through the model transformers loads from the source folder."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(**tokenizer(p, return_tensors="pt")).logits[0] for p in prompts]
+
+
+def _rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("max_ram_gb", [None, 0.0], ids=["ram-tier", "disk-tier"])
+def test_streamed_logits_equal_transformers(tiny_store, tiny_llama, max_ram_gb):
+    engine = Engine.open(tiny_store, device="cpu", max_ram_gb=max_ram_gb)
+    enc = engine.encode(PROMPTS)
+    logits = engine.forward(enc["input_ids"], enc["attention_mask"])
+    refs = _reference_logits(tiny_llama, engine.tokenizer, PROMPTS)
+    for row, mask, ref in zip(logits, enc["attention_mask"], refs):
+        got = row[mask.bool()]  # left padding: real tokens are the last ones
+        assert got.shape == ref.shape
+        assert _rel_err(got, ref) <= 1e-4
+    engine.close()
+
+
+def test_streamed_and_resident_generate_same_tokens(tiny_store):
+    streamed = Engine.open(tiny_store, device="cpu")
+    resident = Engine.open(tiny_store, device="cpu", resident=True)
+    a = streamed.generate_detailed(PROMPTS, max_new_tokens=12)
+    b = resident.generate_detailed(PROMPTS, max_new_tokens=12)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert all(c.new_tokens > 0 for c in a)
+    assert streamed.stats()["bytes_streamed"] == 0  # CPU: layers are used in place, nothing copied
+
+
+def test_batched_greedy_equals_one_by_one(tiny_store, tiny_llama):
+    engine = Engine.open(tiny_store, device="cpu")
+    batched = engine.generate_detailed(PROMPTS, max_new_tokens=8)
+    single = [engine.generate_detailed([p], max_new_tokens=8)[0] for p in PROMPTS]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in single]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    enc = engine.tokenizer(PROMPTS[1], return_tensors="pt")
+    ref = model.generate(**enc, max_new_tokens=8, do_sample=False, eos_token_id=engine.eos_ids(),
+                         pad_token_id=engine.tokenizer.pad_token_id)
+    want = ref[0, enc["input_ids"].shape[1]:].tolist()
+    stop = next((k for k, t in enumerate(want) if t in engine.eos_ids()), len(want))
+    assert list(batched[1].token_ids) == want[:stop]
+
+
+def test_sampling_is_seeded(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu")
+    kw = dict(max_new_tokens=10, temperature=1.0, top_p=0.9)
+    a = engine.generate_detailed(PROMPTS, seed=3, **kw)
+    b = engine.generate_detailed(PROMPTS, seed=3, **kw)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def test_kv_cache_makes_decode_one_pass_per_token(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu")
+    calls = []
+    original = engine.streamer.fetch
+    engine.streamer.fetch = lambda i: calls.append(i) or original(i)
+    out = engine.generate_detailed(["Hello there"], max_new_tokens=6)
+    steps = 1 + (out[0].new_tokens - 1)  # prefill, then one pass per further token
+    assert len(calls) == engine.manifest.num_layers * steps
+    assert engine.last_timings["decode_steps"] == out[0].new_tokens - 1
+
+
+def test_bf16_store_streamed_equals_resident(tmp_path, tiny_qwen2):
+    store = tmp_path / "q"
+    split(resolve(str(tiny_qwen2)), store, dtype="bfloat16", progress=False)
+    s = Engine.open(store, device="cpu")
+    r = Engine.open(store, device="cpu", resident=True)
+    assert s.dtype == torch.bfloat16
+    enc = s.encode(PROMPTS)
+    assert torch.equal(s.forward(**enc), r.forward(**enc))
+    assert s.generate(PROMPTS, max_new_tokens=6) == r.generate(PROMPTS, max_new_tokens=6)
+
+
+def test_compute_dtype_override(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu", dtype="bfloat16")
+    enc = engine.encode(PROMPTS[:1])
+    assert engine.forward(**enc).dtype == torch.bfloat16
+
+
+def test_prompt_longer_than_context(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu")
+    long_prompt = "word " * 300
+    with pytest.raises(PromptTooLongError, match="exceeds the model's context of 256"):
+        engine.generate([long_prompt], max_new_tokens=4)
+
+
+def test_truncated_shard_fails_before_running(tmp_path, tiny_llama):
+    store = tmp_path / "s"
+    split(resolve(str(tiny_llama)), store, dtype="float32", progress=False)
+    shard = store / "layer_0002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(StoreError, match="layer_0002.safetensors"):
+        Engine.open(store, device="cpu")
+
+
+def test_chat_without_template_is_clear(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu")
+    engine.tokenizer.chat_template = None
+    with pytest.raises(Exception, match="no chat template"):
+        engine.generate(["hi"], chat=True)
+
+
+@pytest.mark.slow
+def test_default_model_answers_paris_streamed_and_resident(default_store):
+    streamed = Engine.open(default_store, device="cpu")
+    resident = Engine.open(default_store, device="cpu", resident=True)
+    q = ["What is the capital of France?"]
+    a = streamed.generate_detailed(q, chat=True, max_new_tokens=16)[0]
+    b = resident.generate_detailed(q, chat=True, max_new_tokens=16)[0]
+    assert "Paris" in a.text
+    assert a.token_ids == b.token_ids

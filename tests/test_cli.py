@@ -1,0 +1,55 @@
+"""The command line, run in-process."""
+
+import json
+
+import pytest
+
+from airquant.cli import main
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("shard", "info", "plan", "generate"):
+        assert cmd in out
+
+
+def test_shard_info_generate(tmp_path, tiny_llama, capsys):
+    store = tmp_path / "s"
+    assert main(["shard", str(tiny_llama), "--store", str(store), "--dtype", "float32", "--quiet"]) == 0
+    assert main(["info", "--store", str(store), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "layers     : 3" in out and "every sha256 matches" in out
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello"}) + "\n" + json.dumps("The sky is") + "\n")
+    args = ["generate", str(store), "--prompts-file", str(prompts), "--max-new-tokens", "5", "--device", "cpu"]
+    assert main(args) == 0
+    streamed = capsys.readouterr().out
+    assert main(args + ["--resident"]) == 0
+    assert capsys.readouterr().out == streamed
+    assert "### Hello" in streamed
+
+
+def test_plan_prints_tiers(tiny_store, capsys):
+    assert main(["plan", str(tiny_store), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "layers pinned in RAM" in out and "why:" in out
+    assert main(["plan", str(tiny_store), "--device", "cpu", "--max-vram", "4"]) == 0
+    assert "layers resident in VRAM : 0-2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "--store", "/nonexistent/store"], "does not exist"),
+    (["generate", "/nonexistent/store", "--prompt", "x"], "does not exist"),
+    (["shard", "/nonexistent/model", "--store", "/tmp/never"], "not a folder"),
+])
+def test_errors_are_one_line_without_traceback(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("airquant: error:") and message in err and "Traceback" not in err
+
+
+def test_generate_without_prompt(tiny_store, capsys):
+    assert main(["generate", str(tiny_store)]) == 2
+    assert "no prompt given" in capsys.readouterr().err
