@@ -18,7 +18,7 @@ def test_group_of(name, expected):
     assert group_of(name) == expected
 
 
-def test_resolve_default_is_smollm2():
+def test_resolve_default_is_smollm2(default_gguf):
     src = resolve("default")
     assert src.kind == "default" and src.config.model_type == "llama"
     assert src.num_layers == 30 and src.tied
