@@ -1,4 +1,4 @@
-"""``airquant`` command line: shard, info, plan, generate (more subcommands register below)."""
+"""``airquant`` command line: shard, info, plan, generate, serve (more subcommands register below)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from airquant import __version__
@@ -36,6 +37,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="pinned host RAM for layer copies (GiB; default: half the free RAM)")
     g.add_argument("--resident-layers", type=int, default=None, metavar="N",
                    help="keep the first N layers in VRAM (default: planned from --max-vram)")
+    g.add_argument("--host-embedding", action="store_true",
+                   help="keep the embedding table in host RAM; only the looked-up rows go to the GPU")
+    g.add_argument("--reserve", type=float, default=None, metavar="GB",
+                   help="VRAM kept free for KV cache and activations (GiB; default: sized from batch and context)")
+    g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
+    g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
 
 
@@ -43,7 +50,10 @@ def _engine_config(args):
     from airquant.config import EngineConfig
 
     return EngineConfig(device=args.device, dtype=args.dtype, resident=args.resident, max_vram_gb=args.max_vram,
-                        max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify)
+                        max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify,
+                        reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
+                        profile=args.profile, batch_size=getattr(args, "batch", None) or 1,
+                        context=getattr(args, "context", None))
 
 
 # -- shard -------------------------------------------------------------------------------------
@@ -86,33 +96,26 @@ def cmd_info(args) -> int:
 
 # -- plan --------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
-    from airquant.engine.runner import plan_for, resolve_device
-    from airquant.store.manifest import load_manifest
+    from airquant.engine.router import Hardware, plan_route, workload_for
 
-    manifest = load_manifest(args.store)
-    device = resolve_device(args.device)
-    if args.max_vram is not None and device.type == "cpu":
-        device_note = f"planning for a GPU of {args.max_vram} GiB"
-        plan = _plan_hypothetical(manifest, args)
-    else:
-        device_note = f"device {device}"
-        plan = plan_for(manifest, _engine_config(args), device)
-    print(f"{manifest.source.get('name')}: {manifest.num_layers} layers, {manifest.total_bytes / 1e9:.2f} GB "
-          f"({manifest.scheme}); {device_note}")
-    print(plan.describe(manifest.layer_bytes))
+    hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
+    workload = workload_for(_engine_config(args), batch_size=args.batch, context=args.context,
+                            mode="resident" if args.resident else "auto", allow_streaming=not args.interactive,
+                            kv_schemes=_kv_schemes(args.kv))
+    print(plan_route(args.stores, hardware, workload).describe())
     return 0
 
 
-def _plan_hypothetical(manifest, args):
-    import psutil
+def _kv_schemes(kv: str) -> tuple[str, ...]:
+    return ("none", "tq") if kv == "auto" else (kv,)
 
-    from airquant.engine.plan import Budgets, plan_layers
 
-    fixed = sum(manifest.shards[g].bytes for g in ("embed", "norm", "lm_head") if g in manifest.shards)
-    ram = int((args.max_ram if args.max_ram is not None else psutil.virtual_memory().available / 2**30 * 0.5) * 2**30)
-    budgets = Budgets(vram_bytes=int(args.max_vram * 2**30), ram_bytes=ram, resident_layers=args.resident_layers,
-                      reserve_bytes=2**30)
-    return plan_layers(manifest.layer_bytes, fixed, budgets)
+def _add_route_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens per sequence (prompt + new) to plan memory for (default: min(model's, 2048))")
+    g.add_argument("--kv", choices=["auto", "none", "tq"], default="auto",
+                   help="KV cache: plain, TurboQuant K4/V2, or auto (plain if it fits; default)")
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -141,9 +144,9 @@ def cmd_generate(args) -> int:
     from airquant.engine.runner import Engine
 
     prompts = _read_prompts(args)
-    engine = Engine.open(args.store, _engine_config(args))
+    engine = Engine.open(args.store, replace(_engine_config(args), batch_size=len(prompts)))
     gen = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, chat=args.chat)
+                         seed=args.seed, chat=args.chat, ignore_eos=args.ignore_eos)
     try:
         completions = engine.generate_detailed(prompts, gen)
     finally:
@@ -161,7 +164,70 @@ def cmd_generate(args) -> int:
     rate = new / t["total_s"] if t.get("total_s") else 0.0
     print(f"[{mode} on {engine.device}, batch {len(prompts)}: {new} new tokens in {t.get('total_s', 0):.2f} s "
           f"({rate:.2f} tok/s), first token {t.get('ttft_s', 0):.2f} s{vram}]", file=sys.stderr)
+    if args.profile:
+        from airquant.engine.profile import profile_table
+
+        print(profile_table(engine.layer_profile()), file=sys.stderr)
     return 0
+
+
+# -- synth -------------------------------------------------------------------------------------
+def cmd_synth(args) -> int:
+    from airquant.store.synth import SynthSpec, synth
+
+    spec = SynthSpec(shape=args.shape, dtype=args.dtype, layers=args.layers, dense_head=args.dense_head,
+                     seed=args.seed)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    start = time.perf_counter()
+    m = synth(spec, args.store, manifest_only=args.manifest_only, device=args.device, progress=not args.quiet,
+              tokenizer=tokenizer)
+    what = "manifest only" if args.manifest_only else f"{time.perf_counter() - start:.1f} s"
+    print(f"store {args.store}: synthetic {args.shape} ({m.scheme}), {m.num_layers} layers, "
+          f"{m.total_bytes / 1e9:.2f} GB in {len(m.shards)} shards ({what})")
+    return 0
+
+
+# -- batch -------------------------------------------------------------------------------------
+def _batch_size(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive integer")
+    return text
+
+
+def cmd_batch(args) -> int:
+    from airquant.config import GenerateConfig
+    from airquant.jobs.batch import BatchJob, run_batch
+
+    size = None if args.batch_size == "auto" else int(args.batch_size)
+    gen = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         seed=args.seed, chat=args.chat)
+    job = BatchJob(input=Path(args.input), output=Path(args.output), batch_size=size, max_batch=args.max_batch,
+                   gen=gen)
+    report = run_batch(args.store, job, _engine_config(args), progress=not args.quiet)
+    sizes = sorted(set(report.batch_sizes), reverse=True)
+    print(f"{args.output}: {report.done} new records ({report.skipped} already there), {report.new_tokens} tokens "
+          f"in {report.elapsed_s:.1f} s ({report.tokens_per_s:.1f} tok/s), batch sizes {sizes or '-'}"
+          + (f", {report.oom_halvings} out-of-memory halving(s)" if report.oom_halvings else ""))
+    return 0
+
+
+# -- serve -------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from airquant.provider import ProviderConfig
+    from airquant.serve import require_serve
+
+    require_serve()
+    from airquant.serve.server import serve
+
+    config = ProviderConfig(mode="resident" if args.resident else args.mode, allow_streaming=args.allow_streaming,
+                            kv=args.kv, max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+                            context=args.context, max_queue=args.max_queue)
+    return serve(args.stores, config, _engine_config(args), host=args.host, port=args.port,
+                 log_level="debug" if args.verbose else "info")
 
 
 # -- parser ------------------------------------------------------------------------------------
@@ -184,8 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every shard's sha256")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("plan", help="print where each layer will live (VRAM / pinned RAM / disk) and why")
-    p.add_argument("store")
+    p = sub.add_parser("plan", help="choose store, mode, KV cache and layer placement; print the arithmetic")
+    p.add_argument("stores", nargs="+", metavar="STORE",
+                   help="one or more stores of the same model (one weight scheme each)")
+    p.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per batch to plan for (default 1)")
+    p.add_argument("--interactive", action="store_true", help="plan for interactive use: never stream layers")
+    _add_route_flags(p)
     _add_engine_flags(p)
     p.set_defaults(func=cmd_plan)
 
@@ -198,8 +268,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("synth", help="write a random-weight store of a real model's shape (speed/memory work)")
+    p.add_argument("--shape", required=True, choices=["llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
+                                                      "llama3-70b"])
+    p.add_argument("--dtype", choices=["bfloat16", "nf4"], default="bfloat16",
+                   help="layer weights: bf16, or NF4 (lm_head NF4 in row chunks too)")
+    p.add_argument("--store", required=True)
+    p.add_argument("--manifest-only", action="store_true",
+                   help="write the manifest (exact byte counts) and config.json only: enough to plan")
+    p.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N decoder layers")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where weights are generated and quantized (cuda: much faster)")
+    p.add_argument("--dense-head", action="store_true", help="nf4: keep lm_head in bf16")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer folder to ship (default: the default model's, read from its GGUF)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("batch", help="run a JSONL of prompts in large batches; resumable output JSONL")
+    p.add_argument("store")
+    p.add_argument("--input", required=True, help='JSONL of {"id": ..., "prompt": ...} (id optional: line number)')
+    p.add_argument("--output", required=True, help="JSONL of records; ids already there are skipped")
+    p.add_argument("--batch-size", default="auto", metavar="auto|N", type=_batch_size,
+                   help="sequences per weight pass (auto: as many as the VRAM left for the KV cache holds; 8 on CPU)")
+    p.add_argument("--max-batch", type=int, default=256, metavar="N", help="upper bound of --batch-size auto")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: fastapi, uvicorn)")
+    p.add_argument("stores", nargs="+", metavar="STORE", help="one or more stores of the same model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=["auto", "resident", "streamed"], default="auto")
+    p.add_argument("--allow-streaming", action="store_true",
+                   help="let requests run streamed when the model fits only that way (off by default)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="prompts per weight pass (default 8)")
+    p.add_argument("--batch-window-ms", type=float, default=20.0, metavar="MS",
+                   help="how long a request waits for others to share its pass (default 20)")
+    p.add_argument("--max-queue", type=int, default=1024, metavar="N",
+                   help="prompts waiting before new requests get 429 (default 1024)")
+    _add_route_flags(p)
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -11,7 +11,8 @@ DType = Literal["bfloat16", "float16", "float32"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --verify``."""
+    """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --reserve
+    --batch-size --context --host-embedding --readahead --profile --verify``."""
 
     device: Device = "auto"
     dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
@@ -19,17 +20,23 @@ class EngineConfig:
     max_vram_gb: float | None = None  # cap the GPU as a smaller card would (GiB)
     max_ram_gb: float | None = None  # pinned host RAM for layer copies (GiB); None: half the free RAM
     resident_layers: int | None = None  # override the planned number of VRAM-resident layers
-    reserve_gb: float = 1.0  # VRAM kept free for activations and KV cache when planning
+    reserve_gb: float | None = None  # VRAM kept free for KV cache and activations; None: from batch/context
+    batch_size: int = 1  # sequences per batch the VRAM reserve is sized for (--batch-size)
+    context: int | None = None  # tokens per sequence the reserve is sized for; None: min(model's, 2048)
+    host_embedding: bool = False  # keep the embedding table in host RAM, move only the looked-up rows
     slots: int = 2  # device buffers for streamed layers
+    readahead: int = 2  # layers read ahead from disk (and into the RAM tier on first use)
+    profile: bool = False  # record per-layer copy and compute times on CUDA (Engine.layer_profile())
     verify: bool = False  # check every shard's sha256 when opening the store
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """``--max-new-tokens --temperature --top-p --seed --chat``."""
+    """``--max-new-tokens --temperature --top-p --seed --chat --ignore-eos``."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None
     chat: bool = False
+    ignore_eos: bool = False  # always generate max_new_tokens tokens (benchmarks)

@@ -35,3 +35,23 @@ class PromptTooLongError(AirQuantError):
 
 class DependencyError(AirQuantError, ImportError):
     """An optional package is needed; the message gives the pip command."""
+
+
+class EvalConfigError(AirQuantError, ValueError):
+    """A metric setting is out of range for this model (window, stride, context, ...)."""
+
+
+class EvalDataError(AirQuantError):
+    """An evaluation data set cannot be found or read; the message names the file and the fix."""
+
+
+class ResultsFileError(AirQuantError):
+    """A results JSON file is unreadable or not a row this version of AirQuant understands."""
+
+
+class EnvironmentSetupError(AirQuantError):
+    """A stage environment (requirements file, virtual environment, Jupyter kernel) cannot be used or built."""
+
+
+class PipelineError(AirQuantError):
+    """A notebook of the pipeline failed; the message names the notebook, the cell and what was kept."""

@@ -13,6 +13,8 @@ from airquant.errors import AirQuantError
 
 Tier = Literal["vram", "ram", "disk"]
 GB = 1e9
+# cuBLAS workspaces, allocator rounding and the sampling temporaries of generate().
+WORKSPACE_BYTES = 256 << 20
 
 
 class PlanError(AirQuantError):
@@ -35,6 +37,8 @@ class StreamPlan:
     slots: int
     fixed_bytes: int  # embeddings, final norm, lm_head on the device
     reasons: list[str] = field(default_factory=list)
+    reserve_bytes: int = 0  # KV cache + activations + workspace kept free on the device
+    host_fixed_bytes: int = 0  # embedding table kept in host memory (--host-embedding)
 
     @property
     def vram_layers(self) -> list[int]:
@@ -57,7 +61,9 @@ class StreamPlan:
             f"layers pinned in RAM    : {_ranges(self.ram_layers)} ({total(self.ram_layers)})",
             f"layers read from disk   : {_ranges(self.disk_layers)} ({total(self.disk_layers)})",
             f"device slots            : {self.slots} x {self.slot_bytes / GB:.3f} GB",
-            f"embeddings/norm/lm_head : {self.fixed_bytes / GB:.3f} GB on the device",
+            f"embeddings/norm/lm_head : {self.fixed_bytes / GB:.3f} GB on the device"
+            + (f", embedding table {self.host_fixed_bytes / GB:.3f} GB in host RAM" if self.host_fixed_bytes else ""),
+            f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB",
         ]
         return "\n".join(lines + [f"why: {r}" for r in self.reasons])
 
@@ -74,6 +80,78 @@ def _ranges(idx: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(out)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """VRAM kept free next to the weights for a batch of ``batch`` sequences of ``context`` tokens."""
+
+    kv: int  # the KV cache at full context
+    activations: int  # prefill hidden states and MLP intermediates of the whole batch
+    dequant: int  # the largest quantized linear dequantized for a multi-token matmul
+    logits: int  # last-position logits in fp32, and one processed copy
+    workspace: int = WORKSPACE_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.activations + self.dequant + self.logits + self.workspace
+
+    def describe(self) -> str:
+        return (f"KV {self.kv / GB:.2f} + activations {self.activations / GB:.2f} + dequant {self.dequant / GB:.2f}"
+                f" + logits {self.logits / GB:.2f} + workspace {self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Keys and values of every layer for one token of one sequence."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0) -> Reserve:
+    """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in."""
+    h, inter = config.hidden_size, config.intermediate_size
+    # Prefill holds the residual, the normed input, q/k/v/attention output (<= 4 x H) and gate, up and
+    # their product (3 x I) for every token at once; decode holds the same for one token per sequence.
+    activations = batch * context * (4 * h + 3 * inter) * dtype_bytes
+    return Reserve(kv=kv_bytes_per_token(config, dtype_bytes) * batch * context, activations=activations,
+                   dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2)
+
+
+def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False) -> tuple[int, int]:
+    """(device, host) bytes of the embedding, final norm and lm_head shards.
+
+    ``host_embedding`` moves an untied embedding table to host RAM; a tied one is the lm_head too."""
+    sizes = {g: shards[g].bytes for g in ("embed", "norm", "lm_head") if g in shards}
+    host = sizes.pop("embed", 0) if host_embedding and not tied else 0
+    return sum(sizes.values()), host
+
+
+def dequant_elems(shards: dict, config) -> int:
+    """out*in of the largest quantized weight a multi-token matmul dequantizes whole (0: none)."""
+    elems = 0
+    if any(m.get("scheme", "none") != "none" for e in shards.values() if e.is_layer for m in e.modules.values()):
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        elems = config.hidden_size * max(config.intermediate_size, heads * head_dim)
+    head = shards.get("lm_head")
+    if head is not None and head.modules:
+        rows = max(m["rows"][1] - m["rows"][0] for m in head.modules.values())
+        elems = max(elems, rows * config.hidden_size)
+    return elems
+
+
+def max_batch_for(config, *, free_bytes: int, context: int, dtype_bytes: int, dequant_elems: int = 0,
+                  limit: int = 256) -> int:
+    """The largest batch (<= ``limit``) whose reserve fits in ``free_bytes``; 0 when not even one does."""
+    best = 0
+    for batch in range(1, limit + 1):
+        if reserve_for(config, batch=batch, context=context, dtype_bytes=dtype_bytes,
+                       dequant_elems=dequant_elems).total > free_bytes:
+            break
+        best = batch
+    return best
 
 
 def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> StreamPlan:
@@ -115,7 +193,8 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
     reasons.append(f"RAM budget {budgets.ram_bytes / GB:.2f} GB holds {in_ram} of {len(streamed)} streamed layer(s)"
                    + ("" if in_ram == len(streamed) else "; the rest are read from disk with read-ahead"))
     slots = 0 if resident == n else budgets.slots
-    return StreamPlan(tiers=tiers, slot_bytes=slot, slots=slots, fixed_bytes=fixed_bytes, reasons=reasons)
+    return StreamPlan(tiers=tiers, slot_bytes=slot, slots=slots, fixed_bytes=fixed_bytes, reasons=reasons,
+                      reserve_bytes=budgets.reserve_bytes)
 
 
 def _fit(layer_bytes: list[int], budget: int) -> int:

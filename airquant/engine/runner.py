@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -12,7 +13,7 @@ import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import skeleton
-from airquant.engine.plan import Budgets, StreamPlan, plan_layers
+from airquant.engine.plan import Budgets, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.store.manifest import Manifest, open_store
@@ -32,9 +33,11 @@ class Completion:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise AirQuantError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu.")
+    if name == "cuda":  # with its index: set_per_process_memory_fraction and friends need one
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -47,20 +50,54 @@ def compute_dtype(manifest: Manifest, requested: str | None, device: torch.devic
     return DTYPES[manifest.dtype]
 
 
-def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device) -> StreamPlan:
-    """The placement of every layer for this device and these budgets."""
-    fixed = sum(manifest.shards[g].bytes for g in ("embed", "norm", "lm_head") if g in manifest.shards)
-    vram = None
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        vram = int(cfg.max_vram_gb * GIB) if cfg.max_vram_gb else int(total * 0.95)
+def attention_backends():
+    """Scaled-dot-product attention without its cuDNN backend, which PyTorch prefers on Hopper.
+
+    cuDNN builds an execution plan for every new sequence length, tens of milliseconds of CPU at each
+    decode step (the KV cache grows by one token). The stall holds back the next layer copies: on an
+    H200 a streamed step of 8 bf16 layers took 123 ms instead of the 64 ms its copies need.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def vram_budget(cfg: EngineConfig, device: torch.device) -> int | None:
+    """Bytes the engine may use on the GPU (None on CPU): ``--max-vram`` or 95% of the card."""
+    if device.type != "cuda":
+        return None
+    if cfg.max_vram_gb:
+        return int(cfg.max_vram_gb * GIB)
+    return int(torch.cuda.get_device_properties(device).total_memory * 0.95)
+
+
+def reserve_bytes(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> int:
+    """VRAM kept free for the KV cache and activations: ``--reserve``, or sized from batch and context."""
+    if cfg.reserve_gb is not None:
+        return int(cfg.reserve_gb * GIB)
+    context = cfg.context or min(getattr(model_config, "max_position_embeddings", None) or 2048, 2048)
+    return reserve_for(model_config, batch=cfg.batch_size, context=context, dtype_bytes=dtype.itemsize,
+                       dequant_elems=dequant_elems(manifest.shards, model_config)).total
+
+
+def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
+             dtype: torch.dtype | None = None) -> StreamPlan:
+    """The placement of every layer for this device and these budgets (``model_config`` sizes the reserve)."""
+    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, cfg.host_embedding)
+    vram = vram_budget(cfg, device)
     if cfg.max_ram_gb is not None:
         ram = int(cfg.max_ram_gb * GIB)
     else:
         ram = int(psutil.virtual_memory().available * 0.5)
+    reserve = 0
+    if vram is not None:
+        if model_config is None and cfg.reserve_gb is None:
+            reserve = GIB  # no config to size it from
+        else:
+            reserve = reserve_bytes(manifest, cfg, model_config, dtype or DTYPES[manifest.dtype])
     budgets = Budgets(vram_bytes=vram, ram_bytes=ram, resident_layers=cfg.resident_layers, slots=cfg.slots,
-                      reserve_bytes=int(cfg.reserve_gb * GIB) if vram is not None else 0)
-    return plan_layers(manifest.layer_bytes, fixed, budgets)
+                      reserve_bytes=reserve)
+    return replace(plan_layers(manifest.layer_bytes, fixed, budgets), host_fixed_bytes=host_fixed)
 
 
 class _StepClock:
@@ -95,14 +132,16 @@ class Engine:
         self.model = skeleton.build_skeleton(self.config, self.dtype)
         for i, layer in enumerate(skeleton.decoder_layers(self.model)):
             skeleton.swap_quantized_modules(layer, manifest.shards[f"layer.{i}"], self.dtype)
-        skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype)
+        skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype,
+                                  host_embedding=cfg.host_embedding)
         self.streamer: LayerStreamer | None = None
         self.plan: StreamPlan | None = None
         if cfg.resident:
             skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype)
         else:
-            self.plan = plan_for(manifest, cfg, self.device)
-            self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype)
+            self.plan = plan_for(manifest, cfg, self.device, self.config, self.dtype)
+            self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype,
+                                          readahead=cfg.readahead, profile=cfg.profile)
             skeleton.attach_streamer(self.model, self.streamer)
         self.last_timings: dict = {}
 
@@ -128,20 +167,23 @@ class Engine:
 
             return kv_logits(self.model, input_ids, attention_mask, kv)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False)
+        with attention_backends():
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False)
         return out.logits
 
     # -- generation ----------------------------------------------------------------------------
-    def encode(self, prompts: list[str], chat: bool = False) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str] | list[list[dict]], chat: bool = False) -> dict[str, torch.Tensor]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise AirQuantError("--chat was asked for but this model's tokenizer has no chat template; "
                                     "drop --chat to send the prompt as plain text.")
-            prompts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                          add_generation_prompt=True) for p in prompts]
+            # A prompt is a user message, or a whole conversation as a list of {"role", "content"}.
+            messages = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+            prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                       for m in messages]
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
@@ -164,6 +206,15 @@ class Engine:
 
         gen = gen or GenerateConfig(**overrides)
         enc = self.encode(prompts, gen.chat)
+        return self.generate_ids(enc["input_ids"], enc["attention_mask"], gen, kv=kv)
+
+    @torch.inference_mode()
+    def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen: GenerateConfig,
+                     *, kv=None) -> list[Completion]:
+        """Generate from a left-padded batch of token ids [B, S]; one weight pass per new token."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        enc = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
         batch, prompt_len = enc["input_ids"].shape
         self._check_context(prompt_len, gen.max_new_tokens)
         if gen.seed is not None:
@@ -172,7 +223,7 @@ class Engine:
         config = GenerationConfig(
             max_new_tokens=gen.max_new_tokens, do_sample=sample, temperature=gen.temperature if sample else None,
             top_p=gen.top_p if sample else None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.eos_ids())
+            eos_token_id=self.eos_ids(), min_new_tokens=gen.max_new_tokens if gen.ignore_eos else None)
         extra = {}
         if kv is not None and kv.backend != "none":
             from airquant.kv import make_cache
@@ -181,8 +232,14 @@ class Engine:
         clock = _StepClock(self._sync)
         self._sync()
         start = time.perf_counter()
-        out = self.model.generate(**enc, generation_config=config, logits_processor=LogitsProcessorList([clock]),
-                                  **extra)
+        try:
+            with attention_backends():
+                out = self.model.generate(**enc, generation_config=config,
+                                          logits_processor=LogitsProcessorList([clock]), **extra)
+        except BaseException:
+            if self.streamer is not None:  # an OOM or an interrupt cut a forward short
+                self.streamer.reset()
+            raise
         self._sync()
         end = time.perf_counter()
         self._record_timings(start, end, clock.times, batch, prompt_len)
@@ -204,9 +261,11 @@ class Engine:
     def _record_timings(self, start: float, end: float, steps: list[float], batch: int, prompt_len: int) -> None:
         ttft = (steps[0] - start) if steps else end - start
         decode = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
+        step_s = [b - a for a, b in zip(steps, steps[1:])]
         self.last_timings = {"ttft_s": ttft, "prefill_s": ttft, "decode_s": decode,
                              "decode_steps": max(len(steps) - 1, 0), "batch_size": batch,
-                             "prompt_len": prompt_len, "total_s": end - start}
+                             "prompt_len": prompt_len, "total_s": end - start, "step_s": step_s,
+                             "decode_step_median_s": statistics.median(step_s) if step_s else None}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -234,6 +293,13 @@ class Engine:
                 "device": self.device.type, "device_name": name, "synthetic": self.manifest.synthetic,
                 "streamed": not self.cfg.resident,
                 "bytes_per_decode_step": sum(self.manifest.layer_bytes[i] for i in streamed)}
+
+    def layer_profile(self) -> list[dict]:
+        """Per-layer copy/compute milliseconds since the last call (``EngineConfig(profile=True)``, CUDA)."""
+        if self.streamer is None or self.streamer.ops is None:
+            return []
+        self._sync()
+        return self.streamer.take_profile()
 
     def close(self) -> None:
         if self.streamer:

@@ -57,16 +57,29 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
 
 
 def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
-                     dtype: torch.dtype) -> None:
-    """Embeddings, final norm, lm_head (tied or not) and rotary buffers, made real on ``device``."""
+                     dtype: torch.dtype, *, host_embedding: bool = False) -> None:
+    """Embeddings, final norm, lm_head (tied, dense or quantized) and rotary buffers, made real.
+
+    ``host_embedding`` keeps an untied embedding table in host memory (``fixed.HostEmbedding``); a tied
+    table is the lm_head weight too and stays on ``device``.
+    """
+    from airquant.engine import fixed
+
     inner = model.model
-    parts = {"embed": inner.embed_tokens, "norm": inner.norm}
-    if not manifest.tied_lm_head:
-        parts["lm_head"] = model.lm_head
-    for group, module in parts.items():
-        tensors = load_file(store / manifest.shards[group].file, device=str(device))
-        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        module.load_state_dict(tensors, assign=True, strict=True)
+    on_host = host_embedding and not manifest.tied_lm_head
+    for group in ("embed", "norm", "lm_head"):
+        if group not in manifest.shards:
+            continue
+        entry = manifest.shards[group]
+        target = torch.device("cpu") if group == "embed" and on_host else device
+        tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
+        if group == "embed" and on_host:
+            inner.embed_tokens = fixed.HostEmbedding(tensors["weight"], device, dtype)
+        elif group == "lm_head" and entry.modules:
+            model.lm_head = fixed.quantized_head(entry, tensors, model.config.hidden_size, dtype)
+        else:
+            module = {"embed": inner.embed_tokens, "norm": inner.norm, "lm_head": model.lm_head}[group]
+            module.load_state_dict(tensors, assign=True, strict=True)
     if manifest.tied_lm_head:
         model.lm_head.weight = inner.embed_tokens.weight
     rotary = inner.rotary_emb
@@ -78,6 +91,12 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
         raise StoreError(f"store {store} left these tensors unset: {leftovers[:5]}; the store is incomplete.")
 
 
+def _cast_dense(entry: ShardEntry, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast the dense floating tensors to the compute dtype; quantized payloads stay as stored."""
+    dense = {k for k, m in entry.tensors.items() if m.get("scheme", "dense") == "dense"}
+    return {k: (v.to(dtype) if k in dense and v.is_floating_point() else v) for k, v in tensors.items()}
+
+
 class StreamedLayer(nn.Module):
     """Runs a meta decoder layer with weights fetched for this call only."""
 
@@ -85,17 +104,17 @@ class StreamedLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.index = index
-        self._streamer = streamer
+        self.streamer = streamer
         # Some decoder stacks (Qwen2, Mistral) pick their mask by the layer's attention type.
         if hasattr(layer, "attention_type"):
             self.attention_type = layer.attention_type
 
     def forward(self, *args, **kwargs):
-        tensors = self._streamer.fetch(self.index)
+        tensors = self.streamer.fetch(self.index)
         try:
             return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
         finally:
-            self._streamer.release(self.index)
+            self.streamer.release(self.index)
 
 
 def attach_streamer(model: nn.Module, streamer) -> None:
@@ -109,7 +128,5 @@ def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, devi
     """Fill every decoder layer with its weights on ``device`` (the resident reference mode)."""
     for i, layer in enumerate(decoder_layers(model)):
         entry = manifest.shards[f"layer.{i}"]
-        tensors = load_file(store / entry.file, device=str(device))
-        dense = {k for k, m in entry.tensors.items() if m.get("scheme", "dense") == "dense"}
-        tensors = {k: (v.to(dtype) if k in dense and v.is_floating_point() else v) for k, v in tensors.items()}
+        tensors = _cast_dense(entry, load_file(store / entry.file, device=str(device)), dtype)
         layer.load_state_dict(tensors, assign=True, strict=True)

@@ -5,6 +5,15 @@ a buffer) so packed 4-bit or 2-bit layers travel exactly as stored, and one larg
 link's speed. On CUDA, copies run on a dedicated stream into pre-allocated device slots, ordered
 with events: layer i+1 is in flight while layer i computes. On CPU the "device" tensors are views
 into the host buffer itself.
+
+Ordering rules (what the events guarantee):
+
+* compute of layer i waits for the copy into its slot (``copy_done``);
+* a copy into a slot waits for the compute of the layer that used the slot before (``slot_free``);
+* a disk read into a staging buffer waits for the copy out of it (``staging_free``, host side).
+
+Slots, staging buffers and the RAM tier are allocated once; the steady state allocates nothing on
+the device except dtype casts of dense tensors when the compute dtype differs from the store's.
 """
 
 from __future__ import annotations
@@ -12,12 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from airquant.engine.cuda_ops import CudaOps, HostMemory
 from airquant.engine.plan import StreamPlan
 from airquant.errors import StoreError
 from airquant.store.manifest import Manifest
@@ -83,70 +94,113 @@ def read_into(layout: ShardLayout, flat: torch.Tensor) -> None:
             got += n
 
 
+@dataclass
+class _InFlight:
+    slot: int  # device slot (-1: used in place from host memory)
+    done: object = None  # copy finished (event)
+    started: object = None  # copy started (timing event, profiling only)
+    in_use: bool = False  # fetched, not yet released
+    staging: int | None = None  # staging buffer used in place (CPU, disk tier)
+
+
 class LayerStreamer:
-    """Owns every buffer, stream, event and read-ahead future used to bring layers to the device."""
+    """Owns every buffer, stream, event and read-ahead future used to bring layers to the device.
+
+    ``ops`` is the device backend: ``CudaOps`` on CUDA; None on CPU, where layers are used in place
+    from host memory. A profile of per-layer copy and compute times is kept when ``profile`` is set
+    (CUDA timing events; read it after a synchronize).
+    """
 
     def __init__(self, store: Path, manifest: Manifest, plan: StreamPlan, device: torch.device,
-                 compute_dtype: torch.dtype, readahead: int = 2):
+                 compute_dtype: torch.dtype, readahead: int = 2, ops=None, profile: bool = False):
         self.device, self.compute_dtype, self.plan = device, compute_dtype, plan
         self.n = manifest.num_layers
         entries = [manifest.shards[f"layer.{i}"] for i in range(self.n)]
         self.layouts = [read_layout(store / e.file) for e in entries]
         self.dense = [{k for k, m in e.tensors.items() if m.get("scheme", "dense") == "dense"} for e in entries]
-        self.cuda = device.type == "cuda"
+        if ops is None and device.type == "cuda":
+            ops = CudaOps(device, timing=profile)
+        self.ops = ops
+        self.memory = HostMemory(pinned=device.type == "cuda")
         self.bytes_copied = 0
-        self._host: dict[int, torch.Tensor] = {}  # RAM tier, filled once on first use
+        self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram"]
+        size = max((lay.nbytes for lay in self.layouts), default=0)
+        self._host: dict[int, torch.Tensor] = {}  # RAM tier, filled once (read-ahead thread) on first use
         self._vram: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-read")
-        self._reads: dict[int, tuple[Future, int]] = {}  # disk layer -> (future, staging index)
         self._readahead = max(1, readahead)
-        size = max((l.nbytes for l in self.layouts), default=0)
-        self._staging = [self._host_buffer(size) for _ in range(self._readahead + 1)] if plan.disk_layers else []
-        self._staging_free = [None] * len(self._staging)  # CUDA event: staging copy finished
-        self._next_staging = 0
-        self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram"]
-        if self.cuda:
-            self._copy_stream = torch.cuda.Stream(device)
-            self._slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(max(plan.slots, 1))]
-            self._slot_free = [None] * len(self._slots)
-            self._last_slot = -1
-            self._inflight: dict[int, tuple[int, torch.cuda.Event]] = {}
+        self._reads: dict[int, tuple[Future, int | None]] = {}  # layer -> (read future, staging index)
+        n_staging = self._readahead + 1 if plan.disk_layers else 0
+        self._staging = [self._host_buffer(size) for _ in range(n_staging)]
+        self._staging_owner: list[int | None] = [None] * n_staging  # layer whose bytes it holds or awaits
+        self._staging_free: list[object] = [None] * n_staging  # event: the copy out of it has run
+        self._slots = [ops.alloc(size) for _ in range(max(plan.slots, 1))] if ops is not None and self.streamed else []
+        self._slot_free: list[object] = [None] * len(self._slots)  # event: compute on its last layer done
+        self._slot_order: deque[int] = deque(range(len(self._slots)))  # least recently used first
+        self._inflight: dict[int, _InFlight] = {}
+        self.profile: list[tuple[int, object, object, object, object]] = []  # layer, copy start/end, compute start/end
+        self._profiling = profile and ops is not None
+        self._compute_start: dict[int, object] = {}
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+    def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
         # Page-locked memory is what lets host->device copies run at the link's full speed.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return self.memory.empty(nbytes, pinned)
 
     # -- host side -------------------------------------------------------------------------
     def _host_flat(self, i: int) -> tuple[torch.Tensor, int | None]:
         """The layer's bytes in host memory, and the staging index holding them (disk tier)."""
-        tier = self.plan.tiers[i]
-        if tier in ("ram", "vram"):
-            if i not in self._host:
-                buf = self._host_buffer(self.layouts[i].nbytes)
-                read_into(self.layouts[i], buf)
-                if tier == "vram":
-                    return buf, None
-                self._host[i] = buf
+        if i in self._host:
+            self._reads.pop(i, None)  # a finished first read of a RAM-tier layer
             return self._host[i], None
         self._schedule_reads(i)
+        if i not in self._reads:  # every staging buffer holds a layer read ahead: drop the oldest
+            self._drop_oldest_read(keep=i)
+            self._schedule_reads(i)
         future, k = self._reads.pop(i)
         future.result()
+        if k is None:
+            return self._host[i], None
         return self._staging[k], k
 
     def _schedule_reads(self, i: int) -> None:
-        order = [j for j in self._cycle_from(i) if self.plan.tiers[j] == "disk"][: self._readahead]
-        for j in order:
+        """Start reads for the next ``readahead`` streamed layers from ``i`` whose bytes are not in RAM."""
+        wanted = [j for j in self._cycle_from(i) if self.plan.tiers[j] != "vram" and j not in self._host]
+        for j in wanted[: self._readahead]:
             if j in self._reads:
                 continue
-            k = self._next_staging
-            self._next_staging = (k + 1) % len(self._staging)
-            self._reads[j] = (self._pool.submit(self._read_staging, j, k), k)
+            if self.plan.tiers[j] == "ram":
+                self._reads[j] = (self._pool.submit(self._read_ram, j), None)
+                continue
+            k = next((k for k, owner in enumerate(self._staging_owner) if owner is None), None)
+            if k is None:
+                return
+            self._staging_owner[k] = j
+            self._reads[j] = (self._pool.submit(self._read_staging, j, k, self._staging_free[k]), k)
 
-    def _read_staging(self, j: int, k: int) -> None:
-        event = self._staging_free[k]
-        if event is not None:
-            event.synchronize()
+    def _read_ram(self, j: int) -> None:
+        buf = self._host_buffer(self.layouts[j].nbytes)
+        read_into(self.layouts[j], buf)
+        self._host[j] = buf
+
+    def _read_staging(self, j: int, k: int, free_event) -> None:
+        if free_event is not None:
+            self.ops.host_wait(free_event)
         read_into(self.layouts[j], self._staging[k])
+
+    def _drop_oldest_read(self, keep: int) -> None:
+        for j, (future, k) in list(self._reads.items()):
+            if j != keep and k is not None:
+                future.exception()  # wait; a failed read ahead is read again when needed
+                del self._reads[j]
+                self._staging_owner[k] = None
+                return
+
+    def _host_ready(self, j: int) -> bool:
+        """Whether layer j's bytes are in host memory now (a copy issued for it would not block)."""
+        if j in self._host:
+            return True
+        read = self._reads.get(j)
+        return read is not None and read[0].done()
 
     def _cycle_from(self, i: int) -> list[int]:
         return [(i + d) % self.n for d in range(self.n)]
@@ -155,64 +209,123 @@ class LayerStreamer:
     def fetch(self, i: int) -> dict[str, torch.Tensor]:
         """Tensors of layer i on the compute device, valid until ``release(i)``."""
         if self.plan.tiers[i] == "vram":
-            if i not in self._vram:
-                flat, _ = self._host_flat(i)
-                self._vram[i] = self._cast(i, self.layouts[i].views(flat.to(self.device)))
-            tensors = self._vram[i]
-        elif not self.cuda:
-            flat, _ = self._host_flat(i)
+            tensors = self._resident(i)
+        elif self.ops is None:
+            flat, k = self._host_flat(i)
+            self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
             tensors = self._cast(i, self.layouts[i].views(flat))
         else:
-            self._issue_copy(i)
-            slot, done = self._inflight[i]
-            torch.cuda.current_stream(self.device).wait_event(done)
-            tensors = self._cast(i, self.layouts[i].views(self._slots[slot]))
+            if i not in self._inflight:
+                self._issue_copy(i)
+            entry = self._inflight[i]
+            entry.in_use = True
+            self.ops.wait(entry.done)
+            if self._profiling:
+                self._compute_start[i] = self.ops.mark()
+            tensors = self._cast(i, self.layouts[i].views(self._slots[entry.slot]))
         self._prefetch_after(i)
         return tensors
 
     def release(self, i: int) -> None:
-        if self.cuda and i in self._inflight:
-            slot, _ = self._inflight.pop(i)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._slot_free[slot] = event
+        entry = self._inflight.get(i)
+        if entry is None or not entry.in_use:
+            return
+        del self._inflight[i]
+        if self.ops is None:
+            if entry.staging is not None:  # the layer was used in place from this staging buffer
+                self._staging_owner[entry.staging] = None
+            return
+        free = self.ops.mark()
+        self._slot_free[entry.slot] = free
+        if self._profiling:
+            self.profile.append((i, entry.started, entry.done, self._compute_start.pop(i), free))
+
+    def reset(self) -> None:
+        """Forget prefetches after an interrupted forward (an OOM, an exception in a layer).
+
+        Copies already queued still run in stream order, and every later copy into a slot waits for
+        the compute that used it, so dropping the bookkeeping is enough.
+        """
+        for i in [i for i, e in self._inflight.items() if not e.in_use]:
+            del self._inflight[i]
+        for j, (future, k) in list(self._reads.items()):
+            future.exception()  # wait for the read; a failed one is read again when needed
+            del self._reads[j]
+            if k is not None:
+                self._staging_owner[k] = None
+
+    def _resident(self, i: int) -> dict[str, torch.Tensor]:
+        if i not in self._vram:
+            flat = self._host_buffer(self.layouts[i].nbytes, pinned=False)
+            read_into(self.layouts[i], flat)
+            self._vram[i] = self._cast(i, self.layouts[i].views(flat.to(self.device)))
+        return self._vram[i]
 
     def _prefetch_after(self, i: int) -> None:
         if not self.streamed:
             return
         upcoming = [j for j in self._cycle_from(i)[1:] if self.plan.tiers[j] != "vram"]
-        if self.cuda:
-            for j in upcoming[: len(self._slots) - 1]:
-                self._issue_copy(j)
-        elif self.plan.disk_layers:
+        if upcoming:
             self._schedule_reads(upcoming[0])
+        if self.ops is not None:
+            # Only layers whose bytes are already in host memory: waiting here for a disk read would
+            # hold back the launch of layer i's compute. The others are copied at their fetch.
+            for j in upcoming[: len(self._slots) - 1]:
+                if j in self._inflight:
+                    continue
+                if not self._host_ready(j) or not self._issue_copy(j, prefetch=True):
+                    break
 
-    def _issue_copy(self, i: int) -> None:
-        if i in self._inflight:
-            return
-        held = {s for s, _ in self._inflight.values()}
-        free = [s for s in range(len(self._slots)) if s not in held]
-        if not free:
-            return  # every slot holds a layer not yet released; issued again at its fetch
-        slot = min(free, key=lambda s: (s - self._last_slot - 1) % len(self._slots))
-        self._last_slot = slot
+    def _free_slot(self, prefetch: bool) -> int | None:
+        held = {e.slot for e in self._inflight.values()}
+        for slot in self._slot_order:
+            if slot not in held:
+                return slot
+        if prefetch:
+            return None
+        # Every slot holds a layer prefetched for a forward that was cut short: take the stalest one
+        # that is not being computed with. The copy stream is in order, so reusing it is safe.
+        for j, e in list(self._inflight.items()):
+            if not e.in_use:
+                del self._inflight[j]
+                return e.slot
+        raise AssertionError("every device slot is held by a layer still in use; release() was skipped")
+
+    def _issue_copy(self, i: int, prefetch: bool = False) -> bool:
+        slot = self._free_slot(prefetch)
+        if slot is None:
+            return False
+        self._slot_order.remove(slot)
+        self._slot_order.append(slot)
         flat, k = self._host_flat(i)
         nbytes = self.layouts[i].nbytes
-        with torch.cuda.stream(self._copy_stream):
-            if self._slot_free[slot] is not None:
-                self._copy_stream.wait_event(self._slot_free[slot])
-            self._slots[slot][:nbytes].copy_(flat[:nbytes], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        if k is not None:
+        started, done = self.ops.copy(self._slots[slot][:nbytes], flat[:nbytes], self._slot_free[slot])
+        if k is not None:  # the read thread may refill this staging buffer once the copy has run
             self._staging_free[k] = done
-        self._inflight[i] = (slot, done)
+            self._staging_owner[k] = None
+        self._inflight[i] = _InFlight(slot=slot, done=done, started=started)
         self.bytes_copied += nbytes
+        return True
 
     def _cast(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dense = self.dense[i]
         return {k: (v.to(self.compute_dtype) if k in dense and v.is_floating_point()
                     and v.dtype != self.compute_dtype else v) for k, v in tensors.items()}
 
+    # -- reporting -------------------------------------------------------------------------
+    def take_profile(self) -> list[dict]:
+        """Per-layer copy and compute milliseconds recorded since the last call (after a synchronize)."""
+        rows = []
+        for i, c0, c1, k0, k1 in self.profile:
+            copy_ms = self.ops.elapsed_ms(c0, c1) if c0 is not None else float("nan")
+            rows.append({"layer": i, "bytes": self.layouts[i].nbytes, "copy_ms": copy_ms,
+                         "compute_ms": self.ops.elapsed_ms(k0, k1)})
+        self.profile.clear()
+        return rows
+
     def close(self) -> None:
+        """Stop the read thread and unpin host memory (after the device has finished with it)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.ops is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.memory.close()

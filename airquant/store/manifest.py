@@ -134,6 +134,9 @@ def open_store(store: str | Path, *, verify: bool = False) -> Manifest:
     """Load a complete store's manifest and check every shard's size (and sha256 when asked)."""
     store = Path(store)
     manifest = load_manifest(store)
+    if manifest.source.get("manifest_only"):
+        raise StoreError(f"store {store} holds only a manifest (`airquant synth --manifest-only`): it can be "
+                         "planned (`airquant plan`) but not run. Re-run the synth command without --manifest-only.")
     if not manifest.complete:
         raise StoreError(f"store {store} is incomplete (a split was interrupted); re-run the same "
                          "`airquant shard` command to finish it.")

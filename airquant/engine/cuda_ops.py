@@ -1,0 +1,108 @@
+"""The device side of the streamer: exact-size page-locked host memory and the CUDA copy stream.
+
+``LayerStreamer`` talks to the device only through ``CudaOps``' few methods, so tests can drive the
+same ordering logic on CPU tensors with a simulated copy stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class HostMemory:
+    """Host buffers, page-locked on CUDA at their exact size.
+
+    ``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up to a
+    power of two (a 481 MB layer pins 512 MB, a 1.1 GB one 2 GB); registering an ordinary allocation
+    with ``cudaHostRegister`` pins exactly what the RAM budget counted. Registration is undone when
+    the owner is closed or collected.
+    """
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._registered: list[torch.Tensor] = []
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
+
+    def empty(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
+        pinned = self.pinned if pinned is None else pinned
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if not pinned or nbytes == 0:
+            return buf
+        cudart = torch.cuda.cudart()
+        err = int(getattr(code := cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0), "value", code))
+        if err == 0:
+            self._registered.append(buf)
+            return buf
+        if hasattr(cudart, "cudaGetLastError"):  # do not leave the error for the next kernel launch check
+            cudart.cudaGetLastError()
+        log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator", nbytes, err)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unregister(buffers: list[torch.Tensor]) -> None:
+    if not buffers:
+        return
+    cudart = torch.cuda.cudart()
+    for buf in buffers:
+        cudart.cudaHostUnregister(buf.data_ptr())
+    buffers.clear()
+
+
+class CudaOps:
+    """The device calls the streamer makes: one copy stream, events, asynchronous copies.
+
+    Tests substitute an object with the same methods that runs them on CPU tensors, eagerly or
+    lazily, to check the ordering rules without a GPU.
+    """
+
+    def __init__(self, device: torch.device, timing: bool = False):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.timing = timing
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _event(self):
+        return torch.cuda.Event(enable_timing=self.timing)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after) -> tuple[object, object]:
+        """Copy ``src`` (pinned host) into ``dst`` on the copy stream once ``after`` has fired.
+
+        Returns (start, done) events; ``start`` is None unless timing is on."""
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            start = None
+            if self.timing:
+                start = self._event()
+                start.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            done = self._event()
+            done.record(self.stream)
+        return start, done
+
+    def wait(self, event) -> None:
+        """Make the compute stream wait for ``event`` (no host block)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def mark(self):
+        """An event on the compute stream: everything enqueued so far has run when it fires."""
+        event = self._event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def host_wait(self, event) -> None:
+        event.synchronize()
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return start.elapsed_time(end)

@@ -1,0 +1,64 @@
+"""The parts that are not streamed: the embedding table (on the device or in host RAM) and lm_head.
+
+A 70B model's bf16 embedding and lm_head take 2.1 GB each, more than half a 4 GB card together.
+``HostEmbedding`` keeps the table in host memory and moves only the gathered [B, S, H] rows;
+``ChunkedHead`` runs an lm_head stored quantized in row chunks (see ``airquant.store.head``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from airquant.store.head import ordered_chunks
+from airquant.store.manifest import ShardEntry
+
+
+class HostEmbedding(nn.Module):
+    """Embedding rows gathered on the host from a table that never goes to the device."""
+
+    def __init__(self, table: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        # A plain attribute, not a parameter or buffer: model.to() and state_dict() leave it alone.
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+        # transformers reads model.device and model.dtype from the first parameter, which is this one.
+        self.anchor = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input_ids.to(self.table.device), self.table)  # [B, S, H]
+        return rows.to(device=self.anchor.device, dtype=self.anchor.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table on {self.table.device}"
+
+
+class ChunkedHead(nn.Module):
+    """lm_head as row chunks, each a quantized linear; logits are their concatenation."""
+
+    def __init__(self, chunks: list[nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
+        return torch.cat([chunk(x) for chunk in self.chunks], dim=-1)
+
+
+def quantized_head(entry: ShardEntry, tensors: dict[str, torch.Tensor], hidden: int,
+                   dtype: torch.dtype) -> ChunkedHead:
+    """Build the head from its shard's modules (meta from the manifest) and load the tensors as they are."""
+    from airquant.quant import make_linear
+
+    modules = []
+    for _, meta in ordered_chunks(entry.modules):
+        start, end = meta["rows"]
+        with torch.device("meta"):
+            modules.append(make_linear(meta, hidden, end - start, False, compute_dtype=dtype))
+    head = ChunkedHead(modules)
+    head.load_state_dict(tensors, assign=True, strict=True)
+    return head

@@ -1,0 +1,315 @@
+"""``results/RESULTS.md``: the design's table, one column per configuration, from the row JSON files.
+
+Per model: the headline table (PPL, throughput, ROUGE-L, NiAH recall, peak VRAM), the 70B-class
+tolerances checked against the full-precision column, and, for models with measured reference
+figures (the 135M default), those figures beside the new measurements. Then parity, performance
+detail, NiAH grids, other benchmarks' JSON as found, and where every number came from.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from airquant.eval import plots
+from airquant.eval import references as ref
+from airquant.errors import ResultsFileError
+from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
+from airquant.eval.rows import slug, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "RESULTS.md"
+_TABLE_METRICS = ("ppl", "rouge", "niah", "perf")
+_QUALITY = ("ppl", "rouge", "niah")
+
+
+@dataclass(frozen=True)
+class Column:
+    store_scheme: str
+    kv_scheme: str
+    synthetic: bool
+    rows: dict[str, list[LoadedRow]] = field(default_factory=dict)
+
+    def best(self, metric: str) -> Any:
+        chosen = best_row(self.rows.get(metric, []))
+        return chosen.row if chosen else None
+
+    @property
+    def label(self) -> str:
+        any_row = self.best("perf") or next(r.row for rs in self.rows.values() for r in rs)
+        text = ref.config_label(self.store_scheme, self.kv_scheme, any_row.run.streamed)
+        return text + (" †" if self.synthetic else "")
+
+
+def model_columns(results: ResultsDir) -> dict[str, list[Column]]:
+    """Columns per model: rows measured on any device or dtype with the same store and KV scheme."""
+    models: dict[str, dict[tuple, Column]] = {}
+    for loaded in results.rows:
+        run = loaded.row.run
+        if loaded.row.metric not in _TABLE_METRICS:
+            continue
+        key = (run.store_scheme, run.kv_scheme, run.synthetic)
+        column = models.setdefault(run.model, {}).setdefault(key, Column(*key))
+        column.rows.setdefault(loaded.row.metric, []).append(loaded)
+    return {m: sorted(cols.values(), key=lambda c: ref.column_order(c.store_scheme, c.kv_scheme, c.synthetic))
+            for m, cols in sorted(models.items())}
+
+
+def baseline(columns: list[Column]) -> Column | None:
+    """The full-precision, uncompressed-KV column the tolerances are checked against."""
+    for synthetic in (False, True):
+        for precision in ref.FULL_PRECISION:
+            for c in columns:
+                if (c.store_scheme, c.kv_scheme, c.synthetic) == (precision, "none", synthetic):
+                    return c
+    return None
+
+
+def _ppl_cell(row: Any, base: Any) -> str:
+    return f"{row.ppl:.2f}" + ("" if base is None or ref.same_ppl_setup(row, base) else " ¹")
+
+
+def _headline_lines(columns: list[Column], base: Column | None) -> list[list[str]]:
+    fmt = {
+        "PPL WikiText-2": ("ppl", lambda r: _ppl_cell(r, base.best("ppl") if base else None)),
+        "Decode throughput (tok/s)": ("perf", lambda r: f"{r.decode_tokens_per_s:.2f} (bs {r.batch_size})"),
+        "ROUGE-L": ("rouge", lambda r: f"{r.rougeL:.4f}"),
+        "NiAH recall @ longest context": ("niah", lambda r: f"{r.recall_at_longest:.2f} @ {r.longest_context}"),
+        "Peak VRAM allocated (GB)": ("perf", lambda r: "n/a (CPU)" if r.peak_vram_allocated_gb is None
+                                     else f"{r.peak_vram_allocated_gb:.2f}"),
+        "ROUGE-Lsum": ("rouge", lambda r: f"{r.rougeLsum:.4f}"),
+        "TTFT (s)": ("perf", lambda r: f"{r.ttft_s:.3f}"),
+        "Prefill (tok/s)": ("perf", lambda r: f"{r.prefill_tokens_per_s:.1f}"),
+        "Peak VRAM reserved (GB)": ("perf", lambda r: "n/a (CPU)" if r.peak_vram_reserved_gb is None
+                                    else f"{r.peak_vram_reserved_gb:.2f}"),
+        "Host RAM peak (GB)": ("perf", lambda r: f"{r.host_rss_peak_gb:.2f}"),
+        "MBU": ("perf", lambda r: f"{r.mbu:.1%} of {r.bandwidth.gb_per_s:.1f} GB/s {r.bandwidth.kind}"),
+    }
+    lines = []
+    for name, (metric, render) in fmt.items():
+        if not any(c.best(metric) for c in columns):
+            continue
+        cells = []
+        for c in columns:
+            row = c.best(metric)
+            cells.append("n/a (synthetic)" if c.synthetic and metric in _QUALITY else render(row) if row else "—")
+        lines.append([name] + cells)
+    return lines
+
+
+def _tolerance_lines(columns: list[Column], base: Column | None) -> list[list[str]]:
+    lines = []
+    for key, text in ref.TOLERANCES_70B:
+        cells = []
+        for c in columns:
+            if c.synthetic and key in _QUALITY:
+                cells.append("n/a (synthetic)")
+            elif key == "ppl":
+                cells.append("baseline" if c is base else ref.check_ppl(c.best("ppl"), base and base.best("ppl")))
+            elif key == "rouge":
+                cells.append("baseline" if c is base else ref.check_rouge(c.best("rouge"), base and base.best("rouge")))
+            elif key == "niah":
+                cells.append(ref.check_niah(c.best("niah")))
+            else:
+                cells.append(ref.check_vram(c.best("perf")))
+        lines.append([text] + cells)
+    return lines
+
+
+def _reference_section(model: str, columns: list[Column]) -> list[str]:
+    figures = ref.reference_figures(model)
+    if not figures:
+        return []
+    lines = []
+    for fig in figures:
+        matching = [c for s in fig.store for c in columns if c.store_scheme == s and not c.synthetic
+                    and ref.figure_matches(fig, c.store_scheme, c.kv_scheme) and c.best("ppl")]
+        if not matching:
+            lines.append([fig.label, f"{fig.ppl:.2f} ({fig.note})", "not measured", "—", "—"])
+            continue
+        row = matching[0].best("ppl")
+        setting = f"{row.n_tokens} tokens, window {row.max_length}, stride {row.stride}, {row.run.dtype}"
+        differs = ref.differs_from_reference(row)
+        if differs:
+            setting += f" (differs from the reference's settings: {', '.join(differs)})"
+        lines.append([fig.label, f"{fig.ppl:.2f} ({fig.note})", f"{row.ppl:.2f}", f"{row.ppl / fig.ppl - 1:+.1%}",
+                      setting])
+    settings = ", ".join(f"{k}={v}" for k, v in ref.REFERENCE_SETTINGS.items())
+    return ["", f"Reference figures for this model (wikitext2_test.raw, sha256 {ref.REFERENCE_DATA_SHA}…, "
+            f"{settings}). A 135M model is far more "
+            "sensitive to compression than a 70B one: judge it by these, not by the 70B-class tolerances.", ""] + \
+        md_table(["configuration", "reference PPL", "measured PPL", "Δ vs reference", "measured with"], lines)
+
+
+def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path]) -> list[str]:
+    base = baseline(columns)
+    labels = [c.label for c in columns]
+    headline = _headline_lines(columns, base)
+    out = [f"## {model}", ""] + md_table(["metric"] + labels, headline)
+    notes = []
+    if any(c.synthetic for c in columns):
+        notes.append("† synthetic: random weights of the real shapes; speed and memory only.")
+    if any("¹" in x for line in headline for x in line):
+        notes.append("¹ perplexity measured with other text, tokens, window or stride than the baseline column.")
+    out += [""] + notes if notes else []
+    base_text = base.label if base else "no full-precision column: relative checks show —"
+    out += ["", f"70B-class tolerances of the original design, checked against **{base_text}**:", ""]
+    out += md_table(["tolerance"] + labels, _tolerance_lines(columns, base))
+    out += _reference_section(model, columns)
+    for key, title in (("ppl", "Perplexity per scheme"), ("throughput", "Throughput vs batch size")):
+        if (model, key) in plot_links:
+            out += ["", f"![{title}]({plot_links[(model, key)].name})"]
+    return out + [""]
+
+
+# -- sections after the per-model tables ------------------------------------------------------------
+def _label(run: Any) -> str:
+    return ref.config_label(run.store_scheme, run.kv_scheme, run.streamed) + (" †" if run.synthetic else "")
+
+
+def _parity_section(results: ResultsDir) -> list[str]:
+    rows = [r.row for r in results.of("parity")]
+    if not rows:
+        return []
+    table = [[r.run.model, _label(r.run), _label(r.reference_run), f"{r.cosine_mean:.5f}", f"{r.cosine_min:.4f}",
+              f"{r.top1_agreement:.4f}", f"{r.kl_mean:.5f}", f"{r.kl_max:.4f}", r.n_positions] for r in rows]
+    return ["## Logit parity", "", "Next-token logits against a reference engine on WikiText-2 test windows; "
+            "KL(reference ‖ test) in nats.", ""] + \
+        md_table(["model", "configuration", "reference", "cosine mean", "cosine min", "top-1 agreement", "KL mean",
+                  "KL max", "positions"], table) + [""]
+
+
+def _perf_section(results: ResultsDir) -> list[str]:
+    rows = sorted((r.row for r in results.of("perf")), key=lambda r: (r.run.model, _label(r.run), r.batch_size))
+    if not rows:
+        return []
+    table = [[r.run.model, _label(r.run), r.run.device_name, r.batch_size, r.prompt_length, r.max_new_tokens,
+              f"{r.ttft_s:.3f}", f"{r.prefill_tokens_per_s:.1f}", f"{r.decode_tokens_per_s:.2f}",
+              f"{r.mbu:.1%} ({r.bandwidth.kind} {r.bandwidth.gb_per_s:.1f} GB/s)",
+              "—" if r.peak_vram_allocated_gb is None else f"{r.peak_vram_allocated_gb:.2f} / "
+                                                            f"{r.peak_vram_reserved_gb or 0:.2f}",
+              f"{r.host_rss_peak_gb:.2f}"] for r in rows]
+    return ["## Performance detail", "", f"Medians over the repeats, warm-up excluded. MBU: bytes moved per decode "
+            "step / step time / the bandwidth measured in the same run.", ""] + \
+        md_table(["model", "configuration", "device", "batch", "prompt", "new", "TTFT s", "prefill tok/s",
+                  "decode tok/s", "MBU", "VRAM alloc / reserved GB", "host RAM GB"], table) + [""]
+
+
+def _niah_section(results: ResultsDir, plot_links: dict) -> list[str]:
+    loaded = results.of("niah")
+    if not loaded:
+        return []
+    out = ["## Needle in a haystack", ""]
+    for item in loaded:
+        r = item.row
+        recall = [f"{ref.niah_recall_at(r, c):.2f}" for c in r.context_lengths]
+        out += [f"**{r.run.model}, {_label(r.run)}** ({item.path.name}): recall {r.recall:.2f} overall, "
+                f"{r.recall_at_longest:.2f} at {r.longest_context} tokens", ""]
+        out += md_table(["context"] + [str(c) for c in r.context_lengths], [["recall"] + recall])
+        if id(r) in plot_links:
+            out += ["", f"![NiAH heatmap]({plot_links[id(r)].name})"]
+        out.append("")
+    return out
+
+
+def _extras_section(results: ResultsDir) -> list[str]:
+    if not results.extras:
+        return []
+    out = ["## Other benchmark results", "", "JSON written by other benchmarks, shown as found.", ""]
+    for path, data in results.extras:
+        out += [f"### {path.name}", ""] + render_json(data) + [""]
+    return out
+
+
+def _provenance_section(results: ResultsDir) -> list[str]:
+    table = []
+    for item in sorted(results.rows, key=lambda r: (r.path.name, r.row.metric)):
+        run, v = item.row.run, item.row.run.versions
+        table.append([item.path.name, item.row.metric, run.model, _label(run), run.device_name, run.dtype,
+                      item.row.batch_size, "yes" if run.synthetic else "no", v.get("torch"), v.get("transformers"),
+                      v.get("airquant"), v.get("bitsandbytes"), run.timestamp])
+    out = ["## Provenance", ""] + md_table(["file", "metric", "model", "configuration", "device", "dtype", "batch",
+                                            "synthetic", "torch", "transformers", "airquant", "bitsandbytes",
+                                            "measured (UTC)"], table)
+    if results.skipped:
+        out += ["", "Files left out:", ""] + [f"- `{p.name}`: {why}" for p, why in results.skipped]
+    return out + [""]
+
+
+# -- plots and assembly -----------------------------------------------------------------------------
+def _throughput_series(columns: list[Column]) -> dict[str, list[tuple[int, float]]]:
+    series = {}
+    for c in columns:
+        latest: dict[int, Any] = {}
+        for item in sorted(c.rows.get("perf", []), key=lambda r: r.row.run.timestamp):
+            latest[item.row.batch_size] = item.row
+        if len(latest) >= 2:
+            series[c.label] = sorted((b, r.decode_tokens_per_s) for b, r in latest.items())
+    return series
+
+
+def _ppl_bars(model: str, columns: list[Column]) -> list[tuple[str, float, float | None]]:
+    bars = []
+    for c in columns:
+        row = c.best("ppl")
+        if row is None or c.synthetic:
+            continue
+        figures = [f.ppl for f in ref.reference_figures(model) if ref.figure_matches(f, c.store_scheme, c.kv_scheme)]
+        bars.append((c.label, row.ppl, figures[0] if figures else None))
+    return bars
+
+
+def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir: Path,
+                make_plots: bool | None) -> tuple[dict, list[str]]:
+    """PNG files beside the report, keyed for linking; with ``make_plots=None`` a missing matplotlib is a note."""
+    if make_plots is False:
+        return {}, []
+    if make_plots is None and not plots.matplotlib_available():
+        return {}, [f"Plots were skipped: matplotlib is not installed ({plots.PIP_MATPLOTLIB})."]
+    links: dict = {}
+    for model, columns in by_model.items():
+        bars = _ppl_bars(model, columns)
+        if bars:
+            links[(model, "ppl")] = plots.plot_ppl_by_scheme(bars, out_dir / f"ppl__{slug(model)}.png",
+                                                             title=f"WikiText-2 perplexity: {model}")
+        series = _throughput_series(columns)
+        if series:
+            links[(model, "throughput")] = plots.plot_throughput_vs_batch(
+                series, out_dir / f"throughput_vs_batch__{slug(model)}.png", title=f"Decode throughput: {model}")
+    niah = results.of("niah")
+    for i, item in enumerate(niah):
+        same_file = [x for x in niah if x.path == item.path]
+        suffix = f"_{same_file.index(item)}" if len(same_file) > 1 else ""
+        links[id(item.row)] = plots.plot_niah_heatmap(item.row, out_dir / f"heatmap__{item.path.stem}{suffix}.png")
+    return links, []
+
+
+def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None) -> Path:
+    """Assemble ``results_dir/RESULTS.md`` (and PNG plots beside it) from every JSON file there.
+
+    ``make_plots``: None plots when matplotlib is installed, True requires it, False skips plots.
+    """
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise ResultsFileError(f"{results_dir}: no such folder; write rows there first with "
+                               f"`airquant eval ... --out {results_dir}/NAME.json`.")
+    results = load_results(results_dir)
+    by_model = model_columns(results)
+    links, notes = _make_plots(results, by_model, results_dir, make_plots)
+    built = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    files = len({r.path for r in results.rows})
+    lines = ["# AirQuant results", "", f"Built {built} by `airquant.eval.report.build_report` from "
+             f"{len(results.rows)} rows in {files} files. Each number comes from one `airquant.eval` function; "
+             "the Provenance table says which file, device and package versions.", ""]
+    if not results.rows:
+        lines += ["No result rows were found.", ""]
+    for model, columns in by_model.items():
+        lines += _model_section(model, columns, links)
+    lines += _parity_section(results) + _perf_section(results) + _niah_section(results, links)
+    lines += _extras_section(results) + _provenance_section(results)
+    lines += notes
+    return write_text_atomic("\n".join(lines).rstrip() + "\n", results_dir / REPORT_NAME)

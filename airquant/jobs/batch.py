@@ -1,0 +1,231 @@
+"""Batch jobs: many prompts through one streamed engine, one weight pass per decode step per batch.
+
+Streaming costs one pass over the weights per decode step whatever the batch size, so offline work
+runs as few, large batches: as many sequences as the VRAM left for the KV cache allows (``auto``).
+Prompts are sorted by length so a batch pads little. Every finished record is appended to the
+output JSONL and fsynced; a restart skips the ids already there, so a job killed at any moment loses
+no finished output. A trailing partial line (a kill in the middle of a write) is cut off on start.
+An out-of-memory error halves the batch and retries it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from airquant.config import EngineConfig, GenerateConfig
+from airquant.errors import AirQuantError
+
+log = logging.getLogger(__name__)
+
+CPU_BATCH = 8  # CPU compute grows with the batch, so there is little to gain beyond a few sequences
+
+
+class BatchJobError(AirQuantError):
+    """The input or output file of a batch job cannot be used as it is."""
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """``airquant batch``: ``--input --output --batch-size --max-batch`` plus the generation flags."""
+
+    input: Path
+    output: Path
+    batch_size: int | None = None  # None: auto (from free VRAM and the KV bytes per token; 8 on CPU)
+    max_batch: int = 256  # upper bound of the auto batch size
+    gen: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: object  # str or int, as given in the input (the line number when absent)
+    prompt: str | list
+    key: str  # canonical JSON of the id: 1 and "1" are different ids
+
+
+@dataclass
+class BatchReport:
+    done: int = 0  # records written by this run
+    skipped: int = 0  # ids already in the output
+    new_tokens: int = 0
+    elapsed_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+    oom_halvings: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+
+# -- files -------------------------------------------------------------------------------------
+def read_prompts(path: Path) -> list[Prompt]:
+    """Input lines ``{"id": ..., "prompt": ...}``; duplicate ids are an error naming both lines."""
+    if not path.is_file():
+        raise BatchJobError(f"--input {path} does not exist.")
+    prompts, seen = [], {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BatchJobError(f"{path} line {n} is not JSON ({exc.msg}); each line must be "
+                                '{"id": ..., "prompt": "..."}.') from exc
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), (str, list)):
+            raise BatchJobError(f'{path} line {n} has no "prompt" string; each line must be '
+                                '{"id": ..., "prompt": "..."} (id optional: the line number).')
+        pid = row.get("id", n)
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+            raise BatchJobError(f"{path} line {n}: id {pid!r} must be a string or an integer.")
+        key = json.dumps(pid)
+        if key in seen:
+            raise BatchJobError(f"{path} has id {pid!r} twice (lines {seen[key]} and {n}); ids identify the "
+                                "records of the output, so each must be unique.")
+        seen[key] = n
+        prompts.append(Prompt(id=pid, prompt=row["prompt"], key=key))
+    return prompts
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Keys of the records already in the output; a trailing partial line is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s ends with a partial record (%d bytes, a write cut short); removing it", path,
+                    len(data) - end)
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    done = set()
+    for n, line in enumerate(data[:end].decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            done.add(json.dumps(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise BatchJobError(f"--output {path} line {n} is not a record of this tool ({exc}); it is left "
+                                "untouched. Pass another --output, or remove that line.") from exc
+    return done
+
+
+def _append(f, record: dict) -> None:
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# -- sizing ------------------------------------------------------------------------------------
+def prompt_lengths(tokenizer, prompts: list[Prompt], chat: bool) -> list[int]:
+    """Token counts as ``Engine.encode`` makes them (chat template, or special tokens added)."""
+    out = []
+    for p in prompts:
+        if chat:
+            messages = p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            out.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        else:
+            out.append(len(tokenizer(p.prompt)["input_ids"]))
+    return out
+
+
+def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int) -> int:
+    """The largest batch whose KV cache and activations fit beside the fixed parts and the layer slots."""
+    from airquant.engine import skeleton
+    from airquant.engine.plan import dequant_elems, fixed_bytes, max_batch_for
+    from airquant.engine.runner import compute_dtype, resolve_device, vram_budget
+    from airquant.store.manifest import load_manifest
+
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        return min(CPU_BATCH, limit)
+    manifest = load_manifest(store)
+    config = skeleton.load_config(store)
+    dtype = compute_dtype(manifest, cfg.dtype, device)
+    fixed, _ = fixed_bytes(manifest.shards, manifest.tied_lm_head, cfg.host_embedding)
+    free = vram_budget(cfg, device) - fixed - cfg.slots * max(manifest.layer_bytes)
+    batch = max_batch_for(config, free_bytes=free, context=context, dtype_bytes=dtype.itemsize,
+                          dequant_elems=dequant_elems(manifest.shards, config), limit=limit)
+    if batch < 1:
+        raise BatchJobError(f"not even one sequence of {context} tokens fits in the VRAM left beside the fixed "
+                            f"parts and layer buffers ({free / 1e9:.2f} GB); lower --max-new-tokens, shorten the "
+                            "prompts, raise --max-vram, or use --host-embedding / a compressed store.")
+    return batch
+
+
+# -- the job -----------------------------------------------------------------------------------
+def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None, *, engine=None,
+              progress: bool = True) -> BatchReport:
+    """Run every prompt of ``job.input`` not yet in ``job.output``; ``engine`` reuses an open one."""
+    from transformers import AutoTokenizer
+
+    store, cfg = Path(store), cfg or EngineConfig()
+    prompts = read_prompts(job.input)
+    done = finished_ids(job.output)
+    report = BatchReport(skipped=sum(p.key in done for p in prompts))
+    todo = [p for p in prompts if p.key not in done]
+    if not todo:
+        return report
+    tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
+    lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
+    context = max(lengths) + job.gen.max_new_tokens
+    size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch)
+    # Longest first: a batch that does not fit fails at the start, not after hours.
+    queue = deque(p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0]))
+    owned = engine is None
+    if owned:
+        from airquant.engine.runner import Engine
+
+        engine = Engine.open(store, replace(cfg, batch_size=size, context=context))
+    log.info("batch job: %d prompts (%d already done), batch size %d, context %d", len(todo), report.skipped,
+             size, context)
+    try:
+        _drain(engine, queue, size, job, report, progress)
+    finally:
+        if owned:
+            engine.close()
+    return report
+
+
+def _drain(engine, queue: deque, size: int, job: BatchJob, report: BatchReport, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(total=len(queue), desc="batch", unit="prompt", disable=not progress)
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.output, "a", encoding="utf-8") as f:
+        while queue:
+            chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
+            try:
+                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen)
+            except torch.OutOfMemoryError:
+                if len(chunk) == 1:
+                    raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "
+                                        "raise --max-vram, or use --host-embedding / a compressed store.") from None
+                queue.extendleft(reversed(chunk))
+                size = len(chunk) // 2
+                report.oom_halvings += 1
+                log.warning("out of GPU memory with a batch of %d: retrying with %d", len(chunk), size)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
+            for p, c in zip(chunk, completions):
+                _append(f, {"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
+                            "new_tokens": c.new_tokens, "timings": timings})
+            report.done += len(chunk)
+            report.new_tokens += sum(c.new_tokens for c in completions)
+            report.batch_sizes.append(len(chunk))
+            report.elapsed_s = time.perf_counter() - start
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}", batch=len(chunk))
+    bar.close()

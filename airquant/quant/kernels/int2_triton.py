@@ -1,0 +1,203 @@
+"""Fused 2-bit Lloyd-Max matmuls: codes are decoded in registers, the dense weight never exists.
+
+Layout (see airquant.quant.int2): codes uint8 [N, K/4] read here as int32 words [N, K/16], input
+channel 16*w + j of row n at bits 2j of word w (little-endian, so byte and word views agree);
+scales/zeros fp16 [N, K/GROUP]; outlier residuals fp16 [N, n_out] at channels outlier_idx.
+
+Decode without lookups or int->float conversions (the GEMV is bound by instruction issue once
+bytes stream at full rate, so every op per weight counts):
+* the levels are an odd cubic of u = code - 1.5:  c = a*u + b*u^3 with a = 0.89293333,
+  b = 0.05066667 gives exactly -1.5104, -0.4528, 0.4528, 1.5104;
+* a 2-bit field placed at bits 2p..2p+1 of a float's mantissa and OR'ed with the bits of 2^23
+  reads as 2^23 + code*4^p, so one AND/OR (LOP3) and one FADD give U = u*4^p exactly (p >= 1 keeps
+  2^23 + 1.5*4^p representable); the powers 4^-p are folded into per-column constants;
+* c*x = U*(x*a*4^-p + x*b*4^-3p * U^2): FMUL + 2 FFMA per weight, the x-side factors being
+  computed once per column and shared by all rows of the tile.
+Word bits 2j for j < 10 are read from ``words << 2`` (p = j + 1) and for j >= 10 from
+``words >> 18`` (p = j - 9). Summation order is permuted (by j within each word), which a dot product
+does not care about. Accumulation is fp32 throughout.
+
+GEMV (decode, M == 1): per word, P = sum_j c_j x_j, then acc += scale*P + zero*sum_j x_j.
+GEMM (prefill / batches): for each j, the [BLOCK_N, BLOCK_W] slice of dequantized weights of
+channels 16w + j goes to tl.dot with the matching stride-16 slice of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def _field(lo, hi, J: tl.constexpr):
+    """U = (code_J - 1.5) * 4^P as fp32, and P, for code J of each word (see module docstring)."""
+    P: tl.constexpr = J + 1 if J < 10 else J - 9
+    src = lo if J < 10 else hi
+    f = ((src & (3 << (2 * P))) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f - (8388608.0 + 1.5 * (1 << (2 * P)))
+
+
+@triton.jit
+def _scale_a(J: tl.constexpr):
+    P: tl.constexpr = J + 1 if J < 10 else J - 9
+    return 0.8929333333333334 / (1 << (2 * P))
+
+
+@triton.jit
+def _scale_b(J: tl.constexpr):
+    P: tl.constexpr = J + 1 if J < 10 else J - 9
+    return 0.050666666666666665 / (1 << (6 * P))
+
+
+def _gemv_configs():
+    # Long contiguous spans per row (4 * BLOCK_W bytes of codes) keep DRAM streaming; SPLIT_K keeps
+    # enough programs in flight when N / BLOCK_N alone would not fill the GPU.
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": sk}, num_warps=w)
+        for bn, bw, w, sk in [(16, 64, 4, 1), (16, 128, 4, 1), (8, 128, 4, 1), (4, 256, 4, 1), (8, 256, 8, 1),
+                              (4, 512, 8, 1), (8, 512, 8, 1), (2, 512, 4, 1), (4, 256, 4, 2), (8, 128, 4, 2)]
+    ]
+
+
+@triton.autotune(configs=_gemv_configs(), key=["N", "K"], reset_to_zero=["y_ptr"])
+@triton.heuristics({"EVEN_K": lambda a: (a["K"] // 16) % (a["BLOCK_W"] * a["SPLIT_K"]) == 0})
+@triton.jit
+def _int2_gemv_kernel(
+    x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, y_ptr,
+    N, K, n_out,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_O: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """y_ptr: fp32 [N], zeroed; each of the SPLIT_K programs of a row block adds its K slice."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(1)
+    n_mask = offs_n < N
+    KW = K // 16
+    G = K // GROUP
+    WPG: tl.constexpr = GROUP // 16  # words per group
+    per_split = tl.cdiv(tl.cdiv(KW, SPLIT_K), BLOCK_W) * BLOCK_W
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for w0 in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, KW), BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        # A mask that varies along a row defeats 16-byte vector loads: only partial K tiles get one.
+        w_mask = (offs_w < KW) if not EVEN_K else tl.full((BLOCK_W,), 1, tl.int1)
+        mask = n_mask[:, None] & w_mask[None, :]
+        words = tl.load(words_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mask, other=0)
+        lo, hi = words << 2, words >> 18
+        part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for j in tl.static_range(16):
+            xj = tl.load(x_ptr + offs_w * 16 + j, mask=w_mask, other=0.0).to(tl.float32)
+            xs += xj
+            u = _field(lo, hi, j)
+            q = tl.fma((xj * _scale_b(j))[None, :], u * u, (xj * _scale_a(j))[None, :])
+            part = tl.fma(u, q, part)
+        g_off = offs_n[:, None] * G + (offs_w // WPG)[None, :]
+        s = tl.load(scales_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.fma(s, part, tl.fma(z, xs[None, :], acc))
+    out = tl.sum(acc, axis=1)
+    if pid_k == 0:
+        for o0 in range(0, n_out, BLOCK_O):
+            offs_o = o0 + tl.arange(0, BLOCK_O)
+            o_mask = offs_o < n_out
+            idx = tl.load(oi_ptr + offs_o, mask=o_mask, other=0)
+            xo = tl.load(x_ptr + idx, mask=o_mask, other=0.0).to(tl.float32)
+            wo = tl.load(ow_ptr + offs_n[:, None] * n_out + offs_o[None, :],
+                         mask=n_mask[:, None] & o_mask[None, :], other=0.0).to(tl.float32)
+            out += tl.sum(wo * xo[None, :], axis=1)
+    tl.atomic_add(y_ptr + offs_n, out, mask=n_mask)
+
+
+def _gemm_configs():
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=s)
+        for bm, bn, bw, w, s in [(16, 64, 16, 4, 2), (32, 64, 32, 4, 2), (64, 64, 32, 4, 2),
+                                 (64, 128, 16, 8, 2), (128, 128, 16, 8, 2), (128, 64, 32, 8, 2)]
+    ]
+
+
+@triton.autotune(configs=_gemm_configs(), key=["N", "K"])
+@triton.jit
+def _int2_gemm_kernel(
+    x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, y_ptr,
+    M, N, K, n_out, stride_xm, stride_ym,
+    GROUP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_O: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    KW = K // 16
+    G = K // GROUP
+    WPG: tl.constexpr = GROUP // 16
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for w0 in range(0, KW, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        w_mask = offs_w < KW
+        mask = n_mask[:, None] & w_mask[None, :]
+        words = tl.load(words_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mask, other=0)
+        lo, hi = words << 2, words >> 18
+        g_off = offs_n[:, None] * G + (offs_w // WPG)[None, :]
+        s = tl.load(scales_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        x_mask = m_mask[:, None] & w_mask[None, :]
+        for j in tl.static_range(16):
+            u = _field(lo, hi, j)
+            c = u * tl.fma(u * u, _scale_b(j), _scale_a(j))
+            w = tl.fma(s, c, z)  # [BN, BW] weights of channels 16 * offs_w + j
+            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + (offs_w * 16 + j)[None, :], mask=x_mask, other=0.0)
+            if IEEE:
+                acc = tl.dot(xj, tl.trans(w.to(xj.dtype)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xj, tl.trans(w.to(xj.dtype)), acc)
+    for o0 in range(0, n_out, BLOCK_O):
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        o_mask = offs_o < n_out
+        idx = tl.load(oi_ptr + offs_o, mask=o_mask, other=0)
+        xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + idx[None, :],
+                     mask=m_mask[:, None] & o_mask[None, :], other=0.0)
+        wo = tl.load(ow_ptr + offs_n[:, None] * n_out + offs_o[None, :],
+                     mask=n_mask[:, None] & o_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xo, tl.trans(wo.to(xo.dtype)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xo, tl.trans(wo.to(xo.dtype)), acc)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def int2_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    outlier_weight: torch.Tensor | None,
+    outlier_idx: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x's dtype; M == 1 takes the GEMV kernel, else the GEMM kernel."""
+    n, k = codes.shape[0], codes.shape[1] * 4
+    # A word (16 codes) never straddles a group, and tiles are whole words.
+    assert k % 16 == 0 and group % 16 == 0 and k % group == 0, (k, group)
+    words = codes.contiguous().view(torch.int32)  # [N, K/16]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    n_out = 0 if outlier_weight is None else outlier_weight.shape[1]
+    # With no outliers the loops never run; any valid pointer stands in for the absent tensors.
+    ow = outlier_weight.contiguous() if n_out else scales
+    oi = outlier_idx.contiguous() if n_out else words
+    if m == 1:
+        # Split-K programs add into fp32; the cast to x's dtype is one tiny extra kernel.
+        y32 = torch.zeros(n, dtype=torch.float32, device=x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        _int2_gemv_kernel[grid](x2, words, scales, zeros, ow, oi, y32, n, k, n_out, GROUP=group, BLOCK_O=32)
+        y = y32.to(x.dtype)[None, :]
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        _int2_gemm_kernel[grid](
+            x2, words, scales, zeros, ow, oi, y, m, n, k, n_out, x2.stride(0), y.stride(0),
+            GROUP=group, IEEE=x.dtype == torch.float32, BLOCK_O=32,
+        )
+    return y.reshape(*x.shape[:-1], n)

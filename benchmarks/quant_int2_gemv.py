@@ -1,0 +1,145 @@
+"""Fused int2 GEMV bandwidth on a 70B-MLP-sized matrix, as a fraction of measured HBM copy bandwidth.
+
+Self-contained (no hub, no model): random 2-bit codes, fp16 scales/zeros and fp16 outlier columns of
+an [out, in] linear are made directly on the GPU (speed does not depend on values; random bits
+avoid the zero-data shortcuts of some memory paths). In the same run it measures
+
+* HBM copy bandwidth: a device-to-device copy of a buffer far larger than L2, counting bytes read
+  plus bytes written (the ceiling the fraction is taken against);
+* the int2 GEMV (batch 1) through the Triton kernel, bytes = every tensor the kernel reads + y;
+* the fp16 dense GEMV of the same shape (torch / cuBLAS) as a baseline;
+* int2 GEMM at a few batch sizes, for the prefill path;
+
+checks the kernel against the torch reference on the same tensors, prints a table and writes JSON.
+Target: int2 GEMV bandwidth >= 0.5 x copy bandwidth.
+
+    python benchmarks/quant_int2_gemv.py --shapes 28672x8192 8192x28672 --out results/int2_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["28672x8192", "8192x28672"], help="OUTxIN of the linear")
+    p.add_argument("--outliers", type=float, default=0.035, help="fraction of input channels kept fp16")
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--batches", type=int, nargs="*", default=[4, 16, 64], help="GEMM batch sizes also timed")
+    p.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy-bandwidth buffer")
+    p.add_argument("--rep-ms", type=int, default=200, help="timing window per measurement (triton do_bench)")
+    p.add_argument("--out", default="results/int2_gemv.json")
+    return p.parse_args()
+
+
+def bench_ms(fn, rep_ms: int) -> float:
+    """Median ms per call; do_bench flushes L2 between calls, so weights really come from HBM."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(gib: float, rep_ms: int) -> float:
+    n = int(gib * 2**30) // 4
+    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), rep_ms)
+    return 2 * src.numel() * 4 / (ms * 1e-3)  # bytes read + written per second
+
+
+def random_int2(out_f: int, in_f: int, group: int, n_out: int, dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        "codes": torch.randint(0, 256, (out_f, in_f // 4), dtype=torch.uint8, device="cuda", generator=g),
+        "scales": (torch.rand(out_f, in_f // group, device="cuda", generator=g) * 0.02 + 0.001).half(),
+        "zeros": (torch.randn(out_f, in_f // group, device="cuda", generator=g) * 0.002).half(),
+        "outlier_weight": (torch.randn(out_f, n_out, device="cuda", generator=g) * 0.05).half(),
+        "outlier_idx": torch.randperm(in_f, device="cuda", generator=g)[:n_out].sort().values.to(torch.int32),
+    }
+
+
+def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    from airquant.quant.int2 import dequantize_int2
+
+    w = dequantize_int2(t["codes"], t["scales"], t["zeros"], group)
+    w[:, t["outlier_idx"].long()] += t["outlier_weight"].float()
+    return x.float() @ w.t()
+
+
+def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
+    from airquant.quant.int2 import n_outlier_channels
+    from airquant.quant.kernels.int2_triton import _int2_gemm_kernel, _int2_gemv_kernel, int2_matmul
+
+    dtype = getattr(torch, args.dtype)
+    n_out = n_outlier_channels(in_f, args.outliers)
+    t = random_int2(out_f, in_f, args.group, n_out, dtype)
+    weight_bytes = sum(v.numel() * v.element_size() for v in t.values())
+    dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02
+    rows = []
+    for m in [1] + list(args.batches):
+        x = torch.randn(m, in_f, device="cuda", dtype=dtype)
+        call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
+                                   t["outlier_idx"], args.group)
+        err = ((call().double() - reference(x, t, args.group).double()).norm()
+               / reference(x, t, args.group).double().norm()).item()
+        ms = bench_ms(call, args.rep_ms)
+        ms_dense = bench_ms(lambda: torch.nn.functional.linear(x, dense), args.rep_ms)
+        io_bytes = weight_bytes + x.numel() * x.element_size() + m * out_f * x.element_size()
+        bw = io_bytes / (ms * 1e-3)
+        rows.append({
+            "out_features": out_f, "in_features": in_f, "batch": m, "kernel": "gemv" if m == 1 else "gemm",
+            "n_outliers": n_out, "weight_bytes": weight_bytes,
+            "bits_per_weight": weight_bytes * 8 / (out_f * in_f), "int2_ms": ms, "fp16_dense_ms": ms_dense,
+            "speedup_vs_fp16": ms_dense / ms, "achieved_GBps": bw / 1e9, "fraction_of_copy_bw": bw / copy_bw,
+            "rel_err_vs_torch_fp32": err,
+            "triton_config": str((_int2_gemv_kernel if m == 1 else _int2_gemm_kernel).best_config),
+        })
+    del dense, t
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    import triton
+
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    copy_bw = copy_bandwidth(args.copy_gib, args.rep_ms)
+    rows = []
+    for shape in args.shapes:
+        out_f, in_f = (int(v) for v in shape.lower().split("x"))
+        rows += run_shape(out_f, in_f, args, copy_bw)
+    result = {
+        "benchmark": "int2_gemv", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "dtype": args.dtype, "group": args.group,
+        "outlier_fraction": args.outliers, "copy_bandwidth_GBps": copy_bw / 1e9,
+        "target_fraction": 0.5, "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"HBM copy bandwidth (read+write): {copy_bw / 1e9:.0f} GB/s on {result['gpu']}")
+    print(f"{'out x in':>13} {'batch':>5} {'bpw':>5} {'int2 us':>8} {'fp16 us':>8} {'x fp16':>6} "
+          f"{'GB/s':>6} {'of copy':>7} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['out_features']:>6}x{r['in_features']:<6} {r['batch']:>5} {r['bits_per_weight']:>5.2f} "
+              f"{r['int2_ms'] * 1e3:>8.1f} {r['fp16_dense_ms'] * 1e3:>8.1f} {r['speedup_vs_fp16']:>6.2f} "
+              f"{r['achieved_GBps']:>6.0f} {r['fraction_of_copy_bw']:>7.2f} {r['rel_err_vs_torch_fp32']:>8.1e} "
+              f"{r['triton_config']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

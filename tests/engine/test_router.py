@@ -1,0 +1,177 @@
+"""The router: store, mode, KV scheme and placement from manifest-only stores of real model shapes."""
+
+import json
+
+import pytest
+import torch
+
+from airquant.cli import main
+from airquant.engine.router import (
+    GIB,
+    Candidate,
+    Hardware,
+    RouteError,
+    StreamingNotAllowedError,
+    Workload,
+    load_candidates,
+    route,
+)
+from airquant.store.manifest import Manifest, ShardEntry, save_manifest
+
+GB = 10**9
+SHAPES = {  # the published configs of Llama-3-70B and Llama-3-8B
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+}
+BYTES_PER_WEIGHT = {"bfloat16": 2.0, "nf4": 0.5 + 4 / 64}  # nf4: 4 bits + an fp32 absmax per 64
+
+
+def manifest_store(folder, shape: str, scheme: str):
+    """A store with a manifest and config.json only: enough to plan, nothing to run."""
+    cfg = dict(SHAPES[shape], model_type="llama", max_position_embeddings=8192, tie_word_embeddings=False)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    linear = 2 * h * h + 2 * h * kv + 3 * h * i  # q, o, k, v, gate, up, down
+    layer = int(linear * BYTES_PER_WEIGHT[scheme]) + 2 * h * 2  # + two bf16 norms
+    n = cfg["num_hidden_layers"]
+    sizes = {"embed": v * h * 2, **{f"layer.{k}": layer for k in range(n)}, "norm": h * 2, "lm_head": v * h * 2}
+    # the manifest, not the file names, says which linears are quantized
+    linears = [f"self_attn.{m}_proj" for m in "qkvo"] + [f"mlp.{m}_proj" for m in ("gate", "up", "down")]
+    modules = {} if scheme == "bfloat16" else {m: {"scheme": scheme, "blocksize": 64} for m in linears}
+    shards = {g: ShardEntry(g, f"{g}.safetensors", b, "", {}, modules if g.startswith("layer.") else {})
+              for g, b in sizes.items()}
+    manifest = Manifest(source={"spec": shape, "kind": "synthetic", "model_type": "llama", "name": shape},
+                        dtype="bfloat16", quant={"method": "none" if scheme == "bfloat16" else scheme},
+                        num_layers=n, tied_lm_head=False, shards=shards, complete=True, synthetic=True)
+    folder.mkdir(parents=True)
+    save_manifest(folder, manifest)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {(shape, scheme): manifest_store(root / f"{shape}-{scheme}", shape, scheme)
+            for shape in SHAPES for scheme in BYTES_PER_WEIGHT}
+
+
+def _hw(vram_gib, ram_gb):
+    return Hardware(None if vram_gib is None else int(vram_gib * GIB), int(ram_gb * GB))
+
+
+# 70B: embed + lm_head are 4.20 GB bf16; a layer is 1.71 GB bf16, 0.48 GB nf4. At batch 1 x 2048 the
+# plain KV cache is 0.67 GB, TurboQuant's 0.17 GB, activations 0.49 GB, plus 0.27 GB workspace.
+@pytest.mark.parametrize("shape, vram, ram, workload, expected", [
+    # embed + lm_head alone nearly fill a 4 GiB card: nothing fits
+    ("llama3-70b", 4, 64, {}, "embeddings/norm/lm_head alone take 4.20"),
+    # with the embedding table in host RAM only lm_head (2.10 GB) stays: nf4 fits at a 512-token context
+    ("llama3-70b", 4, 64, {"host_embedding": True, "context": 512}, ("nf4", "streamed", "none", 0)),
+    ("llama3-70b", 4, 64, {"host_embedding": True}, "a shorter context"),
+    # bf16 streamed: 4.20 + 2 x 1.71 + 1.43 = 9.05 > 8.59, but with the TQ cache 8.55 fits
+    ("llama3-70b", 8, 64, {}, ("bfloat16", "streamed", "tq", 0)),
+    # 15 GiB: bf16 streamed with the plain cache, 7.05 GB spare keep 4 layers resident
+    ("llama3-70b", 15, 64, {}, ("bfloat16", "streamed", "none", 4)),
+    # batch 8 without TQ: bf16 needs 17.2 GB, nf4 15.2 GB of 16.1, and the 0.9 GB left hold one layer
+    ("llama3-70b", 15, 64, {"batch_size": 8, "kv_schemes": ("none",)}, ("nf4", "streamed", "none", 1)),
+    # 80 GiB: quality first streams bf16; interactive keeps nf4 resident (44 GB)
+    ("llama3-70b", 80, 256, {}, ("bfloat16", "streamed", "none", 44)),
+    ("llama3-70b", 80, 256, {"allow_streaming": False}, ("nf4", "resident", "none", 80)),
+    ("llama3-70b", 15, 64, {"allow_streaming": False}, "fits only streamed"),
+    # CPU: bf16 streams from RAM and disk; with 8 GB RAM only nf4's staging buffers fit
+    ("llama3-70b", None, 64, {}, ("bfloat16", "streamed", "none", 0)),
+    ("llama3-70b", None, 8, {}, ("nf4", "streamed", "none", 0)),
+    ("llama3-70b", None, 4, {}, "does not fit"),
+    # 8B: 2.10 GB fixed + 2 x 0.44 GB slots + 0.78 GB reserve = 3.75 GB leave 0.54 GB of a 4 GiB card for
+    # one resident layer; 24 GiB hold it all
+    ("llama3-8b", 4, 32, {}, ("bfloat16", "streamed", "none", 1)),
+    ("llama3-8b", 24, 32, {}, ("bfloat16", "resident", "none", 32)),
+    ("llama3-8b", 24, 32, {"mode": "streamed"}, ("bfloat16", "streamed", "none", 32)),
+])
+def test_route_table(stores, shape, vram, ram, workload, expected):
+    candidates = load_candidates([stores[shape, "nf4"], stores[shape, "bfloat16"]])
+    if isinstance(expected, str):
+        with pytest.raises(RouteError, match=expected) as err:
+            route(candidates, _hw(vram, ram), Workload(**workload))
+        assert "nf4       streamed" in str(err.value)  # the arithmetic of every option is shown
+        return
+    r = route(candidates, _hw(vram, ram), Workload(**workload))
+    assert (r.scheme, r.mode, r.kv, r.resident_layers) == expected
+    assert r.max_batch >= r.batch_size
+    text = r.describe()
+    assert f"choice    : {r.scheme}" in text and "why:" in text
+
+
+def test_streaming_refusal_names_the_fix(stores):
+    candidates = load_candidates([stores["llama3-70b", "bfloat16"]])
+    with pytest.raises(StreamingNotAllowedError, match="allow_streaming=True"):
+        route(candidates, _hw(15, 64), Workload(allow_streaming=False))
+
+
+def test_placement_fills_vram_then_ram_then_disk(stores):
+    r = route(load_candidates([stores["llama3-70b", "bfloat16"]]), _hw(15, 64), Workload())
+    layer = r.candidate.layer_bytes[0]
+    assert r.plan.vram_layers == [0, 1, 2, 3]
+    assert len(r.plan.ram_layers) == (64 * GB - 3 * layer) // layer  # the RAM tier less 3 read-ahead buffers
+    assert r.plan.disk_layers[-1] == 79
+    cfg = r.engine_config()
+    assert (cfg.resident, cfg.resident_layers) == (False, 4)
+    assert cfg.max_ram_gb * GIB == pytest.approx(r.ram_tier_bytes)
+
+
+def test_max_batch_is_the_largest_that_fits(stores):
+    candidates = load_candidates([stores["llama3-8b", "bfloat16"]])
+    r = route(candidates, _hw(8, 32), Workload(kv_schemes=("none",)))
+    assert route(candidates, _hw(8, 32), Workload(batch_size=r.max_batch, kv_schemes=("none",))).mode == "streamed"
+    with pytest.raises(RouteError):
+        route(candidates, _hw(8, 32), Workload(batch_size=r.max_batch + 1, kv_schemes=("none",), mode="streamed"))
+
+
+def test_stores_of_different_models_are_refused(stores):
+    with pytest.raises(RouteError, match="different models"):
+        load_candidates([stores["llama3-8b", "nf4"], stores["llama3-70b", "nf4"]])
+
+
+def test_context_beyond_the_model_is_refused(stores):
+    with pytest.raises(RouteError, match="exceeds the model's 8192"):
+        route(load_candidates([stores["llama3-8b", "nf4"]]), _hw(24, 32), Workload(context=10000))
+
+
+def test_plain_kv_bytes_equal_a_real_cache(tiny_store):
+    """The formula against the tensors transformers' own cache allocates."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_store), dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = model(torch.ones(2, 37, dtype=torch.long), use_cache=True).past_key_values
+    allocated = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert 2 * Candidate.open(tiny_store).dims.kv_bytes("none", 37, 4) == allocated
+
+
+def test_tq_kv_is_five_times_smaller_past_the_window(stores):
+    dims = Candidate.open(stores["llama3-70b", "nf4"]).dims
+    base = dims.kv_bytes("tq", 4096, 2) - dims.kv_bytes("tq", 2048, 2)
+    plain = dims.kv_bytes("none", 2048, 2)
+    assert plain / base == pytest.approx(16 / ((4 + 2) / 2 + 16 / 128), rel=1e-3)  # K4/V2 + an fp16 norm
+
+
+@pytest.mark.parametrize("cap, expected", [
+    ("4", "does not fit"), ("8", "choice    : bfloat16"), ("15", "layers resident in VRAM : 0-3"),
+])
+def test_cli_plan_70b_under_caps(stores, capsys, cap, expected):
+    argv = ["plan", str(stores["llama3-70b", "bfloat16"]), str(stores["llama3-70b", "nf4"]),
+            "--max-vram", cap, "--max-ram", "64"]
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc == (2 if cap == "4" else 0)
+    assert expected in (out.err if cap == "4" else out.out)
+    if cap == "4":
+        assert out.err.startswith("airquant: error:") and "fixes:" in out.err
+
+
+def test_cli_plan_default_model_shape(tiny_store, capsys):
+    assert main(["plan", str(tiny_store), "--device", "cpu", "--batch", "4", "--context", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "workload  : batch 4 x 128 tokens" in out and "resident" in out

@@ -1,0 +1,198 @@
+"""The streamer's tiers, slots, staging buffers and event ordering, against the resident model.
+
+The CUDA path is driven on CPU through ``SimOps``, an object with ``CudaOps``' methods that runs the
+copies eagerly (a copy into a slot still in use clobbers the weights being computed with) or lazily
+(a copy runs only when something waits for its event, so a missing wait computes with stale bytes).
+Either bug changes the logits, which are compared with the resident model's.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from airquant.engine.plan import StreamPlan
+from airquant.engine.runner import Engine
+from airquant.engine.streamer import LayerStreamer
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
+
+
+class SimEvent:
+    def __init__(self, fired: bool = False):
+        self.fired = fired
+
+
+class SimOps:
+    """``CudaOps`` on CPU tensors; ``lazy`` defers every copy until its event is waited for."""
+
+    def __init__(self, lazy: bool):
+        self.lazy = lazy
+        self.queue: list[tuple[SimEvent, torch.Tensor, torch.Tensor]] = []  # the copy stream, in order
+        self.lock = threading.Lock()
+        self.copies = 0
+
+    def alloc(self, nbytes):
+        return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage until a copy lands
+
+    def copy(self, dst, src, after):
+        assert after is None or after.fired, "a copy was ordered after compute that has not run"
+        done = SimEvent()
+        with self.lock:
+            self.queue.append((done, dst, src))
+            self.copies += 1
+        if not self.lazy:
+            self._run_until(done)
+        return None, done
+
+    def _run_until(self, event):
+        with self.lock:
+            while not event.fired:
+                done, dst, src = self.queue.pop(0)
+                dst.copy_(src)
+                done.fired = True
+
+    def wait(self, event):
+        self._run_until(event)
+
+    def host_wait(self, event):
+        self._run_until(event)
+
+    def mark(self):
+        return SimEvent(fired=True)  # CPU compute is synchronous: done when marked
+
+    @staticmethod
+    def elapsed_ms(start, end):
+        return 0.0
+
+
+def streamed_engine(store, tiers, ops, slots=2, readahead=2):
+    """A CPU engine whose streamer follows ``tiers`` through ``ops`` (None: layers used in place)."""
+    engine = Engine.open(store, device="cpu")
+    layer_bytes = engine.manifest.layer_bytes
+    plan = StreamPlan(tiers=list(tiers), slot_bytes=max(layer_bytes), slots=slots, fixed_bytes=0)
+    streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype,
+                             readahead=readahead, ops=ops)
+    engine.streamer.close()
+    for layer in engine.model.model.layers:
+        layer.streamer = streamer
+    engine.streamer, engine.plan = streamer, plan
+    return engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu", resident=True)
+    enc = engine.encode(PROMPTS)
+    logits = engine.forward(**enc)
+    tokens = [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=6)]
+    return enc, logits, tokens
+
+
+TIERS = {
+    "ram": ("ram", "ram", "ram"),
+    "disk": ("disk", "disk", "disk"),
+    "vram+ram+disk": ("vram", "ram", "disk"),
+    "ram+disk+disk": ("ram", "disk", "disk"),
+    "disk+ram+disk": ("disk", "ram", "disk"),
+}
+OPS = {"in-place": lambda: None, "eager": lambda: SimOps(lazy=False), "lazy": lambda: SimOps(lazy=True)}
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("tiers", TIERS)
+def test_every_tier_mix_gives_the_resident_logits(tiny_store, reference, tiers, ops):
+    enc, want, _ = reference
+    engine = streamed_engine(tiny_store, TIERS[tiers], OPS[ops]())
+    for _ in range(3):  # later passes reuse slots and staging buffers, and prefetch across passes
+        assert torch.equal(engine.forward(**enc), want)
+    if ops != "in-place":
+        streamed = sum(t != "vram" for t in TIERS[tiers])
+        assert engine.streamer.ops.copies >= 3 * streamed
+        assert engine.stats()["bytes_streamed"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("slots, readahead", [(1, 1), (2, 1), (3, 3)])
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_decode_with_kv_cache_matches_resident(tiny_store, reference, slots, readahead, lazy):
+    _, _, want = reference
+    engine = streamed_engine(tiny_store, TIERS["ram+disk+disk"], SimOps(lazy), slots=slots, readahead=readahead)
+    got = engine.generate_detailed(PROMPTS, max_new_tokens=6)
+    assert [c.token_ids for c in got] == want
+    assert not engine.streamer._inflight or all(not e.in_use for e in engine.streamer._inflight.values())
+    engine.close()
+
+
+def test_the_simulator_catches_a_missing_wait(tiny_store, reference, monkeypatch):
+    """Without the compute stream waiting for the copy, the lazy simulator computes with garbage."""
+    enc, want, _ = reference
+    ops = SimOps(lazy=True)
+    engine = streamed_engine(tiny_store, TIERS["ram"], ops)
+    monkeypatch.setattr(ops, "wait", lambda event: None)
+    assert not torch.equal(engine.forward(**enc), want)
+
+
+def test_the_simulator_catches_a_slot_reused_while_in_use(tiny_store, reference, monkeypatch):
+    """A prefetch into the slot of the layer about to compute overwrites its weights (eager copies)."""
+    enc, want, _ = reference
+    engine = streamed_engine(tiny_store, TIERS["ram"], SimOps(lazy=False))
+    streamer = engine.streamer
+    monkeypatch.setattr(streamer, "_free_slot", lambda prefetch: streamer._slot_order[-1])
+    assert not torch.equal(engine.forward(**enc), want)
+
+
+@pytest.mark.parametrize("tiers", ["ram+disk+disk", "disk"])
+def test_a_forward_cut_short_leaves_a_usable_streamer(tiny_store, reference, tiers):
+    enc, want, _ = reference
+    engine = streamed_engine(tiny_store, TIERS[tiers], SimOps(lazy=True))
+    layer = engine.model.model.layers[1]
+    original = layer.layer.forward
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    layer.layer.forward = fail
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.generate_detailed(PROMPTS, max_new_tokens=2)
+    layer.layer.forward = original
+    assert all(not e.in_use for e in engine.streamer._inflight.values())
+    for _ in range(2):
+        assert torch.equal(engine.forward(**enc), want)
+
+
+def test_host_embedding_keeps_the_table_on_the_host(tiny_store, reference):
+    enc, want, _ = reference
+    engine = Engine.open(tiny_store, device="cpu", host_embedding=True)
+    embed = engine.model.model.embed_tokens
+    assert type(embed).__name__ == "HostEmbedding" and embed.table.device.type == "cpu"
+    assert engine.model.device.type == "cpu" and engine.model.dtype == engine.dtype
+    assert torch.equal(engine.forward(**enc), want)
+    assert engine.plan.host_fixed_bytes == engine.manifest.shards["embed"].bytes
+    assert engine.plan.fixed_bytes == sum(engine.manifest.shards[g].bytes for g in ("norm", "lm_head"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(resident_layers=0), dict(resident_layers=1, max_ram_gb=0.0)],
+                         ids=["ram", "vram+disk"])
+def test_cuda_nf4_store_with_host_embedding_equals_resident(tmp_path, real_tokenizer, kw):
+    pytest.importorskip("bitsandbytes")
+    from airquant.config import EngineConfig
+    from airquant.store.synth import SynthSpec, synth
+
+    store = tmp_path / "nf4"
+    synth(SynthSpec("llama3-8b", "nf4", layers=3, overrides=(("hidden", 256), ("intermediate", 512), ("heads", 4),
+                                                             ("kv_heads", 2), ("vocab", 3000))),
+          store, device="cuda", tokenizer=real_tokenizer, progress=False)
+    streamed = Engine.open(store, EngineConfig(device="cuda", host_embedding=True, profile=True, **kw))
+    resident = Engine.open(store, device="cuda", resident=True)
+    enc = streamed.encode(PROMPTS)
+    for _ in range(2):
+        torch.testing.assert_close(streamed.forward(**enc), resident.forward(**enc), rtol=1e-3, atol=1e-3)
+    got = streamed.generate_detailed(PROMPTS, max_new_tokens=6)
+    assert [c.token_ids for c in got] == [c.token_ids for c in resident.generate_detailed(PROMPTS, max_new_tokens=6)]
+    memory = streamed.streamer.memory
+    assert memory._registered and all(b.is_pinned() for b in memory._registered)  # exact-size page-locked
+    rows = streamed.layer_profile()
+    assert rows and all(r["copy_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
+    streamed.close()

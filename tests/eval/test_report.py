@@ -1,0 +1,186 @@
+"""RESULTS.md from a folder of rows written by hand, with known verdicts, plus foreign and broken files."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from airquant.errors import ResultsFileError
+from airquant.eval.niah import NiahCell, NiahRow
+from airquant.eval.parity import ParityRow
+from airquant.eval.perf import BandwidthMeasurement, PerfRow
+from airquant.eval.perplexity import PerplexityRow
+from airquant.eval.report import REPORT_NAME, build_report
+from airquant.eval.rouge import RougeRow
+from airquant.eval.rows import RunInfo, default_row_name, row_to_dict, write_row
+
+SMOL, BIG, SYNTH = "SmolLM2-135M-Instruct", "Llama-3.1-8B", "Llama-70B-shape"
+
+
+def run(model, store, kv="none", *, synthetic=False, streamed=True, device="cuda", ts="2026-11-29T10:00:00+00:00"):
+    return RunInfo(model=model, store_scheme=store, kv_scheme=kv, dtype="float16", device=device,
+                   device_name="NVIDIA H200" if device == "cuda" else "cpu", synthetic=synthetic, streamed=streamed,
+                   hardware={"cpu": "x"}, versions={"torch": "2.11.0", "transformers": "5.17.0", "airquant": "0.1.0"},
+                   timestamp=ts)
+
+
+def ppl(r, value, n=8192, max_length=1024, stride=512, data_sha="173c87a53759e020"):
+    return PerplexityRow(run=r, ppl=value, mean_nll=0.0, n_tokens=n, n_scored=n - 1, n_windows=15,
+                         max_length=max_length, stride=stride, limit_tokens=n, batch_size=1,
+                         data_source=f"/data/wikitext2_test.raw (sha256 {data_sha})", seconds=1.0)
+
+
+def rouge(r, value):
+    return RougeRow(run=r, rougeL=value, rougeLsum=value + 0.05, n_samples=100, n_truncated=0, max_new_tokens=128,
+                    max_length=8192, batch_size=8, chat=True, mean_prompt_tokens=900.0, mean_new_tokens=80.0,
+                    instruction="x", data_source="x", seconds=1.0, samples=())
+
+
+def niah(r, recall_8k, contexts=(4096, 8192)):
+    cells = tuple(NiahCell(ctx, float(d), 0, ctx - 20, d / 100, "123456", "123456",
+                           recall_8k if ctx == 8192 else 1.0, True) for ctx in contexts for d in (0, 50, 100))
+    return NiahRow(run=r, recall=0.9, recall_at_longest=recall_8k, longest_context=max(contexts),
+                   context_lengths=contexts, depths=(0.0, 50.0, 100.0), trials=1, max_new_tokens=16, batch_size=1,
+                   chat=True, needle="x", question="x", data_source="x", seconds=1.0, cells=cells)
+
+
+def perf(r, tok_s, vram, batch=1):
+    link = BandwidthMeasurement(device=r.device, kind="h2d_pinned", gb_per_s=55.5, nbytes=1, seconds=1.0)
+    return PerfRow(run=r, batch_size=batch, prompt_length=512, max_new_tokens=64, warmup=1, repeats=3, ttft_s=0.5,
+                   prefill_tokens_per_s=1000.0, decode_tokens_per_s=tok_s, decode_step_s=1 / tok_s,
+                   peak_vram_allocated_gb=vram, peak_vram_reserved_gb=None if vram is None else vram + 0.5,
+                   host_rss_peak_gb=3.0, host_maxrss_gb=3.2, bytes_per_decode_step=10**9, bandwidth=link,
+                   achieved_gb_per_s=10.0, mbu=0.18, data_source="x", samples=())
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("results")
+    cpu = dict(device="cpu", streamed=False)
+    rows = [
+        ppl(run(SMOL, "float32", **cpu), 24.50), ppl(run(SMOL, "nf4", **cpu), 30.70),
+        ppl(run(SMOL, "float32", "tq-k4v2", **cpu), 25.80, data_sha="0123"), ppl(run(SMOL, "int2", **cpu), 410.0, n=4096),
+        rouge(run(SMOL, "float32", **cpu), 0.20), niah(run(SMOL, "float32", **cpu), 1.0),
+        perf(run(SMOL, "float32", **cpu), 30.0, None), perf(run(SMOL, "float32", **cpu), 90.0, None, batch=4),
+        ppl(run(BIG, "float16"), 6.24), ppl(run(BIG, "nf4"), 6.50), ppl(run(BIG, "int2"), 8.00),
+        rouge(run(BIG, "float16"), 0.30), rouge(run(BIG, "nf4"), 0.28), rouge(run(BIG, "int2"), 0.20),
+        niah(run(BIG, "nf4"), 0.9), niah(run(BIG, "int2"), 0.5),
+        perf(run(BIG, "float16"), 4.0, 16.0), perf(run(BIG, "nf4"), 12.0, 7.5),
+        perf(run(BIG, "float16", streamed=False, ts="2026-11-30T10:00:00+00:00"), 50.0, 17.0),
+        perf(run(SYNTH, "float16", synthetic=True), 0.5, 5.2), perf(run(SYNTH, "nf4", synthetic=True), 1.5, 3.1),
+    ]
+    for r in rows:
+        name = default_row_name(r)
+        write_row(r, d / (name if not (d / name).exists() else name.replace(".json", "__2.json")))
+    parity = ParityRow(run=run(BIG, "nf4"), reference_run=run(BIG, "float16"), cosine_mean=0.9991, cosine_min=0.95,
+                       top1_agreement=0.97, kl_mean=0.012, kl_max=0.4, n_positions=8000, n_windows=16, max_length=512,
+                       stride=512, limit_tokens=8192, batch_size=1, data_source="x", seconds=1.0)
+    write_row(parity, d / "parity.json")
+    (d / "kv_quality.json").write_text(json.dumps([{"bits": 2, "mse": 0.128}, {"bits": 4, "mse": 0.0194}]))
+    (d / "stream_bench.json").write_text(json.dumps({"link_gbps": 55.5, "runs": [
+        {"system": "airllm", "s_per_token": 10.2}, {"system": "airquant", "s_per_token": 0.31, "extra": [1, 2]}]}))
+    (d / "quant_quality.json").write_text(json.dumps({"a": {"b": {"c": {"d": {"e": 1}}}}}))
+    (d / "garbage.json").write_text("{not json")
+    old = row_to_dict(ppl(run(SMOL, "gptq"), 99.0)) | {"schema_version": 0}
+    (d / "old_schema.json").write_text(json.dumps(old))
+    (d / ".ppl.json.abc.tmp").write_text("{half")
+    build_report(d)
+    return d
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def table_cells(text: str, first: str) -> dict[str, str]:
+    """``{column heading: cell}`` of the table line starting with ``first`` (the first table found)."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"| {first} |"))
+    header = next(lines[i - 1] for i in range(at, 0, -1) if lines[i].startswith("|---"))
+    split = lambda line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]  # noqa: E731
+    return dict(zip(split(header)[1:], split(lines[at])[1:]))
+
+
+def test_big_model_verdicts_against_fp16(results_dir):
+    text = section((results_dir / REPORT_NAME).read_text(), BIG)
+    assert table_cells(text, "PPL WikiText-2") == {"FP16 streamed": "6.24", "NF4": "6.50", "2-bit (int2)": "8.00"}
+    assert table_cells(text, "ΔPPL ≤ 0.5 vs baseline") == {
+        "FP16 streamed": "baseline", "NF4": "PASS (+0.26)", "2-bit (int2)": "FAIL (+1.76)"}
+    assert table_cells(text, "ROUGE-L drop ≤ 0.03 vs baseline") == {
+        "FP16 streamed": "baseline", "NF4": "PASS (-0.020)", "2-bit (int2)": "FAIL (-0.100)"}
+    assert table_cells(text, "NiAH recall ≥ 0.8 at 8K") == {
+        "FP16 streamed": "—", "NF4": "PASS (0.90)", "2-bit (int2)": "FAIL (0.50)"}
+    assert table_cells(text, "peak VRAM < 8 GB") == {
+        "FP16 streamed": "FAIL (16.00 GB)", "NF4": "PASS (7.50 GB)", "2-bit (int2)": "—"}
+    assert table_cells(text, "NiAH recall @ longest context")["NF4"] == "0.90 @ 8192"
+    # The newer resident run stays in the detail table: the headline column is the streamed one.
+    assert table_cells(text, "Decode throughput (tok/s)")["FP16 streamed"] == "4.00 (bs 1)"
+    detail = section((results_dir / REPORT_NAME).read_text(), "Performance detail")
+    assert "| Llama-3.1-8B | FP16 resident | NVIDIA H200 | 1 |" in detail
+
+
+def test_default_model_shows_reference_figures(results_dir):
+    text = section((results_dir / REPORT_NAME).read_text(), SMOL)
+    assert list(table_cells(text, "PPL WikiText-2")) == [
+        "FP32 resident", "FP32 resident + TQ-KV K4/V2", "NF4", "2-bit (int2)"]
+    assert table_cells(text, "fp32")["measured PPL"] == "24.50"
+    assert table_cells(text, "NF4, block size 64")["Δ vs reference"] == "+0.3%"
+    assert table_cells(text, "TQ-KV K4/V2")["reference PPL"] == "25.75 (+5.1 % vs fp32)"
+    assert table_cells(text, "int2, 3.5 % outliers")["measured with"].endswith("settings: limit_tokens)")
+    assert table_cells(text, "TQ-KV K4/V2")["measured with"].endswith("settings: data)")
+    assert table_cells(text, "PPL WikiText-2")["FP32 resident + TQ-KV K4/V2"] == "25.80 ¹"
+    assert "differs from the reference" not in table_cells(text, "fp32")["measured with"]
+    assert table_cells(text, "Decode throughput (tok/s)")["FP32 resident"] == "30.00 (bs 1)"
+    assert table_cells(text, "Peak VRAM allocated (GB)")["FP32 resident"] == "n/a (CPU)"
+    assert "¹ perplexity measured with other text, tokens" in text
+
+
+def test_synthetic_columns_are_speed_only(results_dir):
+    text = section((results_dir / REPORT_NAME).read_text(), SYNTH)
+    assert "| PPL" not in text  # no quality rows at all: the line is left out
+    assert table_cells(text, "Decode throughput (tok/s)") == {"FP16 streamed †": "0.50 (bs 1)",
+                                                              "NF4 †": "1.50 (bs 1)"}
+    assert table_cells(text, "ΔPPL ≤ 0.5 vs baseline")["NF4 †"] == "n/a (synthetic)"
+    assert table_cells(text, "peak VRAM < 8 GB")["NF4 †"] == "PASS (3.10 GB)"
+    assert "† synthetic" in text
+
+
+def test_other_sections_and_foreign_files(results_dir):
+    text = (results_dir / REPORT_NAME).read_text()
+    assert table_cells(section(text, "Logit parity"), BIG)["top-1 agreement"] == "0.9700"
+    extras = section(text, "Other benchmark results")
+    assert extras.index("### stream_bench.json") < extras.index("### quant_quality.json") < \
+        extras.index("### kv_quality.json")
+    assert "| airquant | 0.31 | [1, 2] |" in extras and "| 2 | 0.128 |" in extras
+    left_out = section(text, "Provenance").split("Files left out:")[1]
+    assert "`garbage.json`" in left_out and "`old_schema.json`" in left_out and "tmp" not in left_out
+    assert len(re.findall(r"^\| (ppl|rouge|niah|perf|parity)__", section(text, "Provenance"), re.M)) == 21
+
+
+def test_plots_are_written_beside_the_report(results_dir):
+    pngs = {p.name for p in results_dir.glob("*.png")}
+    assert {"ppl__smollm2-135m-instruct.png", "throughput_vs_batch__smollm2-135m-instruct.png",
+            "ppl__llama-3.1-8b.png"} <= pngs
+    assert len([p for p in pngs if p.startswith("heatmap__niah__")]) == 3
+    assert all((results_dir / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    assert "![Throughput vs batch size](throughput_vs_batch__smollm2-135m-instruct.png)" in \
+        (results_dir / REPORT_NAME).read_text()
+
+
+def test_empty_and_missing_folders(tmp_path):
+    report = build_report(tmp_path, make_plots=False)
+    assert "No result rows were found." in report.read_text()
+    with pytest.raises(ResultsFileError, match="no such folder"):
+        build_report(tmp_path / "nope")
+
+
+def test_missing_matplotlib_is_a_note_not_a_failure(tmp_path, monkeypatch):
+    from airquant.eval import plots
+
+    write_row(ppl(run(SMOL, "float32"), 24.5), tmp_path / "ppl.json")
+    monkeypatch.setattr(plots, "matplotlib_available", lambda: False)
+    text = build_report(tmp_path).read_text()
+    assert "Plots were skipped: matplotlib is not installed (pip install matplotlib==" in text
+    assert not list(tmp_path.glob("*.png"))

@@ -1,0 +1,127 @@
+"""Batch jobs: resumable after a kill, a cut-off last line repaired, out-of-memory halving."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from airquant.cli import main
+from airquant.config import GenerateConfig
+from airquant.engine.runner import Engine
+from airquant.jobs.batch import BatchJob, BatchJobError, finished_ids, read_prompts, run_batch
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak".split()
+N_PROMPTS = 16
+GEN = GenerateConfig(max_new_tokens=6)
+
+
+def _prompts(path: Path, n: int = N_PROMPTS) -> Path:
+    rows = [{"id": f"p{k}", "prompt": " ".join(WORDS[: 2 + (k * 5) % len(WORDS)])} for k in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_store, tmp_path_factory):
+    """Every prompt's output from one uninterrupted in-process run."""
+    root = tmp_path_factory.mktemp("batch-ref")
+    out = root / "out.jsonl"
+    report = run_batch(tiny_store, BatchJob(_prompts(root / "in.jsonl"), out, batch_size=2, gen=GEN),
+                       progress=False, engine=Engine.open(tiny_store, device="cpu"))
+    assert report.done == N_PROMPTS and report.batch_sizes == [2] * (N_PROMPTS // 2)
+    return {r["id"]: r["output"] for r in _records(out)}
+
+
+def test_killed_job_resumes_without_loss_or_duplicates(tiny_store, reference, tmp_path):
+    inp, out = _prompts(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "airquant.cli", "batch", str(tiny_store), "--input", str(inp), "--output", str(out),
+           "--batch-size", "2", "--max-new-tokens", str(GEN.max_new_tokens), "--device", "cpu", "--quiet"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 4:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_with = len(_records(out))
+    assert 4 <= killed_with < N_PROMPTS, "the job should be killed part-way"
+    with open(out, "a") as f:  # a kill in the middle of a write leaves half a record
+        f.write('{"id": "p999", "prompt": "half a rec')
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"({killed_with} already there)" in done.stdout
+    records = _records(out)
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == N_PROMPTS
+    assert {r["id"]: r["output"] for r in records} == reference
+    assert all(r["new_tokens"] > 0 and r["prompt_tokens"] > 0 and r["timings"]["total_s"] > 0 for r in records)
+
+
+def test_out_of_memory_halves_the_batch_and_loses_nothing(tiny_store, reference, tmp_path, monkeypatch):
+    engine = Engine.open(tiny_store, device="cpu")
+    sizes = []
+    original = engine.generate_detailed
+
+    def flaky(prompts, gen=None, **kw):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(prompts, gen, **kw)
+
+    monkeypatch.setattr(engine, "generate_detailed", flaky)
+    out = tmp_path / "out.jsonl"
+    report = run_batch(tiny_store, BatchJob(_prompts(tmp_path / "in.jsonl"), out, batch_size=8, gen=GEN),
+                       engine=engine, progress=False)
+    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) == 2  # halved twice, then kept at 2
+    assert report.oom_halvings == 2 and report.done == N_PROMPTS and set(report.batch_sizes) == {2}
+    records = _records(out)
+    assert sorted(r["id"] for r in records) == sorted(reference)
+    assert {r["id"]: r["output"] for r in records} == reference
+
+
+def test_a_finished_output_is_not_rerun(tiny_store, tmp_path, capsys):
+    inp, out = _prompts(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl"
+    args = ["batch", str(tiny_store), "--input", str(inp), "--output", str(out), "--max-new-tokens", "3",
+            "--device", "cpu", "--quiet"]
+    assert main(args) == 0
+    assert "3 new records (0 already there)" in capsys.readouterr().out
+    before = out.read_bytes()
+    assert main(args) == 0
+    assert "0 new records (3 already there)" in capsys.readouterr().out and out.read_bytes() == before
+
+
+def test_input_errors_name_the_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n\n{"prompt": "b"}\n{"id": 1, "prompt": "c"}\n')
+    with pytest.raises(BatchJobError, match=r"id 1 twice \(lines 1 and 4\)"):
+        read_prompts(path)
+    path.write_text('{"prompt": "a"}\n{"id": "x", "prompt": "b"}\n{"id": 1, "prompt": "c"}\n')
+    with pytest.raises(BatchJobError, match=r"id 1 twice \(lines 1 and 3\)"):  # a line-number id collides
+        read_prompts(path)
+    path.write_text('{"prompt": "a"}\n{"id": "x", "prompt": "b"}\n')
+    assert [p.id for p in read_prompts(path)] == [1, "x"]
+    path.write_text('{"id": "x"}\n')
+    with pytest.raises(BatchJobError, match='line 1 has no "prompt"'):
+        read_prompts(path)
+
+
+def test_partial_last_line_is_cut_and_other_damage_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "output": "x"}\n{"id": 2, "output": "y"}\n{"id": "c", "outp')
+    assert finished_ids(out) == {'"a"', "2"}
+    assert out.read_text().endswith('"y"}\n')
+    out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(BatchJobError, match="line 2 is not a record"):
+        finished_ids(out)

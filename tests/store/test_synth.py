@@ -1,0 +1,117 @@
+"""Synthetic stores: byte counts of real shapes, tiny stores that run, the trimmed tokenizer."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from airquant.cli import main
+from airquant.engine.runner import Engine
+from airquant.errors import StoreError
+from airquant.store.manifest import load_manifest, open_store
+from airquant.store.synth import SynthSpec, synth
+
+TOKENIZER_DIR = Path(__file__).parents[1] / "data" / "smollm2_tokenizer"
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="NF4 weights need bitsandbytes (pip install bitsandbytes)")
+TINY = (("hidden", 64), ("intermediate", 160), ("heads", 4), ("kv_heads", 2), ("vocab", 1000))
+
+# Llama-3-70B: 80 layers of q,o [8192 x 8192], k,v [1024 x 8192], gate,up,down [28672 x 8192]; vocab 128256.
+H, I, KV, V, N = 8192, 28672, 1024, 128256, 80
+LINEARS = [H * H, KV * H, KV * H, H * H, I * H, I * H, H * I]
+
+
+def _nf4_bytes(numel: int) -> int:  # packed 4-bit codes + an fp32 absmax per 64 + a 16-entry fp32 code book
+    return numel // 2 + 4 * math.ceil(numel / 64) + 16 * 4
+
+
+@pytest.mark.parametrize("dtype, layer_data, head_data", [
+    ("bfloat16", 2 * sum(LINEARS) + 2 * 2 * H, 2 * V * H),
+    ("nf4", sum(_nf4_bytes(n) for n in LINEARS) + 2 * 2 * H,
+     sum(_nf4_bytes(min(16384, V - r) * H) for r in range(0, V, 16384))),
+])
+def test_manifest_only_llama3_70b_bytes_match_the_shapes(tmp_path, real_tokenizer, dtype, layer_data, head_data):
+    m = synth(SynthSpec("llama3-70b", dtype), tmp_path / dtype, manifest_only=True, tokenizer=real_tokenizer,
+              progress=False)
+    assert m.num_layers == N and m.synthetic and m.complete and m.source["manifest_only"]
+    headers = {g: e.bytes - sum(math.prod(t["shape"]) * torch.empty(0, dtype=getattr(torch, t["dtype"])).itemsize
+                                for t in e.tensors.values()) for g, e in m.shards.items()}
+    assert all(8 < h < 8192 and h % 8 == 0 for h in headers.values())  # only the safetensors headers on top
+    assert all(b - headers[f"layer.{i}"] == layer_data for i, b in enumerate(m.layer_bytes))
+    assert m.shards["embed"].bytes - headers["embed"] == 2 * V * H
+    assert m.shards["lm_head"].bytes - headers["lm_head"] == head_data
+    assert m.shards["norm"].bytes - headers["norm"] == 2 * H
+    assert not list(tmp_path.joinpath(dtype).glob("*.safetensors"))
+    config = json.loads((tmp_path / dtype / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (H, N, V)
+    with pytest.raises(StoreError, match="only a manifest"):
+        open_store(tmp_path / dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("nf4", marks=needs_bnb)])
+def test_tiny_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_tokenizer, dtype):
+    spec = SynthSpec("llama2-7b", dtype, layers=2, overrides=TINY)
+    real = synth(spec, tmp_path / "real", tokenizer=real_tokenizer, progress=False)
+    twin = synth(spec, tmp_path / "twin", manifest_only=True, tokenizer=real_tokenizer, progress=False)
+    for group, entry in real.shards.items():
+        assert (entry.bytes, entry.tensors, entry.modules) == (twin.shards[group].bytes, twin.shards[group].tensors,
+                                                             twin.shards[group].modules)
+        assert (tmp_path / "real" / entry.file).stat().st_size == entry.bytes
+    if dtype == "nf4":
+        assert set(real.shards["lm_head"].modules) == {"chunks.0"}
+        assert all(m["scheme"] == "nf4" for m in real.shards["layer.0"].modules.values())
+    streamed = Engine.open(tmp_path / "real", device="cpu", max_ram_gb=0.0, host_embedding=True)
+    resident = Engine.open(tmp_path / "real", device="cpu", resident=True)
+    enc = streamed.encode(["The quick brown fox jumps over the lazy dog"])
+    assert int(enc["input_ids"].max()) < 1000  # the trimmed tokenizer only makes valid rows
+    a, b = streamed.forward(**enc), resident.forward(**enc)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_resume_keeps_written_shards_and_refuses_other_settings(tmp_path, real_tokenizer):
+    spec = SynthSpec("llama3-8b", "bfloat16", layers=3, overrides=TINY, seed=5)
+    store = tmp_path / "s"
+    first = synth(spec, store, tokenizer=real_tokenizer, progress=False)
+    layer1 = load_file(store / "layer_0001.safetensors")
+    (store / "layer_0001.safetensors").unlink()
+    mtime = (store / "layer_0002.safetensors").stat().st_mtime_ns
+    again = synth(spec, store, tokenizer=real_tokenizer, progress=False)
+    assert again.total_bytes == first.total_bytes
+    assert (store / "layer_0002.safetensors").stat().st_mtime_ns == mtime
+    for name, t in load_file(store / "layer_0001.safetensors").items():  # seeded per shard: the same weights
+        assert torch.equal(t, layer1[name])
+    with pytest.raises(StoreError, match="left untouched"):
+        synth(SynthSpec("llama3-8b", "bfloat16", layers=3, overrides=TINY, seed=6), store, tokenizer=real_tokenizer)
+
+
+def test_cli_synth_manifest_only(tmp_path, capsys):
+    store = tmp_path / "mo"
+    assert main(["synth", "--shape", "llama2-13b", "--dtype", "bfloat16", "--store", str(store),
+                 "--manifest-only", "--layers", "4", "--tokenizer", str(TOKENIZER_DIR)]) == 0
+    assert "manifest only" in capsys.readouterr().out
+    m = load_manifest(store)
+    assert m.num_layers == 4 and m.source["synth"]["layers"] == 4
+    assert main(["synth", "--shape", "llama2-13b", "--store", str(tmp_path / "x"), "--layers", "99"]) == 2
+    assert "between 1 and 40" in capsys.readouterr().err
+
+
+def test_exported_hf_folder_holds_the_same_model(tmp_path, real_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from airquant.store.export import export_hf
+
+    store = tmp_path / "s"
+    synth(SynthSpec("llama3-8b", "bfloat16", layers=2, overrides=TINY), store, tokenizer=real_tokenizer,
+          progress=False)
+    folder = export_hf(store, tmp_path / "hf", max_file_bytes=400_000)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and (folder / "tokenizer.json").is_file()
+    engine = Engine.open(store, device="cpu", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    enc = engine.encode(["A quick test of the exported weights"])
+    with torch.no_grad():
+        want = model(**enc).logits
+    torch.testing.assert_close(engine.forward(**enc), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,150 @@
+"""The provider: concurrent calls batched into shared weight passes, answers equal the engine's."""
+
+import asyncio
+
+import pytest
+import torch
+
+from airquant import Provider
+from airquant.config import EngineConfig
+from airquant.engine.router import GIB, Hardware, StreamingNotAllowedError, Workload, plan_route
+from airquant.engine.runner import Engine, plan_for
+from airquant.errors import PromptTooLongError
+from airquant.provider import ProviderClosedError
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi", "Tell me",
+           "A B C D", "Water is"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_store):
+    engine = Engine.open(tiny_store, device="cpu", resident=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def provider(tiny_store):
+    with Provider(tiny_store, device="cpu", max_batch=8, batch_window_ms=200) as p:
+        yield p
+
+
+def test_concurrent_calls_share_weight_passes(provider, reference):
+    before = provider.metrics()
+
+    async def calls():
+        return await asyncio.gather(*[provider.generate(p, max_new_tokens=6) for p in PROMPTS])
+
+    got = asyncio.run(calls())
+    assert got == [reference.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
+    after = provider.metrics()
+    assert after["prompts"] - before["prompts"] == len(PROMPTS)
+    assert after["batches"] - before["batches"] < len(PROMPTS)  # requests were batched together
+    assert after["queue_depth"] == 0 and after["tokens_per_s"] > 0
+
+
+def test_settings_are_not_mixed_in_one_batch(provider, reference):
+    async def calls():
+        return await asyncio.gather(provider.generate(PROMPTS[0], max_new_tokens=3),
+                                    provider.generate(PROMPTS[1], max_new_tokens=5),
+                                    provider.generate(PROMPTS[2], max_new_tokens=3))
+
+    got = asyncio.run(calls())
+    assert got[0] == reference.generate([PROMPTS[0]], max_new_tokens=3)[0]
+    assert got[1] == reference.generate([PROMPTS[1]], max_new_tokens=5)[0]
+    assert got[2] == reference.generate([PROMPTS[2]], max_new_tokens=3)[0]
+
+
+def test_batch_job_sync_facade_and_chat(provider, reference):
+    assert provider.sync.generate_batch(PROMPTS[:3], max_new_tokens=4) == reference.generate(PROMPTS[:3],
+                                                                                             max_new_tokens=4)
+    chat = provider.sync.generate([{"role": "user", "content": "Hi"}], max_new_tokens=4)
+    assert chat == reference.generate(["Hi"], chat=True, max_new_tokens=4)[0]
+    assert provider.sync.generate_batch([]) == []
+
+
+def test_one_bad_prompt_fails_alone(provider, reference):
+    async def calls():
+        return await asyncio.gather(provider.generate("word " * 300, max_new_tokens=4),
+                                    provider.generate(PROMPTS[0], max_new_tokens=4), return_exceptions=True)
+
+    bad, good = asyncio.run(calls())
+    assert isinstance(bad, PromptTooLongError)
+    assert good == reference.generate([PROMPTS[0]], max_new_tokens=4)[0]
+
+
+def test_unknown_setting_is_refused(provider):
+    with pytest.raises(TypeError, match="max_tokens"):
+        provider.sync.generate("Hi", max_tokens=3)
+    with pytest.raises(TypeError, match="unknown Provider setting"):
+        Provider("unused", bogus=1)
+
+
+def test_closed_provider_refuses(tiny_store):
+    p = Provider(tiny_store, device="cpu")
+    p.close()
+    with pytest.raises(ProviderClosedError):
+        p.sync.generate("Hi")
+
+
+@pytest.fixture(scope="module")
+def six_layer_store(tmp_path_factory, real_tokenizer):
+    """A 6-layer model: enough layers that a RAM budget can hold some, not all, of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from airquant.models import resolve
+    from airquant.store.split import split
+
+    torch.manual_seed(1)
+    config = AutoConfig.for_model("llama", vocab_size=len(real_tokenizer), hidden_size=64, intermediate_size=1024,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, eos_token_id=real_tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("six") / "model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    real_tokenizer.save_pretrained(folder)
+    store = folder.parent / "store"
+    split(resolve(str(folder)), store, dtype="float32", progress=False)
+    return store
+
+
+def _streaming_only_ram_gb(store, max_batch):
+    """A RAM budget that holds the streamed floor plus one layer, but not every layer."""
+    roomy = plan_route([store], Hardware(None, 64 * GIB), Workload(batch_size=max_batch, mode="resident"))
+    c = roomy.candidate
+    return (sum(c.fixed_bytes()) + roomy.reserve_bytes + 4.5 * max(c.layer_bytes)) / GIB
+
+
+def test_streaming_is_kept_off_interactive_calls(six_layer_store):
+    ram = _streaming_only_ram_gb(six_layer_store, max_batch=2)
+    reference = Engine.open(six_layer_store, device="cpu", resident=True)
+    with Provider(six_layer_store, device="cpu", max_batch=2, max_ram_gb=ram, kv="none") as p:
+        assert (p.route.mode, p.interactive) == ("streamed", False)
+        assert p.route.plan.disk_layers  # some layers really come from disk
+        with pytest.raises(StreamingNotAllowedError, match="generate_batch"):
+            p.sync.generate("Hi")
+        got = asyncio.run(p.generate_batch(PROMPTS[:3], max_new_tokens=4))
+        assert got == reference.generate(PROMPTS[:3], max_new_tokens=4)
+        # the engine's own planner, given the route's settings, places layers as the router did
+        cfg = p.route.engine_config(EngineConfig(device="cpu"))
+        assert plan_for(p.engine.manifest, cfg, torch.device("cpu")).tiers == p.route.plan.tiers
+    with Provider(six_layer_store, device="cpu", max_batch=2, max_ram_gb=ram, allow_streaming=True) as p:
+        assert p.interactive and p.sync.generate("Hi", max_new_tokens=4) == reference.generate(
+            ["Hi"], max_new_tokens=4)[0]
+
+
+def test_turboquant_kv_is_passed_to_the_engine(tiny_store, reference):
+    with Provider(tiny_store, device="cpu", kv="tq") as p:
+        assert p.route.kv == "tq" and p.route.kv_config().backend == "tq"
+        got = p.sync.generate_batch(PROMPTS[:2], max_new_tokens=4)
+    # short sequences stay inside the exact window, so the compressed cache changes nothing yet
+    assert got == reference.generate(PROMPTS[:2], max_new_tokens=4)
+
+
+def test_server_refuses_to_stream_unless_allowed(six_layer_store, capsys):
+    pytest.importorskip("fastapi")
+    from airquant.cli import main
+
+    ram = _streaming_only_ram_gb(six_layer_store, max_batch=2)
+    argv = ["serve", str(six_layer_store), "--device", "cpu", "--max-ram", str(ram), "--max-batch", "2", "--kv", "none"]
+    assert main(argv) == 2  # refused before loading anything
+    assert "--allow-streaming" in capsys.readouterr().err
