@@ -59,11 +59,24 @@ def _engine_config(args):
 # -- shard -------------------------------------------------------------------------------------
 def cmd_shard(args) -> int:
     from airquant.models import resolve
+    from airquant.store.quantize import calibrate, make_transform
     from airquant.store.split import split
 
     source = resolve(args.model)
+    spec = None
+    if args.quant != "none":
+        from airquant.quant import QuantSpec
+
+        spec = QuantSpec(method=args.quant, blocksize=args.blocksize, double_quant=args.double_quant,
+                         group=args.group, outliers=args.outliers, calib=args.calib,
+                         error_feedback=args.error_feedback)
     start = time.perf_counter()
-    manifest = split(source, args.store, dtype=args.dtype, progress=not args.quiet)
+    scales, hessians = ({}, {})
+    if spec is not None and spec.method == "int2" and (spec.outliers > 0 or spec.error_feedback):
+        scales, hessians = calibrate(source, spec, device=args.calib_device)
+    transform, quant = make_transform(source, spec, act_scales=scales, hessians=hessians)
+    manifest = split(source, args.store, dtype=args.dtype, quant=quant, transform=transform,
+                     progress=not args.quiet)
     took = time.perf_counter() - start
     print(f"store {args.store}: {len(manifest.shards)} shards, {manifest.total_bytes / 1e6:.1f} MB, "
           f"{manifest.num_layers} layers, {manifest.scheme}, {took:.1f} s")
@@ -241,7 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shard", help="split a model into one shard per layer")
     p.add_argument("model", help="'default', a model folder, a .gguf file, or a hub id (owner/name)")
     p.add_argument("--store", required=True, help="output store directory (e.g. a Drive folder on Colab)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="dtype of dense tensors (and the compute dtype by default)")
+    p.add_argument("--quant", choices=["none", "nf4", "int2", "keep"], default="none",
+                   help="decoder-layer weights: nf4 (bitsandbytes), int2 (2-bit Lloyd-Max + fp16 outliers), "
+                        "keep (a GGUF file's own Q4_0/Q4_1/Q8_0/K blocks); GPTQ/AWQ checkpoints are detected")
+    p.add_argument("--blocksize", type=int, default=64, help="nf4: weights per absmax block")
+    p.add_argument("--double-quant", action="store_true", help="nf4: quantize the absmax values too")
+    p.add_argument("--group", type=int, default=32, help="int2: input weights per scale/zero group")
+    p.add_argument("--outliers", type=float, default=0.035, help="int2: fraction of input channels kept fp16")
+    p.add_argument("--calib", default=None, metavar="FILE", help="int2: calibration text (not the eval text)")
+    p.add_argument("--calib-device", default="cpu", choices=["cpu", "cuda"], help="int2: calibration device")
+    p.add_argument("--error-feedback", action="store_true", help="int2: GPTQ-style error feedback")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_shard)
 
@@ -321,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_route_flags(p)
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
+
+    from airquant.cli_eval import add_subcommands  # eval, report, env, pipeline
+
+    add_subcommands(sub)
     return parser
 
 

@@ -94,8 +94,10 @@ def _verified(store: Path, entry: ShardEntry | None) -> bool:
     return path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
 
 
-def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) -> dict[str, torch.Tensor]:
+    """Dense float tensors to the store dtype; packed tensors and their scales (``keep``) as they are."""
+    return {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v).contiguous()
+            for k, v in tensors.items()}
 
 
 def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modules: dict[str, dict],
@@ -148,11 +150,11 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
         for group, tensors in source.tensor_groups():
             if group in keep:
                 continue
-            tensors = _cast(tensors, DTYPES[dtype])
             modules: dict[str, dict] = {}
-            if transform is not None:
+            if transform is not None:  # quantizers see the source precision, not the store dtype
                 tensors, modules = transform(group, tensors)
             schemes = {f"{m}.{s}": meta["scheme"] for m, meta in modules.items() for s in meta.get("tensors", [])}
+            tensors = _cast(tensors, DTYPES[dtype], keep=set(schemes))
             manifest.shards[group] = write_shard(store, group, tensors, modules, schemes)
             save_manifest(store, manifest)
             bar.update(1)

@@ -1,0 +1,170 @@
+"""What a quantized store holds: the per-group transform the splitter applies.
+
+Three sources of packed layers, all recorded the same way in the manifest (``ShardEntry.modules``:
+module name -> scheme meta with the list of its tensors):
+
+* ``--quant nf4|int2``: decoder-layer linears quantized once at split time (``airquant.quant``);
+  an untied lm_head is stored as quantized row chunks.
+* pre-quantized GPTQ/AWQ checkpoints (detected from ``quantization_config``): packed tensors kept
+  exactly as the checkpoint has them.
+* ``--quant keep`` on a GGUF file: Q4_0/Q4_1/Q8_0 (and K-quant) blocks kept as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from airquant.errors import AirQuantError
+from airquant.models import ModelSource, gguf_refs
+from airquant.store.split import GroupTransform
+
+log = logging.getLogger(__name__)
+
+_STREAMED_NAME = re.compile(r"^model\.layers\.(\d+)\.layer\.")
+
+
+def linear_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Modules of a decoder layer that are linears: a 2-D ``weight`` (norms are 1-D)."""
+    return sorted(k[: -len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2)
+
+
+def quant_record(spec) -> dict:
+    return {"method": "none"} if spec is None or spec.method == "none" else asdict(spec)
+
+
+def make_transform(source: ModelSource, spec=None, *, act_scales: dict | None = None,
+                   hessians: dict | None = None) -> tuple[GroupTransform | None, dict]:
+    """(transform for ``split``, the manifest's quant record) for this source and request."""
+    from airquant.quant import prequant
+
+    method = spec.method if spec is not None else "none"
+    detected = prequant.detect(source.config.to_dict())
+    if detected is not None:
+        if method != "none":
+            raise AirQuantError(f"{source.spec} is already quantized ({detected['method']}); shard it without "
+                                "--quant to keep its packed tensors as they are.")
+        return _prequant_transform(detected), {"method": detected["method"], **detected["module_meta"]}
+    if method == "none":
+        return None, quant_record(None)
+    if method == "keep":
+        if not source.gguf_file:
+            raise AirQuantError(f"--quant keep keeps a GGUF file's own blocks; {source.spec} is not a .gguf file. "
+                                "Use --quant nf4 or int2 for other sources.")
+        return _gguf_keep_transform(source), quant_record(spec)
+    return _quantize_transform(spec, act_scales or {}, hessians or {}), quant_record(spec)
+
+
+def _quantize_transform(spec, act_scales: dict, hessians: dict) -> GroupTransform:
+    from airquant.quant import quantize_linear
+    from airquant.store.head import quantize_head
+
+    def transform(group: str, tensors: dict[str, torch.Tensor]):
+        if group == "lm_head":
+            return quantize_head(tensors["weight"], spec)
+        if not group.startswith("layer."):
+            return tensors, {}
+        prefix = f"model.layers.{group.split('.')[1]}."
+        out, modules = dict(tensors), {}
+        for m in linear_names(tensors):
+            weight = out.pop(f"{m}.weight")
+            packed, meta = quantize_linear(spec, weight, act_scale=act_scales.get(prefix + m),
+                                           hessian=hessians.get(prefix + m))
+            out.update({f"{m}.{s}": t.contiguous() for s, t in packed.items()})
+            modules[m] = {**meta, "tensors": sorted(packed)}
+        return out, modules
+
+    return transform
+
+
+def _prequant_transform(detected: dict) -> GroupTransform:
+    from airquant.quant.prequant import should_convert
+
+    def transform(group: str, tensors: dict[str, torch.Tensor]):
+        if not group.startswith("layer."):
+            return tensors, {}
+        suffixes: dict[str, list[str]] = defaultdict(list)
+        for name in tensors:
+            module, _, suffix = name.rpartition(".")
+            suffixes[module].append(suffix)
+        modules = {m: {**detected["module_meta"], "tensors": sorted(s for s in sfx if s != "bias")}
+                   for m, sfx in suffixes.items() if "qweight" in sfx and should_convert(m, detected)}
+        return tensors, modules
+
+    return transform
+
+
+def _gguf_keep_transform(source: ModelSource) -> GroupTransform:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    from airquant.quant.gguf_keep import GGUF_TYPES, ggml_type_name, gguf_linear_tensors, llama_qk_row_permutation
+
+    refs, processor = gguf_refs(source)
+    # transformers un-permutes llama.cpp's q/k row order only for llama-family files; so must we.
+    permute = isinstance(processor, TENSOR_PROCESSORS["llama"])
+    heads = {"self_attn.q_proj": source.config.num_attention_heads,
+             "self_attn.k_proj": source.config.num_key_value_heads}
+
+    def transform(group: str, tensors: dict[str, torch.Tensor]):
+        if not group.startswith("layer."):
+            return tensors, {}
+        out, modules = dict(tensors), {}
+        for ref in refs.get(group, []):
+            module = ref.hf_name.removesuffix(".weight")
+            if not ref.hf_name.endswith(".weight") or len(ref.shape) != 2:
+                continue
+            if ggml_type_name(ref.ggml_type) not in GGUF_TYPES:
+                log.info("%s: GGUF type %s is not kept packed; stored dequantized", ref.gguf_name, ref.ggml_type)
+                continue
+            perm = llama_qk_row_permutation(ref.shape[0], heads[module]) if permute and module in heads else None
+            packed, meta = gguf_linear_tensors(ref.data, ref.ggml_type, ref.shape, row_perm=perm)
+            del out[ref.hf_name]
+            out.update({f"{module}.{s}": t for s, t in packed.items()})
+            modules[module] = {**meta, "tensors": sorted(packed)}
+        return out, modules
+
+    return transform
+
+
+def calibrate(source: ModelSource, spec, *, device: str = "cpu", n_tokens: int = 2048):
+    """Activation scales (and Hessians for error feedback) of every decoder linear, from ``spec.calib``.
+
+    Runs the model streamed from a temporary float32 store, so calibration never needs the whole
+    model in memory; the temporary store is removed afterwards.
+    """
+    from airquant.engine.runner import Engine
+    from airquant.quant import calibrate_act_scales, calibrate_hessians
+    from airquant.store.split import split
+
+    if not spec.calib:
+        raise AirQuantError("--quant int2 ranks outlier channels by activations: pass --calib FILE with sample "
+                            "text (other than what you evaluate, e.g. the WikiText-2 validation split).")
+    path = Path(spec.calib)
+    if not path.is_file():
+        raise AirQuantError(f"--calib {path} does not exist.")
+    tmp = Path(tempfile.mkdtemp(prefix="airquant-calib-"))
+    try:
+        split(source, tmp / "dense", dtype="float32", progress=False)
+        engine = Engine.open(tmp / "dense", device=device)
+        text = path.read_text(encoding="utf-8")
+        if spec.error_feedback:
+            scales, hess = calibrate_hessians(engine.model, engine.tokenizer, text, n_tokens)
+        else:
+            scales, hess = calibrate_act_scales(engine.model, engine.tokenizer, text, n_tokens), {}
+        engine.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _plain_names(scales), _plain_names(hess)
+
+
+def _plain_names(stats: dict) -> dict:
+    """Hook names seen through the streamed wrapper (``model.layers.N.layer.x``) as checkpoint names."""
+    return {_STREAMED_NAME.sub(r"model.layers.\1.", k): v for k, v in stats.items()}
+

@@ -1,0 +1,133 @@
+"""Quantized stores end to end: shard --quant / pre-quantized checkpoints -> stream -> logits."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from airquant.cli import main
+from airquant.engine.runner import Engine
+from airquant.errors import AirQuantError
+from airquant.models import resolve
+from airquant.store.manifest import load_manifest
+from airquant.store.quantize import make_transform
+from airquant.store.split import split
+
+PROMPTS = ["The quick brown fox", "Once upon a time there lived"]
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_nf4_store_equals_bitsandbytes_in_memory(tmp_path, tiny_llama):
+    pytest.importorskip("bitsandbytes")
+    from airquant.quant import QuantSpec, quantize_model_inplace
+
+    spec = QuantSpec(method="nf4")
+    source = resolve(str(tiny_llama))
+    transform, quant = make_transform(source, spec)
+    store = tmp_path / "nf4"
+    split(source, store, dtype="float32", quant=quant, transform=transform, progress=False)
+    m = load_manifest(store)
+    entry = m.shards["layer.0"]
+    assert entry.modules["self_attn.q_proj"]["scheme"] == "nf4"
+    assert entry.tensors["self_attn.q_proj.weight_packed"]["scheme"] == "nf4"
+    assert entry.tensors["input_layernorm.weight"]["scheme"] == "dense"
+    assert "chunks.0" in m.shards["lm_head"].modules  # untied head stored as NF4 row chunks
+    engine = Engine.open(store, device="cpu")
+    enc = engine.encode(PROMPTS)
+    got = engine.forward(**enc)
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    quantize_model_inplace(ref_model, spec)
+    ref_head = ref_model.lm_head.weight
+    from airquant.quant import make_linear, quantize_linear
+
+    packed, meta = quantize_linear(spec, ref_head.detach())
+    head = make_linear(meta, ref_head.shape[1], ref_head.shape[0], False, compute_dtype=torch.float32)
+    head.load_state_dict(packed, assign=True)
+    ref_model.lm_head = head
+    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = ref_model(**enc, position_ids=position_ids).logits
+    mask = enc["attention_mask"].bool()
+    assert _rel(got[mask], want[mask]) <= 1e-4
+    resident = Engine.open(store, device="cpu", resident=True)
+    assert [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=6)] == \
+        [c.token_ids for c in resident.generate_detailed(PROMPTS, max_new_tokens=6)]
+
+
+@pytest.mark.parametrize("method, desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_prequantized_checkpoint_streams_its_packed_tensors(tmp_path, real_tokenizer, method, desc_act):
+    from airquant.quant.synthetic import tiny_llama_config, write_synthetic_gptq_checkpoint
+
+    ckpt = write_synthetic_gptq_checkpoint(
+        tmp_path / "ckpt", method=method, desc_act=desc_act,
+        llama_config=tiny_llama_config(vocab_size=len(real_tokenizer)))
+    real_tokenizer.save_pretrained(ckpt.path)
+    source = resolve(str(ckpt.path))
+    transform, quant = make_transform(source)
+    assert quant["method"] == method
+    store = tmp_path / "store"
+    split(source, store, dtype="float32", quant=quant, transform=transform, progress=False)
+    entry = load_manifest(store).shards["layer.1"]
+    assert entry.modules["mlp.down_proj"]["scheme"] == method
+    assert entry.tensors["mlp.down_proj.qweight"]["dtype"] == "int32"
+    # the reference: a plain Llama holding the checkpoint's exact dequantized weights
+    ref = AutoModelForCausalLM.from_config(source.config.__class__(**{
+        k: v for k, v in ckpt.config.items() if k != "quantization_config"}), dtype=torch.float32).eval()
+    ref.load_state_dict(ckpt.reference_state_dict)
+    engine = Engine.open(store, device="cpu")
+    enc = engine.encode(PROMPTS)
+    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = ref(**enc, position_ids=position_ids).logits
+    mask = enc["attention_mask"].bool()
+    assert _rel(engine.forward(**enc)[mask], want[mask]) <= 1e-4
+
+
+def test_quantizing_a_prequantized_checkpoint_is_refused(tmp_path, real_tokenizer):
+    from airquant.quant import QuantSpec
+    from airquant.quant.synthetic import write_synthetic_gptq_checkpoint
+
+    ckpt = write_synthetic_gptq_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(AirQuantError, match="already quantized"):
+        make_transform(resolve(str(ckpt.path)), QuantSpec(method="nf4"))
+
+
+def test_keep_needs_a_gguf_source(tiny_llama):
+    from airquant.quant import QuantSpec
+
+    with pytest.raises(AirQuantError, match="not a .gguf file"):
+        make_transform(resolve(str(tiny_llama)), QuantSpec(method="keep"))
+
+
+def test_int2_shard_through_the_cli(tmp_path, tiny_llama, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("Some calibration text about ships, whales and the sea. " * 40)
+    store = tmp_path / "int2"
+    args = ["shard", str(tiny_llama), "--store", str(store), "--quant", "int2", "--dtype", "float32",
+            "--calib", str(calib), "--quiet"]
+    assert main(args) == 0
+    m = load_manifest(store)
+    meta = m.shards["layer.0"].modules["mlp.up_proj"]
+    assert meta["scheme"] == "int2" and meta["n_outliers"] >= 1
+    assert main(["generate", str(store), "--prompt", "Hello", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    no_calib = ["shard", str(tiny_llama), "--store", str(tmp_path / "other"), "--quant", "int2", "--quiet"]
+    assert main(no_calib) == 2  # int2 without --calib: a clear error
+    assert "--calib FILE" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gguf_keep_matches_dequantized_model(tmp_path, default_gguf):
+    from airquant.quant import QuantSpec
+
+    source = resolve("default")
+    transform, quant = make_transform(source, QuantSpec(method="keep"))
+    split(source, tmp_path / "keep", dtype="float32", quant=quant, transform=transform, progress=False)
+    split(source, tmp_path / "dense", dtype="float32", progress=False)
+    entry = load_manifest(tmp_path / "keep").shards["layer.0"]
+    assert entry.modules["self_attn.q_proj"]["scheme"] == "gguf"
+    keep, dense = Engine.open(tmp_path / "keep", device="cpu"), Engine.open(tmp_path / "dense", device="cpu")
+    enc = keep.encode(["The capital of France is", "Whales are"])
+    mask = enc["attention_mask"].bool()
+    assert _rel(keep.forward(**enc)[mask], dense.forward(**enc)[mask]) <= 1e-4
