@@ -2,12 +2,13 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STORE  ?= store/default-bf16
+STORE  ?= store
+RESULTS ?= results
 STAMP  := $(VENV)/.airquant-installed
 
 .PHONY: run test test-fast env clean-env
 
-$(STAMP): requirements-core.txt requirements-dev.txt requirements-models.txt pyproject.toml
+$(STAMP): requirements-core.txt requirements-eval.txt requirements-dev.txt requirements-models.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
@@ -17,10 +18,9 @@ $(STAMP): requirements-core.txt requirements-dev.txt requirements-models.txt pyp
 
 env: $(STAMP)
 
+# Notebooks 01-04 with quick sizes (papermill): stores under $(STORE), rows, plots and RESULTS.md under $(RESULTS).
 run: $(STAMP)
-	$(BIN)/airquant shard default --store $(STORE) --dtype bfloat16
-	$(BIN)/airquant generate $(STORE) --device cpu --chat --max-new-tokens 32 \
-		--prompt "What is the capital of France?"
+	$(BIN)/airquant pipeline --quick --model default --store $(STORE) --results $(RESULTS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

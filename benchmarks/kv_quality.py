@@ -64,6 +64,9 @@ def ppl_configs(args, has_tq: bool) -> dict[str, KVConfig]:
     configs = {
         "fp16_cache": KVConfig(),
         "k4v2": KVConfig(backend="tq", bits_k=4, bits_v=2, window=args.window, block=args.block),
+        "k4v2_unbiased": KVConfig(
+            backend="tq", bits_k=4, bits_v=2, window=args.window, block=args.block, unbiased=True
+        ),
         "mixed": KVConfig.mixed(args.num_layers, window=args.window, block=args.block),
     }
     if has_tq:

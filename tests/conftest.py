@@ -89,3 +89,13 @@ def default_store(tmp_path_factory, default_gguf) -> Path:
     store = tmp_path_factory.mktemp("default") / "store"
     split(resolve("default"), store, dtype="bfloat16", progress=False)
     return store
+
+
+@pytest.fixture(scope="session")
+def eval_data() -> None:
+    """Skip unless the local copies of WikiText-2, CNN/DailyMail and the haystack are found."""
+    from airquant.eval.data import DATA_DIR_ENV, LOCAL_DEFAULTS, find_local
+
+    missing = [LOCAL_DEFAULTS[kind] for kind in LOCAL_DEFAULTS if find_local(kind) is None]
+    if missing:
+        pytest.skip(f"evaluation data {missing} not found; put it in ${DATA_DIR_ENV}")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+from airquant.errors import EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_haystack
-from airquant.errors import EvalConfigError
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from airquant.eval.data import load_wikitext
 from airquant.errors import EvalConfigError
+from airquant.eval.data import load_wikitext
 from airquant.eval.perplexity import Window, batch_windows, check_window, plan_windows, tokenize_text
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 

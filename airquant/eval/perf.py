@@ -24,9 +24,9 @@ from typing import Any, ClassVar, Literal, Sequence
 import psutil
 import torch
 
+from airquant.errors import EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_wikitext
-from airquant.errors import EvalConfigError
 from airquant.eval.rows import GB, RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)

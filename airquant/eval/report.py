@@ -14,9 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from airquant.eval import plots
-from airquant.eval import references as ref
 from airquant.errors import ResultsFileError
+from airquant.eval import kvmem, plots
+from airquant.eval import references as ref
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
 
@@ -310,6 +310,7 @@ def build_report(results_dir: str | Path = "results", *, make_plots: bool | None
     for model, columns in by_model.items():
         lines += _model_section(model, columns, links)
     lines += _parity_section(results) + _perf_section(results) + _niah_section(results, links)
+    lines += kvmem.markdown_section([r.row for r in results.of("kvmem")], md_table)
     lines += _extras_section(results) + _provenance_section(results)
     lines += notes
     return write_text_atomic("\n".join(lines).rstrip() + "\n", results_dir / REPORT_NAME)

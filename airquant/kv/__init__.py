@@ -24,10 +24,12 @@ __all__ = ["KVConfig", "KVConfigError", "Schedule", "make_cache", "kv_logits", "
 def model_dims(model_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a decoder config; rejects layouts the cache can't hold."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(cfg, "sliding_window", None):
+    layer_types = getattr(cfg, "layer_types", None)
+    # layer_types is authoritative where present (Qwen2 keeps a sliding_window value it does not use).
+    sliding = any(t != "full_attention" for t in layer_types) if layer_types else getattr(cfg, "sliding_window", None)
+    if sliding:
         raise KVConfigError(
-            f"{type(cfg).__name__} has sliding-window/linear layers ({sorted(set(layer_types))}); the "
+            f"{type(cfg).__name__} has sliding-window/linear layers ({sorted(set(layer_types or ['sliding']))}); the "
             "TurboQuant KV cache supports full-attention decoders only: use kv backend 'none'"
         )
     heads = cfg.num_attention_heads
@@ -45,6 +47,9 @@ def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
     (``model.config``), since the attention modules read the implementation name from it. Plain
     caches keep working afterwards: untagged keys go to transformers' sdpa path. The cache raises
     KVConfigError at the step after one where some other attention implementation bypassed it.
+    Streamed engine: call make_cache before building the causal mask (``create_causal_mask`` picks
+    the mask builder by the same name; ``airquant_tq`` uses sdpa's boolean mask), then pass the
+    cache as ``past_key_values`` to each decoder layer as transformers' own model loop does.
     Backend "turboquant": the package's cache (one bit-width, ``bits_k`` must equal ``bits_v``).
     ``device``/``dtype`` are taken from the first states written; they are accepted for API symmetry.
     """

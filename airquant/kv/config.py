@@ -79,6 +79,8 @@ class KVConfig:
         flush, over the exact tokens held then, and added back exactly in the attention: no bits.
     center_v: the same for values (11-27 % of their energy in SmolLM2).
     norm_bits: 16 (fp16 norms) or 8 (log2 code against a per-head reference, 1.3 % rms error).
+    unbiased: store norm / <y, c> instead of the norm, so the codebook's shrink toward 0 does not
+        bias attention against the history (see Codec.vector_scale). Same bytes.
     layer_bits: mixed precision: ``((layer, bits_k, bits_v), ...)`` overrides for the layers that
         carry most of the error (CLI form ``0:4:4,29:4:3``).
     """
@@ -93,6 +95,7 @@ class KVConfig:
     center_k: bool = False
     center_v: bool = False
     norm_bits: int = 16
+    unbiased: bool = False
     layer_bits: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -134,6 +137,7 @@ class KVConfig:
             center_k=True,
             center_v=True,
             norm_bits=8,
+            unbiased=True,
             layer_bits=mixed_layer_bits(num_layers),
         )
         base.update(overrides)

@@ -58,7 +58,7 @@ def use_tq_attention(config) -> None:
     """Point a model config (and its sub-configs) at ``airquant_tq``."""
     register()
     if getattr(config, "_attn_implementation", None) != ATTN_NAME:
-        logger.info("setting attention implementation %r -> %r", config._attn_implementation, ATTN_NAME)
+        logger.debug("setting attention implementation %r -> %r", config._attn_implementation, ATTN_NAME)
         config._attn_implementation = ATTN_NAME
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text is not config and getattr(text, "_attn_implementation", None) != ATTN_NAME:

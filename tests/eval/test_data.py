@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from airquant.eval import data
 from airquant.errors import EvalDataError
+from airquant.eval import data
 
 
 @pytest.fixture

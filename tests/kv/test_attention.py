@@ -32,7 +32,7 @@ def test_matches_float64_dequantized_attention(
     batch, hkv, groups = 2, 2, 3
     kv = KVConfig(
         backend="tq", bits_k=bits_k, bits_v=bits_v, window=5, block=4, sink=sink, center_k=center, center_v=center,
-        norm_bits=norm_bits,
+        norm_bits=norm_bits, unbiased=center,
     )
     layer = _filled_layer(kv, batch, hkv, dim, prompt=40, gen=gen)
     keys, values = layer.update(

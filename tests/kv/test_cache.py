@@ -106,6 +106,18 @@ def test_mixed_preset_stays_within_three_bits():
     assert kv.bits_for(16) == (4, 3) and kv.bits_for(12) == (3, 2)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unbiased_scale_keeps_projection_on_the_input(bits):
+    # Reference: plain float64 projection <x_hat, x> / |x|^2, 1 - MSE for the plain codec.
+    x = torch.randn(1, 1, 2000, 64)
+    plain, unbiased = Codec(64, bits, 5), Codec(64, bits, 5, unbiased=True)
+    for codec, expected in ((plain, 1 - plain.codebook.mse_per_vector), (unbiased, 1.0)):
+        x_hat = codec.decode(codec.encode(x)).double()
+        proj = (x_hat * x.double()).sum(-1) / (x.double() ** 2).sum(-1)
+        assert proj.mean().item() == pytest.approx(expected, abs=2e-3)
+    assert unbiased.bytes_per_vector() == plain.bytes_per_vector()
+
+
 def test_eight_bit_norms_are_within_half_a_step():
     codec = Codec(64, 4, 0, norm_bits=8)
     x = torch.randn(1, 2, 500, 64) * torch.logspace(-1, 2, 500).view(1, 1, 500, 1)

@@ -67,7 +67,7 @@ def test_decoding_token_by_token_matches_kv_logits(make_llama, center_k):
     seq = torch.randint(2, 95, (2, 45), generator=gen)
     kv = KVConfig(
         backend="tq", bits_k=3, bits_v=2, window=6, block=3, sink=2, center_k=center_k, center_v=center_k,
-        norm_bits=8 if center_k else 16, layer_bits=((1, 4, 3),),
+        norm_bits=8 if center_k else 16, unbiased=center_k, layer_bits=((1, 4, 3),),
     )
     cache = make_cache(model.config, kv)
     with torch.no_grad():

@@ -45,7 +45,7 @@ def test_kernel_matches_torch_and_float64(
     batch, hkv, groups = 2, 2, 4
     kv = KVConfig(
         backend="tq", bits_k=bits_k, bits_v=bits_v, window=16, block=8, sink=sink, center_k=center, center_v=center,
-        norm_bits=norm_bits,
+        norm_bits=norm_bits, unbiased=center,
     )
     keys, values, ctx = _layer_and_step(kv, batch, hkv, dim, prompt, q_len, gen)
     plain = keys.as_subclass(torch.Tensor)

@@ -1,0 +1,262 @@
+"""``airquant eval ppl|rouge|niah|perf|parity|kvmem``, ``airquant report``, ``airquant env``, ``airquant pipeline``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from airquant.errors import AirQuantError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more positive integers, e.g. 1,2,4")
+    return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from exc
+
+
+def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        return tuple(tuple(int(v) for v in entry.split(":")) for entry in text.split(",") if entry.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:BITS_K:BITS_V[,...], e.g. 0:4:4,29:4:3") from exc
+
+
+# -- eval -------------------------------------------------------------------------------------------
+def _add_kv_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
+    g.add_argument("--kv", choices=["none", "tq", "turboquant"], default="none",
+                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)")
+    g.add_argument("--kv-bits-k", type=int, default=None, metavar="B", help="key bits (KVConfig default 4)")
+    g.add_argument("--kv-bits-v", type=int, default=None, metavar="B", help="value bits (default 2)")
+    g.add_argument("--kv-window", type=int, default=None, metavar="N", help="recent tokens kept exact (default 128)")
+    g.add_argument("--kv-block", type=int, default=None, metavar="N", help="tokens leaving the window at a time")
+    g.add_argument("--kv-sink", type=int, default=None, metavar="N", help="first tokens never quantized")
+    g.add_argument("--kv-seed", type=int, default=None, metavar="S", help="seed of the per-layer rotations")
+    g.add_argument("--kv-center-k", action="store_true", default=None, help="subtract a per-head key mean first")
+    g.add_argument("--kv-layer-bits", type=_layer_bits, default=None, metavar="L:K:V,...",
+                   help="per-layer bit overrides, e.g. 0:4:4,29:4:3")
+
+
+def kv_from_args(args):
+    """The ``KVConfig`` the flags describe, or None for ``--kv none``."""
+    if args.kv == "none":
+        return None
+    from airquant.kv import KVConfig
+
+    names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits")
+    given = {n: getattr(args, f"kv_{n}") for n in names if getattr(args, f"kv_{n}") is not None}
+    return KVConfig(backend=args.kv, **given)
+
+
+def _metric_call(args, engine, kv):
+    from airquant import eval as ev
+
+    common = dict(data=args.data, kv=kv)
+    if args.metric == "ppl":
+        return [ev.run_perplexity(engine, limit_tokens=args.limit_tokens, max_length=args.max_length,
+                                  stride=args.stride, batch_size=args.batch, **common)]
+    if args.metric == "rouge":
+        return [ev.run_rouge(engine, limit=args.limit, max_new_tokens=args.max_new_tokens, max_length=args.max_length,
+                             batch_size=args.batch, **common)]
+    if args.metric == "niah":
+        return [ev.run_niah(engine, context_lengths=args.context_lengths, depths=args.depths, trials=args.trials,
+                            max_length=args.max_length, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                            seed=args.seed, **common)]
+    if args.metric == "perf":
+        return ev.run_perf_sweep(engine, batch_sizes=args.batch_sizes, prompt_length=args.prompt_length,
+                                 max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
+                                 **common)
+    if args.metric == "kvmem":
+        return [ev.run_kv_memory(engine, context_lengths=args.context_lengths, batch_size=args.batch,
+                                 vram_budget_gb=args.vram_budget, **common)]
+    return [_parity(args, engine, kv)]
+
+
+def _parity(args, engine, kv):
+    from airquant.engine.runner import Engine
+    from airquant.eval import run_parity
+
+    if args.reference is None and not args.reference_resident and kv is None:
+        raise AirQuantError("parity needs something to compare with: --reference STORE, --reference-resident, "
+                            "or a --kv scheme (compared with the same store without it).")
+    reference = None
+    if args.reference is not None or args.reference_resident:
+        ref_cfg = replace(engine.cfg, resident=args.reference_resident)
+        reference = Engine.open(args.reference or args.store, ref_cfg)
+    try:
+        return run_parity(engine, reference=reference, data=args.data, limit_tokens=args.limit_tokens,
+                          max_length=args.max_length, stride=args.stride, batch_size=args.batch, kv=kv)
+    finally:
+        if reference is not None:
+            reference.close()
+
+
+def cmd_eval(args) -> int:
+    from airquant.cli import _engine_config
+    from airquant.engine.runner import Engine
+    from airquant.eval import write_row, write_rows
+    from airquant.suite import headline, row_path
+
+    kv = kv_from_args(args)
+    batch = max(getattr(args, "batch_sizes", None) or (args.batch,))
+    engine = Engine.open(args.store, replace(_engine_config(args), batch_size=batch))
+    try:
+        rows = _metric_call(args, engine, kv)
+    finally:
+        engine.close()
+    if args.out and len(rows) > 1:
+        paths = [write_rows(rows, args.out)]
+    elif args.out:
+        paths = [write_row(rows[0], args.out)]
+    else:
+        paths = [write_row(r, row_path(args.results, r)) for r in rows]
+    for path in paths:
+        print(f"wrote {path}")
+    for r in rows:
+        print(headline(r))
+    return 0
+
+
+def _add_eval_parsers(sub) -> None:
+    from airquant.cli import _add_engine_flags
+
+    p = sub.add_parser("eval", help="measure one metric on a store; write a results row")
+    metrics = p.add_subparsers(dest="metric", metavar="METRIC", required=True)
+    helps = {"ppl": "sliding-window perplexity (WikiText-2 test)", "rouge": "ROUGE-L of summaries (CNN/DailyMail)",
+             "niah": "needle-in-a-haystack recall", "perf": "TTFT, throughput, memory, bandwidth use",
+             "parity": "logits against a reference engine", "kvmem": "KV-cache bytes vs context, largest batch"}
+    for name, text in helps.items():
+        m = metrics.add_parser(name, help=text)
+        m.add_argument("store")
+        m.add_argument("--data", default=None, metavar="FILE", help="evaluation text instead of the standard set")
+        m.add_argument("--out", default=None, metavar="FILE.json",
+                       help="row file (default: RESULTS/<metric>__<model>__<scheme>__kv-<kv>__bs<N>.json)")
+        m.add_argument("--results", default="results", metavar="DIR", help="folder of the default --out")
+        m.add_argument("--batch", type=int, default=1, metavar="N",
+                       help="windows / prompts per weight pass (default 1)")
+        _add_metric_flags(m, name)
+        _add_kv_flags(m)
+        _add_engine_flags(m)
+        m.set_defaults(func=cmd_eval)
+
+
+def _add_metric_flags(m: argparse.ArgumentParser, name: str) -> None:
+    if name in ("ppl", "parity"):
+        m.add_argument("--limit-tokens", type=int, default=None, metavar="N", help="first N tokens of the text")
+        m.add_argument("--max-length", type=int, default=2048, metavar="L", help="window length (default 2048)")
+        m.add_argument("--stride", type=int, default=512 if name == "ppl" else None, metavar="S",
+                       help="window step (ppl default 512; parity default: --max-length)")
+    if name == "parity":
+        m.add_argument("--reference", default=None, metavar="STORE", help="reference store (same model)")
+        m.add_argument("--reference-resident", action="store_true",
+                       help="run the reference resident (the store itself unless --reference)")
+    if name in ("rouge", "niah"):
+        m.add_argument("--max-length", type=int, default=None, metavar="L", help="context cap (default: model's)")
+        m.add_argument("--max-new-tokens", type=int, default=128 if name == "rouge" else 32, metavar="N")
+    if name == "rouge":
+        m.add_argument("--limit", type=int, default=None, metavar="N", help="first N articles")
+    if name == "niah":
+        m.add_argument("--context-lengths", type=_int_list, default=None, metavar="L,L",
+                       help="prompt+answer lengths (default 1K, 2K, ... up to the context)")
+        m.add_argument("--depths", type=_float_list, default=tuple(float(d) for d in range(0, 101, 10)),
+                       metavar="D,D", help="needle depths in percent (default 0,10,...,100)")
+        m.add_argument("--trials", type=int, default=1)
+        m.add_argument("--seed", type=int, default=0)
+    if name == "perf":
+        m.add_argument("--batch-sizes", type=_int_list, default=(1,), metavar="B,B",
+                       help="batch sizes to sweep (default 1); one row each")
+        m.add_argument("--prompt-length", type=int, default=512, metavar="N")
+        m.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+        m.add_argument("--warmup", type=int, default=1)
+        m.add_argument("--repeats", type=int, default=3)
+    if name == "kvmem":
+        m.add_argument("--context-lengths", type=_int_list, default=(512, 1024, 2048), metavar="L,L")
+        m.add_argument("--vram-budget", type=float, default=4.0, metavar="GB",
+                       help="GPU size the largest batch is planned for (GiB, default 4)")
+
+
+# -- report, env, pipeline --------------------------------------------------------------------------
+def cmd_report(args) -> int:
+    from airquant.eval import build_report
+
+    path = build_report(args.results_dir, make_plots=False if args.no_plots else None)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_env(args) -> int:
+    from airquant import envs
+
+    if args.action == "list":
+        for stage in envs.STAGES:
+            kernel = envs.find_kernel(stage) or "not registered"
+            print(f"{stage:<14} {envs.stage_file(stage)}  kernel: {kernel}")
+        return 0
+    prefix = envs.create_env(args.stage, args.prefix)
+    print(f"environment {prefix}: Jupyter kernel {envs.kernel_name(args.stage)} registered")
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    import logging
+
+    from airquant.pipeline import PipelineConfig, run_pipeline
+
+    logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
+    cfg = PipelineConfig(model=args.model, store=args.store, quick=args.quick, results=args.results,
+                         device=args.device, stages=tuple(args.stages) if args.stages else PipelineConfig.stages,
+                         kernels=args.kernels, schemes=tuple(args.schemes) if args.schemes else None,
+                         cell_timeout_s=args.cell_timeout, progress=not args.quiet)
+    result = run_pipeline(cfg)
+    for run in result.stages:
+        print(f"{run.stage:<14} {run.seconds:7.1f} s  kernel {run.kernel:<22} {run.notebook}")
+    print(f"pipeline finished in {result.seconds / 60:.1f} min: {result.report}")
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    """Register eval, report, env and pipeline on the ``airquant`` parser's subcommands."""
+    from airquant.envs import STAGES
+
+    _add_eval_parsers(sub)
+    p = sub.add_parser("report", help="assemble RESULTS_DIR/RESULTS.md (and plots) from the rows there")
+    p.add_argument("results_dir", nargs="?", default="results")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("env", help="per-stage pinned environments (environments/*.txt) and their kernels")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    c = actions.add_parser("create", help="build a stage's virtual environment and register its Jupyter kernel")
+    c.add_argument("stage", choices=STAGES)
+    c.add_argument("--prefix", default=None, metavar="DIR", help="where the venv goes (default .venvs/STAGE)")
+    c.set_defaults(func=cmd_env)
+    actions.add_parser("list", help="stages, requirement files, registered kernels").set_defaults(func=cmd_env)
+
+    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md")
+    p.add_argument("--model", default="default", help="'default', a model folder, a .gguf file, or a hub id")
+    p.add_argument("--store", default="store", metavar="DIR", help="folder of the stores (default ./store)")
+    p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=False,
+                   help="small sizes: minutes on a CPU (default: the full suite)")
+    p.add_argument("--results", default="results", metavar="DIR")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--schemes", nargs="+", choices=["bf16", "nf4"], default=None,
+                   help="stores stage 01 builds (default: bf16, and nf4 when bitsandbytes imports)")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=None, help="run only these stages, in order")
+    p.add_argument("--kernels", choices=["auto", "current"], default="auto",
+                   help="auto: each stage's own kernel when registered; current: this interpreter for all")
+    p.add_argument("--cell-timeout", type=int, default=None, metavar="S",
+                   help="stop a notebook whose cell runs longer than S seconds (default: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar over the notebook cells")
+    p.set_defaults(func=cmd_pipeline)
+

@@ -1,0 +1,204 @@
+"""One configuration's metrics, run or reused: what notebooks 02-04 and ``airquant pipeline`` measure.
+
+``evaluate(store, metrics, sizes, kv=...)`` opens the store once, runs each ``airquant.eval`` metric
+with the settings ``sizes`` gives it and writes each row under ``results_dir``. With ``reuse=True`` a
+metric whose row is already there, measured with the same settings on the same store, scheme, KV
+cache and device (by an earlier stage, say), is read back instead of measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from airquant.errors import EvalConfigError
+from airquant.stages import Metric, Sizes, open_engine
+
+log = logging.getLogger(__name__)
+
+METRICS: tuple[Metric, ...] = ("ppl", "rouge", "niah", "perf", "parity", "kvmem")
+# (store scheme, KV backend) columns of the results table, in order.
+CONFIGURATIONS = (("bf16", "none"), ("nf4", "none"), ("nf4", "tq"))
+
+
+def configurations(stores: dict[str, Path], sizes: Sizes) -> list[dict]:
+    """``{"name", "store", "kv"}`` for every column the stores at hand allow.
+
+    Without an NF4 store (no bitsandbytes) the TurboQuant column runs on the bf16 store.
+    """
+    from airquant.stages import kv_config
+
+    wanted = CONFIGURATIONS if "nf4" in stores else (("bf16", "none"), ("bf16", "tq"))
+    return [{"name": f"{scheme} + KV {backend}", "store": stores[scheme], "kv": kv_config(backend, sizes)}
+            for scheme, backend in wanted if scheme in stores]
+
+
+def settings(metric: Metric, sizes: Sizes) -> tuple[dict, dict]:
+    """(keyword arguments of the metric's ``run_*`` function, the row fields that record them)."""
+    if metric == "ppl":
+        kw = dict(limit_tokens=sizes.ppl_tokens, max_length=sizes.ppl_max_length, stride=sizes.ppl_stride,
+                  batch_size=sizes.batch)
+        return kw, kw
+    if metric == "parity":
+        kw = dict(limit_tokens=sizes.parity_tokens, max_length=sizes.ppl_max_length, stride=sizes.ppl_max_length,
+                  batch_size=sizes.batch)
+        return kw, kw
+    if metric == "rouge":
+        kw = dict(limit=sizes.rouge_samples, max_new_tokens=sizes.rouge_new_tokens,
+                  max_length=sizes.rouge_max_length, batch_size=sizes.batch)
+        return kw, {**{k: v for k, v in kw.items() if k != "limit"}, "n_samples": sizes.rouge_samples}
+    if metric == "niah":
+        kw = dict(context_lengths=tuple(sizes.niah_contexts), depths=tuple(float(d) for d in sizes.niah_depths),
+                  trials=1, max_new_tokens=sizes.niah_new_tokens, batch_size=sizes.batch)
+        return kw, kw
+    if metric == "perf":
+        kw = dict(batch_sizes=tuple(sizes.perf_batches), prompt_length=sizes.perf_prompt,
+                  max_new_tokens=sizes.perf_new_tokens, warmup=1, repeats=sizes.perf_repeats)
+        return kw, {k: v for k, v in kw.items() if k != "batch_sizes"}
+    if metric == "kvmem":
+        kw = dict(context_lengths=tuple(sizes.kv_contexts), vram_budget_gb=sizes.kv_budget_gb, batch_size=1)
+        return kw, kw
+    raise EvalConfigError(f"metric {metric!r} is not one of {METRICS}.")
+
+
+def row_path(results_dir: str | Path, row: Any, label: str = "full") -> Path:
+    """``results_dir/<default_row_name>``, with ``__<label>`` before ``.json`` for other than full sizes."""
+    from airquant.eval import default_row_name
+
+    name = default_row_name(row)
+    return Path(results_dir) / (name if label == "full" else name.replace(".json", f"__{label}.json"))
+
+
+# -- reuse ------------------------------------------------------------------------------------------
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b)
+    return a == b
+
+
+def _identity(store: Path, kv: Any, device: str) -> dict:
+    from airquant.engine.runner import resolve_device
+    from airquant.eval.rows import kv_label
+    from airquant.store.manifest import load_manifest
+
+    manifest = load_manifest(store)
+    return {"model": str(manifest.source.get("name")), "store_scheme": manifest.scheme, "kv_scheme": kv_label(kv),
+            "device": resolve_device(device).type, "streamed": True}
+
+
+def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes, *, kv: Any = None,
+              reference: Path | None = None, device: str = "auto") -> list:
+    """Rows already in ``results_dir`` that measured exactly this (empty when any is missing)."""
+    from airquant.eval.results import load_results
+
+    if not Path(results_dir).is_dir():
+        return []
+    want = _identity(store, kv, device)
+    ref_want = _identity(reference or store, None, device) if metric == "parity" else None
+    _, fields = settings(metric, sizes)
+    found = {}
+    for loaded in load_results(Path(results_dir)).of(metric):
+        row = loaded.row
+        if any(getattr(row.run, k) != v for k, v in want.items()):
+            continue
+        if ref_want and any(getattr(row.reference_run, k) != v for k, v in ref_want.items()
+                            if k in ("model", "store_scheme", "kv_scheme")):
+            continue
+        if all(_same(getattr(row, k, None), v) for k, v in fields.items()):
+            found[row.batch_size] = row
+    if metric == "perf":
+        return [found[b] for b in sizes.perf_batches] if all(b in found for b in sizes.perf_batches) else []
+    return list(found.values())[:1]
+
+
+# -- running ----------------------------------------------------------------------------------------
+def _run(metric: Metric, engine: Any, sizes: Sizes, kv: Any, reference: Path | None, device: str) -> list:
+    from airquant import eval as ev
+
+    kw, _ = settings(metric, sizes)
+    if metric == "ppl":
+        return [ev.run_perplexity(engine, kv=kv, **kw)]
+    if metric == "rouge":
+        return [ev.run_rouge(engine, kv=kv, **kw)]
+    if metric == "niah":
+        return [ev.run_niah(engine, kv=kv, **kw)]
+    if metric == "perf":
+        return ev.run_perf_sweep(engine, kv=kv, **kw)
+    if metric == "kvmem":
+        from airquant.eval.kvmem import run_kv_memory
+
+        return [run_kv_memory(engine, kv=kv, **kw)]
+    ref_engine = open_engine(reference, device) if reference is not None else None
+    try:
+        return [ev.run_parity(engine, reference=ref_engine, kv=kv, **kw)]
+    finally:
+        if ref_engine is not None:
+            ref_engine.close()
+
+
+def model_context(store: Path) -> int:
+    config = json.loads((Path(store) / "config.json").read_text(encoding="utf-8"))
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: Any = None,
+             reference: str | Path | None = None, device: str = "auto", results_dir: str | Path = "results",
+             reuse: bool = False) -> list:
+    """Every metric of ``metrics`` on ``store`` (streamed, with ``kv``); each row written under ``results_dir``.
+
+    ``reference`` is parity's reference store (default: the same store without ``kv``).
+    """
+    store = Path(store)
+    reference = Path(reference) if reference is not None else None
+    sizes = sizes.fit(model_context(store))
+    rows, engine = [], None
+    try:
+        for metric in metrics:
+            old = find_rows(results_dir, store, metric, sizes, kv=kv, reference=reference, device=device) \
+                if reuse else []
+            if old:
+                log.info("%s on %s: reusing %d row(s) already in %s", metric, store.name, len(old), results_dir)
+                rows += old
+                continue
+            if engine is None:
+                engine = open_engine(store, device, batch_size=max(sizes.batch, *sizes.perf_batches))
+            from airquant.eval import write_row
+
+            for row in _run(metric, engine, sizes, kv, reference, device):
+                write_row(row, row_path(results_dir, row, sizes.label))
+                rows.append(row)
+    finally:
+        if engine is not None:
+            engine.close()
+    return rows
+
+
+# -- what a row says in one line --------------------------------------------------------------------
+def headline(row: Any) -> str:
+    """The row's main number, as the CLI prints it last and the notebooks tabulate it."""
+    m = row.metric
+    if m == "ppl":
+        return f"perplexity {row.ppl:.4f} over {row.n_scored} tokens"
+    if m == "rouge":
+        return f"ROUGE-L {row.rougeL:.4f} (ROUGE-Lsum {row.rougeLsum:.4f}) over {row.n_samples} articles"
+    if m == "niah":
+        return f"NiAH recall {row.recall:.2f} ({row.recall_at_longest:.2f} at {row.longest_context} tokens)"
+    if m == "perf":
+        return (f"decode {row.decode_tokens_per_s:.2f} tok/s at batch {row.batch_size}, TTFT {row.ttft_s:.3f} s, "
+                f"MBU {row.mbu:.1%}")
+    if m == "parity":
+        return f"top-1 agreement {row.top1_agreement:.4f}, KL {row.kl_mean:.5f} nats, cosine {row.cosine_mean:.5f}"
+    if m == "kvmem":
+        return f"KV cache {row.cache_bytes[-1] / 1e6:.2f} MB at {row.context_lengths[-1]} tokens"
+    return m
+
+
+def summary(rows: Sequence[Any]) -> list[dict]:
+    """One record per row (configuration, metric, headline) for a notebook table."""
+    return [{"store": r.run.store_scheme, "kv": r.run.kv_scheme, "metric": r.metric, "batch": r.batch_size,
+             "result": headline(r)} for r in rows]
