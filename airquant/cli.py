@@ -135,18 +135,9 @@ def _add_route_flags(p: argparse.ArgumentParser) -> None:
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise AirQuantError(f"--prompts-file {path} does not exist.")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise AirQuantError(f"{path} line {n} is not JSON ({exc.msg}); each line must be "
-                                    '{"prompt": "..."} or a JSON string.') from exc
-            prompts.append(row if isinstance(row, str) else row["prompt"])
+        from airquant.jobs.batch import read_prompts
+
+        prompts += [p.prompt for p in read_prompts(Path(args.prompts_file), flag="--prompts-file")]
     if not prompts:
         raise AirQuantError("no prompt given: pass --prompt TEXT or --prompts-file F.jsonl.")
     return prompts

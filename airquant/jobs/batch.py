@@ -65,10 +65,10 @@ class BatchReport:
 
 
 # -- files -------------------------------------------------------------------------------------
-def read_prompts(path: Path) -> list[Prompt]:
-    """Input lines ``{"id": ..., "prompt": ...}``; duplicate ids are an error naming both lines."""
+def read_prompts(path: Path, flag: str = "--input") -> list[Prompt]:
+    """Input lines ``{"id": ..., "prompt": ...}`` (or a bare JSON string); duplicate ids are an error."""
     if not path.is_file():
-        raise BatchJobError(f"--input {path} does not exist.")
+        raise BatchJobError(f"{flag} {path} does not exist.")
     prompts, seen = [], {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -78,6 +78,8 @@ def read_prompts(path: Path) -> list[Prompt]:
         except json.JSONDecodeError as exc:
             raise BatchJobError(f"{path} line {n} is not JSON ({exc.msg}); each line must be "
                                 '{"id": ..., "prompt": "..."}.') from exc
+        if isinstance(row, str):
+            row = {"prompt": row}
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), (str, list)):
             raise BatchJobError(f'{path} line {n} has no "prompt" string; each line must be '
                                 '{"id": ..., "prompt": "..."} (id optional: the line number).')
