@@ -45,6 +45,22 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
 
 
+def _add_generate_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``GenerateConfig`` (``--ignore-eos`` is generate's alone)."""
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+
+
+def _generate_config(args):
+    from airquant.config import GenerateConfig
+
+    return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, chat=args.chat, ignore_eos=getattr(args, "ignore_eos", False))
+
+
 def _engine_config(args):
     from airquant.config import EngineConfig
 
@@ -143,13 +159,11 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from airquant.config import GenerateConfig
     from airquant.engine.runner import Engine
 
     prompts = _read_prompts(args)
     engine = Engine.open(args.store, replace(_engine_config(args), batch_size=len(prompts)))
-    gen = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, chat=args.chat, ignore_eos=args.ignore_eos)
+    gen = _generate_config(args)
     try:
         completions = engine.generate_detailed(prompts, gen)
     finally:
@@ -202,12 +216,10 @@ def _batch_size(text: str) -> str:
 
 
 def cmd_batch(args) -> int:
-    from airquant.config import GenerateConfig
     from airquant.jobs.batch import BatchJob, run_batch
 
     size = None if args.batch_size == "auto" else int(args.batch_size)
-    gen = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, chat=args.chat)
+    gen = _generate_config(args)
     job = BatchJob(input=Path(args.input), output=Path(args.output), batch_size=size, max_batch=args.max_batch,
                    gen=gen)
     report = run_batch(args.store, job, _engine_config(args), progress=not args.quiet)
@@ -277,11 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", help="JSONL of {\"prompt\": ...} lines, run as one batch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    _add_generate_flags(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -311,11 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", default="auto", metavar="auto|N", type=_batch_size,
                    help="sequences per weight pass (auto: as many as the VRAM left for the KV cache holds; 8 on CPU)")
     p.add_argument("--max-batch", type=int, default=256, metavar="N", help="upper bound of --batch-size auto")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    _add_generate_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_batch)

@@ -202,8 +202,6 @@ class Engine:
     @torch.inference_mode()
     def generate_detailed(self, prompts: list[str], gen: GenerateConfig | None = None, *, kv=None,
                           **overrides) -> list[Completion]:
-        from transformers import GenerationConfig, LogitsProcessorList
-
         gen = gen or GenerateConfig(**overrides)
         enc = self.encode(prompts, gen.chat)
         return self.generate_ids(enc["input_ids"], enc["attention_mask"], gen, kv=kv)

@@ -59,7 +59,7 @@ def estimate_bytes(source: ModelSource, dtype: str, bytes_per_weight: float | No
     return total
 
 
-def _store_identity(source: ModelSource, dtype: str, quant: dict) -> dict:
+def _store_identity(source: ModelSource) -> dict:
     spec = source.spec if source.kind in ("default", "hub") else str(source.path.resolve())
     return {"spec": spec, "kind": source.kind, "model_type": source.config.model_type,
             "name": source.name}
@@ -135,7 +135,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     quant = quant or {"method": "none"}
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
-    identity = _store_identity(source, dtype, quant)
+    identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
     manifest = Manifest(source=identity, dtype=dtype, quant=quant, num_layers=source.num_layers,
                         tied_lm_head=source.tied, tool_version=__version__)
