@@ -76,7 +76,7 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """int [rows, cols] -> int32 [rows / per, cols]: row k in word k // per at bits bits*(k % per)."""
     per = 32 // bits
     v = values.long().reshape(-1, per, values.shape[1])
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)[None, :, None]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)[None, :, None]
     return _to_int32((v << shifts).sum(1))
 
 
@@ -86,7 +86,7 @@ def pack_cols(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = N
     v = values.long().reshape(values.shape[0], -1, per)
     if order is not None:
         v = v[..., list(order)]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)[None, None, :]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)[None, None, :]
     return _to_int32((v << shifts).sum(-1))
 
 

@@ -33,8 +33,10 @@ from airquant.store.split import _check_disk, shard_file, write_shard
 
 log = logging.getLogger(__name__)
 
-SynthDType = Literal["bfloat16", "nf4"]
+SynthDType = Literal["bfloat16", "nf4", "gptq"]
 NF4_META = {"scheme": "nf4", "blocksize": 64, "double_quant": False}
+# The most common hub GPTQ layout: 4-bit, symmetric, group 128, no act-order, v1 ("gptq") zeros.
+GPTQ_META = {"scheme": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "zero_offset": 1}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _PENDING_WRITES = 2  # shards serialized/hashed/written behind generation (bounds host memory)
@@ -128,13 +130,16 @@ class _Groups:
         w = torch.randn(out, inp, generator=gen, device=self.device, dtype=torch.bfloat16)
         return w.mul_(std)
 
-    def _linear(self, gen, name: str, out: int, inp: int, quantize: bool) -> tuple[dict, dict]:
+    def _linear(self, gen, name: str, out: int, inp: int) -> tuple[dict, dict]:
         w = self._randn(gen, out, inp, 0.5 / math.sqrt(inp))
-        if not quantize:
+        if self.spec.dtype == "bfloat16":
             return {f"{name}.weight": w}, {}
-        from airquant.quant import QuantSpec, quantize_linear
+        if self.spec.dtype == "gptq":
+            part, meta = _gptq_pack(w), GPTQ_META
+        else:
+            from airquant.quant import QuantSpec, quantize_linear
 
-        part, meta = quantize_linear(QuantSpec(method="nf4"), w)
+            part, meta = quantize_linear(QuantSpec(method="nf4"), w)
         return {f"{name}.{k}": v for k, v in part.items()}, {name: {**meta, "tensors": sorted(part)}}
 
     def make(self, index: int, group: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -156,7 +161,7 @@ class _Groups:
                 tensors["weight"] = w
         else:
             for name, (out, inp) in linear_shapes(s).items():
-                part, meta = self._linear(gen, name, out, inp, self.spec.dtype == "nf4")
+                part, meta = self._linear(gen, name, out, inp)
                 tensors.update(part)
                 modules.update(meta)
             for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -180,10 +185,10 @@ class _Groups:
             return out, modules
         out, modules = {}, {}
         for name, (o, i) in linear_shapes(s).items():
-            if self.spec.dtype == "nf4":
-                part = _nf4_metas(o, i)
+            if self.spec.dtype in ("nf4", "gptq"):
+                part, meta = (_nf4_metas(o, i), NF4_META) if self.spec.dtype == "nf4" else (_gptq_metas(o, i), GPTQ_META)
                 out.update({f"{name}.{n}": m for n, m in part.items()})
-                modules[name] = {**NF4_META, "tensors": sorted(part)}
+                modules[name] = {**meta, "tensors": sorted(part)}
             else:
                 out[f"{name}.weight"] = ("bfloat16", (o, i))
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -203,6 +208,31 @@ def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
 # -- byte counts -----------------------------------------------------------------------------------
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+def _gptq_pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPTQ checkpoint tensors of a [out, in] weight: symmetric round-to-nearest per group of 128 input
+    channels (GPTQ's min/max grid, as ``quant.synthetic.rtn_quantize`` without act-order), on w's device."""
+    from airquant.quant.synthetic import RTNResult, gptq_tensors
+
+    g = GPTQ_META["group_size"]
+    out_f, in_f = w.shape
+    if in_f % g:
+        raise StoreError(f"synthetic GPTQ needs in_features divisible by {g}; got {in_f}.")
+    groups = w.float().reshape(out_f, in_f // g, g)
+    scale = (2 * groups.abs().amax(-1) / 15).clamp_min(1e-8).half()  # [out, G]
+    q = torch.clamp(torch.round(groups / scale.float()[..., None]) + 8, 0, 15).to(torch.int32)
+    rtn = RTNResult(q=q.reshape(out_f, in_f), zeros=torch.full((in_f // g, out_f), 8, dtype=torch.int32, device=w.device),
+                    scales=scale.t().contiguous(),
+                    g_idx=(torch.arange(in_f, device=w.device) // g).to(torch.int32))
+    return gptq_tensors(rtn, GPTQ_META["bits"], zero_offset=GPTQ_META["zero_offset"])
+
+
+def _gptq_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The (dtype, shape) of ``_gptq_pack``'s tensors for an [out, in] weight (4-bit: 8 per int32)."""
+    groups = inp // GPTQ_META["group_size"]
+    return {"qweight": ("int32", (inp // 8, out)), "qzeros": ("int32", (groups, out // 8)),
+            "scales": ("float16", (groups, out)), "g_idx": ("int32", (inp,))}
+
+
 # safetensors writes tensors by dtype (its enum order, descending), then by name.
 _ST_ORDER = {"BOOL": 0, "U8": 4, "I8": 5, "I16": 9, "F16": 11, "BF16": 12, "I32": 13, "F32": 15, "F64": 17,
              "I64": 18}
@@ -236,7 +266,7 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     store.mkdir(parents=True, exist_ok=True)
     identity = {**spec.identity(), **({"manifest_only": True} if manifest_only else {})}
     quant = {"method": "nf4", "blocksize": 64, "double_quant": False, "head": spec.quant_head} \
-        if spec.dtype == "nf4" else {"method": "none"}
+        if spec.dtype == "nf4" else {"method": "gptq", **GPTQ_META} if spec.dtype == "gptq" else {"method": "none"}
     manifest = Manifest(source=identity, dtype="bfloat16", quant=quant, num_layers=shape.layers,
                         tied_lm_head=False, synthetic=True, tool_version=__version__)
     old = _existing(store, manifest)

@@ -19,6 +19,7 @@ TOKENIZER_DIR = Path(__file__).parents[1] / "data" / "smollm2_tokenizer"
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="NF4 weights need bitsandbytes (pip install bitsandbytes)")
 TINY = (("hidden", 64), ("intermediate", 160), ("heads", 4), ("kv_heads", 2), ("vocab", 1000))
+TINY_GPTQ = (("hidden", 128), ("intermediate", 256), ("heads", 4), ("kv_heads", 2), ("vocab", 1000))
 
 # Llama-3-70B: 80 layers of q,o [8192 x 8192], k,v [1024 x 8192], gate,up,down [28672 x 8192]; vocab 128256.
 H, I, KV, V, N = 8192, 28672, 1024, 128256, 80
@@ -52,9 +53,11 @@ def test_manifest_only_llama3_70b_bytes_match_the_shapes(tmp_path, real_tokenize
         open_store(tmp_path / dtype)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("nf4", marks=needs_bnb)])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("nf4", marks=needs_bnb), "gptq"])
 def test_tiny_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_tokenizer, dtype):
-    spec = SynthSpec("llama2-7b", dtype, layers=2, overrides=TINY)
+    # GPTQ groups are 128 input channels: its tiny shape has widths that are multiples of 128.
+    overrides = TINY_GPTQ if dtype == "gptq" else TINY
+    spec = SynthSpec("llama2-7b", dtype, layers=2, overrides=overrides)
     real = synth(spec, tmp_path / "real", tokenizer=real_tokenizer, progress=False)
     twin = synth(spec, tmp_path / "twin", manifest_only=True, tokenizer=real_tokenizer, progress=False)
     for group, entry in real.shards.items():
@@ -64,12 +67,30 @@ def test_tiny_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_token
     if dtype == "nf4":
         assert set(real.shards["lm_head"].modules) == {"chunks.0"}
         assert all(m["scheme"] == "nf4" for m in real.shards["layer.0"].modules.values())
+    if dtype == "gptq":
+        assert real.quant["method"] == "gptq" and not real.shards["lm_head"].modules
+        assert all(m["scheme"] == "gptq" and m["group_size"] == 128 for m in real.shards["layer.0"].modules.values())
     streamed = Engine.open(tmp_path / "real", device="cpu", max_ram_gb=0.0, host_embedding=True)
     resident = Engine.open(tmp_path / "real", device="cpu", resident=True)
     enc = streamed.encode(["The quick brown fox jumps over the lazy dog"])
     assert int(enc["input_ids"].max()) < 1000  # the trimmed tokenizer only makes valid rows
     a, b = streamed.forward(**enc), resident.forward(**enc)
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_synthetic_gptq_packing_is_the_round_to_nearest_reference():
+    from airquant.quant.gptq import dequantize_gptq
+    from airquant.quant.synthetic import rtn_quantize
+    from airquant.store.synth import _gptq_pack
+
+    w = torch.randn(96, 384, dtype=torch.bfloat16) * 0.05
+    packed = _gptq_pack(w)
+    ref = rtn_quantize(w, 4, 128, sym=True).dequantize()
+    got = dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], bits=4,
+                          zero_offset=1)
+    assert torch.equal(got, ref)
+    with pytest.raises(StoreError, match="divisible by 128"):
+        _gptq_pack(torch.zeros(8, 100))
 
 
 def test_resume_keeps_written_shards_and_refuses_other_settings(tmp_path, real_tokenizer):
