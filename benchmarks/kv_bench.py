@@ -1,0 +1,286 @@
+#!/usr/bin/env python
+"""KV cache cost: the decode step at 8K context with each cache, and the 70B batch each leaves room for.
+
+Two measurements (issue #5), written to ``results/kv_bench.json``:
+
+* step: a llama3-8b-shaped bf16 store (random weights in real shapes), every layer resident on the
+  GPU (no cap). A prompt of ``--context`` tokens less the new ones at ``--batch`` sequences, then one
+  warm-up and ``--steps`` timed decode steps (median) with the plain bf16 cache (``none``, the
+  issue's "FP16"), AirQuant's TurboQuant K4/V2 (``tq``, window 128, the router's preset) and the PyPI
+  ``turboquant`` 0.2.0 (4 bits: one width for K and V). Per cache: prefill time, peak VRAM allocated,
+  the part above the weights, and the bytes the cache holds after the prompt (``cache_nbytes``).
+* batch: the largest batch under a 15 GB cap for a llama3-70b-shaped NF4 store (manifest only, the
+  embedding in host RAM) at that context: the router's arithmetic (``airquant plan``) for ``none``
+  and ``tq``; for ``turboquant``, which the router has no scheme for, the same formula with KV bytes
+  per token derived from its measured cache, scaled from the 8B shape to the 70B one.
+
+Caps are decimal GB. ``--quick`` runs the whole flow on the CPU with tiny truncated shapes (a test of
+the script, not a measurement); VRAM fields are null there.
+
+    python benchmarks/kv_bench.py  # a few minutes on one H200; the 8B store takes ~16 GB in --workdir
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from airquant.config import GenerateConfig  # noqa: E402
+from airquant.engine.router import (  # noqa: E402
+    DTYPE_BYTES,
+    GIB,
+    Candidate,
+    Hardware,
+    RouteError,
+    Workload,
+    _costs,
+    route,
+    tq_config,
+)
+from airquant.errors import DependencyError  # noqa: E402
+from airquant.eval.kvmem import prefill_bytes  # noqa: E402
+from airquant.kv import KVConfig  # noqa: E402
+from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from benchmarks.stream_bench import (  # noqa: E402
+    GB,
+    Bench,
+    free_gpu,
+    make_store,
+    open_engine,
+    prompt_ids,
+    write_results,
+)
+
+log = logging.getLogger("kv_bench")
+CACHES = {
+    "none": KVConfig(),
+    "tq": tq_config(),
+    # turboquant 0.2.0 takes one bit-width for K and V (bits_k must equal bits_v).
+    "turboquant": KVConfig(backend="turboquant", bits_k=4, bits_v=4, window=128),
+}
+TARGETS = {"tq_over_fp16_step": (1.3, "max")}  # key: (threshold, "min" | "max")
+WARM = 1  # untimed decode steps: Triton compiles its kernels at the first step over a quantized history
+
+
+# -- step: decode time and memory per cache --------------------------------------------------------
+def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
+    """Cache bytes after the prompt, then prefill and median decode step of a timed generation."""
+    cache_bytes = prefill_bytes(engine, ids, kv)  # also warms up the prefill path at this shape
+    free_gpu()
+    cuda = engine.device.type == "cuda"
+    weights = torch.cuda.memory_allocated(engine.device) / GB if cuda else None
+    engine.reset_stats()
+    gen = GenerateConfig(max_new_tokens=1 + WARM + b.args.steps, ignore_eos=True)
+    out = engine.generate_ids(ids, torch.ones_like(ids), gen, kv=kv)
+    assert all(c.new_tokens == gen.max_new_tokens for c in out)
+    t = engine.last_timings
+    peak = engine.stats().get("peak_vram_allocated_gb")
+    return {"step_s": statistics.median(t["step_s"][WARM:]), "steps_s": t["step_s"], "prefill_s": t["prefill_s"],
+            "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / ids.numel(),
+            "weights_vram_gb": weights, "peak_vram_gb": peak,
+            "cache_vram_gb": peak - weights if cuda else None}
+
+
+def part_step(b: Bench) -> dict:
+    """One row per cache on the 8B-shaped store (``{"error": ...}``: out of memory, or the package is missing)."""
+    a = b.args
+    store = make_store(b, "llama3-8b", "bfloat16", a.layers)
+    engine = open_engine(b, store, None, batch_size=a.batch, context=a.context)
+    b.results["settings"]["plan_8b"] = engine.plan.describe(engine.manifest.layer_bytes)
+    b.results["settings"]["resident_layers_8b"] = len(engine.plan.vram_layers)
+    b.results["settings"]["dims_8b"] = asdict(Candidate.open(store).dims)
+    vocab = min(engine.config.vocab_size, len(engine.tokenizer))
+    ids = prompt_ids(vocab, a.batch, a.context - 1 - WARM - a.steps)  # the cache ends at `context` tokens
+    rows = {}
+    for name, kv in CACHES.items():
+        try:
+            rows[name] = measure_cache(b, engine, ids, kv)
+            log.info("%s: %.4f s/step, prefill %.2f s, cache %.3f GB", name, rows[name]["step_s"],
+                     rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
+        except torch.OutOfMemoryError as exc:
+            rows[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+        except DependencyError as exc:
+            rows[name] = {"error": str(exc)}
+        if "error" in rows[name]:
+            log.warning("%s: %s", name, rows[name]["error"])
+        free_gpu()
+        record(b, rows, {})
+        write_results(b, Path(a.out))  # a later case that crashes keeps the earlier ones
+    engine.close()
+    del engine
+    free_gpu()
+    b.drop(store)
+    return rows
+
+
+# -- batch: the largest 70B NF4 batch under the cap ------------------------------------------------
+def part_batch(b: Bench, turboquant_per_token_8b: float | None) -> dict:
+    """The router's largest batch per cache; turboquant's from its measured bytes per token."""
+    from transformers import AutoTokenizer
+
+    a = b.args
+    store = b.store_path("llama3-70b-nf4-manifest")
+    tok = AutoTokenizer.from_pretrained(a.tokenizer) if a.tokenizer else None
+    synth(SynthSpec("llama3-70b", "nf4"), store, manifest_only=True, progress=False, tokenizer=tok)
+    cand = Candidate.open(store)
+    hw = Hardware.detect("cuda", max_vram_gb=a.cap_gb * GB / GIB)
+    wl = Workload(context=a.context, host_embedding=True)
+    out = {}
+    for scheme in ("none", "tq"):
+        per_token = cand.dims.kv_bytes(scheme, a.context, DTYPE_BYTES["bfloat16"]) / a.context
+        try:
+            r = route([cand], hw, replace(wl, kv_schemes=(scheme,)))
+            out[scheme] = {"max_batch": r.max_batch, "mode": r.mode, "lines": list(r.lines),
+                           "kv_bytes_per_token": per_token}
+        except RouteError as exc:
+            out[scheme] = {"max_batch": 0, "error": str(exc), "kv_bytes_per_token": per_token}
+    out["turboquant"] = turboquant_batch(b, cand, hw, wl, out["tq"].get("mode", "streamed"), turboquant_per_token_8b)
+    b.drop(store)
+    return out
+
+
+def turboquant_batch(b: Bench, cand: Candidate, hw: Hardware, wl: Workload, mode: str,
+                     per_token_8b: float | None) -> dict:
+    """The router's formula with turboquant's KV bytes: measured per token on the 8B shape, scaled to 70B."""
+    if per_token_8b is None:
+        return {"max_batch": None, "error": "turboquant was not measured (see cases.turboquant)"}
+    small = b.results["settings"]["dims_8b"]
+    d = cand.dims
+    scale = d.num_layers * d.kv_heads * d.head_dim / (small["num_layers"] * small["kv_heads"] * small["head_dim"])
+    per_token = per_token_8b * scale
+    costs = _costs(cand, "none", hw, wl, b.args.context)
+    costs = replace(costs, one=replace(costs.one, kv=int(per_token * b.args.context)))
+    batch = costs.max_batch(mode, hw.vram_bytes)
+    return {"max_batch": batch, "mode": mode, "kv_bytes_per_token": per_token,
+            "lines": [f"turboquant {mode} (derived): {costs.formula(mode, max(batch, 1))}"],
+            "derived": f"cache_nbytes of turboquant's cache after the 8B prompt, {per_token_8b:.1f} B/token, "
+                       f"x {scale:g} (layers x kv_heads x head_dim, 70B over the measured store)"}
+
+
+# -- reporting -------------------------------------------------------------------------------------
+def record(b: Bench, cases: dict, plans: dict) -> None:
+    r = b.results
+
+    def per_cache(key: str, rows: dict = cases) -> dict:
+        return {name: rows.get(name, {}).get(key) for name in CACHES}
+
+    for key in ("step_s", "prefill_s", "peak_vram_gb", "cache_vram_gb"):
+        r[key] = per_cache(key)
+    r["cache_gb"] = {name: None if v is None else v / GB for name, v in per_cache("cache_bytes").items()}
+    r["tq_over_fp16_step"] = _ratio(r["step_s"]["tq"], r["step_s"]["none"])
+    r["turboquant_over_fp16_step"] = _ratio(r["step_s"]["turboquant"], r["step_s"]["none"])
+    if plans:
+        r["max_batch_70b_nf4_15gb"] = per_cache("max_batch", plans)
+        r["kv_bytes_per_token_70b"] = per_cache("kv_bytes_per_token", plans)
+    r["targets"] = check_targets(r)
+    r["details"] = {"cases": cases, "batch_70b": plans}
+
+
+def check_targets(r: dict) -> dict:
+    out = {}
+    for key, (threshold, kind) in TARGETS.items():
+        value = r.get(key)
+        met = None if value is None else (value >= threshold if kind == "min" else value <= threshold)
+        out[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
+    return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def versions() -> dict:
+    from airquant.eval.rows import package_versions
+
+    out = package_versions(("turboquant", "triton", "scipy"))
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def print_table(b: Bench) -> None:
+    r = b.results
+    fmt = lambda v, f="{:.4f}": "-" if v is None else f.format(v)  # noqa: E731
+    print(f"\nkv_bench on {r['device']} ({'QUICK: tiny shapes, not a measurement' if b.quick else 'real shapes'}): "
+          f"llama3-8b bf16, context {r['context']}, batch {r['batch']}")
+    print(f"  {'cache':<11} {'step s':>8} {'x plain':>8} {'prefill s':>10} {'peak GB':>8} {'above wts GB':>13} "
+          f"{'cache GB':>9} {'70B NF4 batch @' + str(b.args.cap_gb) + ' GB':>22}")
+    for name in CACHES:
+        error = r["details"]["cases"][name].get("error")
+        if error:
+            print(f"  {name:<11} {error[:100]}")
+            continue
+        ratio = _ratio(r["step_s"][name], r["step_s"]["none"])
+        print(f"  {name:<11} {fmt(r['step_s'][name]):>8} {fmt(ratio, '{:.2f}'):>8} {fmt(r['prefill_s'][name], '{:.2f}'):>10} {fmt(r['peak_vram_gb'][name], '{:.2f}'):>8}"
+              f" {fmt(r['cache_vram_gb'][name], '{:.2f}'):>13} {fmt(r['cache_gb'][name], '{:.3f}'):>9}"
+              f" {fmt(r.get('max_batch_70b_nf4_15gb', {}).get(name), '{:d}'):>22}")
+    print("targets:")
+    for key, t in r["targets"].items():
+        verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        print(f"  {key:<20} {fmt(t['value'], '{:.3f}')}  target {'>=' if t['kind'] == 'min' else '<='} "
+              f"{t['target']:g}: {verdict}")
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None,
+                   help="the JSON written (default: results/kv_bench.json, or WORKDIR/results/ with --quick)")
+    p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
+    p.add_argument("--quick", action="store_true", help="tiny truncated shapes on the CPU: tests the script")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--keep-stores", action="store_true", help="keep the stores (and reuse them next run)")
+    p.add_argument("--context", type=int, default=8192, help="tokens per sequence at the last decode step")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="timed decode steps (after one warm-up step)")
+    p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap (GB) of the 70B largest-batch plan")
+    p.add_argument("--layers", type=int, default=None, help="truncate the 8B shape (default: all 32 layers)")
+    p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"),
+                   help="tokenizer folder for the stores (default: the SmolLM2 tokenizer shipped in tests/data)")
+    args = p.parse_args(argv)
+    if args.quick:  # past the 128-token window and some 32-token blocks, so the quantized history is used
+        args.context, args.batch = min(args.context, 300), min(args.batch, 2)
+    if not Path(args.tokenizer).is_dir():
+        args.tokenizer = None
+    if args.out is None:
+        args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / "kv_bench.json")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    wanted = "cpu" if args.quick and args.device == "auto" else args.device
+    device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
+                          (wanted if wanted != "auto" else "cpu"))
+    out = Path(args.out)
+    b = Bench(args, device)
+    b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
+                     quick=args.quick, versions=versions(), context=args.context, batch=args.batch,
+                     settings={"caches": {name: asdict(kv) for name, kv in CACHES.items()}, "steps": args.steps,
+                               "warmup_steps": WARM, "prompt_len": args.context - 1 - WARM - args.steps,
+                               "store_8b": "llama3-8b bfloat16 (synthetic), no VRAM cap",
+                               "store_70b": "llama3-70b nf4 (manifest only), embedding in host RAM",
+                               "cap_gb": args.cap_gb, "layers_8b": 2 if args.quick else args.layers})
+    start = time.perf_counter()
+    cases = part_step(b)
+    turboquant = cases["turboquant"].get("cache_bytes_per_token")
+    record(b, cases, part_batch(b, turboquant))
+    b.results["seconds"] = time.perf_counter() - start
+    write_results(b, out)
+    print_table(b)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

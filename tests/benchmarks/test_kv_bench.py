@@ -1,0 +1,34 @@
+"""benchmarks/kv_bench.py --quick: the whole flow on the CPU with tiny shapes, and the JSON it writes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_bench.py"
+CACHES = {"none", "tq", "turboquant"}
+
+
+def test_quick_run_writes_every_key(tmp_path):
+    out = tmp_path / "kv_bench.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tq_over_fp16_step" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["synthetic"] is True and r["quick"] is True
+    assert (r["context"], r["batch"]) == (300, 2)
+    assert {"airquant", "torch", "transformers"} <= set(r["versions"])
+    for key in ("step_s", "prefill_s", "cache_gb", "max_batch_70b_nf4_15gb", "kv_bytes_per_token_70b"):
+        assert set(r[key]) == CACHES and all(v > 0 for v in r[key].values()), (key, r[key])
+    for key in ("peak_vram_gb", "cache_vram_gb"):
+        assert r[key] == dict.fromkeys(CACHES), key  # no VRAM on the CPU
+    assert r["tq_over_fp16_step"] > 0 and r["turboquant_over_fp16_step"] > 0
+    assert isinstance(r["targets"]["tq_over_fp16_step"]["met"], bool)
+    # the compressed cache holds fewer bytes than the plain one, and lets a larger batch fit
+    assert r["cache_gb"]["tq"] < r["cache_gb"]["none"]
+    assert r["max_batch_70b_nf4_15gb"]["tq"] > r["max_batch_70b_nf4_15gb"]["none"]
+    assert r["kv_bytes_per_token_70b"]["none"] == 2 * 80 * 8 * 128 * 2  # K and V, 80 layers x 8 heads x 128, bf16
+    assert "derived" in r["details"]["batch_70b"]["turboquant"]
+    assert r["settings"]["prompt_len"] == 300 - 6 and r["settings"]["caches"]["tq"]["bits_v"] == 2
+    assert not (tmp_path / "work" / "llama3-8b-bfloat16").exists()  # stores are dropped
