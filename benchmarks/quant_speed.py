@@ -7,9 +7,11 @@ as the cap allows, the rest pinned in RAM and streamed on the copy stream):
 
 * the pinned host->GPU link, measured first;
 * for each store (synthetic weights in the real layouts: ``airquant synth --dtype gptq|nf4|bfloat16``;
-  GPTQ is the hub's 4-bit g128 symmetric v1 packing, computed from as it is stored): per-token
-  latency at batch 1 and 16 (median decode step, prompt ``--prompt-len`` tokens), tokens/s, peak
-  VRAM allocated and reserved, layers resident, bytes streamed per step and their share of the link.
+  GPTQ is the hub's 4-bit g128 symmetric v1 packing, computed from as it is stored) and two plans,
+  ``auto`` (what a user gets: a 4-bit 7B fits 8 GB whole) and ``streamed`` (no layer resident: every
+  layer crosses the link each step, as on a smaller card or a bigger model): per-token latency at
+  batch 1 and 16 (median decode step, prompt ``--prompt-len`` tokens), tokens/s, peak VRAM allocated
+  and reserved, layers resident, bytes streamed per step and their share of the link.
 
 Writes ``results/quant_speed.json``; synthetic weights: speed and memory figures only.
 
@@ -38,16 +40,25 @@ log = logging.getLogger("quant_speed")
 SCHEMES = ("gptq", "nf4", "bfloat16")
 
 
+PLANS = {"auto": None, "streamed": 0}  # plan name -> resident layers (None: the planner decides)
+
+
 def run_scheme(b: Bench, dtype: str, batches: tuple[int, ...]) -> dict:
+    store = make_store(b, b.args.shape, dtype, b.args.layers)
+    out = {name: run_plan(b, store, dtype, batches, resident) for name, resident in PLANS.items()}
+    b.drop(store)
+    return out
+
+
+def run_plan(b: Bench, store: Path, dtype: str, batches: tuple[int, ...], resident: int | None) -> dict:
     a = b.args
-    store = make_store(b, a.shape, dtype, a.layers)
     context = a.prompt_len + a.steps + 3
-    engine = open_engine(b, store, a.cap, batch_size=max(batches), context=context)
+    engine = open_engine(b, store, a.cap, batch_size=max(batches), context=context, resident_layers=resident)
     plan = engine.plan
     rows = {}
     for n in batches:
         try:
-            rows[str(n)] = decode_step(b, engine, n, f"{dtype}-bs{n}")
+            rows[str(n)] = decode_step(b, engine, n, f"{dtype}-{'auto' if resident is None else 'streamed'}-bs{n}")
         except torch.OutOfMemoryError as exc:  # a cap too small for this batch: recorded, not fatal
             log.warning("%s batch %d: out of memory (%s)", dtype, n, str(exc).splitlines()[0])
             rows[str(n)] = {"batch": n, "error": "out of memory"}
@@ -56,7 +67,6 @@ def run_scheme(b: Bench, dtype: str, batches: tuple[int, ...]) -> dict:
            "disk_layers": len(plan.disk_layers), "batches": rows}
     engine.close()
     del engine
-    b.drop(store)
     link = b.results.get("link_pinned_gbps")
     for row in rows.values():
         if "step_s" in row:
@@ -70,18 +80,18 @@ def print_table(b: Bench) -> None:
     print(f"\nquant_speed on {r['device']}: {r['shape']}, GPU capped to {r['cap_gb']} GB "
           f"({'QUICK: tiny shapes, not a measurement' if b.quick else 'synthetic weights, real shapes'})")
     print(f"  pinned link {r['link_pinned_gbps']:.1f} GB/s")
-    print(f"  {'scheme':<9} {'store GB':>8} {'in VRAM':>8} {'batch':>5} {'ms/token':>9} {'tok/s':>8} "
+    print(f"  {'scheme':<9} {'plan':<9} {'store GB':>8} {'in VRAM':>8} {'batch':>5} {'ms/token':>9} {'tok/s':>8} "
           f"{'peak GB':>8} {'link':>5}")
-    for dtype, s in r["schemes"].items():
-        for n, row in s["batches"].items():
-            if "step_s" not in row:
-                print(f"  {dtype:<9} {s['store_gb']:8.2f} {s['vram_layers']:8d} {n:>5} {row['error']}")
-                continue
-            peak = row["peak_allocated_gb"]
-            frac = row["link_fraction"]
-            print(f"  {dtype:<9} {s['store_gb']:8.2f} {s['vram_layers']:8d} {n:>5} {row['ms_per_token']:9.1f} "
-                  f"{row['tok_s']:8.1f} {'-' if peak is None else f'{peak:.2f}':>8} "
-                  f"{'-' if frac is None else f'{frac:.2f}':>5}")
+    for dtype, plans in r["schemes"].items():
+        for name, s in plans.items():
+            for n, row in s["batches"].items():
+                head = f"  {dtype:<9} {name:<9} {s['store_gb']:8.2f} {s['vram_layers']:8d} {n:>5}"
+                if "step_s" not in row:
+                    print(f"{head} {row['error']}")
+                    continue
+                peak, frac = row["peak_allocated_gb"], row["link_fraction"]
+                print(f"{head} {row['ms_per_token']:9.1f} {row['tok_s']:8.1f} {'-' if peak is None else f'{peak:.2f}':>8} "
+                      f"{'-' if frac is None else f'{frac:.2f}':>5}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

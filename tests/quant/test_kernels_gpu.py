@@ -54,7 +54,7 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
 
 
 @pytest.mark.parametrize("kind", ["gptq", "gptq_act_order", "gptq8", "awq"])
-@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("m", [1, 16, 33])
 def test_gptq_awq_kernel_matches_torch_path(kind, m, monkeypatch):
     torch.manual_seed(1)
     out_f, in_f = 512, 320  # 320 % 128 != 0: a partial last group

@@ -72,24 +72,35 @@ def _gguf_tile(w_ptr, offs_k, offs_n, mask, K, FMT: tl.constexpr, TS: tl.constex
 
 def _configs():
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=3)
         for bm, bn, bk, w in [(16, 64, 64, 4), (32, 64, 32, 4), (64, 128, 32, 8)]
     ]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "FMT"])
+def _small_m_configs():
+    # Decode (M <= 16): N / BLOCK_N programs alone leave most SMs idle (a 4096-wide output is 64 tiles),
+    # so K is split too and the partial tiles are added into an fp32 output.
+    return [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=3)
+        for bn, bk, sk, w in [(64, 64, 8, 4), (64, 128, 8, 4), (32, 128, 16, 4), (64, 64, 16, 4),
+                              (128, 64, 8, 4), (32, 64, 32, 4), (64, 128, 4, 4)]
+    ]
+
+
 @triton.jit
 def _packed_gemm_kernel(
     x_ptr, y_ptr, w_ptr, z_ptr, s_ptr, g_ptr,
     M, N, K, stride_xm, stride_ym, group_size,
     FMT: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, TS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
+    """y = x @ W.T; with SPLIT_K > 1 each program adds its K slice into y (fp32, zeroed)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(tl.program_id(2) * per_split, tl.minimum((tl.program_id(2) + 1) * per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         mask = k_mask[:, None] & n_mask[None, :]
@@ -106,19 +117,31 @@ def _packed_gemm_kernel(
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=out_mask)
+
+
+_gemm = triton.autotune(configs=_configs(), key=["N", "K", "FMT"])(_packed_gemm_kernel)
+_gemm_small_m = triton.autotune(configs=_small_m_configs(), key=["N", "K", "FMT"],
+                                reset_to_zero=["y_ptr"])(_packed_gemm_kernel)
+SMALL_M = 16  # rows up to which the split-K configurations are used
 
 
 def _launch(x, n, k, w, z, s, g, *, fmt, bits=4, zero_offset=0, ts=0, group_size=0):
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-    _packed_gemm_kernel[grid](
+    small = m <= SMALL_M
+    y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if small else \
+        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    (_gemm_small_m if small else _gemm)[grid](
         x2, y, w, z, s, g, m, n, k, x2.stride(0), y.stride(0), group_size,
         FMT=fmt, BITS=bits, ZERO_OFFSET=zero_offset, TS=ts, IEEE=x.dtype == torch.float32,
     )
-    return y.reshape(*x.shape[:-1], n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits: int, zero_offset: int) -> torch.Tensor:
