@@ -71,7 +71,7 @@ def run_plan(b: Bench, store: Path, dtype: str, batches: tuple[int, ...], reside
     for row in rows.values():
         if "step_s" in row:
             row["ms_per_token"] = 1000 * row["step_s"]  # per decode step: one token for each sequence
-            row["link_fraction"] = row["bytes_per_step"] / row["step_s"] / GB / link if link else None
+            row["link_fraction"] = row["bytes_per_step"] / row["step_s"] / GB / link if link and row["bytes_per_step"] else None
     return out
 
 

@@ -219,9 +219,21 @@ def _niah_section(results: ResultsDir, plot_links: dict) -> list[str]:
 def _extras_section(results: ResultsDir) -> list[str]:
     if not results.extras:
         return []
-    out = ["## Other benchmark results", "", "JSON written by other benchmarks, shown as found.", ""]
-    for path, data in results.extras:
-        out += [f"### {path.name}", ""] + render_json(data) + [""]
+    from airquant.eval.benchtables import RENDERERS
+
+    known = [(p, d) for p, d in results.extras if p.name in RENDERERS and isinstance(d, dict)]
+    other = [(p, d) for p, d in results.extras if (p, d) not in known]
+    out = []
+    if known:
+        out += ["## Benchmarks", "", "Headline figures of the benchmark scripts; every figure, with per-step "
+                "timings and settings, is in the JSON file named under each title.", ""]
+        for path, data in sorted(known, key=lambda pd: list(RENDERERS).index(pd[0].name)):
+            title, render = RENDERERS[path.name]
+            out += [f"### {title}", "", f"`{path.name}`", ""] + render(data) + [""]
+    if other:
+        out += ["## Other benchmark results", "", "JSON written by other benchmarks, shown as found.", ""]
+        for path, data in other:
+            out += [f"### {path.name}", ""] + render_json(data) + [""]
     return out
 
 

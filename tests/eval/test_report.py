@@ -79,8 +79,13 @@ def results_dir(tmp_path_factory):
                        stride=512, limit_tokens=8192, batch_size=1, data_source="x", seconds=1.0)
     write_row(parity, d / "parity.json")
     (d / "kv_quality.json").write_text(json.dumps([{"bits": 2, "mse": 0.128}, {"bits": 4, "mse": 0.0194}]))
-    (d / "stream_bench.json").write_text(json.dumps({"link_gbps": 55.5, "runs": [
+    (d / "my_bench.json").write_text(json.dumps({"link_gbps": 55.5, "runs": [
         {"system": "airllm", "s_per_token": 10.2}, {"system": "airquant", "s_per_token": 0.31, "extra": [1, 2]}]}))
+    (d / "stream_bench.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "synthetic": True, "link_pinned_gbps": 55.2, "bf16_bs1_step_s": 0.2546,
+        "tok_s_by_batch": {"1": 1.7, "64": 106.5}, "details": {"huge": list(range(500))},
+        "targets": {"batch64_over_batch1": {"value": 61.4, "target": 40, "kind": "min", "met": True},
+                    "vram70b_nf4_bs1_peak_gb": {"value": 4.2, "target": 4, "kind": "max", "met": False}}}))
     (d / "quant_quality.json").write_text(json.dumps({"a": {"b": {"c": {"d": {"e": 1}}}}}))
     (d / "garbage.json").write_text("{not json")
     old = row_to_dict(ppl(run(SMOL, "gptq"), 99.0)) | {"schema_version": 0}
@@ -150,9 +155,14 @@ def test_synthetic_columns_are_speed_only(results_dir):
 def test_other_sections_and_foreign_files(results_dir):
     text = (results_dir / REPORT_NAME).read_text()
     assert table_cells(section(text, "Logit parity"), BIG)["top-1 agreement"] == "0.9700"
-    extras = section(text, "Other benchmark results")
-    assert extras.index("### stream_bench.json") < extras.index("### quant_quality.json") < \
-        extras.index("### kv_quality.json")
+    bench = section(text, "Benchmarks")  # known benchmark files: headline tables, in a fixed order
+    assert bench.index("### Layer streaming") < bench.index("### Weight quantization quality")
+    assert "`stream_bench.json`" in bench and "| pinned host→GPU link | 55.2 GB/s |" in bench
+    assert "| 70B NF4, 15 GB cap, batch 64 | 106.5 tok/s |" in bench and "| AirLLM 4.0.0, same weights | — |" in bench
+    assert "| batch64_over_batch1 | 61.4 | ≥ 40 | met |" in bench and "| ≤ 4 | MISSED |" in bench
+    assert "499" not in bench  # per-step detail stays in the JSON
+    extras = section(text, "Other benchmark results")  # anything else: shown as found
+    assert "### my_bench.json" in extras and "### kv_quality.json" in extras
     assert "| airquant | 0.31 | [1, 2] |" in extras and "| 2 | 0.128 |" in extras
     left_out = section(text, "Provenance").split("Files left out:")[1]
     assert "`garbage.json`" in left_out and "`old_schema.json`" in left_out and "tmp" not in left_out

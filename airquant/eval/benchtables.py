@@ -1,0 +1,123 @@
+"""Headline tables of the benchmark scripts' JSON (benchmarks/*.py) for ``results/RESULTS.md``.
+
+Each renderer takes the parsed file and returns Markdown lines: the figures a reader looks for, the
+targets with met/missed, and where the numbers come from. Keys a file lacks (an older or partial
+run) show as "—"; the full data stays in the JSON file, which the report names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from airquant.eval.results import md_table
+
+Renderer = Callable[[dict], list[str]]
+
+
+def _f(value: Any, fmt: str = "{:.3g}") -> str:
+    return "—" if value is None else fmt.format(value) if isinstance(value, (int, float)) else str(value)
+
+
+def _source(data: dict) -> str:
+    what = "synthetic weights of the real shapes (speed and memory only)" if data.get("synthetic") else "real weights"
+    quick = " QUICK RUN: tiny shapes, not a measurement." if data.get("quick") else ""
+    return f"Measured on **{data.get('device', '?')}**, {what}.{quick}"
+
+
+def _targets(data: dict) -> list[str]:
+    targets = data.get("targets") or {}
+    if not targets:
+        return []
+    rows = [[k, _f(t.get("value")), f"{'≥' if t.get('kind') == 'min' else '≤'} {_f(t.get('target'))}",
+             "met" if t.get("met") else "MISSED"] for k, t in targets.items() if isinstance(t, dict)]
+    return ["", *md_table(["target", "measured", "required", ""], rows)]
+
+
+def stream_bench(d: dict) -> list[str]:
+    rows = [
+        ["pinned host→GPU link", _f(d.get("link_pinned_gbps"), "{:.1f} GB/s"), "measured in the same run"],
+        ["8B bf16 decode step, batch 1, 4 GB cap", _f(d.get('bf16_bs1_step_s'), '{:.4f} s'),
+         _f(d.get('bf16_bs1_link_fraction'), '{:.2f} of the link')],
+        ["8B NF4 decode step, batch 1", _f(d.get('nf4_bs1_step_s'), '{:.4f} s'),
+         _f(d.get('nf4_bs1_link_fraction'), '{:.2f} of the link')],
+        ["AirLLM 4.0.0, same weights", _f(d.get('airllm_bs1_step_s'), '{:.2f} s'),
+         f"{_f(d.get('airllm_over_airquant_bf16'), '{:.1f}')}× slower than AirQuant bf16"],
+        ["transformers + accelerate offload", _f(d.get('accelerate_bs1_step_s'), '{:.3f} s'),
+         f"{_f(d.get('accelerate_over_airquant_bf16'), '{:.1f}')}× slower than AirQuant bf16"],
+        ["resident transformers (compute floor)", _f(d.get('resident_bs1_step_s'), '{:.4f} s'), ""],
+        ["70B NF4, batch 1, 4 GB cap: peak VRAM", _f(d.get('vram70b_nf4_bs1_peak_gb'), '{:.2f} GB'), "allocated"],
+    ]
+    rows += [[f"70B NF4, 15 GB cap, batch {b}", _f(v, '{:.1f} tok/s'), ""]
+             for b, v in (d.get("tok_s_by_batch") or {}).items()]
+    return [_source(d), "", *md_table(["case", "figure", "note"], rows), *_targets(d), "",
+            "![Streaming benchmark](stream_bench.png)"]
+
+
+def quant_speed(d: dict) -> list[str]:
+    rows = []
+    for scheme, plans in (d.get("schemes") or {}).items():
+        plans = {"auto": plans} if "batches" in plans else plans  # runs before the all-streamed plan existed
+        for plan, s in plans.items():
+            for n, r in (s.get("batches") or {}).items():
+                rows.append([scheme, plan, _f(s.get("store_gb"), "{:.2f}"), s.get("vram_layers"), n,
+                             _f(r.get("ms_per_token"), "{:.1f}") if "step_s" in r else r.get("error", "—"),
+                             _f(r.get("tok_s"), "{:.1f}"), _f(r.get("peak_allocated_gb"), "{:.2f}"),
+                             _f(r.get("link_fraction"), "{:.2f}")])
+    return [f"{_source(d)} Shape {d.get('shape')}, GPU capped to {_f(d.get('cap_gb'))} GB; pinned link "
+            f"{_f(d.get('link_pinned_gbps'), '{:.1f} GB/s')}. `auto`: the planner's placement; `streamed`: no "
+            "layer resident.", "",
+            *md_table(["scheme", "plan", "store GB", "layers in VRAM", "batch", "ms / step", "tok/s",
+                       "peak VRAM GB", "link share"], rows)]
+
+
+def kv_bench(d: dict) -> list[str]:
+    step, peak, cache = d.get("step_s") or {}, d.get("peak_vram_gb") or {}, d.get("cache_vram_gb") or {}
+    batch70 = d.get("max_batch_70b_nf4_15gb") or {}
+    names = {"none": "FP16/BF16 cache", "tq": "AirQuant TurboQuant K4/V2", "turboquant": "`turboquant` 0.2.0"}
+    rows = [[names.get(k, k), _f(step.get(k), "{:.4f}"), _f(cache.get(k), "{:.2f}"), _f(peak.get(k), "{:.2f}"),
+             _f(batch70.get(k), "{}")] for k in names if k in step or k in batch70]
+    return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; AirQuant step ÷ FP16 step "
+            f"{_f(d.get('tq_over_fp16_step'), '{:.2f}')}, `turboquant` ÷ FP16 "
+            f"{_f(d.get('turboquant_over_fp16_step'), '{:.2f}')}.", "",
+            *md_table(["cache", "decode step (s)", "cache + activations GB", "peak VRAM GB",
+                       "largest batch, 70B NF4 under 15 GB"], rows), *_targets(d)]
+
+
+def int2_gemv(d: dict) -> list[str]:
+    rows = [[f"{r.get('out_features')}×{r.get('in_features')}", r.get("batch"), r.get("kernel"),
+             _f(r.get("int2_ms"), "{:.4f}"), _f(r.get("fp16_dense_ms"), "{:.4f}"),
+             _f(r.get("achieved_GBps"), "{:.0f}"), _f(r.get("fraction_of_copy_bw"), "{:.2f}")]
+            for r in d.get("rows", [])]
+    return [f"Measured on **{d.get('gpu', '?')}**; HBM copy bandwidth {_f(d.get('copy_bandwidth_GBps'), '{:.0f}')} "
+            f"GB/s; target fraction ≥ {_f(d.get('target_fraction'))} for the batch-1 GEMV.", "",
+            *md_table(["matrix", "batch", "kernel", "int2 ms", "fp16 ms", "GB/s", "fraction of copy BW"], rows)]
+
+
+def quant_quality(d: dict) -> list[str]:
+    rows = [[name, _f(s.get("ppl"), "{:.2f}"), _f(s.get("bits_per_weight"), "{:.2f}"),
+             _f(s.get("logit_cosine"), "{:.3f}"), _f(s.get("top1_agreement"), "{:.3f}")]
+            for name, s in (d.get("schemes") or {}).items() if isinstance(s, dict)]
+    return [f"{d.get('model')} on {d.get('device')} ({d.get('dtype')}), calibration: {d.get('calibration')}.", "",
+            *md_table(["scheme", "PPL", "bits/weight", "logit cosine", "top-1"], rows)]
+
+
+def kv_quality(d: dict) -> list[str]:
+    rows = [[r.get("label", name), _f(r.get("ppl"), "{:.2f}"), _f(r.get("bits_per_element"), "{:.2f}"),
+             _f(r.get("logit_cosine"), "{:.4f}"), _f(r.get("top1_agreement"), "{:.3f}")]
+            for name, r in (d.get("ppl_rows") or {}).items() if isinstance(r, dict)]
+    mse = d.get("mse_d128") or {}
+    comp = d.get("compression_vs_fp16") or {}
+    mse_text = ", ".join(f"{k} {_f(v, '{:.4f}')}" for k, v in mse.items())
+    comp_text = ", ".join(f"{k} tokens {_f(v, '{:.2f}')}×" for k, v in comp.items())
+    return [f"MSE per unit vector at d=128: {mse_text}.", "", f"FP16 cache bytes ÷ K4/V2 cache bytes (window 128): {comp_text}.",
+            "", *md_table(["cache", "PPL", "bits/element", "logit cosine", "top-1"], rows)]
+
+
+RENDERERS: dict[str, tuple[str, Renderer]] = {
+    "stream_bench.json": ("Layer streaming vs AirLLM and accelerate (benchmarks/stream_bench.py)", stream_bench),
+    "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
+    "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
+    "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv),
+    "quant_quality.json": ("Weight quantization quality (benchmarks/quant_quality.py)", quant_quality),
+    "kv_quality.json": ("KV-cache quantization quality (benchmarks/kv_quality.py)", kv_quality),
+}
