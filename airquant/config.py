@@ -12,7 +12,7 @@ DType = Literal["bfloat16", "float16", "float32"]
 @dataclass(frozen=True)
 class EngineConfig:
     """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --reserve
-    --batch-size --context --host-embedding --readahead --profile --verify``."""
+    --batch-size --context --host-embedding --kv-offload --readahead --profile --verify``."""
 
     device: Device = "auto"
     dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
@@ -24,6 +24,9 @@ class EngineConfig:
     batch_size: int = 1  # sequences per batch the VRAM reserve is sized for (--batch-size)
     context: int | None = None  # tokens per sequence the reserve is sized for; None: min(model's, 2048)
     host_embedding: bool = False  # keep the embedding table in host RAM, move only the looked-up rows
+    # Streamed layers' KV cache in pinned host RAM, copied in with the layer's weights and back after it ran.
+    # None: when the batch's cache at the planned context does not fit in VRAM but fits that way.
+    kv_offload: bool | None = None
     slots: int = 2  # device buffers for streamed layers
     readahead: int = 2  # layers read ahead from disk (and into the RAM tier on first use)
     profile: bool = False  # record per-layer copy and compute times on CUDA (Engine.layer_profile())

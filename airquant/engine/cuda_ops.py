@@ -43,6 +43,14 @@ class HostMemory:
         log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator", nbytes, err)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def free(self, buf: torch.Tensor) -> None:
+        """Unpin a buffer from ``empty`` that is being replaced (its last copy must have run)."""
+        for k, registered in enumerate(self._registered):
+            if registered is buf:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                del self._registered[k]
+                return
+
     def close(self) -> None:
         self._finalizer()
 
@@ -89,6 +97,11 @@ class CudaOps:
             done = self._event()
             done.record(self.stream)
         return start, done
+
+    def retire(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is read or written by copies queued on the copy stream: keep the caching allocator
+        from handing its memory out again before they ran (it only tracks the allocating stream)."""
+        tensor.record_stream(self.stream)
 
     def wait(self, event) -> None:
         """Make the compute stream wait for ``event`` (no host block)."""

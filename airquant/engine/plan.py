@@ -28,6 +28,8 @@ class Budgets:
     resident_layers: int | None = None  # override of the automatic VRAM-resident count
     slots: int = 2  # device buffers for streamed layers (double buffering)
     reserve_bytes: int = 0  # activations + KV cache + workspace kept free on the device
+    kv_bytes: int = 0  # the KV-cache part of reserve_bytes (every layer, whole batch; 0: not known)
+    kv_offload: bool | None = False  # streamed layers' cache in pinned host RAM; None: when it does not fit VRAM
 
 
 @dataclass
@@ -39,6 +41,8 @@ class StreamPlan:
     reasons: list[str] = field(default_factory=list)
     reserve_bytes: int = 0  # KV cache + activations + workspace kept free on the device
     host_fixed_bytes: int = 0  # embedding table kept in host memory (--host-embedding)
+    kv_offload: bool = False  # streamed layers' KV cache lives in pinned host RAM, moves with the layer
+    kv_host_bytes: int = 0  # pinned host RAM the offloaded cache takes at the planned batch and context
 
     @property
     def vram_layers(self) -> list[int]:
@@ -65,6 +69,9 @@ class StreamPlan:
             + (f", embedding table {self.host_fixed_bytes / GB:.3f} GB in host RAM" if self.host_fixed_bytes else ""),
             f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB",
         ]
+        if self.kv_offload:
+            lines.append(f"KV cache                : offloaded, {self.kv_host_bytes / GB:.3f} GB in pinned host RAM; "
+                         "each streamed layer's cache moves with its weights")
         return "\n".join(lines + [f"why: {r}" for r in self.reasons])
 
 
@@ -160,22 +167,30 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
     slot = max(layer_bytes) if layer_bytes else 0
     reasons: list[str] = []
     tiers: list[Tier] = ["disk"] * n
+    offload = _choose_kv_offload(layer_bytes, fixed_bytes, budgets, reasons)
+    # An offloaded cache keeps each VRAM-resident layer's share on the device, and the shares of the
+    # layers in flight: one per slot, plus the running layer's grown copy (DynamicLayer concatenates).
+    kv_layer = budgets.kv_bytes // n if offload and n else 0
+    reserve = budgets.reserve_bytes - budgets.kv_bytes + (budgets.slots + 1) * kv_layer if offload \
+        else budgets.reserve_bytes
     if budgets.vram_bytes is None:
         resident = 0
         reasons.append("no GPU: layers are used in host memory, nothing to keep in VRAM")
     else:
-        floor = fixed_bytes + budgets.slots * slot + budgets.reserve_bytes
+        floor = fixed_bytes + budgets.slots * slot + reserve
         if floor > budgets.vram_bytes:
+            hint = "" if offload or not budgets.kv_bytes else ", --kv-offload"
             raise PlanError(
                 f"the GPU budget {budgets.vram_bytes / GB:.2f} GB cannot hold embeddings/lm_head "
                 f"({fixed_bytes / GB:.2f} GB) + {budgets.slots} layer buffers ({budgets.slots * slot / GB:.2f} GB) "
-                f"+ reserve ({budgets.reserve_bytes / GB:.2f} GB) = {floor / GB:.2f} GB; raise --max-vram, "
-                "use a compressed store (--quant nf4) or a smaller batch/context.")
+                f"+ reserve ({reserve / GB:.2f} GB) = {floor / GB:.2f} GB; raise --max-vram, "
+                f"use a compressed store (--quant nf4){hint} or a smaller batch/context.")
         spare = budgets.vram_bytes - floor
-        resident = _fit(layer_bytes, spare)
+        resident = _fit([b + kv_layer for b in layer_bytes], spare)
         reasons.append(f"VRAM {budgets.vram_bytes / GB:.2f} GB - fixed {fixed_bytes / GB:.2f} - slots "
-                       f"{budgets.slots * slot / GB:.2f} - reserve {budgets.reserve_bytes / GB:.2f} leaves "
-                       f"{spare / GB:.2f} GB: {resident} layer(s) fit")
+                       f"{budgets.slots * slot / GB:.2f} - reserve {reserve / GB:.2f} leaves "
+                       f"{spare / GB:.2f} GB: {resident} layer(s) fit"
+                       + (" with their KV cache" if kv_layer else ""))
         if budgets.resident_layers is not None:
             resident = min(budgets.resident_layers, n)
             reasons.append(f"resident layers set to {resident} by request")
@@ -183,18 +198,41 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
             reasons.append("every layer fits: no streaming needed")
     for i in range(resident):
         tiers[i] = "vram"
-    ram_left = budgets.ram_bytes
+    kv_host = kv_layer * (n - resident)
+    ram_left = max(budgets.ram_bytes - kv_host, 0)
     for i in range(resident, n):
         if layer_bytes[i] <= ram_left:
             tiers[i] = "ram"
             ram_left -= layer_bytes[i]
     streamed = [i for i in range(resident, n)]
     in_ram = sum(1 for i in streamed if tiers[i] == "ram")
-    reasons.append(f"RAM budget {budgets.ram_bytes / GB:.2f} GB holds {in_ram} of {len(streamed)} streamed layer(s)"
+    reasons.append(f"RAM budget {budgets.ram_bytes / GB:.2f} GB"
+                   + (f" less the offloaded KV cache {kv_host / GB:.2f} GB" if kv_host else "")
+                   + f" holds {in_ram} of {len(streamed)} streamed layer(s)"
                    + ("" if in_ram == len(streamed) else "; the rest are read from disk with read-ahead"))
     slots = 0 if resident == n else budgets.slots
     return StreamPlan(tiers=tiers, slot_bytes=slot, slots=slots, fixed_bytes=fixed_bytes, reasons=reasons,
-                      reserve_bytes=budgets.reserve_bytes)
+                      reserve_bytes=reserve, kv_offload=offload, kv_host_bytes=kv_host)
+
+
+def _choose_kv_offload(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets, reasons: list[str]) -> bool:
+    """Whether the streamed layers' KV cache lives in host RAM: as asked, or (None) when only that fits."""
+    if budgets.kv_offload is not None:
+        if budgets.kv_offload:
+            reasons.append("KV cache offloaded by request (--kv-offload)")
+        return budgets.kv_offload
+    n = len(layer_bytes)
+    if budgets.vram_bytes is None or not budgets.kv_bytes or not n:
+        return False
+    slot = max(layer_bytes)
+    on_device = fixed_bytes + budgets.slots * slot + budgets.reserve_bytes
+    offloaded = on_device - budgets.kv_bytes + (budgets.slots + 1) * (budgets.kv_bytes // n)
+    if on_device <= budgets.vram_bytes or offloaded > budgets.vram_bytes or budgets.kv_bytes > budgets.ram_bytes:
+        return False
+    reasons.append(f"the KV cache ({budgets.kv_bytes / GB:.2f} GB at this batch and context) does not fit in VRAM "
+                   f"beside the weights ({on_device / GB:.2f} > {budgets.vram_bytes / GB:.2f} GB): it is offloaded "
+                   "to pinned host RAM, each streamed layer's cache copied in with its weights and back after")
+    return True
 
 
 def _fit(layer_bytes: list[int], budget: int) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import skeleton
-from airquant.engine.plan import Budgets, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
+from airquant.engine.plan import Budgets, Reserve, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.store.manifest import Manifest, open_store
@@ -71,13 +71,11 @@ def vram_budget(cfg: EngineConfig, device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(device).total_memory * 0.95)
 
 
-def reserve_bytes(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> int:
-    """VRAM kept free for the KV cache and activations: ``--reserve``, or sized from batch and context."""
-    if cfg.reserve_gb is not None:
-        return int(cfg.reserve_gb * GIB)
+def planned_reserve(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> Reserve:
+    """What the batch needs beside the weights at the planned context (``--batch-size``, ``--context``)."""
     context = cfg.context or min(getattr(model_config, "max_position_embeddings", None) or 2048, 2048)
     return reserve_for(model_config, batch=cfg.batch_size, context=context, dtype_bytes=dtype.itemsize,
-                       dequant_elems=dequant_elems(manifest.shards, model_config)).total
+                       dequant_elems=dequant_elems(manifest.shards, model_config))
 
 
 def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
@@ -89,14 +87,17 @@ def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_
         ram = int(cfg.max_ram_gb * GIB)
     else:
         ram = int(psutil.virtual_memory().available * 0.5)
-    reserve = 0
+    reserve, kv = 0, 0
     if vram is not None:
         if model_config is None and cfg.reserve_gb is None:
             reserve = GIB  # no config to size it from
+        elif cfg.reserve_gb is not None:
+            reserve = int(cfg.reserve_gb * GIB)  # as given: the KV part is not known, nothing to offload by size
         else:
-            reserve = reserve_bytes(manifest, cfg, model_config, dtype or DTYPES[manifest.dtype])
+            sized = planned_reserve(manifest, cfg, model_config, dtype or DTYPES[manifest.dtype])
+            reserve, kv = sized.total, sized.kv
     budgets = Budgets(vram_bytes=vram, ram_bytes=ram, resident_layers=cfg.resident_layers, slots=cfg.slots,
-                      reserve_bytes=reserve)
+                      reserve_bytes=reserve, kv_bytes=kv, kv_offload=cfg.kv_offload)
     return replace(plan_layers(manifest.layer_bytes, fixed, budgets), host_fixed_bytes=host_fixed)
 
 
@@ -222,27 +223,49 @@ class Engine:
             max_new_tokens=gen.max_new_tokens, do_sample=sample, temperature=gen.temperature if sample else None,
             top_p=gen.top_p if sample else None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.eos_ids(), min_new_tokens=gen.max_new_tokens if gen.ignore_eos else None)
-        extra = {}
-        if kv is not None and kv.backend != "none":
-            from airquant.kv import make_cache
-
-            extra["past_key_values"] = make_cache(self.config, kv, device=self.device, dtype=self.dtype)
+        cache = self._make_cache(kv)
+        offload = self.streamer.kv if self.streamer is not None else None
+        if offload is not None:
+            offload.bind(cache, tokens=prompt_len + gen.max_new_tokens)
         clock = _StepClock(self._sync)
         self._sync()
         start = time.perf_counter()
         try:
             with attention_backends():
                 out = self.model.generate(**enc, generation_config=config,
-                                          logits_processor=LogitsProcessorList([clock]), **extra)
+                                          logits_processor=LogitsProcessorList([clock]),
+                                          **self._cache_arg(cache))
         except BaseException:
             if self.streamer is not None:  # an OOM or an interrupt cut a forward short
                 self.streamer.reset()
             raise
+        finally:
+            if offload is not None:
+                offload.unbind()
         self._sync()
         end = time.perf_counter()
         self._record_timings(start, end, clock.times, batch, prompt_len)
         return [self._completion(row[prompt_len:], int(mask.sum())) for row, mask in
                 zip(out, enc["attention_mask"])]
+
+    def _make_cache(self, kv):
+        """The cache to decode with: ``kv``'s, a plain one when the streamer offloads it, or None (generate's)."""
+        if kv is not None and kv.backend != "none":
+            from airquant.kv import make_cache
+
+            return make_cache(self.config, kv, device=self.device, dtype=self.dtype)
+        if self.streamer is not None and self.streamer.kv is not None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.config)
+        return None
+
+    def _cache_arg(self, cache) -> dict:
+        if cache is None:
+            return {}
+        from airquant.kv import _cache_kwarg
+
+        return {_cache_kwarg(self.model): cache}
 
     def generate(self, prompts: list[str] | str, gen: GenerateConfig | None = None, **overrides) -> list[str]:
         return [c.text for c in self.generate_detailed(prompts, gen, **overrides)]

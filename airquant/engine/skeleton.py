@@ -112,9 +112,12 @@ class StreamedLayer(nn.Module):
     def forward(self, *args, **kwargs):
         tensors = self.streamer.fetch(self.index)
         try:
-            return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
-        finally:
-            self.streamer.release(self.index)
+            out = torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
+        except BaseException:
+            self.streamer.release(self.index, ran=False)
+            raise
+        self.streamer.release(self.index)
+        return out
 
 
 def attach_streamer(model: nn.Module, streamer) -> None:

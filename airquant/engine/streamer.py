@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from airquant.engine.cuda_ops import CudaOps, HostMemory
+from airquant.engine.kv_offload import KVOffload
 from airquant.engine.plan import StreamPlan
 from airquant.errors import StoreError
 from airquant.store.manifest import Manifest
@@ -141,6 +142,8 @@ class LayerStreamer:
         self.profile: list[tuple[int, object, object, object, object]] = []  # layer, copy start/end, compute start/end
         self._profiling = profile and ops is not None
         self._compute_start: dict[int, object] = {}
+        # The streamed layers' KV cache rides with their weights (plan.kv_offload; bind a cache to use it).
+        self.kv = KVOffload(self.streamed, ops, self.memory, len(self._slots)) if plan.kv_offload else None
 
     def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
         # Page-locked memory is what lets host->device copies run at the link's full speed.
@@ -214,23 +217,32 @@ class LayerStreamer:
             flat, k = self._host_flat(i)
             self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
             tensors = self._cast(i, self.layouts[i].views(flat))
+            if self.kv is not None:
+                self.kv.bring_in(i, 0)
         else:
             if i not in self._inflight:
                 self._issue_copy(i)
             entry = self._inflight[i]
             entry.in_use = True
+            if self.kv is not None:  # a cache bound (or grown) after the layer was prefetched
+                entry.done = self.kv.ensure(i, entry.slot, self._slot_free[entry.slot]) or entry.done
             self.ops.wait(entry.done)
             if self._profiling:
                 self._compute_start[i] = self.ops.mark()
             tensors = self._cast(i, self.layouts[i].views(self._slots[entry.slot]))
+        if self.kv is not None:
+            self.kv.enter(i)
         self._prefetch_after(i)
         return tensors
 
-    def release(self, i: int) -> None:
+    def release(self, i: int, ran: bool = True) -> None:
+        """Layer i's compute is enqueued (``ran``; False: it raised): its slot may be refilled after it."""
         entry = self._inflight.get(i)
         if entry is None or not entry.in_use:
             return
         del self._inflight[i]
+        if self.kv is not None and ran:
+            self.kv.leave(i)
         if self.ops is None:
             if entry.staging is not None:  # the layer was used in place from this staging buffer
                 self._staging_owner[entry.staging] = None
@@ -248,6 +260,8 @@ class LayerStreamer:
         """
         for i in [i for i, e in self._inflight.items() if not e.in_use]:
             del self._inflight[i]
+        if self.kv is not None:
+            self.kv.unbind()
         for j, (future, k) in list(self._reads.items()):
             future.exception()  # wait for the read; a failed one is read again when needed
             del self._reads[j]
@@ -300,6 +314,8 @@ class LayerStreamer:
         flat, k = self._host_flat(i)
         nbytes = self.layouts[i].nbytes
         started, done = self.ops.copy(self._slots[slot][:nbytes], flat[:nbytes], self._slot_free[slot])
+        if self.kv is not None:  # the layer's cache follows its weights; compute waits for both
+            done = self.kv.bring_in(i, slot, self._slot_free[slot]) or done
         if k is not None:  # the read thread may refill this staging buffer once the copy has run
             self._staging_free[k] = done
             self._staging_owner[k] = None

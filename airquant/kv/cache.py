@@ -78,7 +78,9 @@ class TQLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.store = PackedStore(*layer_codecs(kv, layer_idx, head_dim))
         self.n_seen = 0
-        self._last_context: CompressedContext | None = None
+        # Only the receipt of the last step's context is kept: its history views would hold device
+        # memory between steps (an offloaded cache moves the store to the host after each step).
+        self._last_receipt: Receipt | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -102,12 +104,12 @@ class TQLayer(CacheLayerMixin):
             v_codec=self.store.v_codec,
             sink=min(self.kv.sink, full_k.shape[-2]),
         )
-        self._last_context = context if hist_len else None
+        self._last_receipt = context.receipt if hist_len else None
         return tag(full_k, context), full_v
 
     def _check_previous_context_used(self) -> None:
-        ctx = self._last_context
-        if ctx is not None and not ctx.receipt.consumed:
+        receipt = self._last_receipt
+        if receipt is not None and not receipt.consumed:
             raise KVConfigError(
                 f"layer {self.layer_idx}: the attention did not read the compressed KV history, so it "
                 "attended to the recent tokens only. Set model.config._attn_implementation = "
@@ -178,7 +180,7 @@ class TQLayer(CacheLayerMixin):
         self.is_initialized = False
         self.store = PackedStore(self.store.k_codec, self.store.v_codec)
         self.n_seen = 0
-        self._last_context = None
+        self._last_receipt = None
 
 
 class TQCache(Cache):

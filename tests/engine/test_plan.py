@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batc
     store = shapes[dtype]
     manifest, config = load_manifest(store), skeleton.load_config(store)
     cfg = EngineConfig(max_vram_gb=cap_gb * GB / GIB, host_embedding=host_embedding, batch_size=batch,
-                       context=context, max_ram_gb=64)
+                       context=context, max_ram_gb=64, kv_offload=False)
     if isinstance(resident, str):
         with pytest.raises(PlanError, match=resident):
             plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)
@@ -82,6 +84,37 @@ def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batc
     assert peak <= cap_gb * GB < peak + manifest.layer_bytes[0]  # full, and one more layer would not fit
     assert (plan.host_fixed_bytes > 0) == host_embedding
     assert "reserve (KV + activ.)" in plan.describe(manifest.layer_bytes)
+
+
+def test_kv_cache_that_does_not_fit_vram_is_offloaded(shapes):
+    """Batch 32 x 1024 tokens of 70B: the 10.7 GB cache leaves no room on 15 GB; in host RAM it fits."""
+    from airquant.config import EngineConfig
+    from airquant.engine import skeleton
+    from airquant.engine.runner import GIB, plan_for
+    from airquant.store.manifest import load_manifest
+
+    store = shapes["nf4"]
+    manifest, config = load_manifest(store), skeleton.load_config(store)
+    base = EngineConfig(max_vram_gb=15 * GB / GIB, host_embedding=True, batch_size=32, context=1024, max_ram_gb=64)
+    plan = plan_for(manifest, base, torch.device("cuda"), config, torch.bfloat16)
+    n = manifest.num_layers
+    kv = 32 * 1024 * 2 * n * 8 * 128 * 2  # K and V of 8 heads of 128 per layer, bf16
+    kv_layer = kv // n
+    assert plan.kv_offload and plan.kv_host_bytes == kv_layer * (n - len(plan.vram_layers))
+    peak = plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes + \
+        sum(manifest.layer_bytes[i] + kv_layer for i in plan.vram_layers)
+    assert peak <= 15 * GB
+    assert plan.reserve_bytes < kv  # only the layers in flight keep their cache on the device
+    text = plan.describe(manifest.layer_bytes)
+    assert "KV cache                : offloaded" in text and "does not fit in VRAM" in text
+    with pytest.raises(PlanError, match="--kv-offload"):
+        plan_for(manifest, replace(base, kv_offload=False), torch.device("cuda"), config, torch.bfloat16)
+    small = plan_for(manifest, replace(base, batch_size=1), torch.device("cuda"), config, torch.bfloat16)
+    assert not small.kv_offload and "offloaded" not in small.describe(manifest.layer_bytes)
+    forced = plan_for(manifest, replace(base, batch_size=1, kv_offload=True), torch.device("cuda"), config,
+                      torch.bfloat16)
+    assert forced.kv_offload and len(forced.vram_layers) <= len(small.vram_layers)
+    assert "by request" in forced.describe(manifest.layer_bytes)
 
 
 def test_reserve_grows_with_batch_and_context():

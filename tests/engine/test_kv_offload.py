@@ -1,0 +1,138 @@
+"""KV offload: the streamed layers' cache in host memory, moved with each layer, against the cache on the device.
+
+The CUDA ordering is driven on CPU through the streamer tests' ``SimOps`` (eager: a copy into a buffer
+still in use clobbers it; lazy: a copy runs only when something waits for its event), so a missing
+wait or a buffer reused too early changes the logits, which must equal the on-device cache's exactly.
+"""
+
+import pytest
+import torch
+from test_streamer import SimOps  # tests/engine is on sys.path (no package __init__)
+
+from airquant.engine.plan import StreamPlan
+from airquant.engine.runner import Engine
+from airquant.engine.streamer import LayerStreamer
+from airquant.kv import KVConfig
+
+PROMPTS = ["Once upon a time in a land far far away there lived a king who", "Hi"]  # batch 2, left-padded
+# A window shorter than the prompt: blocks are quantized at prefill and again while decoding.
+TQ = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=2)
+KVS = {"plain": None, "tq": TQ}
+STEPS = 6
+
+
+class KVSimOps(SimOps):
+    def retire(self, tensor):
+        pass  # the simulated copy stream keeps its own references
+
+
+def offload_engine(store, tiers, ops, slots=2):
+    """A CPU engine with the KV cache offloaded, its streamer following ``tiers`` through ``ops``."""
+    engine = Engine.open(store, device="cpu", kv_offload=True)
+    layer_bytes = engine.manifest.layer_bytes
+    plan = StreamPlan(tiers=list(tiers), slot_bytes=max(layer_bytes), slots=slots, fixed_bytes=0, kv_offload=True)
+    streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=ops)
+    engine.streamer.close()
+    for layer in engine.model.model.layers:
+        layer.streamer = streamer
+    engine.streamer, engine.plan = streamer, plan
+    return engine
+
+
+def decode_logits(engine, kv, steps=STEPS):
+    """Prefill and ``steps`` greedy decode steps through the engine's cache; the logits of each, and the cache."""
+    enc = engine.encode(PROMPTS)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    cache = engine._make_cache(kv) or __import__("transformers").DynamicCache(config=engine.config)
+    offload = engine.streamer.kv if engine.streamer is not None else None
+    if offload is not None:
+        offload.bind(cache, tokens=ids.shape[1] + steps)
+    out, arg = [], engine._cache_arg(cache)
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            logits = engine.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                                  **arg).logits[:, -1]
+            out.append(logits)
+            ids = logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return torch.stack(out), cache
+
+
+@pytest.fixture(scope="module", params=list(KVS))
+def reference(request, tiny_store):
+    kv = KVS[request.param]
+    engine = Engine.open(tiny_store, device="cpu", kv_offload=False)
+    assert engine.streamer.kv is None
+    logits, cache = decode_logits(engine, kv)
+    if kv is not None:
+        assert cache.layers[0].store.length > 0  # blocks were quantized: the packed store travels too
+    tokens = [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)]
+    return kv, logits, tokens
+
+
+def _points_at_host(engine, cache, i) -> bool:
+    host = engine.streamer.kv.host_storages()
+    layer = cache.layers[i]
+    tensors = layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values]
+    return all(t.untyped_storage().data_ptr() in host for t in tensors if t is not None and t.numel())
+
+
+@pytest.mark.parametrize("tiers, ops", [
+    (("ram", "ram", "ram"), None),  # CPU: the same path with plain copies
+    (("ram", "disk", "ram"), lambda: KVSimOps(lazy=False)),
+    (("ram", "ram", "disk"), lambda: KVSimOps(lazy=True)),
+    (("vram", "ram", "disk"), lambda: KVSimOps(lazy=True)),  # a VRAM layer keeps its cache on the device
+], ids=["cpu", "eager", "lazy", "vram+lazy"])
+def test_offloaded_cache_gives_the_same_logits(tiny_store, reference, tiers, ops):
+    kv, want, tokens = reference
+    engine = offload_engine(tiny_store, tiers, ops() if ops else None, slots=1 if ops is None else 2)
+    for _ in range(2):  # the second generation reuses the host buffers of the first
+        got, cache = decode_logits(engine, kv)
+        assert torch.equal(got, want)
+        for i, tier in enumerate(tiers):
+            assert _points_at_host(engine, cache, i) == (tier != "vram"), f"layer {i} ({tier})"
+    host = []
+    for _ in range(2):
+        got = engine.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
+        assert [c.token_ids for c in got] == tokens
+        host.append(engine.streamer.kv.host_bytes())
+    assert host[0] == host[1]  # sized once for prompt + new tokens, then reused
+    assert engine.streamer.kv.cache is None  # unbound after the generation
+    engine.close()
+
+
+def test_nothing_of_an_offloaded_cache_stays_on_the_device(tiny_store, reference):
+    """Between steps the cache's tensors are the host buffers; the device holds only the pass-through buffers."""
+    kv, _, _ = reference
+    engine = Engine.open(tiny_store, device="cpu", kv_offload=True)
+    _, cache = decode_logits(engine, kv)
+    offload = engine.streamer.kv
+    from airquant.kv import cache_nbytes
+
+    held = cache_nbytes(cache)
+    assert held > 0 and all(_points_at_host(engine, cache, i) for i in range(len(cache.layers)))
+    assert offload.host_bytes() >= held
+    # One buffer (CPU, used in place: one slot) with one layer's cache, plus room to append (tq).
+    per_layer = held // len(cache.layers)
+    assert 0 < offload.device_bytes() <= 2 * per_layer + 64 * 1024
+
+
+def test_offload_refuses_a_cache_it_cannot_move(tiny_store):
+    from airquant.engine.kv_offload import KVOffloadError
+
+    engine = Engine.open(tiny_store, device="cpu", kv_offload=True)
+    engine.streamer.kv.bind(type("Odd", (), {"layers": []})())
+    engine.streamer.kv._records.clear()
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    layer = DynamicSlidingWindowLayer(sliding_window=4)
+    layer.lazy_initialization(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    engine.streamer.kv.cache.layers.append(layer)
+    with pytest.raises(KVOffloadError, match="--no-kv-offload"):
+        engine.streamer.kv.leave(0)
+
+
+def test_resident_and_default_engines_do_not_offload(tiny_store):
+    assert Engine.open(tiny_store, device="cpu").streamer.kv is None  # auto: no GPU, nothing to offload
+    assert Engine.open(tiny_store, device="cpu", resident=True).streamer is None
