@@ -40,6 +40,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the embedding table in host RAM; only the looked-up rows go to the GPU")
     g.add_argument("--reserve", type=float, default=None, metavar="GB",
                    help="VRAM kept free for KV cache and activations (GiB; default: sized from batch and context)")
+    g.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the streamed layers' KV cache in pinned host RAM, copied in with each layer's weights "
+                        "(default: only when the batch's cache does not fit in VRAM)")
     g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
     g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
@@ -67,8 +70,8 @@ def _engine_config(args):
     return EngineConfig(device=args.device, dtype=args.dtype, resident=args.resident, max_vram_gb=args.max_vram,
                         max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify,
                         reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
-                        profile=args.profile, batch_size=getattr(args, "batch", None) or 1,
-                        context=getattr(args, "context", None))
+                        profile=args.profile, kv_offload=args.kv_offload,
+                        batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None))
 
 
 # -- shard -------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class KVOffload:
         self._records: dict[int, _Record] = {}
         self._pool: dict[tuple[int, str], torch.Tensor] = {}  # host buffers kept across generations
         self._staged: dict[int, _Staged] = {}
-        self._sent = None  # event: the last copy back to the host has run (so have all before it)
+        self._last = None  # event of the last copy issued (the copy stream runs them in order)
         self.cache = None
         self._binding = 0
         self._tokens = 0
@@ -243,8 +243,8 @@ class KVOffload:
         layer = self._layer(i)
         if layer is None:
             return
-        kind = _kind(layer)
-        rec = self._records.setdefault(i, _Record(kind))
+        rec = self._records.get(i) or self._records.setdefault(i, _Record(_kind(layer)))
+        kind = rec.kind
         state = kind.read(layer)
         if state.length < rec.length:
             raise KVOffloadError(f"layer {i}: the cache went from {rec.length} to {state.length} tokens; an "
@@ -277,7 +277,7 @@ class KVOffload:
             return
         after = self.ops.mark()  # the layer's compute and the contiguous copies above
         for dst, src in outgoing:
-            _, self._sent = self.ops.copy(dst, src, after)
+            _, self._last = self.ops.copy(dst, src, after)
             self.ops.retire(src)
 
     def _append_part(self, i: int, rec: _Record, name: str, t: torch.Tensor, length: int) -> _HostPart:
@@ -309,8 +309,8 @@ class KVOffload:
         """Replace a host buffer by one of ``nbytes``, keeping its first ``keep`` bytes."""
         old, part.buf = part.buf, self.memory.empty(nbytes)
         if old.numel():
-            if self._sent is not None:
-                self.ops.host_wait(self._sent)  # a copy back into the old buffer may still be queued
+            if self._last is not None:
+                self.ops.host_wait(self._last)  # a copy from or into the old buffer may still be queued
             part.buf[:keep].copy_(old[:keep])
             self.memory.free(old)
         self._pool[(i, name)] = part.buf
@@ -332,7 +332,8 @@ class KVOffload:
         if self.ops is None:
             dst.copy_(src)
             return None
-        return self.ops.copy(dst, src, after)[1]
+        self._last = self.ops.copy(dst, src, after)[1]
+        return self._last
 
     # -- reporting ---------------------------------------------------------------------------
     def host_bytes(self) -> int:

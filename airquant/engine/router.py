@@ -7,7 +7,8 @@ The router sits above the layer planner (``plan.py``): given one or more stores 
   first, then the larger quantized store): for one model, more bits per weight mean less error;
 * the mode: resident when every layer fits with room for the KV cache and activations, streamed
   otherwise (only where streaming is allowed: batch work, or ``allow_streaming``);
-* the KV scheme: the plain cache when it fits, else the TurboQuant cache (K4/V2);
+* the KV scheme: the plain cache when it fits, else the TurboQuant cache (K4/V2); streamed, when
+  neither fits in VRAM, the cache offloaded to pinned host RAM (moved with each layer's weights);
 * the layers kept resident in VRAM and the pinned-RAM tier, through ``plan_layers``;
 * the largest batch that still fits at this context.
 
@@ -190,12 +191,13 @@ class Workload:
     resident_layers: int | None = None  # override of the planned VRAM-resident count (streamed)
     dtype: str | None = None  # compute dtype; None: the store's (fp16 computes in fp32 on CPU)
     host_embedding: bool = False  # the untied embedding table stays in host RAM (--host-embedding)
+    kv_offload: bool | None = False  # streamed KV cache in host RAM; None: when no cache fits in VRAM
 
 
 def workload_for(engine, **fields) -> Workload:
-    """A Workload taking resident layers, dtype and host embedding from an EngineConfig."""
+    """A Workload taking resident layers, dtype, host embedding and KV offload from an EngineConfig."""
     return Workload(resident_layers=engine.resident_layers, dtype=engine.dtype,
-                    host_embedding=engine.host_embedding, **fields)
+                    host_embedding=engine.host_embedding, kv_offload=engine.kv_offload, **fields)
 
 
 def tq_config():
@@ -214,7 +216,8 @@ class _Costs:
     host_fixed: int  # an embedding table kept in host RAM beside a GPU (--host-embedding)
     weights: int  # every decoder layer
     slot: int  # the largest layer: one device slot or host staging buffer
-    one: Reserve  # what one sequence needs beside the weights (plan.reserve_for)
+    one: Reserve  # what one sequence needs beside the weights (plan.reserve_for); offloaded: its device KV
+    kv_host: int = 0  # an offloaded cache: one sequence's KV in host RAM (every layer)
 
     def reserve(self, batch: int) -> Reserve:
         # reserve_for is linear in the batch for KV, activations and logits; dequant and workspace are not.
@@ -246,7 +249,8 @@ class _Costs:
         r = self.reserve(batch)
         extra = "".join(f" + {name} {value / GB:.2f}" for name, value in
                         (("dequant", r.dequant), ("workspace", r.workspace)) if value)
-        return (f"fixed {self.fixed / GB:.2f} + {weights} + batch {batch} x (KV {self.one.kv / GB:.3f} + act "
+        kv = f"KV {self.one.kv / GB:.3f}" + (f" on the device, {self.kv_host / GB:.3f} in host RAM" if self.kv_host else "")
+        return (f"fixed {self.fixed / GB:.2f} + {weights} + batch {batch} x ({kv} + act "
                 f"{(self.one.activations + self.one.logits) / GB:.3f}){extra} = {self.need(mode, batch) / GB:.2f} GB")
 
 
@@ -257,16 +261,21 @@ def _compute_bytes(c: Candidate, hw: Hardware, dtype: str | None) -> int:
     return DTYPE_BYTES.get(name, 2)
 
 
-def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int) -> _Costs:
+def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int, offload: bool = False) -> _Costs:
     width = _compute_bytes(c, hw, wl.dtype)
     gpu = hw.vram_bytes is not None
     config = c.dims.as_config()
     one = reserve_for(config, batch=1, context=context, dtype_bytes=width,
                       dequant_elems=dequant_elems(c.manifest.shards, config))
-    one = replace(one, kv=c.dims.kv_bytes(kv, context, width), workspace=WORKSPACE_BYTES if gpu else 0)
+    kv_bytes = c.dims.kv_bytes(kv, context, width)
+    # Offloaded, the device keeps the cache of the layers in flight: one per slot, and the running one's
+    # grown copy (plan.plan_layers adds each VRAM-resident layer's share).
+    device_kv = (SLOTS + 1) * kv_bytes // c.dims.num_layers if offload else kv_bytes
+    one = replace(one, kv=device_kv, workspace=WORKSPACE_BYTES if gpu else 0)
     device, host = c.fixed_bytes(wl.host_embedding)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
-                  weights=sum(c.layer_bytes), slot=max(c.layer_bytes, default=0), one=one)
+                  weights=sum(c.layer_bytes), slot=max(c.layer_bytes, default=0), one=one,
+                  kv_host=kv_bytes if offload else 0)
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -283,6 +292,7 @@ class Route:
     ram_tier_bytes: int  # pinned host RAM given to streamed layers
     max_batch: int  # largest batch at this context with this store/mode/KV (fewer resident layers)
     lines: tuple[str, ...]  # the arithmetic, in the order it was tried
+    kv_offload: bool = False  # the streamed layers' cache lives in pinned host RAM
 
     @property
     def store(self) -> Path:
@@ -305,7 +315,7 @@ class Route:
         from airquant.config import EngineConfig
 
         base = replace(base or EngineConfig(), batch_size=self.batch_size, context=self.context,
-                       reserve_gb=self.reserve_bytes / GIB)
+                       reserve_gb=self.reserve_bytes / GIB, kv_offload=self.kv_offload)
         if self.mode == "resident":
             return replace(base, resident=True)
         gpu = self.hardware.vram_bytes is not None
@@ -323,7 +333,8 @@ class Route:
         ]
         tail = [
             f"choice    : {self.scheme} from {self.store}: {self.mode}, KV cache "
-            f"{'TurboQuant K4/V2' if self.kv == 'tq' else 'plain'}",
+            f"{'TurboQuant K4/V2' if self.kv == 'tq' else 'plain'}"
+            + (", offloaded to pinned host RAM (moved with each layer)" if self.kv_offload else ""),
             self.plan.describe(c.layer_bytes),
             f"max batch : {self.max_batch} sequences of {self.context} tokens with this choice"
             + (" (larger batches keep fewer layers in VRAM)" if self.mode == "streamed" and self.resident_layers
@@ -349,8 +360,8 @@ def route(candidates: Sequence[Candidate], hw: Hardware, wl: Workload) -> Route:
     blocked: Route | None = None  # fits only streamed while streaming is not allowed
     for c in candidates:
         for mode in modes:
-            for kv in wl.kv_schemes:
-                found = _attempt(c, mode, kv, hw, wl, context, lines)
+            for kv, offload in _kv_options(mode, hw, wl):
+                found = _attempt(c, mode, kv, hw, wl, context, lines, offload)
                 if found is None:
                     continue
                 if mode == "streamed" and wl.mode == "auto" and not wl.allow_streaming:
@@ -364,6 +375,13 @@ def route(candidates: Sequence[Candidate], hw: Hardware, wl: Workload) -> Route:
             "as a batch job (generate_batch); or give a more compressed store.\n" + "\n".join(lines))
     raise RouteError("the model does not fit these budgets with any store, mode or KV scheme:\n"
                      + "\n".join(f"  {line}" for line in lines) + "\n" + _fixes(candidates, hw, wl, context))
+
+
+def _kv_options(mode: str, hw: Hardware, wl: Workload) -> list[tuple[KVScheme, bool]]:
+    """(KV scheme, offloaded) in the order tried: every scheme in VRAM first, then offloaded (streamed, GPU)."""
+    can = mode == "streamed" and hw.vram_bytes is not None
+    offloads = {False: (False,), True: (True,) if can else (False,), None: (False, True) if can else (False,)}
+    return [(kv, offload) for offload in offloads[wl.kv_offload] for kv in wl.kv_schemes]
 
 
 def _context(dims: ModelDims, wl: Workload) -> int:
@@ -386,6 +404,8 @@ def _fixes(candidates: Sequence[Candidate], hw: Hardware, wl: Workload, context:
     fixes.append("a more compressed store of this model (nf4, int2) passed alongside the others")
     if "tq" not in wl.kv_schemes:
         fixes.append("the TurboQuant KV cache (--kv tq)")
+    if wl.kv_offload is False and hw.vram_bytes is not None:
+        fixes.append("the KV cache in host RAM (--kv-offload)")
     fixes.append(f"a smaller batch ({wl.batch_size}) or context ({context})" if wl.batch_size > 1
                  else f"a shorter context ({context} tokens)")
     fixes.append("raise --max-vram/--max-ram" if hw.vram_bytes is not None else "raise --max-ram or use a GPU")
@@ -393,12 +413,13 @@ def _fixes(candidates: Sequence[Candidate], hw: Hardware, wl: Workload, context:
 
 
 def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
-             lines: list[str]) -> Route | None:
+             lines: list[str], offload: bool = False) -> Route | None:
     """The route for this store/mode/KV if it fits; appends the arithmetic either way."""
-    costs = _costs(c, kv, hw, wl, context)
+    costs = _costs(c, kv, hw, wl, context, offload)
     budget, where = (hw.vram_bytes, "VRAM") if costs.gpu else (hw.ram_bytes, "host RAM")
     need = costs.need(mode, wl.batch_size)
-    label = f"{c.scheme:<9} {mode:<8} KV {kv:<4}: {costs.formula(mode, wl.batch_size)}"
+    label = f"{c.scheme:<9} {mode:<8} KV {kv:<4}{' offloaded' if offload else ''}: " \
+            f"{costs.formula(mode, wl.batch_size)}"
     if need > budget:
         lines.append(f"{label} > {where} {budget / GB:.2f} GB")
         return None
@@ -412,10 +433,14 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
         lines.append(f"{label} fits {where}, but --resident-layers {wl.resident_layers} does not")
         return None
     lines.append(f"{label} <= {where} {budget / GB:.2f} GB: fits")
-    reserve = costs.reserve(wl.batch_size).total
+    reserve = plan.reserve_bytes if plan.kv_offload else costs.reserve(wl.batch_size).total
+    max_batch = costs.max_batch(mode, budget)
+    if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead buffers
+        max_batch = min(max_batch, max(0, hw.ram_bytes - costs.host_fixed - STAGING * costs.slot) // costs.kv_host)
     return Route(candidate=c, mode=mode, kv=kv, plan=plan, hardware=hw, batch_size=wl.batch_size,
-                 context=context, reserve_bytes=reserve, ram_tier_bytes=ram_tier if mode == "streamed" else 0,
-                 max_batch=costs.max_batch(mode, budget), lines=tuple(lines))
+                 context=context, reserve_bytes=reserve,
+                 ram_tier_bytes=ram_tier - plan.kv_host_bytes if mode == "streamed" else 0,
+                 max_batch=max_batch, lines=tuple(lines), kv_offload=plan.kv_offload)
 
 
 def _ram_tier(costs: _Costs, mode: str, hw: Hardware, batch: int) -> int | None:
@@ -425,9 +450,11 @@ def _ram_tier(costs: _Costs, mode: str, hw: Hardware, batch: int) -> int | None:
     ram = hw.ram_bytes - costs.host_fixed
     if not costs.gpu:  # the fixed parts, KV cache and activations live in host RAM too
         ram -= costs.fixed + costs.reserve(batch).total
-    if costs.weights <= ram:
+    # An offloaded cache is taken off this tier by plan_layers, for the layers it streams.
+    host_kv = batch * costs.kv_host
+    if costs.weights + host_kv <= ram:
         return ram
-    if ram < STAGING * costs.slot:
+    if ram - host_kv < STAGING * costs.slot:
         return None
     return ram - STAGING * costs.slot
 
@@ -442,18 +469,24 @@ def _placement(c: Candidate, costs: _Costs, mode: str, hw: Hardware, wl: Workloa
         return StreamPlan(tiers=[tier] * n, slot_bytes=costs.slot, slots=0, fixed_bytes=costs.fixed,
                           reasons=[f"resident: {why}, no streaming"], reserve_bytes=reserve,
                           host_fixed_bytes=costs.host_fixed)
+    kv = wl.batch_size * costs.kv_host  # offloaded: plan_layers keeps the share of resident layers in VRAM
+    if kv:
+        reserve += kv - wl.batch_size * costs.one.kv  # the reserve with the whole cache on the device
     budgets = Budgets(vram_bytes=hw.vram_bytes, ram_bytes=ram_tier, resident_layers=wl.resident_layers,
-                      slots=SLOTS, reserve_bytes=reserve if costs.gpu else 0)
+                      slots=SLOTS, reserve_bytes=reserve if costs.gpu else 0, kv_bytes=kv,
+                      kv_offload=(True if wl.kv_offload else None) if kv else False)
     try:
         plan = plan_layers(c.layer_bytes, costs.fixed, budgets)
     except PlanError:
+        return None
+    if kv and not plan.kv_offload:  # the cache fits in VRAM after all: the option without offload covers it
         return None
     if costs.gpu and wl.resident_layers is not None:
         free = hw.vram_bytes - costs.need("streamed", wl.batch_size)
         if sum(c.layer_bytes[i] for i in plan.vram_layers) > free:
             return None
     # On CPU the reserve is host RAM, already taken off the tier.
-    return replace(plan, reserve_bytes=reserve, host_fixed_bytes=costs.host_fixed)
+    return replace(plan, reserve_bytes=plan.reserve_bytes if kv else reserve, host_fixed_bytes=costs.host_fixed)
 
 
 def plan_route(stores: Sequence[str | Path], hw: Hardware, wl: Workload) -> Route:

@@ -39,14 +39,16 @@ def offload_engine(store, tiers, ops, slots=2):
     return engine
 
 
-def decode_logits(engine, kv, steps=STEPS):
-    """Prefill and ``steps`` greedy decode steps through the engine's cache; the logits of each, and the cache."""
+def decode_logits(engine, kv, steps=STEPS, announced=None):
+    """Prefill and ``steps`` greedy decode steps through the engine's cache; the logits of each, and the cache.
+
+    ``announced``: the tokens the offloaded cache is told to expect (default: all of them)."""
     enc = engine.encode(PROMPTS)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     cache = engine._make_cache(kv) or __import__("transformers").DynamicCache(config=engine.config)
     offload = engine.streamer.kv if engine.streamer is not None else None
     if offload is not None:
-        offload.bind(cache, tokens=ids.shape[1] + steps)
+        offload.bind(cache, tokens=ids.shape[1] + steps if announced is None else announced)
     out, arg = [], engine._cache_arg(cache)
     with torch.inference_mode():
         for _ in range(steps + 1):
@@ -100,6 +102,27 @@ def test_offloaded_cache_gives_the_same_logits(tiny_store, reference, tiers, ops
     assert host[0] == host[1]  # sized once for prompt + new tokens, then reused
     assert engine.streamer.kv.cache is None  # unbound after the generation
     engine.close()
+
+
+def test_host_buffers_grow_past_the_announced_tokens(tiny_store, reference):
+    """Told to expect 1 token, the host buffers double as the cache grows (lazy copies: growth must wait)."""
+    kv, want, _ = reference
+    engine = offload_engine(tiny_store, ("ram", "disk", "ram"), KVSimOps(lazy=True))
+    got, cache = decode_logits(engine, kv, announced=1)
+    assert torch.equal(got, want)
+    assert all(_points_at_host(engine, cache, i) for i in range(3))
+
+
+def test_generate_cli_takes_the_kv_offload_flag(tiny_store, capsys):
+    from airquant.cli import build_parser, main
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "s", "--prompt", "x"]).kv_offload is None
+    assert parse(["batch", "s", "--input", "i", "--output", "o", "--kv-offload"]).kv_offload is True
+    assert parse(["generate", "s", "--prompt", "x", "--no-kv-offload"]).kv_offload is False
+    assert main(["generate", str(tiny_store), "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--kv-offload"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_nothing_of_an_offloaded_cache_stays_on_the_device(tiny_store, reference):

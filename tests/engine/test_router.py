@@ -175,3 +175,40 @@ def test_cli_plan_default_model_shape(tiny_store, capsys):
     assert main(["plan", str(tiny_store), "--device", "cpu", "--batch", "4", "--context", "128"]) == 0
     out = capsys.readouterr().out
     assert "workload  : batch 4 x 128 tokens" in out and "resident" in out
+
+
+def test_kv_cache_is_offloaded_when_no_cache_fits_in_vram(stores):
+    """8B bf16, batch 16 x 2048: the 4.3 GB plain cache leaves 11.45 GB > 10.74; in host RAM 7.55 GB fit."""
+    from dataclasses import replace
+
+    from airquant.engine import skeleton
+    from airquant.engine.runner import plan_for
+
+    store = stores["llama3-8b", "bfloat16"]
+    candidates = load_candidates([store])
+    wl = Workload(batch_size=16, context=2048, kv_schemes=("none",), kv_offload=None)
+    r = route(candidates, _hw(10, 64), wl)
+    assert (r.mode, r.kv, r.kv_offload) == ("streamed", "none", True)
+    assert r.plan.kv_host_bytes > 0 and r.resident_layers > 0
+    text = r.describe()
+    assert "KV none offloaded" in text and "offloaded to pinned host RAM" in text and "does not fit in VRAM" in text
+    # The engine's own plan from the route's settings places the layers the same way.
+    from airquant.config import EngineConfig
+
+    cfg = r.engine_config(EngineConfig(max_vram_gb=10))
+    assert cfg.kv_offload and cfg.resident_layers == r.resident_layers
+    plan = plan_for(r.candidate.manifest, cfg, torch.device("cuda"), skeleton.load_config(store), torch.bfloat16)
+    assert plan.tiers == r.plan.tiers and plan.kv_offload and plan.reserve_bytes == pytest.approx(r.reserve_bytes, 1)
+    with pytest.raises(RouteError, match="--kv-offload"):
+        route(candidates, _hw(10, 64), replace(wl, kv_offload=False))
+    assert not route(candidates, _hw(16, 64), wl).kv_offload  # the cache fits: it stays on the device
+    assert not route(candidates, _hw(None, 64), replace(wl, kv_offload=True)).kv_offload  # no GPU: nothing to offload
+
+
+def test_plan_cli_takes_the_kv_offload_flag(stores, capsys):
+    store = str(stores["llama3-8b", "bfloat16"])
+    args = ["plan", store, "--max-vram", "10", "--max-ram", "64", "--batch", "16", "--context", "2048", "--kv", "none"]
+    assert main(args) == 0
+    assert "KV cache                : offloaded" in capsys.readouterr().out
+    assert main(args + ["--no-kv-offload"]) == 2
+    assert "--kv-offload" in capsys.readouterr().err
