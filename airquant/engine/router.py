@@ -249,7 +249,9 @@ class _Costs:
         r = self.reserve(batch)
         extra = "".join(f" + {name} {value / GB:.2f}" for name, value in
                         (("dequant", r.dequant), ("workspace", r.workspace)) if value)
-        kv = f"KV {self.one.kv / GB:.3f}" + (f" on the device, {self.kv_host / GB:.3f} in host RAM" if self.kv_host else "")
+        kv = f"KV {self.one.kv / GB:.3f}"
+        if self.kv_host:
+            kv += f" on the device, {self.kv_host / GB:.3f} in host RAM"
         return (f"fixed {self.fixed / GB:.2f} + {weights} + batch {batch} x ({kv} + act "
                 f"{(self.one.activations + self.one.logits) / GB:.3f}){extra} = {self.need(mode, batch) / GB:.2f} GB")
 
