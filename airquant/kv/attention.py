@@ -101,13 +101,15 @@ def combine(full: State, hist: State, v_rotation, v_mean: torch.Tensor | None = 
     return acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def history_state(q: torch.Tensor, ctx: CompressedContext, keep: torch.Tensor, scale: float) -> State:
-    """Dispatch: the Triton kernel on CUDA where it applies, the chunked torch path otherwise."""
+def history_state(q: torch.Tensor, ctx: CompressedContext, keep: torch.Tensor, scale: float,
+                  exact: bool = True) -> State:
+    """Dispatch: the Triton kernel on CUDA where it applies, the chunked torch path otherwise.
+    ``exact`` False: the kernel may use TF32 products (the query came from a bf16/fp16 model)."""
     if q.is_cuda:
         from airquant.kv import triton_kernel
 
         if triton_kernel.applicable(q, ctx):
-            return triton_kernel.history_state(q, ctx, keep, scale)
+            return triton_kernel.history_state(q, ctx, keep, scale, exact=exact)
     return history_state_torch(q, ctx, keep, scale)
 
 
@@ -129,7 +131,7 @@ def compressed_attention(
     keep_hist = keep[..., s : s + n_hist]
     q = group_rows(query.float(), hkv)  # [B, Hkv, G*L, D]
     full = unquantized_state(q, keys, values, keep_full, scale)
-    hist = history_state(q, ctx, keep_hist, scale)
+    hist = history_state(q, ctx, keep_hist, scale, exact=query.dtype == torch.float32)
     out = combine(full, hist, ctx.v_codec.rotation, ctx.history.v_mean)  # [B, Hkv, G*L, D]
     out = out.reshape(batch, hkv, groups, q_len, dim).reshape(batch, hq, q_len, dim)
     return out.transpose(1, 2).to(query.dtype)

@@ -65,7 +65,7 @@ if triton is not None:
         s_qb, s_qh, s_qm, s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
         s_eb, s_eh, s_em, H, M, N, per_split, scale,
         D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // H, pid_bh % H
@@ -87,7 +87,11 @@ if triton is not None:
             kc = _unpack(KC + b * s_kcb + h * s_kch + offs_n[:, None] * s_kcn, offs_d[None, :], BITS_K, n_ok[:, None])
             k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
             kn = tl.load(KN + b * s_knb + h * s_knh + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * (kn[None, :] * scale)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision="tf32")
+            s = s * (kn[None, :] * scale)
             if HAS_BIAS:
                 s += bias[:, None]
             keep_ptr = Keep + b * s_eb + h * s_eh + offs_m[:, None] * s_em + offs_n[None, :]
@@ -102,12 +106,25 @@ if triton is not None:
             vc = _unpack(VC + b * s_vcb + h * s_vch + offs_n[:, None] * s_vcn, offs_d[None, :], BITS_V, n_ok[:, None])
             v = tl.load(VCent + vc)
             vn = tl.load(VN + b * s_vnb + h * s_vnh + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p * vn[None, :], v, input_precision="ieee")
+            if IEEE:
+                pv = tl.dot(p * vn[None, :], v, input_precision="ieee")
+            else:
+                pv = tl.dot(p * vn[None, :], v, input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = ((b * H + h) * n_splits + pid_s) * M + offs_m
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
         tl.store(OutAcc + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+    # Tile shapes are tuned once per (head_dim, bits, row block); splits are multiples of 64 tokens,
+    # so every BLOCK_N here divides them.
+    _history_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+                 for bn in (32, 64) for w in (4, 8) for st in (1, 2)],
+        key=["D", "BITS_K", "BITS_V", "BLOCK_M", "HAS_BIAS", "IEEE"],
+    )(_history_kernel)
 
 
 def _splits(batch_heads: int, m_blocks: int, n: int, block_n: int) -> tuple[int, int]:
@@ -123,10 +140,15 @@ def history_state(
     ctx: CompressedContext,
     keep: torch.Tensor,
     scale: float,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = NUM_WARPS,
+    exact: bool = True,
 ):
-    """Same contract as ``attention.history_state_torch``: ``(m, l, acc)`` over the history."""
+    """Same contract as ``attention.history_state_torch``: ``(m, l, acc)`` over the history.
+
+    ``block_n`` None: tile shape autotuned; else that tile and ``num_warps``. ``exact`` False lets
+    the two products use TF32 tensor cores (10-bit mantissa: below the bf16/fp16 rounding the
+    model's own activations carry); True keeps IEEE fp32 products (float32 models, tests)."""
     hist = ctx.history
     batch, heads, rows, dim = q.shape
     q_rot = ctx.k_codec.rotation.forward(q).contiguous()
@@ -137,7 +159,7 @@ def history_state(
     keep8 = keep.expand(batch, keep.shape[1], rows, hist.length).to(torch.int8).contiguous()
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_blocks = math.ceil(rows / block_m)
-    n_splits, per_split = _splits(batch * heads, m_blocks, hist.length, block_n)
+    n_splits, per_split = _splits(batch * heads, m_blocks, hist.length, block_n or BLOCK_N)
     out_m = torch.empty(batch, heads, n_splits, rows, device=q.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
     out_acc = torch.empty(batch, heads, n_splits, rows, dim, device=q.device, dtype=torch.float32)
@@ -149,14 +171,15 @@ def history_state(
     kn = hist.k.norms if hist.k_ref is None else ctx.k_codec.load_norms(hist.k.norms, hist.k_ref)
     vn = hist.v.norms if hist.v_ref is None else ctx.v_codec.load_norms(hist.v.norms, hist.v_ref)
     s_eh = 0 if keep8.shape[1] == 1 else keep8.stride(1)
-    _history_kernel[(batch * heads, n_splits, m_blocks)](
+    tiles = {} if block_n is None else {"BLOCK_N": block_n, "num_warps": num_warps}
+    (_history_tuned if block_n is None else _history_kernel)[(batch * heads, n_splits, m_blocks)](
         q_rot, bias if bias is not None else q_rot, kc, kn, vc, vn, k_cent, v_cent, keep8, out_m, out_l, out_acc,
         q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
         vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1),
         keep8.stride(0), s_eh, keep8.stride(2), heads, rows, hist.length, per_split, scale,
         D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=num_warps,
+        BLOCK_M=block_m, HAS_BIAS=bias is not None, IEEE=exact, **tiles,
     )  # fmt: skip
     return _merge_splits(out_m, out_l, out_acc)
 

@@ -81,3 +81,16 @@ def test_decode_on_cuda_matches_kv_logits(make_llama):
         steps = [model(input_ids=seq[:, t : t + 1], past_key_values=cache).logits for t in range(seq.shape[1])]
     decoded = torch.cat(steps, dim=1)
     torch.testing.assert_close(decoded, kv_logits(model, seq, None, kv), atol=2e-4, rtol=1e-3)
+
+
+def test_tf32_products_for_half_precision_models_stay_close():
+    """bf16/fp16 models get TF32 products in the kernel: within bf16 rounding of the exact path."""
+    gen = torch.Generator().manual_seed(3)
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8)
+    keys, values, ctx = _layer_and_step(kv, 2, 2, 128, 300, 1, gen)
+    q = attention.group_rows(torch.randn(2, 8, 1, 128, generator=gen).cuda(), 2)
+    keep = torch.ones(2, 1, 4, ctx.history.length, dtype=torch.bool, device="cuda")
+    m_e, l_e, acc_e = triton_kernel.history_state(q, ctx, keep, 128**-0.5)
+    m_t, l_t, acc_t = triton_kernel.history_state(q, ctx, keep, 128**-0.5, exact=False)
+    torch.testing.assert_close(acc_t / l_t, acc_e / l_e, atol=1e-2, rtol=1e-2)
+    assert not torch.equal(acc_t / l_t, acc_e / l_e)  # the TF32 path really ran
