@@ -89,23 +89,29 @@ def _ranges(idx: list[int]) -> str:
     return ",".join(out)
 
 
+# Prefill runs each decoder layer's MLP over at most this many tokens at a time (skeleton.chunk_mlp).
+MLP_CHUNK_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class Reserve:
     """VRAM kept free next to the weights for a batch of ``batch`` sequences of ``context`` tokens."""
 
     kv: int  # the KV cache at full context
-    activations: int  # prefill hidden states and MLP intermediates of the whole batch
+    activations: int  # prefill hidden states (and q/k/v, attention output) of the whole batch
     dequant: int  # the largest quantized linear dequantized for a multi-token matmul
     logits: int  # last-position logits in fp32, and one processed copy
     workspace: int = WORKSPACE_BYTES
+    mlp: int = 0  # MLP intermediates of one chunk (<= MLP_CHUNK_TOKENS tokens): bounded, whatever the batch
 
     @property
     def total(self) -> int:
-        return self.kv + self.activations + self.dequant + self.logits + self.workspace
+        return self.kv + self.activations + self.mlp + self.dequant + self.logits + self.workspace
 
     def describe(self) -> str:
-        return (f"KV {self.kv / GB:.2f} + activations {self.activations / GB:.2f} + dequant {self.dequant / GB:.2f}"
-                f" + logits {self.logits / GB:.2f} + workspace {self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
+        return (f"KV {self.kv / GB:.2f} + activations {self.activations / GB:.2f} + MLP chunk {self.mlp / GB:.2f}"
+                f" + dequant {self.dequant / GB:.2f} + logits {self.logits / GB:.2f} + workspace "
+                f"{self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
@@ -119,11 +125,13 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0) -> Reserve:
     """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in."""
     h, inter = config.hidden_size, config.intermediate_size
-    # Prefill holds the residual, the normed input, q/k/v/attention output (<= 4 x H) and gate, up and
-    # their product (3 x I) for every token at once; decode holds the same for one token per sequence.
-    activations = batch * context * (4 * h + 3 * inter) * dtype_bytes
+    # Prefill holds the residual, the normed input and q/k/v/attention output (<= 4 x H) for every token
+    # at once; the MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its gate, up and
+    # their product (3 x I) exist for one chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
+    activations = batch * context * 4 * h * dtype_bytes
     return Reserve(kv=kv_bytes_per_token(config, dtype_bytes) * batch * context, activations=activations,
-                   dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2)
+                   dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2,
+                   mlp=min(batch * context, MLP_CHUNK_TOKENS) * 3 * inter * dtype_bytes)
 
 
 def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False) -> tuple[int, int]:

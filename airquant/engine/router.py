@@ -26,6 +26,7 @@ from typing import Literal, Sequence
 
 from airquant.engine.plan import (
     GB,
+    MLP_CHUNK_TOKENS,
     WORKSPACE_BYTES,
     Budgets,
     PlanError,
@@ -218,11 +219,14 @@ class _Costs:
     slot: int  # the largest layer: one device slot or host staging buffer
     one: Reserve  # what one sequence needs beside the weights (plan.reserve_for); offloaded: its device KV
     kv_host: int = 0  # an offloaded cache: one sequence's KV in host RAM (every layer)
+    mlp_cap: int = 0  # MLP intermediates of a full chunk (plan.MLP_CHUNK_TOKENS tokens)
 
     def reserve(self, batch: int) -> Reserve:
-        # reserve_for is linear in the batch for KV, activations and logits; dequant and workspace are not.
+        # reserve_for is linear in the batch for KV, activations and logits; the MLP chunk grows with the
+        # batch's tokens up to a full chunk; dequant and workspace do not grow.
         one = self.one
-        return replace(one, kv=batch * one.kv, activations=batch * one.activations, logits=batch * one.logits)
+        return replace(one, kv=batch * one.kv, activations=batch * one.activations, logits=batch * one.logits,
+                       mlp=min(batch * one.mlp, self.mlp_cap))
 
     @property
     def per_seq(self) -> int:
@@ -239,7 +243,12 @@ class _Costs:
 
     def max_batch(self, mode: str, budget: int) -> int:
         free = budget - self.weights_part(mode) - self.one.dequant - self.one.workspace
-        return max(0, free // max(self.per_seq, 1))
+        if free <= 0:
+            return 0
+        per = max(self.per_seq, 1)
+        growing = free // (per + self.one.mlp)  # batches whose MLP chunk is still below a full one
+        full = max(0, (free - self.mlp_cap) // per)  # once it is a full chunk
+        return max(growing if growing * self.one.mlp <= self.mlp_cap else 0, full)
 
     def formula(self, mode: str, batch: int) -> str:
         if mode == "resident":
@@ -248,7 +257,7 @@ class _Costs:
             weights = f"{SLOTS if self.gpu else STAGING} x {self.slot / GB:.3f} {'slots' if self.gpu else 'staging'}"
         r = self.reserve(batch)
         extra = "".join(f" + {name} {value / GB:.2f}" for name, value in
-                        (("dequant", r.dequant), ("workspace", r.workspace)) if value)
+                        (("MLP chunk", r.mlp), ("dequant", r.dequant), ("workspace", r.workspace)) if value)
         kv = f"KV {self.one.kv / GB:.3f}"
         if self.kv_host:
             kv += f" on the device, {self.kv_host / GB:.3f} in host RAM"
@@ -277,7 +286,7 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
     device, host = c.fixed_bytes(wl.host_embedding)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
                   weights=sum(c.layer_bytes), slot=max(c.layer_bytes, default=0), one=one,
-                  kv_host=kv_bytes if offload else 0)
+                  kv_host=kv_bytes if offload else 0, mlp_cap=MLP_CHUNK_TOKENS * 3 * c.dims.intermediate * width)
 
 
 # -- the decision ------------------------------------------------------------------------------

@@ -30,10 +30,43 @@ def load_config(store: Path):
 def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from airquant.engine.plan import MLP_CHUNK_TOKENS
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
+    chunk_mlp(model, MLP_CHUNK_TOKENS)
     return model
+
+
+class _ChunkedMLP:
+    """An MLP forward run over at most ``chunk`` tokens at a time: the MLP is per token, so this is
+    the same computation, but gate/up intermediates exist for one chunk instead of the whole prefill
+    (for a 70B model at 8K tokens, 1.4 GB per sequence instead of 0.35 GB per chunk)."""
+
+    def __init__(self, forward, chunk: int):
+        self.forward, self.chunk = forward, chunk
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.chunk:
+            return self.forward(x)
+        first = self.forward(flat[: self.chunk])
+        if not isinstance(first, torch.Tensor):  # a block that also returns router logits: left whole
+            return self.forward(x)
+        out = first.new_empty(flat.shape[0], first.shape[-1])
+        out[: self.chunk] = first
+        for start in range(self.chunk, flat.shape[0], self.chunk):
+            out[start : start + self.chunk] = self.forward(flat[start : start + self.chunk])
+        return out.reshape(*x.shape[:-1], first.shape[-1])
+
+
+def chunk_mlp(model: nn.Module, chunk: int) -> None:
+    """Make every decoder layer's ``mlp`` run over ``chunk`` tokens at a time (layers without one: as is)."""
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            mlp.forward = _ChunkedMLP(mlp.forward, chunk)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

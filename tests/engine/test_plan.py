@@ -51,16 +51,17 @@ def shapes(tmp_path_factory, real_tokenizer):
 
 # Llama-3-70B: a layer is 1.71 GB bf16 / 0.48 GB nf4; embed 2.10 GB; lm_head 2.10 GB bf16 / 0.59 GB in NF4
 # row chunks. Caps are decimal GB. Batch 1 x 136 tokens reserves 0.82 GB with NF4 layers (0.47 GB of it the
-# dequantized MLP weight of a multi-token matmul), batch 64 x 136 5.7 GB (KV 2.9 GB).
+# dequantized MLP weight of a multi-token matmul), batch 64 x 136 4.6 GB (KV 2.9 GB; the MLP runs 2048
+# tokens at a time, so its intermediates stop growing past 2048 tokens).
 @pytest.mark.parametrize("dtype, cap_gb, host_embedding, batch, context, resident", [
     ("nf4", 4, False, 1, 136, "cannot hold"),  # embed + lm_head 2.69 + slots 0.96 + reserve 0.82 > 4
     ("nf4", 4, True, 1, 136, 3),  # lm_head 0.59 + slots 0.96 + reserve 0.82 leave 1.63 GB: 3 layers
     ("nf4", 15, True, 1, 2048, 23),
     ("nf4", 15, False, 1, 2048, 19),  # the embedding on the GPU costs four layers
-    ("nf4", 15, True, 64, 136, 16),  # the batch's KV cache and activations cost seven
+    ("nf4", 15, True, 64, 136, 18),  # the batch's KV cache and activations cost five
     ("nf4", 15, True, 32, 1024, "cannot hold"),
     ("bfloat16", 4, True, 1, 136, "cannot hold"),
-    ("bfloat16", 15, True, 64, 136, 2),
+    ("bfloat16", 15, True, 64, 136, 3),
     ("bfloat16", 15, False, 1, 2048, 3),
 ])
 def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batch, context, resident):
@@ -131,3 +132,16 @@ def test_reserve_grows_with_batch_and_context():
     fits = max_batch_for(cfg, free_bytes=10 * GB, context=1000, dtype_bytes=2)
     assert reserve_for(cfg, batch=fits, context=1000, dtype_bytes=2).total <= 10 * GB
     assert reserve_for(cfg, batch=fits + 1, context=1000, dtype_bytes=2).total > 10 * GB
+
+
+def test_mlp_chunk_is_a_constant_part_of_the_reserve():
+    from types import SimpleNamespace
+
+    from airquant.engine.plan import MLP_CHUNK_TOKENS, reserve_for
+
+    cfg = SimpleNamespace(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                          num_hidden_layers=80, vocab_size=128256)
+    one, eight = (reserve_for(cfg, batch=b, context=8192, dtype_bytes=2) for b in (1, 8))
+    assert one.mlp == eight.mlp == MLP_CHUNK_TOKENS * 3 * 28672 * 2
+    assert eight.activations == 8 * one.activations == 8 * 8192 * 4 * 8192 * 2
+    assert "MLP chunk 0.35" in one.describe()
