@@ -23,6 +23,7 @@ the script, not a measurement); VRAM fields are null there.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
@@ -237,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the JSON written (default: results/kv_bench.json, or WORKDIR/results/ with --quick)")
     p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
     p.add_argument("--quick", action="store_true", help="tiny truncated shapes on the CPU: tests the script")
+    p.add_argument("--part", choices=["all", "batch"], default="all",
+                   help="batch: only re-derive the 70B largest batches (planner arithmetic, any machine) from "
+                        "the decode measurements already in --out")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--keep-stores", action="store_true", help="keep the stores (and reuse them next run)")
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence at the last decode step")
@@ -263,6 +267,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
                           (wanted if wanted != "auto" else "cpu"))
     out = Path(args.out)
+    if args.part == "batch":
+        return rederive_batches(args, device, out)
     b = Bench(args, device)
     b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
                      quick=args.quick, versions=versions(), context=args.context, batch=args.batch,
@@ -279,6 +285,20 @@ def main(argv=None) -> int:
     write_results(b, out)
     print_table(b)
     print(f"\nwrote {out}")
+    return 0
+
+
+def rederive_batches(args, device: torch.device, out: Path) -> int:
+    """The 70B largest-batch part again (e.g. after a planner change), keeping the measured decode cases."""
+    if not out.is_file():
+        raise SystemExit(f"{out}: no earlier kv_bench run to update; run the whole benchmark (without --part).")
+    b = Bench(args, device, results=json.loads(out.read_text()))
+    cases = b.results["details"]["cases"]
+    record(b, cases, part_batch(b, cases.get("turboquant", {}).get("cache_bytes_per_token")))
+    b.results["batch_rederived"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    write_results(b, out)
+    print_table(b)
+    print(f"\nupdated the 70B batches in {out}")
     return 0
 
 
