@@ -32,3 +32,17 @@ def test_quick_run_writes_every_key(tmp_path):
     assert "derived" in r["details"]["batch_70b"]["turboquant"]
     assert r["settings"]["prompt_len"] == 300 - 6 and r["settings"]["caches"]["tq"]["bits_v"] == 2
     assert not (tmp_path / "work" / "llama3-8b-bfloat16").exists()  # stores are dropped
+
+    # --part batch redoes only the planner part, keeping the measured decode cases
+    again = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--part", "batch", "--workdir",
+                            str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    r2 = json.loads(out.read_text())
+    assert r2["step_s"] == r["step_s"] and r2["max_batch_70b_nf4_15gb"] == r["max_batch_70b_nf4_15gb"]
+    assert "batch_rederived" in r2
+
+
+def test_batch_part_without_an_earlier_run_says_what_to_do(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--part", "batch", "--out",
+                           str(tmp_path / "none.json")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "run the whole benchmark" in proc.stderr
