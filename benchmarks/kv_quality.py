@@ -69,6 +69,9 @@ def ppl_configs(args, has_tq: bool) -> dict[str, KVConfig]:
         ),
         "mixed": KVConfig.mixed(args.num_layers, window=args.window, block=args.block),
     }
+    for seed in args.seeds:
+        configs[f"k4v2_seed{seed}"] = KVConfig(backend="tq", bits_k=4, bits_v=2, window=args.window, block=args.block,
+                                               seed=seed)
     if has_tq:
         configs["turboquant_3bit"] = KVConfig(backend="turboquant", bits_k=3, bits_v=3, window=args.window)
     return configs
@@ -102,9 +105,12 @@ def main(argv=None) -> int:
     parser.add_argument("--stride", type=int, default=512)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--block", type=int, default=1, help="1 = the exact per-query window of the reference figures")
+    parser.add_argument("--seeds", default="1,2",
+                        help="extra rotation seeds for K4/V2 (rows k4v2_seedN): the seed-to-seed spread of the PPL")
     parser.add_argument("--skip-ppl", action="store_true")
     parser.add_argument("--out", default="results/kv_quality.json")
     args = parser.parse_args(argv)
+    args.seeds = [int(x) for x in args.seeds.split(",") if x]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(0)
 
@@ -124,6 +130,8 @@ def main(argv=None) -> int:
     result.update(
         ppl_fp16_cache=rows.get("fp16_cache", {}).get("ppl"),
         ppl_k4v2=rows.get("k4v2", {}).get("ppl"),
+        ppl_k4v2_by_seed={str(seed): rows.get(label, {}).get("ppl") for seed, label in
+                          [(0, "k4v2")] + [(s, f"k4v2_seed{s}") for s in args.seeds]},
         ppl_turboquant_3bit=rows.get("turboquant_3bit", {}).get("ppl"),
         ppl_best_mixed=rows.get("mixed", {}).get("ppl"),
         best_mixed_bits_per_element=mixed.bits_per_element(head_dim, num_layers),
