@@ -55,6 +55,8 @@ from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
     GB,
     Bench,
+    bench_device,
+    finish_paths,
     free_gpu,
     make_store,
     open_engine,
@@ -253,19 +255,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:  # past the 128-token window and some 32-token blocks, so the quantized history is used
         args.context, args.batch = min(args.context, 300), min(args.batch, 2)
-    if not Path(args.tokenizer).is_dir():
-        args.tokenizer = None
-    if args.out is None:
-        args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / "kv_bench.json")
+    finish_paths(args, "kv_bench.json")
     return args
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    wanted = "cpu" if args.quick and args.device == "auto" else args.device
-    device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
-                          (wanted if wanted != "auto" else "cpu"))
+    device = bench_device(args)
     out = Path(args.out)
     if args.part == "batch":
         return rederive_batches(args, device, out)

@@ -33,13 +33,21 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from benchmarks.stream_bench import GB, Bench, make_store, open_engine, decode_step, part_link, versions, \
-    write_results  # noqa: E402
+from benchmarks.stream_bench import (  # noqa: E402
+    GB,
+    Bench,
+    bench_device,
+    decode_step,
+    finish_paths,
+    make_store,
+    open_engine,
+    part_link,
+    versions,
+    write_results,
+)
 
 log = logging.getLogger("quant_speed")
 SCHEMES = ("gptq", "nf4", "bfloat16")
-
-
 PLANS = {"auto": None, "streamed": 0}  # plan name -> resident layers (None: the planner decides)
 
 
@@ -118,19 +126,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batches = tuple(int(x) for x in args.batches.split(","))
     if args.quick:
         args.prompt_len, args.steps, args.batches = min(args.prompt_len, 32), min(args.steps, 2), (1, 2)
-    if not Path(args.tokenizer).is_dir():
-        args.tokenizer = None
-    if args.out is None:
-        args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / "quant_speed.json")
+    finish_paths(args, "quant_speed.json")
     return args
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    wanted = "cpu" if args.quick and args.device == "auto" else args.device
-    device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
-                          (wanted if wanted != "auto" else "cpu"))
+    device = bench_device(args)
     b = Bench(args, device)
     b.results.update(benchmark="quant_speed", device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                      synthetic=True, quick=args.quick, shape=args.shape, cap_gb=args.cap,

@@ -444,12 +444,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def bench_device(args: argparse.Namespace) -> torch.device:
+    """``--device``; ``auto`` is the GPU when there is one, and the CPU for ``--quick`` runs."""
+    wanted = "cpu" if args.quick and args.device == "auto" else args.device
+    return torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
+                        (wanted if wanted != "auto" else "cpu"))
+
+
+def finish_paths(args: argparse.Namespace, name: str) -> None:
+    """A missing tokenizer folder means the default model's; ``--out`` defaults to results/NAME (or
+    WORKDIR/results/NAME for ``--quick``, so a test run never overwrites measured figures)."""
+    if not Path(args.tokenizer).is_dir():
+        args.tokenizer = None
+    if args.out is None:
+        args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / name)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    wanted = "cpu" if args.quick and args.device == "auto" else args.device
-    device = torch.device("cuda" if wanted == "auto" and torch.cuda.is_available() else
-                          (wanted if wanted != "auto" else "cpu"))
+    device = bench_device(args)
     out = Path(args.results) / "stream_bench.json"
     b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
     b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
