@@ -94,6 +94,7 @@ def test_create_env_stops_at_the_failing_command(tmp_path):
 
 def test_find_kernel_sees_registered_stage_kernels_only_when_runnable(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user"))  # not the kernels `airquant env create` registered
     spec_dir = tmp_path / "kernels" / "airquant-02-nf4"
     spec_dir.mkdir(parents=True)
     spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
