@@ -165,10 +165,13 @@ def cmd_generate(args) -> int:
     from airquant.engine.runner import Engine
 
     prompts = _read_prompts(args)
+    from airquant.cli_eval import kv_from_args
+
+    kv = kv_from_args(args)
     engine = Engine.open(args.store, replace(_engine_config(args), batch_size=len(prompts)))
     gen = _generate_config(args)
     try:
-        completions = engine.generate_detailed(prompts, gen)
+        completions = engine.generate_detailed(prompts, gen, kv=kv)
     finally:
         engine.close()
     for prompt, c in zip(prompts, completions):
@@ -219,12 +222,13 @@ def _batch_size(text: str) -> str:
 
 
 def cmd_batch(args) -> int:
+    from airquant.cli_eval import kv_from_args
     from airquant.jobs.batch import BatchJob, run_batch
 
     size = None if args.batch_size == "auto" else int(args.batch_size)
     gen = _generate_config(args)
     job = BatchJob(input=Path(args.input), output=Path(args.output), batch_size=size, max_batch=args.max_batch,
-                   gen=gen)
+                   gen=gen, kv=kv_from_args(args))
     report = run_batch(args.store, job, _engine_config(args), progress=not args.quiet)
     sizes = sorted(set(report.batch_sizes), reverse=True)
     print(f"{args.output}: {report.done} new records ({report.skipped} already there), {report.new_tokens} tokens "
@@ -250,6 +254,8 @@ def cmd_serve(args) -> int:
 
 # -- parser ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from airquant.cli_eval import add_kv_flags
+
     parser = argparse.ArgumentParser(prog="airquant", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"airquant {__version__}")
@@ -295,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     _add_engine_flags(p)
+    add_kv_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("synth", help="write a random-weight store of a real model's shape (speed/memory work)")
@@ -326,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_engine_flags(p)
+    add_kv_flags(p)
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: fastapi, uvicorn)")

@@ -33,7 +33,7 @@ def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 # -- eval -------------------------------------------------------------------------------------------
-def _add_kv_flags(p: argparse.ArgumentParser) -> None:
+def add_kv_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
     g.add_argument("--kv", choices=["none", "tq", "turboquant"], default="none",
                    help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)")
@@ -146,7 +146,7 @@ def _add_eval_parsers(sub) -> None:
         m.add_argument("--batch", type=int, default=1, metavar="N",
                        help="windows / prompts per weight pass (default 1)")
         _add_metric_flags(m, name)
-        _add_kv_flags(m)
+        add_kv_flags(m)
         _add_engine_flags(m)
         m.set_defaults(func=cmd_eval)
 

@@ -53,3 +53,16 @@ def test_errors_are_one_line_without_traceback(argv, message, capsys):
 def test_generate_without_prompt(tiny_store, capsys):
     assert main(["generate", str(tiny_store)]) == 2
     assert "no prompt given" in capsys.readouterr().err
+
+
+def test_generate_takes_the_kv_cache_flags(tiny_store, capsys):
+    base = ["generate", str(tiny_store), "--prompt", "the quick brown fox jumps over the lazy dog", "--device", "cpu",
+            "--max-new-tokens", "5", "--ignore-eos"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--kv", "tq", "--kv-window", "4", "--kv-block", "2", "--kv-bits-v", "4"]) == 0
+    assert capsys.readouterr().out.strip()  # generated through the compressed cache
+    assert main(base + ["--kv", "tq", "--kv-window", "1000"]) == 0  # nothing leaves the window: plain results
+    assert capsys.readouterr().out == plain
+    assert main(base + ["--kv", "tq", "--kv-bits-k", "9"]) == 2
+    assert "bits" in capsys.readouterr().err

@@ -157,18 +157,6 @@ def dequant_elems(shards: dict, config) -> int:
     return elems
 
 
-def max_batch_for(config, *, free_bytes: int, context: int, dtype_bytes: int, dequant_elems: int = 0,
-                  limit: int = 256) -> int:
-    """The largest batch (<= ``limit``) whose reserve fits in ``free_bytes``; 0 when not even one does."""
-    best = 0
-    for batch in range(1, limit + 1):
-        if reserve_for(config, batch=batch, context=context, dtype_bytes=dtype_bytes,
-                       dequant_elems=dequant_elems).total > free_bytes:
-            break
-        best = batch
-    return best
-
-
 def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> StreamPlan:
     """Place layers: as many leading layers in VRAM as the budget spares, then pinned RAM, then disk."""
     n = len(layer_bytes)

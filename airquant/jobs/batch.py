@@ -17,11 +17,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.errors import AirQuantError
+
+if TYPE_CHECKING:
+    from airquant.kv import KVConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class BatchJob:
     batch_size: int | None = None  # None: auto (from free VRAM and the KV bytes per token; 8 on CPU)
     max_batch: int = 256  # upper bound of the auto batch size
     gen: GenerateConfig = field(default_factory=GenerateConfig)
+    kv: KVConfig | None = None  # the KV cache (airquant.kv.KVConfig); None: the plain one
 
 
 @dataclass(frozen=True)
@@ -140,28 +145,28 @@ def prompt_lengths(tokenizer, prompts: list[Prompt], chat: bool) -> list[int]:
     return out
 
 
-def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int) -> int:
-    """The largest batch whose KV cache and activations fit beside the fixed parts and the layer slots."""
-    from airquant.engine import skeleton
-    from airquant.engine.plan import dequant_elems, fixed_bytes, max_batch_for
-    from airquant.engine.runner import compute_dtype, resolve_device, vram_budget
-    from airquant.store.manifest import load_manifest
+def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv: KVConfig | None = None) -> int:
+    """The largest batch whose KV cache (plain or TurboQuant) and activations fit beside the weights the
+    engine keeps on the GPU, by the router's arithmetic (``airquant plan``), KV offload included."""
+    from airquant.engine.router import Candidate, Hardware, RouteError, route, workload_for
+    from airquant.engine.runner import resolve_device
 
-    device = resolve_device(cfg.device)
-    if device.type != "cuda":
+    if resolve_device(cfg.device).type != "cuda":
         return min(CPU_BATCH, limit)
-    manifest = load_manifest(store)
-    config = skeleton.load_config(store)
-    dtype = compute_dtype(manifest, cfg.dtype, device)
-    fixed, _ = fixed_bytes(manifest.shards, manifest.tied_lm_head, cfg.host_embedding)
-    free = vram_budget(cfg, device) - fixed - cfg.slots * max(manifest.layer_bytes)
-    batch = max_batch_for(config, free_bytes=free, context=context, dtype_bytes=dtype.itemsize,
-                          dequant_elems=dequant_elems(manifest.shards, config), limit=limit)
+    hw = Hardware.detect("cuda", max_vram_gb=cfg.max_vram_gb, max_ram_gb=cfg.max_ram_gb)
+    scheme = "tq" if kv is not None and kv.backend == "tq" else "none"  # turboquant: sized as plain (lower bound)
+    wl = workload_for(cfg, context=context, mode="resident" if cfg.resident else "streamed", kv_schemes=(scheme,))
+    try:
+        batch = route([Candidate.open(store)], hw, wl).max_batch
+    except RouteError as exc:
+        batch, why = 0, str(exc)
+    else:
+        why = f"the router's largest batch at {context} tokens is 0"
     if batch < 1:
-        raise BatchJobError(f"not even one sequence of {context} tokens fits in the VRAM left beside the fixed "
-                            f"parts and layer buffers ({free / 1e9:.2f} GB); lower --max-new-tokens, shorten the "
-                            "prompts, raise --max-vram, or use --host-embedding / a compressed store.")
-    return batch
+        raise BatchJobError(f"not even one sequence of {context} tokens fits ({why}); lower --max-new-tokens, "
+                            "shorten the prompts, raise --max-vram, or use --host-embedding, --kv tq, "
+                            "--kv-offload or a compressed store.")
+    return min(batch, limit)
 
 
 # -- the job -----------------------------------------------------------------------------------
@@ -180,7 +185,7 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
     lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
     context = max(lengths) + job.gen.max_new_tokens
-    size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch)
+    size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     # Longest first: a batch that does not fit fails at the start, not after hours.
     queue = deque(p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0]))
     owned = engine is None
@@ -208,7 +213,7 @@ def _drain(engine, queue: deque, size: int, job: BatchJob, report: BatchReport, 
         while queue:
             chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
             try:
-                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen)
+                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
             except torch.OutOfMemoryError:
                 if len(chunk) == 1:
                     raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "

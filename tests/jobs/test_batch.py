@@ -125,3 +125,36 @@ def test_partial_last_line_is_cut_and_other_damage_is_refused(tmp_path):
     out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(BatchJobError, match="line 2 is not a record"):
         finished_ids(out)
+
+
+def test_batch_runs_through_the_turboquant_cache(tiny_store, tmp_path, capsys):
+    """``--kv tq`` reaches the engine: with a 4-token window the history is quantized, and every record lands."""
+    inp, out = _prompts(tmp_path / "in.jsonl", 4), tmp_path / "out.jsonl"
+    argv = ["batch", str(tiny_store), "--input", str(inp), "--output", str(out), "--batch-size", "2",
+            "--max-new-tokens", "6", "--device", "cpu", "--quiet", "--kv", "tq", "--kv-window", "4", "--kv-block", "2"]
+    assert main(argv) == 0
+    records = _records(out)
+    assert len(records) == 4 and all(1 <= r["new_tokens"] <= 6 for r in records)
+    plain = tmp_path / "plain.jsonl"
+    assert main(argv[:argv.index("--kv")] + ["--output", str(plain)]) == 0
+    assert [r["id"] for r in _records(plain)] == [r["id"] for r in records]
+
+
+def test_auto_batch_size_follows_the_kv_cache(tiny_store, monkeypatch):
+    """On a GPU the batch comes from the router: a compressed cache fits more sequences, none fitting is an error."""
+    from airquant.config import EngineConfig
+    from airquant.engine import runner
+    from airquant.jobs.batch import auto_batch_size
+    from airquant.kv import KVConfig
+
+    assert auto_batch_size(tiny_store, EngineConfig(device="cpu"), 64, 256) == 8  # CPU: a fixed batch
+    monkeypatch.setattr(runner, "resolve_device", lambda device: torch.device("cuda"))
+    cfg = EngineConfig(device="cuda", max_vram_gb=0.3, kv_offload=False)  # the router keeps 0.27 GB of workspace
+    plain = auto_batch_size(tiny_store, cfg, 256, 10_000)
+    tq = auto_batch_size(tiny_store, cfg, 256, 10_000, KVConfig(backend="tq"))
+    assert 1 <= plain < tq
+    assert auto_batch_size(tiny_store, cfg, 256, 3, KVConfig(backend="tq")) == 3  # --max-batch caps it
+    with pytest.raises(BatchJobError, match="--kv tq"):
+        auto_batch_size(tiny_store, EngineConfig(device="cuda", max_vram_gb=0.01, kv_offload=False), 256, 256)
+    with pytest.raises(BatchJobError, match="exceeds the model's 256 tokens"):
+        auto_batch_size(tiny_store, cfg, 2048, 256)
