@@ -154,3 +154,40 @@ def test_failing_notebook_names_the_cell_and_keeps_the_old_report(tmp_path):
     assert (results / "RESULTS.md").read_text() == "the previous report\n"
     assert (results / "notebooks" / BY_STAGE["01-setup"]).is_file()
     assert not (results / "notebooks" / BY_STAGE["02-nf4"]).exists()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell_on_colab_mounts_drive_clones_and_installs_its_stage(path, monkeypatch):
+    """The setup cell run as on Colab (a stand-in ``google.colab``; commands recorded, not run)."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    cells = code_cells(path)
+    mounted, commands, moved_to = [], [], []
+    colab = types.ModuleType("google.colab")
+    colab.drive = types.SimpleNamespace(mount=mounted.append)
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: commands.append(cmd))
+    monkeypatch.setattr(os, "chdir", moved_to.append)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    real_isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if str(p).startswith("/content") else real_isdir(p))
+
+    ns: dict = {}
+    exec(source(cells[0]), ns)
+    with pytest.raises(RuntimeError, match="set repo_url"):  # no repository on the Colab machine, no URL
+        exec(source(cells[1]), dict(ns))
+    ns["repo_url"] = "https://example.org/airquant.git"
+    commands.clear()
+    exec(source(cells[1]), ns)
+    stage = ns["STAGE"]
+    assert mounted[-1] == "/content/drive" and moved_to == ["/content/airquant"]
+    assert commands[0] == ["git", "clone", "--depth", "1", "https://example.org/airquant.git", "/content/airquant"]
+    assert commands[1][-2:] == ["-r", f"/content/airquant/environments/{stage}.txt"]
+    assert "/content/airquant/requirements-models.txt" in commands[2] and commands[2][-2:] == ["-e", "/content/airquant"]
+    assert (Path(__file__).parents[1] / "environments" / f"{stage}.txt").is_file()
+    assert ns["store"] == "/content/drive/MyDrive/airquant/store"  # stages exchange shards through Drive
+    assert ns["results_dir"] == "/content/drive/MyDrive/airquant/results"
