@@ -437,8 +437,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.skip = {s for s in args.skip.split(",") if s}
     if args.quick:
         args.prompt_len, args.steps, args.airllm_steps = min(args.prompt_len, 32), min(args.steps, 3), 2
-    if not Path(args.tokenizer).is_dir():
-        args.tokenizer = None
+    finish_paths(args)
     if args.results is None:
         args.results = str(Path(args.workdir) / "results") if args.quick else str(REPO / "results")
     return args
@@ -451,12 +450,12 @@ def bench_device(args: argparse.Namespace) -> torch.device:
                         (wanted if wanted != "auto" else "cpu"))
 
 
-def finish_paths(args: argparse.Namespace, name: str) -> None:
-    """A missing tokenizer folder means the default model's; ``--out`` defaults to results/NAME (or
-    WORKDIR/results/NAME for ``--quick``, so a test run never overwrites measured figures)."""
+def finish_paths(args: argparse.Namespace, name: str | None = None) -> None:
+    """A missing tokenizer folder means the default model's; with ``name``, ``--out`` defaults to
+    results/NAME (or WORKDIR/results/NAME for ``--quick``, so a test run never overwrites measured figures)."""
     if not Path(args.tokenizer).is_dir():
         args.tokenizer = None
-    if args.out is None:
+    if name is not None and args.out is None:
         args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / name)
 
 

@@ -124,14 +124,19 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 
 def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0) -> Reserve:
     """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in."""
-    h, inter = config.hidden_size, config.intermediate_size
+    h = config.hidden_size
     # Prefill holds the residual, the normed input and q/k/v/attention output (<= 4 x H) for every token
     # at once; the MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its gate, up and
     # their product (3 x I) exist for one chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
     activations = batch * context * 4 * h * dtype_bytes
     return Reserve(kv=kv_bytes_per_token(config, dtype_bytes) * batch * context, activations=activations,
                    dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2,
-                   mlp=min(batch * context, MLP_CHUNK_TOKENS) * 3 * inter * dtype_bytes)
+                   mlp=mlp_chunk_bytes(config, batch * context, dtype_bytes))
+
+
+def mlp_chunk_bytes(config, tokens: int, dtype_bytes: int) -> int:
+    """Gate, up and their product (3 x I) for the MLP chunk that ``tokens`` tokens of prefill run in."""
+    return min(tokens, MLP_CHUNK_TOKENS) * 3 * config.intermediate_size * dtype_bytes
 
 
 def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False) -> tuple[int, int]:

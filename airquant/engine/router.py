@@ -35,6 +35,7 @@ from airquant.engine.plan import (
     dequant_elems,
     fixed_bytes,
     kv_bytes_per_token,
+    mlp_chunk_bytes,
     plan_layers,
     reserve_for,
 )
@@ -286,7 +287,7 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
     device, host = c.fixed_bytes(wl.host_embedding)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
                   weights=sum(c.layer_bytes), slot=max(c.layer_bytes, default=0), one=one,
-                  kv_host=kv_bytes if offload else 0, mlp_cap=MLP_CHUNK_TOKENS * 3 * c.dims.intermediate * width)
+                  kv_host=kv_bytes if offload else 0, mlp_cap=mlp_chunk_bytes(config, MLP_CHUNK_TOKENS, width))
 
 
 # -- the decision ------------------------------------------------------------------------------

@@ -56,7 +56,6 @@ def stream_bench(d: dict) -> list[str]:
 def quant_speed(d: dict) -> list[str]:
     rows = []
     for scheme, plans in (d.get("schemes") or {}).items():
-        plans = {"auto": plans} if "batches" in plans else plans  # runs before the all-streamed plan existed
         for plan, s in plans.items():
             for n, r in (s.get("batches") or {}).items():
                 rows.append([scheme, plan, _f(s.get("store_gb"), "{:.2f}"), s.get("vram_layers"), n,
