@@ -1,4 +1,4 @@
-"""Decode-attention time over a long compressed history (CUDA): Triton kernel vs dequantize + sdpa.
+"""Decode-attention time over a long compressed history (CUDA): Triton kernels vs torch ops vs dequantize + sdpa.
 
     python benchmarks/kv_attention_speed.py [--tokens 32768] [--kv-heads 8] [--groups 4] [--head-dim 128]
 
@@ -29,19 +29,16 @@ def _time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _component_rows(q, ctx, scale, groups) -> dict:
-    """The history part alone: the Triton kernel at several tile shapes, and the torch path."""
-    from airquant.kv import attention, triton_kernel
+def _component_rows(q, keys, values, ctx, scale) -> dict:
+    """The torch path (ops the kernels replace) and the Triton kernels at fixed tile shapes."""
+    from airquant.kv import triton_kernel
 
-    hkv = ctx.history.k.codes.shape[1]
-    qg = attention.group_rows(q.float(), hkv)
-    keep = torch.ones(q.shape[0], 1, qg.shape[2], ctx.history.length, dtype=torch.bool, device=q.device)
-    rows = {"history_torch_chunks": {"ms": _time_ms(lambda: attention.history_state_torch(qg, ctx, keep, scale), 10)}}
+    rows = {"torch_ops": {"ms": _time_ms(lambda: compressed_attention(q, keys, values, ctx, None, scale, kernel=False), 10)}}
     # block_n=128 with head_dim 128 needs more shared memory than an H200 SM has.
     for block_n in (16, 32, 64):
         for warps in (4, 8):
-            fn = lambda: triton_kernel.history_state(qg, ctx, keep, scale, block_n=block_n, num_warps=warps)  # noqa: E731
-            rows[f"history_triton_n{block_n}_w{warps}"] = {"ms": _time_ms(fn)}
+            fn = lambda: triton_kernel.attention(q, keys, values, ctx, None, scale, block_n=block_n, num_warps=warps)  # noqa: E731
+            rows[f"triton_n{block_n}_w{warps}"] = {"ms": _time_ms(fn)}
     return rows
 
 
@@ -81,7 +78,7 @@ def main(argv=None) -> int:
     def fp16_sdpa():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-    rows_extra = _component_rows(q, ctx, scale, args.groups)
+    rows_extra = _component_rows(q, plain, values, ctx, scale)
     packed = sum(t.numel() * t.element_size() for t in (ctx.history.k.codes, ctx.history.k.norms, ctx.history.v.codes, ctx.history.v.norms))
     rows = {
         "tq_triton": {"ms": _time_ms(tq_kernel), "bytes": packed},

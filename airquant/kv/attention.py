@@ -4,7 +4,7 @@ History scores use ``<q, mean + norm * Pi^T c> = <q, mean> + norm * <Pi q, c>``:
 once, then scored against centroids gathered from the packed codes. History values are accumulated
 in rotated space (``sum_j p_j norm_j c_j``) and rotated back once per query. The history is walked in
 chunks with an online softmax (flash-decoding style), so the only temporaries are one chunk of
-centroids; on CUDA the Triton kernel in :mod:`airquant.kv.triton_kernel` does the same in registers.
+centroids; on CUDA the Triton kernels in :mod:`airquant.kv.triton_kernel` do the same in registers.
 
 Softmax states are ``(m, l, acc)``: running max ``[.., 1]``, normalizer ``[.., 1]``, weighted sum
 ``[.., D]``; :func:`combine` merges the unquantized part's state with the history's.
@@ -101,18 +101,6 @@ def combine(full: State, hist: State, v_rotation, v_mean: torch.Tensor | None = 
     return acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def history_state(q: torch.Tensor, ctx: CompressedContext, keep: torch.Tensor, scale: float,
-                  exact: bool = True) -> State:
-    """Dispatch: the Triton kernel on CUDA where it applies, the chunked torch path otherwise.
-    ``exact`` False: the kernel may use TF32 products (the query came from a bf16/fp16 model)."""
-    if q.is_cuda:
-        from airquant.kv import triton_kernel
-
-        if triton_kernel.applicable(q, ctx):
-            return triton_kernel.history_state(q, ctx, keep, scale, exact=exact)
-    return history_state_torch(q, ctx, keep, scale)
-
-
 def compressed_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -120,9 +108,18 @@ def compressed_attention(
     ctx: CompressedContext,
     mask: torch.Tensor | None,
     scale: float,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """``query`` ``[B, Hq, L, D]``; unquantized ``keys``/``values`` ``[B, Hkv, F, D]`` whose first
-    ``ctx.sink`` tokens precede the history. Returns ``[B, L, Hq, D]`` like the sdpa integration."""
+    ``ctx.sink`` tokens precede the history. Returns ``[B, L, Hq, D]`` like the sdpa integration.
+    On CUDA the Triton kernels of :mod:`airquant.kv.triton_kernel` do all of it in two launches; the
+    torch ops below are the CPU path and the reference the kernels are tested against (``kernel``
+    False forces them)."""
+    if kernel and query.is_cuda:
+        from airquant.kv import triton_kernel
+
+        if triton_kernel.applicable(query, ctx):
+            return triton_kernel.attention(query, keys, values, ctx, mask, scale)
     batch, hq, q_len, dim = query.shape
     hkv, n_full, n_hist, s = keys.shape[1], keys.shape[2], ctx.history.length, ctx.sink
     groups = hq // hkv
@@ -131,7 +128,7 @@ def compressed_attention(
     keep_hist = keep[..., s : s + n_hist]
     q = group_rows(query.float(), hkv)  # [B, Hkv, G*L, D]
     full = unquantized_state(q, keys, values, keep_full, scale)
-    hist = history_state(q, ctx, keep_hist, scale, exact=query.dtype == torch.float32)
+    hist = history_state_torch(q, ctx, keep_hist, scale)
     out = combine(full, hist, ctx.v_codec.rotation, ctx.history.v_mean)  # [B, Hkv, G*L, D]
     out = out.reshape(batch, hkv, groups, q_len, dim).reshape(batch, hq, q_len, dim)
     return out.transpose(1, 2).to(query.dtype)

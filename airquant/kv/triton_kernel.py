@@ -1,11 +1,25 @@
-"""Triton kernel: attention of rotated queries over the packed, quantized history (CUDA only).
+"""Triton kernels: the whole compressed-cache attention of one layer in two launches (CUDA only).
 
-One program per (batch x kv-head, split of the history, block of query rows). It unpacks codes in
-registers (the layouts of :mod:`airquant.kv.pack`), gathers centroids from a 2**bits-entry table,
-scores ``<Pi q, c> * norm``, runs an online softmax and accumulates ``p * norm_v * c_v`` in the
-value rotation's space. Splits are merged afterwards (flash-decoding), so a single decode query
-still spreads over all SMs. Importing this module never requires triton or CUDA: ``applicable``
-says whether the kernel can run, and ``attention.history_state`` falls back to torch otherwise.
+``attention`` replaces the ~60 small torch ops of :func:`airquant.kv.attention.compressed_attention`
+(each a kernel launch: at decode time launches, not bytes, were the cost) with
+
+1. ``_split_kernel``, one program per (batch x kv-head, split, block of query rows). A split is a
+   range of either the unquantized tokens (sink + recent, read as stored) or of the packed history.
+   History programs rotate their queries once (``<q, Pi^T c> = <Pi q, c>``), unpack codes in
+   registers (the layouts of :mod:`airquant.kv.pack`), gather centroids from a 2**bits-entry table,
+   score ``<Pi q, c> * norm`` (+ the key mean's ``<q, mean>``), run an online softmax, accumulate
+   ``p * norm_v * c_v`` in the value rotation's space and rotate that back once at the end (adding
+   the value mean). Every program writes a softmax state ``(m, l, acc)`` in the original space.
+2. ``_merge_kernel``: flash-decoding reduction of the split states, normalization, and the store in
+   the ``[B, L, Hq, D]`` layout and dtype the model expects.
+
+Masks: without an attention mask the kernel applies the causal rule itself (query ``i`` of ``L``
+sits at absolute position ``kv_len - L + i``), so a decode step reads no mask at all; a boolean
+``[B, 1|Hq, L, kv_len]`` mask (padding, custom) is read in place through its strides.
+
+``exact`` (float32 models, tests): products in IEEE fp32. Otherwise (bf16/fp16 models) the two
+attention products take the model's own dtype on tensor cores, as sdpa does with a plain cache.
+Importing this module never requires triton or CUDA: ``applicable`` says whether it can run.
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import math
 import torch
 
 from airquant.kv.cache import CompressedContext
+from airquant.kv.codec import LOG_NORM_LEVELS, LOG_NORM_SPAN
 
 try:
     import triton
@@ -22,17 +37,17 @@ try:
 except ImportError:  # CPU installs: the torch path is used
     triton = None
 
-BLOCK_N = 64
-NUM_WARPS = 4
-# Enough programs to fill ~2 waves of a 132-SM H100/H200 even for one decode query.
+# Splits are whole multiples of this many tokens, so every autotuned BLOCK_N divides them.
+SPLIT_QUANTUM = 64
+# Two waves on a 132-SM H100/H200 even for one decode query per head (measured: 264 beat 528-2112).
 TARGET_PROGRAMS = 264
 
 
-def applicable(q: torch.Tensor, ctx: CompressedContext) -> bool:
-    dim = q.shape[-1]
+def applicable(query: torch.Tensor, ctx: CompressedContext) -> bool:
+    dim = query.shape[-1]
     return (
         triton is not None
-        and q.is_cuda
+        and query.is_cuda
         and 16 <= dim <= 256
         and dim & (dim - 1) == 0
         and ctx.history.length > 0
@@ -40,155 +55,256 @@ def applicable(q: torch.Tensor, ctx: CompressedContext) -> bool:
 
 
 if triton is not None:
+    _HALF_SPAN = tl.constexpr(LOG_NORM_SPAN / 2)
+    _NORM_STEP = tl.constexpr(LOG_NORM_SPAN / LOG_NORM_LEVELS)
 
     @triton.jit
-    def _unpack(row_ptr, d, BITS: tl.constexpr, row_mask):
-        """Codes of dims ``d`` [1, D] for rows at ``row_ptr`` [BN, 1] (uint8 pointers)."""
+    def _codes(base, offs_n, n_ok, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, stride_n):
+        """Codes ``[BN, D]`` (int32) of the packed rows ``offs_n`` starting at ``base`` (uint8)."""
         if BITS == 3:
+            # 8 codes in 3 bytes: gather each code's (possibly straddling) byte pair; L1 serves repeats.
+            d = tl.arange(0, D)[None, :]
             bit = (d // 8) * 24 + (d % 8) * 3
-            byte = bit // 8
+            ptr = base + offs_n[:, None] * stride_n + bit // 8
             shift = bit % 8
-            lo = tl.load(row_ptr + byte, mask=row_mask, other=0).to(tl.int32)
-            # Codes 2 and 5 of each 8-code group straddle a byte boundary (shift 6 or 7).
-            hi = tl.load(row_ptr + byte + 1, mask=row_mask & (shift > 5), other=0).to(tl.int32)
-            code = ((lo | (hi << 8)) >> shift) & 7
-        else:
-            byte = d // (8 // BITS)
-            shift = (d % (8 // BITS)) * BITS
-            raw = tl.load(row_ptr + byte, mask=row_mask, other=0).to(tl.int32)
-            code = (raw >> shift) & ((1 << BITS) - 1)
-        return code
+            lo = tl.load(ptr, mask=n_ok[:, None], other=0).to(tl.int32)
+            hi = tl.load(ptr + 1, mask=n_ok[:, None] & (shift > 5), other=0).to(tl.int32)
+            return ((lo | (hi << 8)) >> shift) & 7
+        PER: tl.constexpr = 8 // BITS  # codes per byte, code i of a byte at bits BITS*i
+        W: tl.constexpr = D // PER
+        raw = tl.load(base + offs_n[:, None] * stride_n + tl.arange(0, W)[None, :], mask=n_ok[:, None], other=0)
+        shifts = tl.arange(0, PER) * BITS
+        codes = (raw.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(codes, (BN, D))
 
     @triton.jit
-    def _history_kernel(
-        Q, Bias, KC, KN, VC, VN, KCent, VCent, Keep, OutM, OutL, OutAcc,
-        s_qb, s_qh, s_qm, s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
-        s_eb, s_eh, s_em, H, M, N, per_split, scale,
-        D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    def _norms(ptr, ref_ptr, offs_n, n_ok, NORM8: tl.constexpr):
+        stored = tl.load(ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
+        if NORM8:  # log2 code against the per-head reference (Codec.load_norms)
+            return tl.exp2(tl.load(ref_ptr) - _HALF_SPAN + stored * _NORM_STEP)
+        return stored
+
+    @triton.jit
+    def _product(a, b, DOT: tl.constexpr):
+        """``a @ b``, fp32 accumulation; operands IEEE fp32 (DOT 0), bf16 (1) or fp16 (2) on tensor cores."""
+        if DOT == 1:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        if DOT == 2:
+            return tl.dot(a.to(tl.float16), b.to(tl.float16))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
+    def _visible(keep_row_ptr, s_ec, col, pos, row_ok, n_ok, HAS_KEEP: tl.constexpr):
+        """[BM, BN]: which (query row, absolute column) pairs attend."""
+        ok = row_ok[:, None] & n_ok[None, :]
+        if HAS_KEEP:
+            return ok & (tl.load(keep_row_ptr + col[None, :] * s_ec, mask=ok, other=0) != 0)
+        return ok & (col[None, :] <= pos[:, None])
+
+    @triton.jit
+    def _online(s, m_i, l_i, acc):
+        """Fold scores ``s`` (-inf where hidden) into (m, l) and rescale acc; returns p too."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 so exp() gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+    @triton.jit
+    def _split_kernel(
+        Q, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, RotK, RotV, KMean, VMean, Keep, OutM, OutL, OutAcc,
+        s_qb, s_qh, s_ql, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
+        s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
+        s_eb, s_eh, s_el, s_ec,
+        HKV, G, QLEN, KV_LEN, F, SINK, N_HIST, full_splits, per_split, scale,
+        D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
+        HAS_KEEP: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h = pid_bh // H, pid_bh % H
-        n_splits = tl.num_programs(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        b, h = pid_bh // HKV, pid_bh % HKV
+        rows = G * QLEN
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # grouped rows: r = g * QLEN + i
         offs_d = tl.arange(0, D)
-        row_ok = offs_m < M
-        q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if HAS_BIAS:
-            bias = tl.load(Bias + (b * H + h) * M + offs_m, mask=row_ok, other=0.0)
+        row_ok = offs_m < rows
+        g, i = offs_m // QLEN, offs_m % QLEN
+        q_ptr = Q + b * s_qb + (h * G + g)[:, None] * s_qh + i[:, None] * s_ql + offs_d[None, :]
+        q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        pos = KV_LEN - QLEN + i  # absolute column of each query row (causal rule without a mask)
+        keep_row = Keep + b * s_eb + (h * G + g)[:, None] * s_eh + i[:, None] * s_el
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        n_start = pid_s * per_split
-        n_end = tl.minimum(n_start + per_split, N)
-        for n0 in range(n_start, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n_end
-            kc = _unpack(KC + b * s_kcb + h * s_kch + offs_n[:, None] * s_kcn, offs_d[None, :], BITS_K, n_ok[:, None])
-            k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
-            kn = tl.load(KN + b * s_knb + h * s_knh + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision="tf32")
-            s = s * (kn[None, :] * scale)
-            if HAS_BIAS:
-                s += bias[:, None]
-            keep_ptr = Keep + b * s_eb + h * s_eh + offs_m[:, None] * s_em + offs_n[None, :]
-            keep = tl.load(keep_ptr, mask=row_ok[:, None] & n_ok[None, :], other=0)
-            s = tl.where(keep != 0, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with nothing visible yet keep m = -inf; shift by 0 so exp() gives 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vc = _unpack(VC + b * s_vcb + h * s_vch + offs_n[:, None] * s_vcn, offs_d[None, :], BITS_V, n_ok[:, None])
-            v = tl.load(VCent + vc)
-            vn = tl.load(VN + b * s_vnb + h * s_vnh + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p * vn[None, :], v, input_precision="ieee")
-            else:
-                pv = tl.dot(p * vn[None, :], v, input_precision="tf32")
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = ((b * H + h) * n_splits + pid_s) * M + offs_m
+        if pid_s < full_splits:
+            # Unquantized tokens [sink | recent]: column f is absolute f (sink) or f + N_HIST.
+            n_start = pid_s * per_split
+            n_end = tl.minimum(n_start + per_split, F)
+            for n0 in range(n_start, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < n_end
+                k = tl.load(KF + b * s_kfb + h * s_kfh + offs_n[:, None] * s_kfn + offs_d[None, :],
+                            mask=n_ok[:, None], other=0.0)
+                s = _product(q, tl.trans(k), DOT) * scale
+                col = tl.where(offs_n < SINK, offs_n, offs_n + N_HIST)
+                s = tl.where(_visible(keep_row, s_ec, col, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
+                p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
+                v = tl.load(VF + b * s_vfb + h * s_vfh + offs_n[:, None] * s_vfn + offs_d[None, :],
+                            mask=n_ok[:, None], other=0.0)
+                acc += _product(p, v, DOT)
+        else:
+            # Packed history: history token t is absolute column SINK + t.
+            rot_k = tl.load(RotK + offs_d[:, None] * D + offs_d[None, :])  # rows: the rotated basis
+            q_rot = _product(q, tl.trans(rot_k), 0)  # fp32: run once per program
+            if HAS_KMEAN:
+                km = tl.load(KMean + pid_bh * D + offs_d)
+                bias = tl.sum(q * km[None, :], 1) * scale
+            n_start = (pid_s - full_splits) * per_split
+            n_end = tl.minimum(n_start + per_split, N_HIST)
+            for n0 in range(n_start, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < n_end
+                kc = _codes(KC + b * s_kcb + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn)
+                k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
+                kn = _norms(KN + b * s_knb + h * s_knh, KR + pid_bh, offs_n, n_ok, NORM8_K)
+                s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
+                if HAS_KMEAN:
+                    s += bias[:, None]
+                s = tl.where(_visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
+                p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
+                vc = _codes(VC + b * s_vcb + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn)
+                v = tl.load(VCent + vc)
+                vn = _norms(VN + b * s_vnb + h * s_vnh, VR + pid_bh, offs_n, n_ok, NORM8_V)
+                acc += _product(p * vn[None, :], v, DOT)
+            # Back from the value rotation's space (Pi^T y = y @ Pi), once per program.
+            rot_v = tl.load(RotV + offs_d[:, None] * D + offs_d[None, :])
+            acc = _product(acc, rot_v, 0)
+            if HAS_VMEAN:  # every history value is v_mean + its quantized residual
+                acc += tl.load(VMean + pid_bh * D + offs_d)[None, :] * l_i[:, None]
+        out = (pid_bh * tl.num_programs(1) + pid_s) * rows + offs_m
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
         tl.store(OutAcc + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
 
-
-    # Tile shapes are tuned once per (head_dim, bits, row block); splits are multiples of 64 tokens,
-    # so every BLOCK_N here divides them.
-    _history_tuned = triton.autotune(
+    # Measured on the H200 (8K x batch 8, K4/V2, D 128): BLOCK_N 64 / 4 warps / 1 stage won every
+    # sweep of 12 configs; the list is kept short because each entry is a compile per key.
+    _split_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                 for bn in (32, 64) for w in (4, 8) for st in (1, 2)],
-        key=["D", "BITS_K", "BITS_V", "BLOCK_M", "HAS_BIAS", "IEEE"],
-    )(_history_kernel)
+                 for bn, w, st in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (64, 8, 1))],
+        key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP"],
+    )(_split_kernel)
+
+    @triton.jit
+    def _merge_kernel(
+        OutM, OutL, OutAcc, Out, s_ob, s_ol, s_oh, HKV, G, QLEN, n_splits,
+        D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // HKV, pid_bh % HKV
+        rows = G * QLEN
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < rows
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for s in range(0, n_splits):
+            idx = (pid_bh * n_splits + s) * rows + offs_m
+            m_s = tl.load(OutM + idx, mask=row_ok, other=float("-inf"))
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, w = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
+            l_i = l_i * alpha + w * tl.load(OutL + idx, mask=row_ok, other=0.0)
+            acc_s = tl.load(OutAcc + idx[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + w[:, None] * acc_s
+            m_i = m_new
+        # Fully masked rows (left-padding queries) have l = 0: output 0 there, as sdpa's fix does.
+        out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
+        g, i = offs_m // QLEN, offs_m % QLEN
+        ptr = Out + b * s_ob + i[:, None] * s_ol + (h * G + g)[:, None] * s_oh + offs_d[None, :]
+        tl.store(ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _splits(batch_heads: int, m_blocks: int, n: int, block_n: int) -> tuple[int, int]:
-    """(number of splits, tokens per split, a multiple of block_n)."""
-    max_splits = max(1, math.ceil(n / block_n))
-    splits = min(max_splits, max(1, math.ceil(TARGET_PROGRAMS / (batch_heads * m_blocks))))
-    per_split = math.ceil(n / splits / block_n) * block_n
+_DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's operand codes
+
+
+def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """``[B|1, 1|Hq, L, kv_len]`` int8 view of the mask (no copy for boolean masks)."""
+    from airquant.kv.attention import keep_mask
+
+    keep = keep_mask(mask, batch, q_len, kv_len, mask.device)
+    return keep.view(torch.int8)
+
+
+def _splits(n: int, programs_per_split: int) -> tuple[int, int]:
+    """(number of splits, tokens per split: a multiple of SPLIT_QUANTUM) for ``n`` tokens."""
+    max_splits = max(1, math.ceil(n / SPLIT_QUANTUM))
+    splits = min(max_splits, max(1, math.ceil(TARGET_PROGRAMS / programs_per_split)))
+    per_split = math.ceil(n / splits / SPLIT_QUANTUM) * SPLIT_QUANTUM
     return math.ceil(n / per_split), per_split
 
 
-def history_state(
-    q: torch.Tensor,
+def attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     ctx: CompressedContext,
-    keep: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
+    exact: bool | None = None,
     block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
-    exact: bool = True,
-):
-    """Same contract as ``attention.history_state_torch``: ``(m, l, acc)`` over the history.
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
-    ``block_n`` None: tile shape autotuned; else that tile and ``num_warps``. ``exact`` False lets
-    the two products use TF32 tensor cores (10-bit mantissa: below the bf16/fp16 rounding the
-    model's own activations carry); True keeps IEEE fp32 products (float32 models, tests)."""
+    ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
+    ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks)."""
     hist = ctx.history
-    batch, heads, rows, dim = q.shape
-    q_rot = ctx.k_codec.rotation.forward(q).contiguous()
-    bias = None
-    if hist.k_mean is not None:
-        bias = ((q @ hist.k_mean.transpose(-1, -2)) * scale).squeeze(-1).contiguous()  # [B, Hkv, M]
-    # int8, dense, last dim contiguous: the kernel indexes keys with unit stride.
-    keep8 = keep.expand(batch, keep.shape[1], rows, hist.length).to(torch.int8).contiguous()
+    batch, hq, q_len, dim = query.shape
+    hkv, n_full = keys.shape[1], keys.shape[2]
+    groups, rows = hq // hkv, hq // hkv * q_len
+    kv_len = n_full + hist.length
+    exact = query.dtype == torch.float32 if exact is None else exact
+    dot = 0 if exact else _DOT[query.dtype]
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_blocks = math.ceil(rows / block_m)
-    n_splits, per_split = _splits(batch * heads, m_blocks, hist.length, block_n or BLOCK_N)
-    out_m = torch.empty(batch, heads, n_splits, rows, device=q.device, dtype=torch.float32)
+    # Histories and unquantized parts are split alike; the split count aims at TARGET_PROGRAMS.
+    n_hist_splits, per_split = _splits(hist.length, batch * hkv * m_blocks)
+    full_splits = math.ceil(n_full / per_split)
+    n_splits = full_splits + n_hist_splits
+    out_m = torch.empty(batch * hkv * n_splits * rows, device=query.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
-    out_acc = torch.empty(batch, heads, n_splits, rows, dim, device=q.device, dtype=torch.float32)
-    k_cent, _ = ctx.k_codec.tables(q.device)
-    v_cent, _ = ctx.v_codec.tables(q.device)
-    kc, vc = hist.k.codes, hist.v.codes
-    # 8-bit log-coded norms are expanded to a small fp32 [B, H, N] here (4 bytes/token/head), so the
-    # kernel only ever reads float norms; fp16 norms go in as stored.
-    kn = hist.k.norms if hist.k_ref is None else ctx.k_codec.load_norms(hist.k.norms, hist.k_ref)
-    vn = hist.v.norms if hist.v_ref is None else ctx.v_codec.load_norms(hist.v.norms, hist.v_ref)
-    s_eh = 0 if keep8.shape[1] == 1 else keep8.stride(1)
+    out_acc = torch.empty(batch * hkv * n_splits * rows, dim, device=query.device, dtype=torch.float32)
+    k_cent, _ = ctx.k_codec.tables(query.device)
+    v_cent, _ = ctx.v_codec.tables(query.device)
+    rot_k = ctx.k_codec.rotation.matrix(query.device, torch.float32)
+    rot_v = ctx.v_codec.rotation.matrix(query.device, torch.float32)
+    keep8 = None if mask is None else _keep_view(mask, batch, q_len, kv_len)
+    kc, vc, kn, vn = hist.k.codes, hist.v.codes, hist.k.norms, hist.v.norms
+    # Per-(batch, head) vectors: contiguous [B*Hkv, D] / [B*Hkv] (a few KiB; any stand-in when absent).
+    k_mean = hist.k_mean.float().reshape(batch * hkv, dim).contiguous() if hist.k_mean is not None else rot_k
+    v_mean = hist.v_mean.float().reshape(batch * hkv, dim).contiguous() if hist.v_mean is not None else rot_v
+    k_ref = hist.k_ref.float().reshape(-1).contiguous() if hist.k_ref is not None else rot_k
+    v_ref = hist.v_ref.float().reshape(-1).contiguous() if hist.v_ref is not None else rot_v
+    keep_arg = keep8 if keep8 is not None else out_m
+    s_e = [0, 0, 0, 0] if keep8 is None else [keep8.stride(i) if keep8.shape[i] > 1 else 0 for i in range(4)]
     tiles = {} if block_n is None else {"BLOCK_N": block_n, "num_warps": num_warps}
-    (_history_tuned if block_n is None else _history_kernel)[(batch * heads, n_splits, m_blocks)](
-        q_rot, bias if bias is not None else q_rot, kc, kn, vc, vn, k_cent, v_cent, keep8, out_m, out_l, out_acc,
-        q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
+    (_split_tuned if block_n is None else _split_kernel)[(batch * hkv, n_splits, m_blocks)](
+        query, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, rot_k, rot_v, k_mean, v_mean,
+        keep_arg, out_m, out_l, out_acc,
+        query.stride(0), query.stride(1), query.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1),
-        keep8.stride(0), s_eh, keep8.stride(2), heads, rows, hist.length, per_split, scale,
-        D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits,
-        BLOCK_M=block_m, HAS_BIAS=bias is not None, IEEE=exact, **tiles,
+        vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1), *s_e,
+        hkv, groups, q_len, kv_len, n_full, ctx.sink, hist.length, full_splits, per_split, scale,
+        D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits, DOT=dot,
+        BLOCK_M=block_m, NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
+        HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None, **tiles,
     )  # fmt: skip
-    return _merge_splits(out_m, out_l, out_acc)
-
-
-def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor):
-    """Reduce ``[B, H, S, M(, D)]`` split states to ``[B, H, M, 1]``/``[B, H, M, D]``."""
-    m_all = m.amax(dim=2, keepdim=True)
-    shift = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
-    w = torch.exp(m - shift)  # [B, H, S, M]
-    l_all = (l * w).sum(dim=2)
-    acc_all = (acc * w.unsqueeze(-1)).sum(dim=2)
-    return m_all.squeeze(2).unsqueeze(-1), l_all.unsqueeze(-1), acc_all
+    out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
+    _merge_kernel[(batch * hkv, m_blocks)](
+        out_m, out_l, out_acc, out, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,
+        D=dim, BLOCK_M=block_m,
+    )
+    return out

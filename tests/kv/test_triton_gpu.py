@@ -16,6 +16,12 @@ if triton_kernel.triton is None:
     pytest.skip("needs triton", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def _one_tile_config(monkeypatch):
+    """Autotuning compiles every config per new key; one config keeps these tests to minutes."""
+    monkeypatch.setattr(triton_kernel._split_tuned, "configs", triton_kernel._split_tuned.configs[:1])
+
+
 def _layer_and_step(kv, batch, hkv, dim, prompt, q_len, gen):
     layer = TQLayer(kv, layer_idx=2, head_dim=dim)
     shift = 3.0 * torch.randn(dim, generator=gen)  # a key offset, as RoPE models have
@@ -30,16 +36,17 @@ def _layer_and_step(kv, batch, hkv, dim, prompt, q_len, gen):
 
 
 @pytest.mark.parametrize(
-    ("bits_k", "bits_v", "dim", "prompt", "q_len", "sink", "center", "norm_bits"),
+    ("bits_k", "bits_v", "dim", "prompt", "q_len", "sink", "center", "norm_bits", "masked"),
     [
-        (4, 2, 128, 5000, 1, 0, False, 16),
-        (3, 3, 64, 777, 1, 4, True, 8),
-        (2, 1, 64, 300, 5, 0, True, 16),
-        (1, 4, 128, 2100, 40, 2, False, 8),
+        (4, 2, 128, 5000, 1, 0, False, 16, False),
+        (4, 2, 128, 5000, 1, 0, False, 16, True),
+        (3, 3, 64, 777, 1, 4, True, 8, True),
+        (2, 1, 64, 300, 5, 0, True, 16, True),
+        (1, 4, 128, 2100, 40, 2, False, 8, False),
     ],
 )
 def test_kernel_matches_torch_and_float64(
-    dequantized_attention, bits_k, bits_v, dim, prompt, q_len, sink, center, norm_bits
+    dequantized_attention, bits_k, bits_v, dim, prompt, q_len, sink, center, norm_bits, masked
 ):
     gen = torch.Generator().manual_seed(bits_k * 7 + bits_v)
     batch, hkv, groups = 2, 2, 4
@@ -50,22 +57,19 @@ def test_kernel_matches_torch_and_float64(
     keys, values, ctx = _layer_and_step(kv, batch, hkv, dim, prompt, q_len, gen)
     plain = keys.as_subclass(torch.Tensor)
     total = keys.shape[2] + ctx.history.length
-    keep = torch.ones(batch, 1, q_len, total, dtype=torch.bool, device="cuda")
-    keep[1, :, :, :37] = False  # left padding
-    keep[..., -q_len:] &= torch.ones(q_len, q_len, dtype=torch.bool, device="cuda").tril()
+    keep = torch.ones(q_len, total, dtype=torch.bool, device="cuda").tril(total - q_len)  # causal
+    keep = keep.expand(batch, 1, q_len, total).clone()
+    mask = None
+    if masked:
+        keep[1, :, :, :37] = False  # left padding
+        mask = keep
     query = torch.randn(batch, hkv * groups, q_len, dim, generator=gen).cuda()
     scale = dim**-0.5
 
-    q = attention.group_rows(query.float(), hkv)
-    hist_keep = attention._mask_rows(keep, hkv, groups)[..., sink : sink + ctx.history.length]
-    assert triton_kernel.applicable(q, ctx)
-    m_t, l_t, acc_t = triton_kernel.history_state(q, ctx, hist_keep, scale)
-    m_r, l_r, acc_r = attention.history_state_torch(q, ctx, hist_keep, scale)
-    torch.testing.assert_close(m_t, m_r, atol=1e-4, rtol=1e-4)
-    # States are relative to each path's max; compare the normalized history output.
-    torch.testing.assert_close(acc_t / l_t, acc_r / l_r, atol=1e-4, rtol=1e-4)
-
-    out = attention.compressed_attention(query, plain, values, ctx, keep, scale)
+    assert triton_kernel.applicable(query, ctx)
+    out = attention.compressed_attention(query, plain, values, ctx, mask, scale)
+    torch_path = attention.compressed_attention(query, plain, values, ctx, mask, scale, kernel=False)
+    torch.testing.assert_close(out, torch_path, atol=1e-4, rtol=1e-4)
     ref = dequantized_attention(query, keys, values, ctx, keep, scale)
     torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-3)
 
@@ -83,14 +87,17 @@ def test_decode_on_cuda_matches_kv_logits(make_llama):
     torch.testing.assert_close(decoded, kv_logits(model, seq, None, kv), atol=2e-4, rtol=1e-3)
 
 
-def test_tf32_products_for_half_precision_models_stay_close():
-    """bf16/fp16 models get TF32 products in the kernel: within bf16 rounding of the exact path."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_use_their_dtype_and_stay_close(dtype):
+    """bf16/fp16 models get products in their own dtype: within that rounding of the fp32 path."""
     gen = torch.Generator().manual_seed(3)
     kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8)
-    keys, values, ctx = _layer_and_step(kv, 2, 2, 128, 300, 1, gen)
-    q = attention.group_rows(torch.randn(2, 8, 1, 128, generator=gen).cuda(), 2)
-    keep = torch.ones(2, 1, 4, ctx.history.length, dtype=torch.bool, device="cuda")
-    m_e, l_e, acc_e = triton_kernel.history_state(q, ctx, keep, 128**-0.5)
-    m_t, l_t, acc_t = triton_kernel.history_state(q, ctx, keep, 128**-0.5, exact=False)
-    torch.testing.assert_close(acc_t / l_t, acc_e / l_e, atol=1e-2, rtol=1e-2)
-    assert not torch.equal(acc_t / l_t, acc_e / l_e)  # the TF32 path really ran
+    keys, values, ctx = _layer_and_step(kv, 2, 2, 128, 3000, 1, gen)
+    query = torch.randn(2, 8, 1, 128, generator=gen).cuda()
+    plain = keys.as_subclass(torch.Tensor)
+    exact = attention.compressed_attention(query, plain, values, ctx, None, 128**-0.5)
+    half = attention.compressed_attention(query.to(dtype), plain.to(dtype), values.to(dtype), ctx, None, 128**-0.5)
+    assert half.dtype == dtype
+    torch.testing.assert_close(half.float(), exact, atol=2e-2, rtol=2e-2)
+    fp32_products = triton_kernel.attention(query.to(dtype), plain.to(dtype), values.to(dtype), ctx, None, 128**-0.5, exact=True)
+    assert not torch.equal(half, fp32_products)  # the half-precision products really ran
