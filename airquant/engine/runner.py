@@ -308,12 +308,16 @@ class Engine:
 
     def describe(self) -> dict:
         streamed = self.plan.ram_layers + self.plan.disk_layers if self.plan else []
+        # What a decode step moves: the streamed layers over the host link; when every layer sits in
+        # device memory, the weights read from it each step (MBU is then taken against that memory).
+        moved = streamed or (list(self.plan.vram_layers) if self.plan else [])
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"model": self.manifest.source.get("name"), "store": str(self.store),
                 "store_scheme": self.manifest.scheme, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": self.device.type, "device_name": name, "synthetic": self.manifest.synthetic,
                 "streamed": not self.cfg.resident,
-                "bytes_per_decode_step": sum(self.manifest.layer_bytes[i] for i in streamed)}
+                "bytes_per_decode_step": sum(self.manifest.layer_bytes[i] for i in moved),
+                "bytes_cross": "host link" if streamed else "device memory"}
 
     def layer_profile(self) -> list[dict]:
         """Per-layer copy/compute milliseconds since the last call (``EngineConfig(profile=True)``, CUDA)."""

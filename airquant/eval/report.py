@@ -32,6 +32,7 @@ class Column:
     store_scheme: str
     kv_scheme: str
     synthetic: bool
+    device: str = "cpu"  # "cpu" / "cuda": a GPU run gets columns of its own beside the CPU's
     rows: dict[str, list[LoadedRow]] = field(default_factory=dict)
 
     def best(self, metric: str) -> Any:
@@ -44,38 +45,59 @@ class Column:
         text = ref.config_label(self.store_scheme, self.kv_scheme, any_row.run.streamed)
         return text + (" †" if self.synthetic else "")
 
+    @property
+    def device_label(self) -> str:
+        """The label with the device, for models measured on more than one device type."""
+        any_row = self.best("perf") or next(r.row for rs in self.rows.values() for r in rs)
+        return f"{self.label} · {'CPU' if self.device == 'cpu' else any_row.run.device_name}"
+
+
+def headings(columns: list[Column]) -> dict[int, str]:
+    """Column headings by ``id(column)``: labels, with the device when a model has CPU and GPU runs."""
+    several = len({c.device for c in columns}) > 1
+    return {id(c): c.device_label if several else c.label for c in columns}
+
 
 def model_columns(results: ResultsDir) -> dict[str, list[Column]]:
-    """Columns per model: rows measured on any device or dtype with the same store and KV scheme."""
+    """Columns per model: rows with the same store and KV scheme on the same device type (any dtype)."""
     models: dict[str, dict[tuple, Column]] = {}
     for loaded in results.rows:
         run = loaded.row.run
         if loaded.row.metric not in _TABLE_METRICS:
             continue
-        key = (run.store_scheme, run.kv_scheme, run.synthetic)
+        key = (run.store_scheme, run.kv_scheme, run.synthetic, "cpu" if run.device == "cpu" else run.device)
         column = models.setdefault(run.model, {}).setdefault(key, Column(*key))
         column.rows.setdefault(loaded.row.metric, []).append(loaded)
-    return {m: sorted(cols.values(), key=lambda c: ref.column_order(c.store_scheme, c.kv_scheme, c.synthetic))
+    return {m: sorted(cols.values(), key=lambda c: (c.device != "cpu", c.device,
+                                                    ref.column_order(c.store_scheme, c.kv_scheme, c.synthetic)))
             for m, cols in sorted(models.items())}
 
 
-def baseline(columns: list[Column]) -> Column | None:
-    """The full-precision, uncompressed-KV column the tolerances are checked against."""
-    for synthetic in (False, True):
-        for precision in ref.FULL_PRECISION:
-            for c in columns:
-                if (c.store_scheme, c.kv_scheme, c.synthetic) == (precision, "none", synthetic):
-                    return c
+def baseline(columns: list[Column], device: str | None = None) -> Column | None:
+    """The full-precision, uncompressed-KV column the tolerances are checked against (on ``device``
+    when it has one: a GPU column is checked against the GPU's own full-precision run)."""
+    for dev in ([device] if device else []) + [None]:
+        for synthetic in (False, True):
+            for precision in ref.FULL_PRECISION:
+                for c in columns:
+                    if (c.store_scheme, c.kv_scheme, c.synthetic) == (precision, "none", synthetic) and \
+                            (dev is None or c.device == dev):
+                        return c
     return None
+
+
+def _mbu(row: Any) -> str:
+    # Rows measured before resident plans counted their device-memory reads recorded 0 bytes moved.
+    return "— (0 bytes counted)" if not row.bytes_per_decode_step else f"{row.mbu:.1%}"
 
 
 def _ppl_cell(row: Any, base: Any) -> str:
     return f"{row.ppl:.2f}" + ("" if base is None or ref.same_ppl_setup(row, base) else " ¹")
 
 
-def _headline_lines(columns: list[Column], base: Column | None) -> list[list[str]]:
+def _headline_lines(columns: list[Column]) -> list[list[str]]:
     fmt = {
-        "PPL WikiText-2": ("ppl", lambda r: _ppl_cell(r, base.best("ppl") if base else None)),
+        "PPL WikiText-2": ("ppl", None),  # marked against its device's baseline column
         "Decode throughput (tok/s)": ("perf", lambda r: f"{r.decode_tokens_per_s:.2f} (bs {r.batch_size})"),
         "ROUGE-L": ("rouge", lambda r: f"{r.rougeL:.4f}"),
         "NiAH recall @ longest context": ("niah", lambda r: f"{r.recall_at_longest:.2f} @ {r.longest_context}"),
@@ -87,7 +109,7 @@ def _headline_lines(columns: list[Column], base: Column | None) -> list[list[str
         "Peak VRAM reserved (GB)": ("perf", lambda r: "n/a (CPU)" if r.peak_vram_reserved_gb is None
                                     else f"{r.peak_vram_reserved_gb:.2f}"),
         "Host RAM peak (GB)": ("perf", lambda r: f"{r.host_rss_peak_gb:.2f}"),
-        "MBU": ("perf", lambda r: f"{r.mbu:.1%} of {r.bandwidth.gb_per_s:.1f} GB/s {r.bandwidth.kind}"),
+        "MBU": ("perf", lambda r: _mbu(r) + f" of {r.bandwidth.gb_per_s:.1f} GB/s {r.bandwidth.kind}"),
     }
     lines = []
     for name, (metric, render) in fmt.items():
@@ -96,16 +118,21 @@ def _headline_lines(columns: list[Column], base: Column | None) -> list[list[str
         cells = []
         for c in columns:
             row = c.best(metric)
+            if render is None and row:
+                base = baseline(columns, c.device)
+                cells.append(_ppl_cell(row, base.best("ppl") if base else None))
+                continue
             cells.append("n/a (synthetic)" if c.synthetic and metric in _QUALITY else render(row) if row else "—")
         lines.append([name] + cells)
     return lines
 
 
-def _tolerance_lines(columns: list[Column], base: Column | None) -> list[list[str]]:
+def _tolerance_lines(columns: list[Column]) -> list[list[str]]:
     lines = []
     for key, text in ref.TOLERANCES_70B:
         cells = []
         for c in columns:
+            base = baseline(columns, c.device)
             if c.synthetic and key in _QUALITY:
                 cells.append("n/a (synthetic)")
             elif key == "ppl":
@@ -146,9 +173,9 @@ def _reference_section(model: str, columns: list[Column]) -> list[str]:
 
 
 def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path]) -> list[str]:
-    base = baseline(columns)
-    labels = [c.label for c in columns]
-    headline = _headline_lines(columns, base)
+    names = headings(columns)
+    labels = [names[id(c)] for c in columns]
+    headline = _headline_lines(columns)
     out = [f"## {model}", ""] + md_table(["metric"] + labels, headline)
     notes = []
     if any(c.synthetic for c in columns):
@@ -156,9 +183,11 @@ def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path
     if any("¹" in x for line in headline for x in line):
         notes.append("¹ perplexity measured with other text, tokens, window or stride than the baseline column.")
     out += [""] + notes if notes else []
-    base_text = base.label if base else "no full-precision column: relative checks show —"
-    out += ["", f"70B-class tolerances of the original design, checked against **{base_text}**:", ""]
-    out += md_table(["tolerance"] + labels, _tolerance_lines(columns, base))
+    bases = list(dict.fromkeys(names[id(b)] for b in (baseline(columns, c.device) for c in columns) if b is not None))
+    base_text = " / ".join(f"**{b}**" for b in bases) or "no full-precision column: relative checks show —"
+    per = " (each device's columns against its own)" if len(bases) > 1 else ""
+    out += ["", f"70B-class tolerances of the original design, checked against {base_text}{per}:", ""]
+    out += md_table(["tolerance"] + labels, _tolerance_lines(columns))
     out += _reference_section(model, columns)
     for key, title in (("ppl", "Perplexity per scheme"), ("throughput", "Throughput vs batch size")):
         if (model, key) in plot_links:
@@ -189,7 +218,7 @@ def _perf_section(results: ResultsDir) -> list[str]:
         return []
     table = [[r.run.model, _label(r.run), r.run.device_name, r.batch_size, r.prompt_length, r.max_new_tokens,
               f"{r.ttft_s:.3f}", f"{r.prefill_tokens_per_s:.1f}", f"{r.decode_tokens_per_s:.2f}",
-              f"{r.mbu:.1%} ({r.bandwidth.kind} {r.bandwidth.gb_per_s:.1f} GB/s)",
+              f"{_mbu(r)} ({r.bandwidth.kind} {r.bandwidth.gb_per_s:.1f} GB/s)",
               "—" if r.peak_vram_allocated_gb is None else f"{r.peak_vram_allocated_gb:.2f} / "
                                                             f"{r.peak_vram_reserved_gb or 0:.2f}",
               f"{r.host_rss_peak_gb:.2f}"] for r in rows]
@@ -254,24 +283,24 @@ def _provenance_section(results: ResultsDir) -> list[str]:
 
 # -- plots and assembly -----------------------------------------------------------------------------
 def _throughput_series(columns: list[Column]) -> dict[str, list[tuple[int, float]]]:
-    series = {}
+    series, names = {}, headings(columns)
     for c in columns:
         latest: dict[int, Any] = {}
         for item in sorted(c.rows.get("perf", []), key=lambda r: r.row.run.timestamp):
             latest[item.row.batch_size] = item.row
         if len(latest) >= 2:
-            series[c.label] = sorted((b, r.decode_tokens_per_s) for b, r in latest.items())
+            series[names[id(c)]] = sorted((b, r.decode_tokens_per_s) for b, r in latest.items())
     return series
 
 
 def _ppl_bars(model: str, columns: list[Column]) -> list[tuple[str, float, float | None]]:
-    bars = []
+    bars, names = [], headings(columns)
     for c in columns:
         row = c.best("ppl")
         if row is None or c.synthetic:
             continue
         figures = [f.ppl for f in ref.reference_figures(model) if ref.figure_matches(f, c.store_scheme, c.kv_scheme)]
-        bars.append((c.label, row.ppl, figures[0] if figures else None))
+        bars.append((names[id(c)], row.ppl, figures[0] if figures else None))
     return bars
 
 

@@ -250,8 +250,10 @@ def slug(text: str) -> str:
 
 
 def default_row_name(row: Any) -> str:
-    """``{metric}__{model}__{store}__kv-{kv}__bs{batch}[__resident][__synthetic].json``: one per configuration."""
+    """``{metric}__{model}__{store}__kv-{kv}__bs{batch}[__resident][__synthetic][__cuda].json``: one per
+    configuration; rows measured on a GPU carry the device type, so they never replace the CPU's."""
     run = row.run
     model = slug(run.model.rsplit("/", 1)[-1])
     name = f"{row.metric}__{model}__{slug(run.store_scheme)}__kv-{slug(run.kv_scheme)}__bs{row.batch_size}"
-    return name + ("" if run.streamed else "__resident") + ("__synthetic" if run.synthetic else "") + ".json"
+    name += ("" if run.streamed else "__resident") + ("__synthetic" if run.synthetic else "")
+    return name + ("" if run.device == "cpu" else f"__{slug(run.device)}") + ".json"

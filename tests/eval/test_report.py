@@ -194,3 +194,22 @@ def test_missing_matplotlib_is_a_note_not_a_failure(tmp_path, monkeypatch):
     text = build_report(tmp_path).read_text()
     assert "Plots were skipped: matplotlib is not installed (pip install matplotlib==" in text
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_cpu_and_gpu_runs_of_one_model_get_columns_and_baselines_of_their_own(tmp_path):
+    cpu = dict(device="cpu")
+    rows = [ppl(run(SMOL, "bfloat16", **cpu), 26.0), ppl(run(SMOL, "nf4", **cpu), 34.0),
+            ppl(run(SMOL, "bfloat16"), 18.0), ppl(run(SMOL, "nf4"), 22.5),
+            perf(run(SMOL, "nf4", **cpu), 15.0, None), perf(run(SMOL, "nf4"), 23.0, 0.2)]
+    names = [default_row_name(r) for r in rows]
+    assert len(set(names)) == len(rows)  # a GPU row never takes a CPU row's file
+    assert names[2].endswith("__cuda.json") and not names[0].endswith("__cuda.json")
+    for r, name in zip(rows, names):
+        write_row(r, tmp_path / name)
+    text = section(build_report(tmp_path).read_text(), SMOL)
+    assert table_cells(text, "PPL WikiText-2") == {
+        "BF16 streamed · CPU": "26.00", "NF4 · CPU": "34.00",
+        "BF16 streamed · NVIDIA H200": "18.00", "NF4 · NVIDIA H200": "22.50"}
+    assert table_cells(text, "ΔPPL ≤ 0.5 vs baseline") == {
+        "BF16 streamed · CPU": "baseline", "NF4 · CPU": "FAIL (+8.00)",
+        "BF16 streamed · NVIDIA H200": "baseline", "NF4 · NVIDIA H200": "FAIL (+4.50)"}
