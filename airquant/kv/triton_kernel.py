@@ -261,6 +261,8 @@ def attention(
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
     ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks)."""
     hist = ctx.history
+    # The kernel reads feature vectors with unit stride; anything else is copied once here.
+    query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
     batch, hq, q_len, dim = query.shape
     hkv, n_full = keys.shape[1], keys.shape[2]
     groups, rows = hq // hkv, hq // hkv * q_len
