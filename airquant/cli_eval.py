@@ -43,6 +43,8 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-block", type=int, default=None, metavar="N", help="tokens leaving the window at a time")
     g.add_argument("--kv-sink", type=int, default=None, metavar="N", help="first tokens never quantized")
     g.add_argument("--kv-seed", type=int, default=None, metavar="S", help="seed of the per-layer rotations")
+    g.add_argument("--kv-rotation", choices=["auto", "dense"], default=None,
+                   help="auto: randomized Hadamard where head_dim is a power of two; dense: Haar QR (the paper's)")
     g.add_argument("--kv-center-k", action="store_true", default=None, help="subtract a per-head key mean first")
     g.add_argument("--kv-layer-bits", type=_layer_bits, default=None, metavar="L:K:V,...",
                    help="per-layer bit overrides, e.g. 0:4:4,29:4:3")
@@ -54,7 +56,7 @@ def kv_from_args(args):
         return None
     from airquant.kv import KVConfig
 
-    names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits")
+    names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits", "rotation")
     given = {n: getattr(args, f"kv_{n}") for n in names if getattr(args, f"kv_{n}") is not None}
     return KVConfig(backend=args.kv, **given)
 

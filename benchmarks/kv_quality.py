@@ -72,6 +72,9 @@ def ppl_configs(args, has_tq: bool) -> dict[str, KVConfig]:
     for seed in args.seeds:
         configs[f"k4v2_seed{seed}"] = KVConfig(backend="tq", bits_k=4, bits_v=2, window=args.window, block=args.block,
                                                seed=seed)
+    for seed in args.dense_seeds:  # the reference figures' construction: dense Haar rotations
+        configs[f"k4v2_dense_seed{seed}"] = KVConfig(backend="tq", bits_k=4, bits_v=2, window=args.window,
+                                                     block=args.block, seed=seed, rotation="dense")
     if has_tq:
         configs["turboquant_3bit"] = KVConfig(backend="turboquant", bits_k=3, bits_v=3, window=args.window)
     return configs
@@ -107,10 +110,13 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=1, help="1 = the exact per-query window of the reference figures")
     parser.add_argument("--seeds", default="1,2",
                         help="extra rotation seeds for K4/V2 (rows k4v2_seedN): the seed-to-seed spread of the PPL")
+    parser.add_argument("--dense-seeds", default="0,1,2",
+                        help="K4/V2 with dense Haar rotations (the reference's construction; rows k4v2_dense_seedN)")
     parser.add_argument("--skip-ppl", action="store_true")
     parser.add_argument("--out", default="results/kv_quality.json")
     args = parser.parse_args(argv)
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
+    args.dense_seeds = [int(x) for x in args.dense_seeds.split(",") if x]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(0)
 
@@ -132,6 +138,7 @@ def main(argv=None) -> int:
         ppl_k4v2=rows.get("k4v2", {}).get("ppl"),
         ppl_k4v2_by_seed={str(seed): rows.get(label, {}).get("ppl") for seed, label in
                           [(0, "k4v2")] + [(s, f"k4v2_seed{s}") for s in args.seeds]},
+        ppl_k4v2_dense_by_seed={str(s): rows.get(f"k4v2_dense_seed{s}", {}).get("ppl") for s in args.dense_seeds},
         ppl_turboquant_3bit=rows.get("turboquant_3bit", {}).get("ppl"),
         ppl_best_mixed=rows.get("mixed", {}).get("ppl"),
         best_mixed_bits_per_element=mixed.bits_per_element(head_dim, num_layers),

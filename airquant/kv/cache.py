@@ -60,8 +60,8 @@ def layer_codecs(kv: KVConfig, layer_idx: int, head_dim: int) -> tuple[Codec, Co
     """The (K, V) codecs of one layer: its bits, and rotations seeded by (seed, layer, stream)."""
     bits_k, bits_v = kv.bits_for(layer_idx)
     return (
-        Codec(head_dim, bits_k, layer_seed(kv.seed, layer_idx, "k"), kv.norm_bits, kv.unbiased),
-        Codec(head_dim, bits_v, layer_seed(kv.seed, layer_idx, "v"), kv.norm_bits, kv.unbiased),
+        Codec(head_dim, bits_k, layer_seed(kv.seed, layer_idx, "k"), kv.norm_bits, kv.unbiased, kv.rotation),
+        Codec(head_dim, bits_v, layer_seed(kv.seed, layer_idx, "v"), kv.norm_bits, kv.unbiased, kv.rotation),
     )
 
 

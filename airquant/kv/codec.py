@@ -38,13 +38,14 @@ class Encoded:
 class Codec:
     """Rotation + codebook for one (layer, K or V); holds no per-sequence state."""
 
-    def __init__(self, dim: int, bits: int, seed: int, norm_bits: int = 16, unbiased: bool = False):
+    def __init__(self, dim: int, bits: int, seed: int, norm_bits: int = 16, unbiased: bool = False,
+                 rotation: str = "auto"):
         self.dim = dim
         self.bits = bits
         self.norm_bits = norm_bits
         self.unbiased = unbiased
         self.codebook: Codebook = lloyd_max_codebook(dim, bits)
-        self.rotation: Rotation = rotation_for(dim, seed)
+        self.rotation: Rotation = rotation_for(dim, seed, rotation)
         self.width = packed_width(dim, bits)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

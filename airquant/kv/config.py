@@ -83,6 +83,8 @@ class KVConfig:
         bias attention against the history (see Codec.vector_scale). Same bytes.
     layer_bits: mixed precision: ``((layer, bits_k, bits_v), ...)`` overrides for the layers that
         carry most of the error (CLI form ``0:4:4,29:4:3``).
+    rotation: ``auto`` (randomized Hadamard where head_dim is a power of two, else dense) or
+        ``dense`` (a Haar rotation from QR, the paper's construction; same speed on CUDA).
     """
 
     backend: Backend = "none"
@@ -97,6 +99,7 @@ class KVConfig:
     norm_bits: int = 16
     unbiased: bool = False
     layer_bits: tuple[tuple[int, int, int], ...] = ()
+    rotation: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
@@ -111,6 +114,8 @@ class KVConfig:
             raise KVConfigError(f"block={self.block}: use block >= 1 (1 = quantize every token as it leaves)")
         if self.sink < 0:
             raise KVConfigError(f"sink={self.sink}: use sink >= 0")
+        if self.rotation not in ("auto", "dense"):
+            raise KVConfigError(f"rotation={self.rotation!r}: use 'auto' (Hadamard where it applies) or 'dense'")
         if self.norm_bits not in (8, 16):
             raise KVConfigError(f"norm_bits={self.norm_bits}: use 16 (fp16) or 8 (log-coded)")
         for entry in self.layer_bits:

@@ -2,8 +2,8 @@
 
 A power-of-two head_dim gets a randomized Hadamard transform ``Pi = H diag(s) / sqrt(d)`` (random
 signs ``s``): O(d log d), no matrix to store, and it spreads a single outlier channel evenly over all
-coordinates, which is what the Lloyd-Max codebook assumes. Any other head_dim gets a dense Haar
-rotation from the QR of a Gaussian matrix.
+coordinates, which is what the Lloyd-Max codebook assumes. Any other head_dim, or ``kind="dense"``,
+gets a dense Haar rotation from the QR of a Gaussian matrix (the paper's construction).
 
 Rotations act on the last dimension: ``forward(x) = x @ Pi^T`` (i.e. ``Pi x`` per vector) and
 ``inverse(y) = y @ Pi``.
@@ -14,6 +14,9 @@ from __future__ import annotations
 import functools
 
 import torch
+
+# auto: randomized Hadamard where head_dim is a power of two, dense elsewhere; dense: always Haar QR.
+ROTATION_KINDS = ("auto", "dense")
 
 # Distinct streams for keys and values of the same layer, so their errors are independent.
 _KIND_OFFSET = {"k": 0, "v": 1}
@@ -41,10 +44,12 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 class Rotation:
     """One orthogonal matrix ``Pi`` (d x d), applied as a transform on the last dim."""
 
-    def __init__(self, dim: int, seed: int):
+    def __init__(self, dim: int, seed: int, kind: str = "auto"):
+        if kind not in ROTATION_KINDS:
+            raise ValueError(f"rotation kind {kind!r}: use one of {ROTATION_KINDS}")
         self.dim = dim
         self.seed = seed
-        self.kind = "hadamard" if _is_power_of_two(dim) else "dense"
+        self.kind = "hadamard" if kind == "auto" and _is_power_of_two(dim) else "dense"
         gen = torch.Generator().manual_seed(seed)
         if self.kind == "hadamard":
             self.signs = torch.randint(0, 2, (dim,), generator=gen).to(torch.float64) * 2 - 1
@@ -90,6 +95,6 @@ def layer_seed(seed: int, layer_idx: int, kind: str, group: int = 0) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def rotation_for(dim: int, seed: int) -> Rotation:
+def rotation_for(dim: int, seed: int, kind: str = "auto") -> Rotation:
     """Rotations are pure functions of (dim, seed): share one object across caches."""
-    return Rotation(dim, seed)
+    return Rotation(dim, seed, kind)
