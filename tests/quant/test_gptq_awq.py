@@ -182,3 +182,28 @@ def test_against_gptqmodel_if_installed():
     torch.testing.assert_close(ours(x), x @ rtn.dequantize().t(), rtol=1e-5, atol=1e-4)
     peer.post_init()
     torch.testing.assert_close(ours(x), peer(x.half()).float(), rtol=2e-2, atol=5e-2)
+
+
+def test_against_gptqmodel_awq_packer_if_installed():
+    """The same for AWQ GEMM: gptqmodel's AwqTorchLinear packs (interleaved columns), we read it back."""
+    pytest.importorskip("gptqmodel")
+    try:
+        from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    except ImportError as exc:
+        pytest.skip(f"this gptqmodel has no AwqTorchLinear: {exc}")
+    torch.manual_seed(1)
+    out_f, in_f, gs = 64, 256, 64
+    rtn = rtn_quantize(torch.randn(out_f, in_f), 4, gs, sym=False)
+    linear = torch.nn.Linear(in_f, out_f, bias=False)
+    linear.weight.data = rtn.dequantize()
+    peer = AwqTorchLinear(bits=4, group_size=gs, sym=False, desc_act=False, in_features=in_f, out_features=out_f,
+                          bias=False)
+    peer.pack(linear, rtn.scales.float().t(), rtn.zeros.float().t())
+    written = {k: v.clone() for k, v in peer.state_dict().items() if k in ("qweight", "qzeros", "scales")}
+    ours = make_linear({"scheme": "awq", "bits": 4, "group_size": gs, "version": "gemm"}, in_f, out_f, False,
+                       compute_dtype=torch.float32)
+    ours.load_state_dict(written)
+    x = torch.randn(3, in_f)
+    torch.testing.assert_close(ours(x), x @ rtn.dequantize().t(), rtol=1e-5, atol=1e-4)
+    peer.post_init()
+    torch.testing.assert_close(ours(x), peer(x.half()).float(), rtol=2e-2, atol=5e-2)
