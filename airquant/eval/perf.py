@@ -216,8 +216,7 @@ def default_bandwidth_kind(engine: Any) -> BandwidthKind:
     device = torch.device(engine.device)
     if device.type != "cuda":
         return "cpu_memcpy"
-    desc = engine.describe()
-    return "h2d_pinned" if desc.get("streamed") and desc.get("bytes_cross") != "device memory" else "d2d"
+    return "h2d_pinned" if engine.describe().get("bytes_cross") == "host link" else "d2d"
 
 
 def _summarize(engine: Any, samples: list[PerfSample], link: BandwidthMeasurement, batch_size: int) -> dict:

@@ -40,16 +40,18 @@ class Column:
         return chosen.row if chosen else None
 
     @property
+    def _any_row(self) -> Any:
+        return self.best("perf") or next(r.row for rs in self.rows.values() for r in rs)
+
+    @property
     def label(self) -> str:
-        any_row = self.best("perf") or next(r.row for rs in self.rows.values() for r in rs)
-        text = ref.config_label(self.store_scheme, self.kv_scheme, any_row.run.streamed)
+        text = ref.config_label(self.store_scheme, self.kv_scheme, self._any_row.run.streamed)
         return text + (" †" if self.synthetic else "")
 
     @property
     def device_label(self) -> str:
         """The label with the device, for models measured on more than one device type."""
-        any_row = self.best("perf") or next(r.row for rs in self.rows.values() for r in rs)
-        return f"{self.label} · {'CPU' if self.device == 'cpu' else any_row.run.device_name}"
+        return f"{self.label} · {'CPU' if self.device == 'cpu' else self._any_row.run.device_name}"
 
 
 def headings(columns: list[Column]) -> dict[int, str]:
@@ -65,7 +67,7 @@ def model_columns(results: ResultsDir) -> dict[str, list[Column]]:
         run = loaded.row.run
         if loaded.row.metric not in _TABLE_METRICS:
             continue
-        key = (run.store_scheme, run.kv_scheme, run.synthetic, "cpu" if run.device == "cpu" else run.device)
+        key = (run.store_scheme, run.kv_scheme, run.synthetic, run.device)
         column = models.setdefault(run.model, {}).setdefault(key, Column(*key))
         column.rows.setdefault(loaded.row.metric, []).append(loaded)
     return {m: sorted(cols.values(), key=lambda c: (c.device != "cpu", c.device,
