@@ -6,12 +6,18 @@ avoid the zero-data shortcuts of some memory paths). In the same run it measures
 
 * HBM copy bandwidth: a device-to-device copy of a buffer far larger than L2, counting bytes read
   plus bytes written (the ceiling the fraction is taken against);
-* the int2 GEMV (batch 1) through the Triton kernel, bytes = every tensor the kernel reads + y;
+* the int2 GEMV (batch 1), bytes = every tensor the kernels read + y, through both GEMV kernels: the
+  Gluon one (default where Triton has Gluon) and the plain-Triton one;
 * the fp16 dense GEMV of the same shape (torch / cuBLAS) as a baseline;
 * int2 GEMM at a few batch sizes, for the prefill path;
 
 checks the kernel against the torch reference on the same tensors, prints a table and writes JSON.
 Target: int2 GEMV bandwidth >= 0.5 x copy bandwidth.
+
+Two times per call: ``graph`` replays the call's kernels from a CUDA graph with an L2 flush before
+each call (the flush-only graph's time subtracted): the GPU time of the kernels, what the bandwidth
+fraction is taken on; ``eager`` is triton's do_bench of the Python call, which also counts host launch
+overhead whenever that exceeds the GPU time (a model's decode step overlaps it with earlier kernels).
 
     python benchmarks/quant_int2_gemv.py --shapes 28672x8192 8192x28672 --out results/int2_gemv.json
 """
@@ -50,6 +56,39 @@ def bench_ms(fn, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(fn, n: int = 20) -> float:
+    """GPU ms per call of fn's kernels: n calls, each after an L2 flush, captured in one CUDA graph;
+    the same graph without the calls is subtracted. Median of 7 replays."""
+    import statistics
+
+    flush = torch.empty(2**27, dtype=torch.float32, device="cuda")  # 512 MiB, far above L2
+    fn()
+    torch.cuda.synchronize()
+
+    def build(with_fn: bool):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.neg_()
+                if with_fn:
+                    fn()
+        return g
+
+    def replay_ms(g) -> float:
+        g.replay()
+        times = []
+        for _ in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    return (replay_ms(build(True)) - replay_ms(build(False))) / n
+
+
 def copy_bandwidth(gib: float, rep_ms: int) -> float:
     n = int(gib * 2**30) // 4
     src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
@@ -79,7 +118,7 @@ def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group: int) -> torch.
 
 def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     from airquant.quant.int2 import n_outlier_channels
-    from airquant.quant.kernels.int2_triton import _int2_gemm_kernel, _int2_gemv_kernel, int2_matmul
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, _int2_gemm_kernel, _int2_gemv_kernel, int2_matmul
 
     dtype = getattr(torch, args.dtype)
     n_out = n_outlier_channels(in_f, args.outliers)
@@ -87,23 +126,31 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     weight_bytes = sum(v.numel() * v.element_size() for v in t.values())
     dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02
     rows = []
-    for m in [1] + list(args.batches):
+    for m, gemv in [(1, "gluon"), (1, "triton")] + [(b, None) for b in args.batches]:
+        if gemv == "gluon" and _gluon_gemv() is None:
+            print("no triton.experimental.gluon here: Gluon GEMV row skipped")
+            continue
         x = torch.randn(m, in_f, device="cuda", dtype=dtype)
         call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
-                                   t["outlier_idx"], args.group)
-        err = ((call().double() - reference(x, t, args.group).double()).norm()
-               / reference(x, t, args.group).double().norm()).item()
-        ms = bench_ms(call, args.rep_ms)
-        ms_dense = bench_ms(lambda: torch.nn.functional.linear(x, dense), args.rep_ms)
+                                   t["outlier_idx"], args.group, gemv=gemv)
+        ref = reference(x, t, args.group).double()
+        err = ((call().double() - ref).norm() / ref.norm()).item()
+        ms_eager = bench_ms(call, args.rep_ms)
+        ms = graph_ms(call)
+        ms_dense = graph_ms(lambda: torch.nn.functional.linear(x, dense))
         io_bytes = weight_bytes + x.numel() * x.element_size() + m * out_f * x.element_size()
         bw = io_bytes / (ms * 1e-3)
+        kernel = "gemm" if m > 1 else f"gemv-{gemv}"
+        cfg = {"gemv-gluon": lambda: "Gluon: 64 rows x 16 groups per tile, 8 tiles per program (int2_gluon)",
+               "gemv-triton": lambda: str(_int2_gemv_kernel.best_config),
+               "gemm": lambda: str(_int2_gemm_kernel.best_config)}
         rows.append({
-            "out_features": out_f, "in_features": in_f, "batch": m, "kernel": "gemv" if m == 1 else "gemm",
+            "out_features": out_f, "in_features": in_f, "batch": m, "kernel": kernel,
             "n_outliers": n_out, "weight_bytes": weight_bytes,
-            "bits_per_weight": weight_bytes * 8 / (out_f * in_f), "int2_ms": ms, "fp16_dense_ms": ms_dense,
-            "speedup_vs_fp16": ms_dense / ms, "achieved_GBps": bw / 1e9, "fraction_of_copy_bw": bw / copy_bw,
-            "rel_err_vs_torch_fp32": err,
-            "triton_config": str((_int2_gemv_kernel if m == 1 else _int2_gemm_kernel).best_config),
+            "bits_per_weight": weight_bytes * 8 / (out_f * in_f), "int2_ms": ms, "int2_eager_ms": ms_eager,
+            "fp16_dense_ms": ms_dense, "speedup_vs_fp16": ms_dense / ms, "achieved_GBps": bw / 1e9,
+            "fraction_of_copy_bw": bw / copy_bw, "eager_fraction_of_copy_bw": io_bytes / (ms_eager * 1e-3) / copy_bw,
+            "rel_err_vs_torch_fp32": err, "triton_config": cfg[kernel](),
         })
     del dense, t
     torch.cuda.empty_cache()
@@ -125,19 +172,20 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "dtype": args.dtype, "group": args.group,
         "outlier_fraction": args.outliers, "copy_bandwidth_GBps": copy_bw / 1e9,
-        "target_fraction": 0.5, "rows": rows,
+        "target_fraction": 0.5, "timing": "graph: CUDA-graph kernel time with L2 flushed before each call; "
+        "eager: do_bench of the Python call (includes host launch overhead when it dominates)", "rows": rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"HBM copy bandwidth (read+write): {copy_bw / 1e9:.0f} GB/s on {result['gpu']}")
-    print(f"{'out x in':>13} {'batch':>5} {'bpw':>5} {'int2 us':>8} {'fp16 us':>8} {'x fp16':>6} "
-          f"{'GB/s':>6} {'of copy':>7} {'rel err':>8}")
+    print(f"{'out x in':>13} {'batch':>5} {'kernel':>11} {'bpw':>5} {'int2 us':>8} {'eager us':>8} {'fp16 us':>8} "
+          f"{'x fp16':>6} {'GB/s':>6} {'of copy':>7} {'rel err':>8}")
     for r in rows:
-        print(f"{r['out_features']:>6}x{r['in_features']:<6} {r['batch']:>5} {r['bits_per_weight']:>5.2f} "
-              f"{r['int2_ms'] * 1e3:>8.1f} {r['fp16_dense_ms'] * 1e3:>8.1f} {r['speedup_vs_fp16']:>6.2f} "
-              f"{r['achieved_GBps']:>6.0f} {r['fraction_of_copy_bw']:>7.2f} {r['rel_err_vs_torch_fp32']:>8.1e} "
-              f"{r['triton_config']}")
+        print(f"{r['out_features']:>6}x{r['in_features']:<6} {r['batch']:>5} {r['kernel']:>11} "
+              f"{r['bits_per_weight']:>5.2f} {r['int2_ms'] * 1e3:>8.1f} {r['int2_eager_ms'] * 1e3:>8.1f} "
+              f"{r['fp16_dense_ms'] * 1e3:>8.1f} {r['speedup_vs_fp16']:>6.2f} {r['achieved_GBps']:>6.0f} "
+              f"{r['fraction_of_copy_bw']:>7.2f} {r['rel_err_vs_torch_fp32']:>8.1e}")
     print(f"wrote {out}")
 
 

@@ -84,12 +84,15 @@ def kv_bench(d: dict) -> list[str]:
 
 def int2_gemv(d: dict) -> list[str]:
     rows = [[f"{r.get('out_features')}×{r.get('in_features')}", r.get("batch"), r.get("kernel"),
-             _f(r.get("int2_ms"), "{:.4f}"), _f(r.get("fp16_dense_ms"), "{:.4f}"),
+             _f(r.get("int2_ms"), "{:.4f}"), _f(r.get("int2_eager_ms"), "{:.4f}"),
+             _f(r.get("fp16_dense_ms"), "{:.4f}"),
              _f(r.get("achieved_GBps"), "{:.0f}"), _f(r.get("fraction_of_copy_bw"), "{:.2f}")]
             for r in d.get("rows", [])]
     return [f"Measured on **{d.get('gpu', '?')}**; HBM copy bandwidth {_f(d.get('copy_bandwidth_GBps'), '{:.0f}')} "
-            f"GB/s; target fraction ≥ {_f(d.get('target_fraction'))} for the batch-1 GEMV.", "",
-            *md_table(["matrix", "batch", "kernel", "int2 ms", "fp16 ms", "GB/s", "fraction of copy BW"], rows)]
+            f"GB/s; target fraction ≥ {_f(d.get('target_fraction'))} for the batch-1 GEMV. "
+            f"{('Timing: ' + d['timing'] + '.') if d.get('timing') else ''}", "",
+            *md_table(["matrix", "batch", "kernel", "int2 ms", "int2 eager ms", "fp16 ms", "GB/s",
+                       "fraction of copy BW"], rows)]
 
 
 def quant_quality(d: dict) -> list[str]:

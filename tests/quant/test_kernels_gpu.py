@@ -53,6 +53,52 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
     torch.testing.assert_close(module(x), y)  # the module dispatches to the same kernel
 
 
+@pytest.mark.parametrize("gemv", ["gluon", "triton"])
+@pytest.mark.parametrize("out_f,in_f,group,outliers", [
+    (128, 1024, 32, 0.035),  # whole tiles (64 rows, 16 groups): the unmasked Gluon path
+    (1000, 768, 32, 0.035),  # partial row block and partial group tile
+    (64, 512, 16, 0.0),  # one word per group, no outliers
+    (200, 2048, 64, 0.1),  # four words per group, outliers over several 64-column steps
+])
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outliers, dtype, tol):
+    """Both batch-1 kernels: Gluon (exact cubic decode for fp32, bit-plane decode for fp16/bf16) and Triton."""
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
+
+    if gemv == "gluon" and _gluon_gemv() is None:
+        pytest.skip("this Triton has no triton.experimental.gluon")
+    torch.manual_seed(1)
+    w = torch.randn(out_f, in_f) * 0.02
+    spec = QuantSpec(method="int2", group=group, outliers=outliers)
+    tensors, meta = quantize_linear(spec, w, act_scale=torch.rand(in_f))
+    module = _cuda_module(tensors, meta, in_f, out_f, dtype)
+    x = torch.randn(1, in_f, device="cuda").to(dtype)
+    reference = x.float() @ module.dequantize().t()
+    ow = module.outlier_weight if meta["n_outliers"] else None
+    oi = module.outlier_idx if meta["n_outliers"] else None
+    y = int2_matmul(x, module.codes, module.scales, module.zeros, ow, oi, group, gemv=gemv)
+    assert y.dtype == dtype and y.shape == (1, out_f)
+    assert rel_err(y, reference) <= tol
+
+
+def test_int2_gemv_group_not_power_of_two_words():
+    """Groups of 48 inputs (3 words) are outside the Gluon tile shapes: the automatic choice takes the
+    Triton GEMV, and asking for Gluon by name says why it cannot."""
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
+
+    torch.manual_seed(2)
+    w = torch.randn(96, 480) * 0.02
+    tensors, meta = quantize_linear(QuantSpec(method="int2", group=48, outliers=0.035), w, act_scale=torch.rand(480))
+    module = _cuda_module(tensors, meta, 480, 96, torch.float16)
+    x = torch.randn(1, 480, device="cuda").half()
+    args = (module.codes, module.scales, module.zeros, module.outlier_weight, module.outlier_idx, 48)
+    y = int2_matmul(x, *args)
+    assert rel_err(y, x.float() @ module.dequantize().t()) <= 1e-3
+    if _gluon_gemv() is not None:
+        with pytest.raises(ValueError, match="groups of 16"):
+            int2_matmul(x, *args, gemv="gluon")
+
+
 @pytest.mark.parametrize("kind", ["gptq", "gptq_act_order", "gptq8", "awq"])
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gptq_awq_kernel_matches_torch_path(kind, m, monkeypatch):

@@ -24,6 +24,9 @@ channels 16w + j goes to tl.dot with the matching stride-16 slice of x.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -167,6 +170,22 @@ def _int2_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+_GLUON: dict = {}
+
+
+def _gluon_gemv():
+    """The Gluon GEMV (int2_gluon.int2_gemv), or None where this Triton has no Gluon."""
+    if "impl" not in _GLUON:
+        _GLUON["impl"] = None
+        try:
+            from airquant.quant.kernels.int2_gluon import int2_gemv
+
+            _GLUON["impl"] = int2_gemv
+        except ImportError:
+            pass
+    return _GLUON["impl"]
+
+
 def int2_matmul(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -175,8 +194,16 @@ def int2_matmul(
     outlier_weight: torch.Tensor | None,
     outlier_idx: torch.Tensor | None,
     group: int,
+    *,
+    gemv: str | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x's dtype; M == 1 takes the GEMV kernel, else the GEMM kernel."""
+    """x [..., K] @ W.T -> [..., N] in x's dtype; M == 1 takes a GEMV kernel (the Gluon one where this
+    Triton has Gluon, else _int2_gemv_kernel; ``gemv="gluon"|"triton"`` or AIRQUANT_INT2_GEMV picks one),
+    larger M the GEMM kernel."""
+    if gemv not in (None, "gluon", "triton"):
+        raise ValueError(f"gemv={gemv!r}: expected 'gluon', 'triton' or None (automatic)")
+    if os.environ.get("AIRQUANT_INT2_GEMV", "gluon") not in ("gluon", "triton"):
+        raise ValueError(f"AIRQUANT_INT2_GEMV={os.environ['AIRQUANT_INT2_GEMV']!r}: expected 'gluon' or 'triton'")
     n, k = codes.shape[0], codes.shape[1] * 4
     # A word (16 codes) never straddles a group, and tiles are whole words.
     assert k % 16 == 0 and group % 16 == 0 and k % group == 0, (k, group)
@@ -187,6 +214,23 @@ def int2_matmul(
     # With no outliers the loops never run; any valid pointer stands in for the absent tensors.
     ow = outlier_weight.contiguous() if n_out else scales
     oi = outlier_idx.contiguous() if n_out else words
+    gemv = gemv or os.environ.get("AIRQUANT_INT2_GEMV") or "auto"
+    wpg = group // 16  # words per group: a tile dimension of the Gluon kernel, so a power of two
+    if gemv == "gluon" and _gluon_gemv() is None:
+        raise RuntimeError("the Gluon int2 GEMV needs triton.experimental.gluon (Triton >= 3.5); "
+                           "use gemv='triton' (or AIRQUANT_INT2_GEMV=triton) on this Triton")
+    if gemv == "gluon" and wpg & (wpg - 1):
+        raise ValueError(f"the Gluon int2 GEMV takes groups of 16 * 2^i inputs, not {group}; use gemv='triton'")
+    if m == 1 and gemv != "triton" and not wpg & (wpg - 1) and _gluon_gemv() is not None:
+        try:
+            return _gluon_gemv()(x2[0], words, scales, zeros, ow if n_out else None, oi if n_out else None,
+                                 group).reshape(*x.shape[:-1], n)
+        except Exception as e:  # a Triton without this Gluon API level: the Triton kernel below serves
+            if gemv == "gluon":
+                raise
+            _GLUON["impl"] = None
+            warnings.warn(f"Gluon int2 GEMV unavailable ({type(e).__name__}: {e}); using the Triton kernel",
+                          stacklevel=2)
     if m == 1:
         # Split-K programs add into fp32; the cast to x's dtype is one tiny extra kernel.
         y32 = torch.zeros(n, dtype=torch.float32, device=x.device)
