@@ -9,7 +9,9 @@ bandwidth). Here every tensor's layout is stated, so nothing is converted inside
   one group (WPG consecutive words, one vector load per row); lanes run along groups (TG) and rows (TR);
 * the x side is prepared once per call by ``_prep_kernel`` as fp32 factors per (field j, group, word),
   stored tile by tile so each factor load is a constant offset from one base, shared by the R rows;
-* scales/zeros are loaded per (row, group) in the tile's row-group layout and applied once per group.
+* scales/zeros are loaded per (row, group) in the tile's row-group layout and applied once per group;
+* when the shape is whole tiles, words/scales/zeros go through a cp.async double buffer (STAGES=2), so
+  the next tile is in flight while one is decoded.
 
 Two decodes of the 2-bit fields (both fp32 accumulation, see int2_triton for the layout of codes):
 
@@ -24,8 +26,13 @@ Two decodes of the 2-bit fields (both fp32 accumulation, see int2_triton for the
 
 Each program covers TPI tiles of one row block and writes one fp32 partial per row; an extra slot per
 row block does the fp16 outlier columns; ``_reduce_kernel`` sums the slots into y (x's dtype).
-Measured on the H200 (benchmarks/quant_int2_gemv.py, CUDA-graph kernel time incl. prep and reduce):
-see results/int2_gemv.json.
+
+Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of the three
+launches, L2 flushed): 28672x8192 65.8 us, 8192x28672 80.1 us = 0.37 / 0.31 of HBM copy bandwidth
+(the Triton GEMV: 106 / 112 us; cuBLAS fp16 dense: 118 / 116 us for 4.5x the bytes). What bounds it is
+instruction issue, not DRAM: ~5 instructions per weight (SASS, sm_90) at ~55 % issue efficiency; the
+cp.async pipeline bought 7 %. Host cost of one eager call is ~180 us (three JIT launches), more than
+the GPU time; a decode step overlaps it with earlier kernels.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 # 2^23 (exact decode) and 1.0f (bit-plane decode) as bits; passed at run time so ptxas keeps them in a
 # register and fuses the AND and OR of the field extraction into one LOP3.
@@ -42,6 +50,7 @@ _MAGIC = {0: 0x4B000000, 1: 0x3F800000}
 # Tile shape measured best on the H200 for 28672x8192 and 8192x28672 (R=4, TG=32, NW=8, persistent
 # grids, prefetching the next tile and register caps were all slower): 64 rows x 16 groups per tile.
 R, TR, TG, NW, TPI = 8, 2, 16, 4, 8
+STAGES = 2  # cp.async double buffer for whole tiles (0: plain loads; 3 and 4 measured slower)
 BO = 64  # outlier columns per step
 
 
@@ -108,10 +117,24 @@ def _bit_planes(c0, c1, c2, c3, one, xv, xb, part, J: gl.constexpr):
 
 
 @gluon.jit
+def _issue_tile(words_s, s_s, z_s, stage, words_ptr, scales_ptr, zeros_ptr, wofs, cofs, g2, gc2, g0, g_hi,
+                WPG: gl.constexpr):
+    """cp.async of one tile's words (each thread its own rows x words) and scales/zeros (16-byte rows
+    of 8 groups) into pipeline stage ``stage``; groups at or past g_hi are zero-filled."""
+    async_copy.async_copy_global_to_shared(words_s.index(stage), words_ptr + g0 * WPG + wofs,
+                                           mask=gl.expand_dims(g2 + g0 < g_hi, 2))
+    cm = gc2 + g0 < g_hi
+    async_copy.async_copy_global_to_shared(s_s.index(stage), scales_ptr + g0 + cofs, mask=cm)
+    async_copy.async_copy_global_to_shared(z_s.index(stage), zeros_ptr + g0 + cofs, mask=cm)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _gemv_kernel(fa_ptr, fb_ptr, xs_ptr, kg_ptr, x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, part_ptr,
                  N, KW, G, n_out, KS, magic,
                  WPG: gl.constexpr, R: gl.constexpr, TR: gl.constexpr, TG: gl.constexpr, NW: gl.constexpr,
-                 TPI: gl.constexpr, BO: gl.constexpr, EVEN: gl.constexpr, DECODE: gl.constexpr):
+                 TPI: gl.constexpr, BO: gl.constexpr, EVEN: gl.constexpr, DECODE: gl.constexpr,
+                 STAGES: gl.constexpr):
     """grid (row blocks, KS + has_outliers); slot k < KS covers tiles [k*TPI, (k+1)*TPI) of the row
     block, slot KS its outlier columns; each writes part[slot, rows]."""
     L3: gl.constexpr = gl.BlockedLayout([R, 1, WPG], [TR, TG, 1], [NW, 1, 1], [2, 1, 0])
@@ -135,8 +158,31 @@ def _gemv_kernel(fa_ptr, fb_ptr, xs_ptr, kg_ptr, x_ptr, words_ptr, scales_ptr, z
         g_lo = pid_k * (TPI * BG)
         g_hi = gl.minimum(g_lo + TPI * BG, G)
         acc = gl.zeros([BN, BG], gl.float32, LNG)
+        if STAGES > 0:  # cp.async ring: the next STAGES-1 tiles are in flight while one is decoded
+            SH3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+            SH2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BG, BG // 8], [NW, 1], [1, 0])
+            words_s = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BG, WPG], SH3)
+            s_s = gl.allocate_shared_memory(scales_ptr.dtype.element_ty, [STAGES, BN, BG], SH2)
+            z_s = gl.allocate_shared_memory(zeros_ptr.dtype.element_ty, [STAGES, BN, BG], SH2)
+            rc = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), 1)
+            gc2 = gl.expand_dims(gl.arange(0, BG, layout=gl.SliceLayout(0, LC)), 0)
+            cofs = rc * G + gc2
+            for i in gl.static_range(STAGES - 1):
+                _issue_tile(words_s, s_s, z_s, i, words_ptr, scales_ptr, zeros_ptr, wofs, cofs,
+                            g2, gc2, g_lo + i * BG, g_hi, WPG)
         for g0 in range(g_lo, g_hi, BG):
-            if EVEN:
+            if STAGES > 0:
+                it = (g0 - g_lo) // BG
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()  # tile `it` visible to all; every thread is done with tile it-1's stage
+                _issue_tile(words_s, s_s, z_s, (it + STAGES - 1) % STAGES, words_ptr, scales_ptr, zeros_ptr, wofs,
+                            cofs, g2, gc2, g0 + (STAGES - 1) * BG, g_hi, WPG)
+                words = words_s.index(it % STAGES).load(L3)
+                s = s_s.index(it % STAGES).load(LNG)
+                z = z_s.index(it % STAGES).load(LNG)
+                xs = gl.load(xs_ptr + g0 + ga)
+            elif EVEN:
                 words = gl.load(words_ptr + g0 * WPG + wofs)
                 s = gl.load(scales_ptr + g0 + sofs)
                 z = gl.load(zeros_ptr + g0 + sofs)
@@ -191,7 +237,8 @@ def _gemv_kernel(fa_ptr, fb_ptr, xs_ptr, kg_ptr, x_ptr, words_ptr, scales_ptr, z
 
 
 def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int) -> torch.Tensor:
+              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int,
+              stages: int = STAGES) -> torch.Tensor:
     """x [K] (fp16/bf16/fp32, contiguous) @ W.T -> [N] in x's dtype. words int32 [N, K/16]."""
     n, kw = words.shape
     G, WPG = kw * 16 // group, group // 16
@@ -201,18 +248,20 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     oi = outlier_idx if n_out else words
     BN, BG = R * TR * NW, TG
     tiles = triton.cdiv(G, BG)
-    fa = torch.zeros(tiles * 16 * BG * WPG, dtype=torch.float32, device=x.device)
-    fb = torch.zeros_like(fa)
-    xs = torch.empty(G, dtype=torch.float32, device=x.device)
-    kg = torch.empty(G, dtype=torch.float32, device=x.device)
-    _prep_kernel[(triton.cdiv(G, 64),)](x, fa, fb, xs, kg, G, WPG=WPG, BGP=64, BG=BG, DECODE=decode, num_warps=4)
+    even = n % BN == 0 and G % BG == 0
     ks = triton.cdiv(tiles, TPI)
     slots = ks + (1 if n_out else 0)
-    part = torch.empty((slots, n), dtype=torch.float32, device=x.device)
+    # One scratch allocation: factors fa, fb (whole tiles; padded groups must read as zeros), group sums
+    # xs, group constants kg, per-slot partials.
+    nf = tiles * 16 * BG * WPG
+    sizes = [nf, nf, G, G, slots * n]
+    scratch = (torch.empty if G % BG == 0 else torch.zeros)(sum(sizes), dtype=torch.float32, device=x.device)
+    fa, fb, xs, kg, part = scratch.split(sizes)
+    _prep_kernel[(triton.cdiv(G, 64),)](x, fa, fb, xs, kg, G, WPG=WPG, BGP=64, BG=BG, DECODE=decode, num_warps=4)
     _gemv_kernel[(triton.cdiv(n, BN), slots)](
         fa, fb, xs, kg, x, words, scales, zeros, ow, oi, part, n, kw, G, n_out, ks, _MAGIC[decode],
-        WPG=WPG, R=R, TR=TR, TG=TG, NW=NW, TPI=TPI, BO=BO, EVEN=(n % BN == 0 and G % BG == 0), DECODE=decode,
-        num_warps=NW)
+        WPG=WPG, R=R, TR=TR, TG=TG, NW=NW, TPI=TPI, BO=BO, EVEN=even, DECODE=decode,
+        STAGES=stages if even else 0, num_warps=NW)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     bs = min(32, triton.next_power_of_2(slots))
     bn = max(64, 4096 // bs)
