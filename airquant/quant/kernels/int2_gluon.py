@@ -32,7 +32,8 @@ launches, L2 flushed): 28672x8192 65.8 us, 8192x28672 80.1 us = 0.37 / 0.31 of H
 (the Triton GEMV: 106 / 112 us; cuBLAS fp16 dense: 118 / 116 us for 4.5x the bytes). What bounds it is
 instruction issue, not DRAM: ~5 instructions per weight (SASS, sm_90) at ~55 % issue efficiency; the
 cp.async pipeline bought 7 %. Host cost of one eager call is ~180 us (three JIT launches), more than
-the GPU time; a decode step overlaps it with earlier kernels.
+the GPU time; a decode step overlaps it with earlier kernels. Below ~32M weights the three launches
+cost more than they save, so int2_matmul only picks this kernel from GLUON_MIN_WEIGHTS up.
 """
 
 from __future__ import annotations

@@ -171,6 +171,10 @@ def _int2_gemm_kernel(
 
 
 _GLUON: dict = {}
+# The automatic choice takes the Gluon GEMV from this many weights up. H200, GPU time per call (Gluon /
+# Triton): 2048x2048 11.8 / 9.2 us, 4096x4096 20.8 / 13.6, 14336x4096 30.4 / 31.5, 4096x14336 26.7 / 37.7,
+# 28672x8192 65.8 / 106.2: its three launches cost more than they save on small matrices.
+GLUON_MIN_WEIGHTS = 1 << 25
 
 
 def _gluon_gemv():
@@ -197,13 +201,15 @@ def int2_matmul(
     *,
     gemv: str | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x's dtype; M == 1 takes a GEMV kernel (the Gluon one where this
-    Triton has Gluon, else _int2_gemv_kernel; ``gemv="gluon"|"triton"`` or AIRQUANT_INT2_GEMV picks one),
-    larger M the GEMM kernel."""
-    if gemv not in (None, "gluon", "triton"):
+    """x [..., K] @ W.T -> [..., N] in x's dtype; M == 1 takes a GEMV kernel (the Gluon one for matrices
+    of GLUON_MIN_WEIGHTS or more where this Triton has Gluon, else _int2_gemv_kernel; ``gemv="gluon"|
+    "triton"`` or AIRQUANT_INT2_GEMV picks one), larger M the GEMM kernel."""
+    if gemv is None and os.environ.get("AIRQUANT_INT2_GEMV"):
+        gemv = os.environ["AIRQUANT_INT2_GEMV"]
+        if gemv not in ("gluon", "triton"):
+            raise ValueError(f"AIRQUANT_INT2_GEMV={gemv!r}: expected 'gluon' or 'triton' (or unset: automatic)")
+    elif gemv not in (None, "gluon", "triton"):
         raise ValueError(f"gemv={gemv!r}: expected 'gluon', 'triton' or None (automatic)")
-    if os.environ.get("AIRQUANT_INT2_GEMV", "gluon") not in ("gluon", "triton"):
-        raise ValueError(f"AIRQUANT_INT2_GEMV={os.environ['AIRQUANT_INT2_GEMV']!r}: expected 'gluon' or 'triton'")
     n, k = codes.shape[0], codes.shape[1] * 4
     # A word (16 codes) never straddles a group, and tiles are whole words.
     assert k % 16 == 0 and group % 16 == 0 and k % group == 0, (k, group)
@@ -214,17 +220,19 @@ def int2_matmul(
     # With no outliers the loops never run; any valid pointer stands in for the absent tensors.
     ow = outlier_weight.contiguous() if n_out else scales
     oi = outlier_idx.contiguous() if n_out else words
-    gemv = gemv or os.environ.get("AIRQUANT_INT2_GEMV") or "auto"
     wpg = group // 16  # words per group: a tile dimension of the Gluon kernel, so a power of two
     if gemv == "gluon" and _gluon_gemv() is None:
         raise RuntimeError("the Gluon int2 GEMV needs triton.experimental.gluon (Triton >= 3.5); "
                            "use gemv='triton' (or AIRQUANT_INT2_GEMV=triton) on this Triton")
     if gemv == "gluon" and wpg & (wpg - 1):
         raise ValueError(f"the Gluon int2 GEMV takes groups of 16 * 2^i inputs, not {group}; use gemv='triton'")
-    if m == 1 and gemv != "triton" and not wpg & (wpg - 1) and _gluon_gemv() is not None:
+    auto_gluon = gemv is None and n * k >= GLUON_MIN_WEIGHTS
+    if m == 1 and (gemv == "gluon" or auto_gluon) and not wpg & (wpg - 1) and _gluon_gemv() is not None:
         try:
             return _gluon_gemv()(x2[0], words, scales, zeros, ow if n_out else None, oi if n_out else None,
                                  group).reshape(*x.shape[:-1], n)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except Exception as e:  # a Triton without this Gluon API level: the Triton kernel below serves
             if gemv == "gluon":
                 raise
