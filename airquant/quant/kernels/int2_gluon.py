@@ -45,6 +45,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from airquant.quant.int2 import BIT_BETA, BIT_DELTA, CUBIC_A, CUBIC_B, LLOYD_MAX_4
+
 # 2^23 (exact decode) and 1.0f (bit-plane decode) as bits; passed at run time so ptxas keeps them in a
 # register and fuses the AND and OR of the field extraction into one LOP3.
 _MAGIC = {0: 0x4B000000, 1: 0x3F800000}
@@ -53,6 +55,8 @@ _MAGIC = {0: 0x4B000000, 1: 0x3F800000}
 R, TR, TG, NW, TPI = 8, 2, 16, 4, 8
 STAGES = 2  # cp.async double buffer for whole tiles (0: plain loads; 3 and 4 measured slower)
 BO = 64  # outlier columns per step
+_CA, _CB = tl.constexpr(CUBIC_A), tl.constexpr(CUBIC_B)
+_BETA, _HALF_DELTA, _L0 = tl.constexpr(BIT_BETA), tl.constexpr(BIT_DELTA / 2), tl.constexpr(LLOYD_MAX_4[0])
 
 
 @triton.jit
@@ -73,16 +77,16 @@ def _prep_kernel(x_ptr, fa_ptr, fb_ptr, xs_ptr, kg_ptr, G, WPG: tl.constexpr, BG
         p = tl.where(j < 10, j + 1, j - 9)
         pa = ((127 - 2 * p) << 23).to(tl.float32, bitcast=True)  # 4^-P, exactly
         pb = ((127 - 6 * p) << 23).to(tl.float32, bitcast=True)  # 4^-3P
-        tl.store(fa_ptr + off, xv * (0.8929333333333334 * pa)[None, :], mask=gm[:, None])
-        tl.store(fb_ptr + off, xv * (0.050666666666666665 * pb)[None, :], mask=gm[:, None])
+        tl.store(fa_ptr + off, xv * (_CA * pa)[None, :], mask=gm[:, None])
+        tl.store(fb_ptr + off, xv * (_CB * pb)[None, :], mask=gm[:, None])
     else:
         q = tl.where(j < 4, 14 + 2 * j, tl.where(j < 8, 2 * j + 6, tl.where(j < 12, 2 * j - 2, 2 * j - 10)))
         sv = ((127 + 23 - q) << 23).to(tl.float32, bitcast=True)  # 2^(23-q)
-        xvv = xv * (1.0576 * sv)[None, :]  # BETA * 2^(23-q)
-        xbb = xv * (-0.076 * sv)[None, :]  # DELTA * 2^(22-q), DELTA = -0.152
+        xvv = xv * (_BETA * sv)[None, :]  # BIT_BETA * 2^(23-q)
+        xbb = xv * (_HALF_DELTA * sv)[None, :]  # BIT_DELTA * 2^(22-q)
         tl.store(fa_ptr + off, xvv, mask=gm[:, None])
         tl.store(fb_ptr + off, xbb, mask=gm[:, None])
-        tl.store(kg_ptr + g, -1.5104 * tl.sum(xv, axis=1) - tl.sum(xvv + xbb, axis=1), mask=gm)
+        tl.store(kg_ptr + g, _L0 * tl.sum(xv, axis=1) - tl.sum(xvv + xbb, axis=1), mask=gm)
 
 
 @triton.jit

@@ -31,6 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from airquant.quant.int2 import CUBIC_A, CUBIC_B
+
+_CUBIC_A = tl.constexpr(CUBIC_A)
+_CUBIC_B = tl.constexpr(CUBIC_B)
+
 @triton.jit
 def _field(lo, hi, J: tl.constexpr):
     """U = (code_J - 1.5) * 4^P as fp32, and P, for code J of each word (see module docstring)."""
@@ -43,13 +48,13 @@ def _field(lo, hi, J: tl.constexpr):
 @triton.jit
 def _scale_a(J: tl.constexpr):
     P: tl.constexpr = J + 1 if J < 10 else J - 9
-    return 0.8929333333333334 / (1 << (2 * P))
+    return _CUBIC_A / (1 << (2 * P))
 
 
 @triton.jit
 def _scale_b(J: tl.constexpr):
     P: tl.constexpr = J + 1 if J < 10 else J - 9
-    return 0.050666666666666665 / (1 << (6 * P))
+    return _CUBIC_B / (1 << (6 * P))
 
 
 def _gemv_configs():
