@@ -254,6 +254,9 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     BN, BG = R * TR * NW, TG
     tiles = triton.cdiv(G, BG)
     even = n % BN == 0 and G % BG == 0
+    # cp.async moves 4-16 bytes per thread: scales/zeros rows of 8 groups need 16-byte aligned bases
+    # (a view into a larger tensor may not be); without them the tiles take plain loads.
+    aligned = all(t.data_ptr() % 16 == 0 for t in (words, scales, zeros))
     ks = triton.cdiv(tiles, TPI)
     slots = ks + (1 if n_out else 0)
     # One scratch allocation: factors fa, fb (whole tiles; padded groups must read as zeros), group sums
@@ -266,7 +269,7 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     _gemv_kernel[(triton.cdiv(n, BN), slots)](
         fa, fb, xs, kg, x, words, scales, zeros, ow, oi, part, n, kw, G, n_out, ks, _MAGIC[decode],
         WPG=WPG, R=R, TR=TR, TG=TG, NW=NW, TPI=TPI, BO=BO, EVEN=even, DECODE=decode,
-        STAGES=stages if even else 0, num_warps=NW)
+        STAGES=stages if even and aligned else 0, num_warps=NW)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     bs = min(32, triton.next_power_of_2(slots))
     bn = max(64, 4096 // bs)
