@@ -7,7 +7,8 @@ avoid the zero-data shortcuts of some memory paths). In the same run it measures
 * HBM copy bandwidth: a device-to-device copy of a buffer far larger than L2, counting bytes read
   plus bytes written (the ceiling the fraction is taken against);
 * the int2 GEMV (batch 1), bytes = every tensor the kernels read + y, through both GEMV kernels: the
-  Gluon one (the automatic choice from 32M weights where Triton has Gluon) and the plain-Triton one;
+  Gluon lookup-table one (the automatic choice from 16M weights where Triton has Gluon) and the
+  plain-Triton one;
 * the fp16 dense GEMV of the same shape (torch / cuBLAS) as a baseline;
 * int2 GEMM at a few batch sizes, for the prefill path;
 
@@ -142,7 +143,11 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
         bw = io_bytes / (ms * 1e-3)
         kernel = "gemm" if m > 1 else f"gemv-{gemv}"
         if kernel == "gemv-gluon":
-            cfg = "Gluon: 64 rows x 16 groups per tile, 8 tiles per program (int2_gluon)"
+            from airquant.quant.kernels import int2_gluon as gk
+
+            cfg = (f"Gluon lookup tables + warp shuffles (int2_gluon): R={gk.R} rows per lane, {gk.NW} warps, "
+                   f"{2 * gk.D} chunks of 64 inputs per stage, {gk.SPAN_SMALL if in_f <= 8192 else gk.SPAN_LARGE} "
+                   "inputs per program")
         else:
             cfg = str((_int2_gemm_kernel if m > 1 else _int2_gemv_kernel).best_config)
         rows.append({

@@ -29,13 +29,10 @@ from airquant.errors import UnsupportedModelError
 LLOYD_MAX_4 = (-1.5104, -0.4528, 0.4528, 1.5104)
 _THRESHOLDS = (-0.9816, 0.0, 0.9816)
 
-# The same levels as the fused kernels evaluate them (airquant.quant.kernels), both exact because the
-# levels are symmetric: an odd cubic of u = code - 1.5, c = CUBIC_A*u + CUBIC_B*u^3 (fit at u = 0.5, 1.5),
-# and linear in the code's bits, c = LLOYD_MAX_4[0] + BIT_BETA*v + BIT_DELTA*b1 (v = b0 + 2*b1).
+# The levels as the Triton kernels evaluate them (airquant.quant.kernels.int2_triton), exact because the
+# levels are symmetric: an odd cubic of u = code - 1.5, c = CUBIC_A*u + CUBIC_B*u^3 (fit at u = 0.5, 1.5).
 CUBIC_B = (LLOYD_MAX_4[3] - 3 * LLOYD_MAX_4[2]) / (3.375 - 3 * 0.125)
 CUBIC_A = (LLOYD_MAX_4[2] - 0.125 * CUBIC_B) / 0.5
-BIT_BETA = LLOYD_MAX_4[1] - LLOYD_MAX_4[0]
-BIT_DELTA = LLOYD_MAX_4[2] - LLOYD_MAX_4[0] - 2 * BIT_BETA
 
 
 def n_outlier_channels(in_features: int, fraction: float) -> int:

@@ -55,14 +55,15 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
 
 @pytest.mark.parametrize("gemv", ["gluon", "triton"])
 @pytest.mark.parametrize("out_f,in_f,group,outliers", [
-    (128, 1024, 32, 0.035),  # whole tiles (64 rows, 16 groups): the unmasked Gluon path
-    (1000, 768, 32, 0.035),  # partial row block and partial group tile
+    (128, 1024, 32, 0.035),  # whole row blocks (64 rows) and stages (16 groups): the unmasked Gluon path
+    (1000, 768, 32, 0.035),  # partial row block and partial stage
     (64, 512, 16, 0.0),  # one word per group, no outliers
-    (200, 2048, 64, 0.1),  # four words per group, outliers over several 64-column steps
+    (200, 2048, 64, 0.1),  # four words per group, outliers over two Gluon outlier programs (128 columns each)
+    (256, 2176, 128, 0.035),  # eight words per group (8-word chunks), partial stage
 ])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outliers, dtype, tol):
-    """Both batch-1 kernels: Gluon (exact cubic decode for fp32, bit-plane decode for fp16/bf16) and Triton."""
+    """Both batch-1 kernels: Gluon (lookup tables over x read by warp shuffles, fp32 throughout) and Triton."""
     from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
 
     if gemv == "gluon" and _gluon_gemv() is None:

@@ -1,39 +1,33 @@
-"""Int2 GEMV (decode, M == 1) in Gluon: Triton with explicit register layouts.
+"""Int2 GEMV (decode, M == 1) in Gluon: lookup tables over the input, read with warp shuffles.
 
-Why Gluon: the plain-Triton GEMV (int2_triton._int2_gemv_kernel) lets the compiler pick layouts, and
-it picks ones that move every x slice and the partial sums through shared memory each tile; profiled
-on the H200, L1 was 77 % busy and the kernel took ~106 us for a 28672x8192 matrix (0.23 of HBM copy
-bandwidth). Here every tensor's layout is stated, so nothing is converted inside the loop:
+The 2-bit codes of two neighbouring inputs (one nibble of a code word, see int2_triton for the layout)
+take 16 values, so their contribution to a row's dot product,
+``level(c0) * x[2p] + level(c1) * x[2p+1]``, is one of 16 numbers that depend on x alone. A prep kernel
+computes that 16-entry fp32 table for every input pair once per call. In the GEMV, lane ``e`` of each
+half-warp holds entry ``e`` of a pair's table in a register, and a lane looks its row's nibble up with
+one ``shfl.sync.idx`` (width 16: the hardware uses the low 4 bits of the index, so the word shifted
+right by 4*j is the index; no mask). Per two weights: a shift, a shuffle and an FADD, against ~10
+instructions for decoding and multiplying them one by one (the previous kernel here, 5 per weight,
+was issue-bound). Every operation is fp32 on exact table entries, so one kernel serves fp16, bf16 and
+fp32 inputs (measured 1.8e-7 relative error against the fp32 reference).
 
-* a tile is [BN rows, BG groups, WPG words] of int32 code words, layout L3: each thread owns R rows x
-  one group (WPG consecutive words, one vector load per row); lanes run along groups (TG) and rows (TR);
-* the x side is prepared once per call by ``_prep_kernel`` as fp32 factors per (field j, group, word),
-  stored tile by tile so each factor load is a constant offset from one base, shared by the R rows;
-* scales/zeros are loaded per (row, group) in the tile's row-group layout and applied once per group;
-* when the shape is whole tiles, words/scales/zeros go through a cp.async double buffer (STAGES=2), so
-  the next tile is in flight while one is decoded.
-
-Two decodes of the 2-bit fields (both fp32 accumulation, see int2_triton for the layout of codes):
-
-* ``DECODE=0`` (exact, used for fp32 inputs): the cubic of int2_triton, c*x = U*(xa_j + xb_j*U^2);
-* ``DECODE=1`` (fp16/bf16 inputs): the levels are linear in the code's two bits,
-  c = -1.5104 + 1.0576*v - 0.152*b1 (v = b0 + 2*b1; exact for +-0.4528, +-1.5104). A field placed at
-  mantissa bits q, q+1 (q in 14..20) of 1.0f reads as F = 1 + v*2^(q-23), and the high bit alone as
-  1 + b1*2^(q-22); so c*x costs one LOP3 + one FFMA per bit plane: acc += Fv*XV_j + Fb*XB_j, and the
-  constant parts (sum of XV_j + XB_j, and -1.5104*sum x) are one per-group constant from the prep
-  kernel. Cancelling the 1.0 parts costs about 2^-13 relative per group: ~2e-4 on the output, below
-  fp16's own rounding of it (measured equal to the exact decode's 2.1e-4 on the H200), not fp32's.
-
-Each program covers TPI tiles of one row block and writes one fp32 partial per row; an extra slot per
-row block does the fp16 outlier columns; ``_reduce_kernel`` sums the slots into y (x's dtype).
+Layout of the work: lane ``16*h + i`` of warp ``v`` works on row ``r*16*NW + 16*v + i`` of the row block
+(``r < R``), and on chunk ``2*d + h`` (``SW = max(4, group/16)`` code words; ``d < D``) of each stage
+of ``2*D`` chunks, so the two half-warps use their own tables. Words, scales and zeros are read
+row-contiguously (coalesced: 8 lanes per row, 16 bytes each, for groups of 32) and moved to that
+layout by a ``convert_layout`` (through shared memory); reading them straight in the lane-per-row
+layout touched 16-32 cache lines per load and left the kernel L1-bound (110-270 us). Tables are
+stored so that the 16 lanes' 16-byte loads are contiguous. Each program covers SPAN_SMALL or
+SPAN_LARGE inputs of its row block and writes one fp32 partial per row and half-warp; extra programs
+do the fp16 outlier columns, 128 at a time; ``_reduce_kernel`` sums the partials into y in x's dtype.
 
 Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of the three
-launches, L2 flushed): 28672x8192 65.8 us, 8192x28672 80.1 us = 0.37 / 0.31 of HBM copy bandwidth
-(the Triton GEMV: 106 / 112 us; cuBLAS fp16 dense: 118 / 116 us for 4.5x the bytes). What bounds it is
-instruction issue, not DRAM: ~5 instructions per weight (SASS, sm_90) at ~55 % issue efficiency; the
-cp.async pipeline bought 7 %. Host cost of one eager call is ~180 us (three JIT launches), more than
-the GPU time; a decode step overlaps it with earlier kernels. Below ~32M weights the three launches
-cost more than they save, so int2_matmul only picks this kernel from GLUON_MIN_WEIGHTS up.
+launches with L2 flushed): 28672x8192 61.2 us, 8192x28672 62.6 us = 0.40 / 0.39 of HBM copy bandwidth
+(the previous bit-plane Gluon kernel: 65.8 / 80.1 us; the Triton GEMV: 106 / 111 us; cuBLAS fp16 dense:
+121 / 119 us for 4.5x the bytes). ~2 instructions per weight (SASS, sm_90) against 5 before; what
+bounds it now (ncu) is the L1 data pipe, which the shuffles (one per two weights per row), the
+shared-memory layout conversion and the table loads share, and memory latency at the occupancy its
+registers allow, not instruction issue.
 """
 
 from __future__ import annotations
@@ -43,50 +37,43 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from airquant.quant.int2 import BIT_BETA, BIT_DELTA, CUBIC_A, CUBIC_B, LLOYD_MAX_4
+from airquant.quant.int2 import LLOYD_MAX_4
 
-# 2^23 (exact decode) and 1.0f (bit-plane decode) as bits; passed at run time so ptxas keeps them in a
-# register and fuses the AND and OR of the field extraction into one LOP3.
-_MAGIC = {0: 0x4B000000, 1: 0x3F800000}
-# Tile shape measured best on the H200 for 28672x8192 and 8192x28672 (R=4, TG=32, NW=8, persistent
-# grids, prefetching the next tile and register caps were all slower): 64 rows x 16 groups per tile.
-R, TR, TG, NW, TPI = 8, 2, 16, 4, 8
-STAGES = 2  # cp.async double buffer for whole tiles (0: plain loads; 3 and 4 measured slower)
-BO = 64  # outlier columns per step
-_CA, _CB = tl.constexpr(CUBIC_A), tl.constexpr(CUBIC_B)
-_BETA, _HALF_DELTA, _L0 = tl.constexpr(BIT_BETA), tl.constexpr(BIT_DELTA / 2), tl.constexpr(LLOYD_MAX_4[0])
+# Rows per lane, warps per program, double chunks per stage, measured on the H200 (GPU us for 28672x8192 /
+# 8192x28672, +-2 us between runs): R=2, NW=1, D=4 60-62; NW=2 61-63; NW=4 72-75; R=4, D=2 68-75;
+# R=1 68-74; R=2, D=2 61-68 (a program's warps share no data, so NW only sets the program size). A
+# cp.async ring for words and tables instead of plain loads was slower (74-106 us): it needs
+# per-element addresses in registers and adds the tables' shared-memory traffic.
+R, NW, D = 2, 1, 4
+# Inputs per program: 1024 for K <= 8192, 2048 above (4096x4096: 12.7 / 15.4 us; 8192x28672: 64.5 / 62.0).
+SPAN_SMALL, SPAN_LARGE = 1024, 2048
+OSC = 128  # outlier columns per program (a run-time argument: as a constexpr its loop unrolls, 249 registers)
+_L0, _L1, _L2, _L3 = (tl.constexpr(v) for v in LLOYD_MAX_4)
 
 
 @triton.jit
-def _prep_kernel(x_ptr, fa_ptr, fb_ptr, xs_ptr, kg_ptr, G, WPG: tl.constexpr, BGP: tl.constexpr,
-                 BG: tl.constexpr, DECODE: tl.constexpr):
-    """Per group g (GS = 16*WPG inputs): xs = sum of x; fa/fb [tiles, 16, BG, WPG] fp32 x-side factors
-    of field j of word w; kg = the bit-plane decode's per-group constant."""
-    GS: tl.constexpr = WPG * 16
-    g = tl.program_id(0) * BGP + tl.arange(0, BGP)
-    gm = g < G
-    t = tl.arange(0, GS)
-    xv = tl.load(x_ptr + g[:, None] * GS + t[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-    tl.store(xs_ptr + g, tl.sum(xv, axis=1), mask=gm)
-    j = t % 16
-    w = t // 16
-    off = ((g // BG) * (16 * BG) + (g % BG))[:, None] * WPG + (j * (BG * WPG) + w)[None, :]
-    if DECODE == 0:
-        p = tl.where(j < 10, j + 1, j - 9)
-        pa = ((127 - 2 * p) << 23).to(tl.float32, bitcast=True)  # 4^-P, exactly
-        pb = ((127 - 6 * p) << 23).to(tl.float32, bitcast=True)  # 4^-3P
-        tl.store(fa_ptr + off, xv * (_CA * pa)[None, :], mask=gm[:, None])
-        tl.store(fb_ptr + off, xv * (_CB * pb)[None, :], mask=gm[:, None])
-    else:
-        q = tl.where(j < 4, 14 + 2 * j, tl.where(j < 8, 2 * j + 6, tl.where(j < 12, 2 * j - 2, 2 * j - 10)))
-        sv = ((127 + 23 - q) << 23).to(tl.float32, bitcast=True)  # 2^(23-q)
-        xvv = xv * (_BETA * sv)[None, :]  # BIT_BETA * 2^(23-q)
-        xbb = xv * (_HALF_DELTA * sv)[None, :]  # BIT_DELTA * 2^(22-q)
-        tl.store(fa_ptr + off, xvv, mask=gm[:, None])
-        tl.store(fb_ptr + off, xbb, mask=gm[:, None])
-        tl.store(kg_ptr + g, _L0 * tl.sum(xv, axis=1) - tl.sum(xvv + xbb, axis=1), mask=gm)
+def _level(v):
+    return tl.where(v == 0, _L0, tl.where(v == 1, _L1, tl.where(v == 2, _L2, _L3)))
+
+
+@triton.jit
+def _prep_kernel(x_ptr, tab_ptr, xs_ptr, K, NG, NP, GS: tl.constexpr, PS: tl.constexpr, BP: tl.constexpr):
+    """Pair p (inputs 2p, 2p+1) of chunk c = p // PS, q = p % PS:
+    tab[c, q // 4, e, q % 4] = level(e & 3) * x[2p] + level(e >> 2) * x[2p+1] (a lane's 4 pairs are 16 bytes
+    and the 16 lanes' are contiguous); xs[g] = sum of group g's inputs.
+    Inputs past K read as 0, so padded chunks and groups are zeros."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    x0 = tl.load(x_ptr + 2 * p, mask=2 * p < K, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + 2 * p + 1, mask=2 * p < K, other=0.0).to(tl.float32)
+    e = tl.arange(0, 16)
+    t = _level(e & 3)[None, :] * x0[:, None] + _level(e >> 2)[None, :] * x1[:, None]
+    q = p % PS
+    off = (p // PS) * (16 * PS) + (q // 4) * 64 + q % 4
+    tl.store(tab_ptr + off[:, None] + e[None, :] * 4, t, mask=(p < NP)[:, None])
+    HG: tl.constexpr = GS // 2
+    g = tl.program_id(0) * (BP // HG) + tl.arange(0, BP // HG)
+    tl.store(xs_ptr + g, tl.sum(tl.reshape(x0 + x1, [BP // HG, HG]), axis=1), mask=g < NG)
 
 
 @triton.jit
@@ -103,173 +90,156 @@ def _reduce_kernel(part_ptr, y_ptr, N, S, BLOCK_N: tl.constexpr, BLOCK_S: tl.con
 
 
 @gluon.jit
-def _field_cubic(lo, hi, magic, J: gl.constexpr):
-    """U = (code_J - 1.5) * 4^P (see int2_triton._field)."""
-    P: gl.constexpr = J + 1 if J < 10 else J - 9
-    src = lo if J < 10 else hi
-    f = ((src & (3 << (2 * P))) | magic).to(gl.float32, bitcast=True)
-    return f - (8388608.0 + 1.5 * (1 << (2 * P)))
+def _shfl16(tab, idx):
+    """Each lane reads ``tab`` from lane (its half-warp's first lane + idx & 15)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x101f, -1;", "=f,f,r", [tab, idx],
+                                     dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
-def _bit_planes(c0, c1, c2, c3, one, xv, xb, part, J: gl.constexpr):
-    """part += Fv*xv + Fb*xb for field J, taken from the shifted copy that puts it at bits Q, Q+1."""
-    Q: gl.constexpr = 14 + 2 * J if J < 4 else (2 * J + 6 if J < 8 else (2 * J - 2 if J < 12 else 2 * J - 10))
-    src = c0 if J < 4 else (c1 if J < 8 else (c2 if J < 12 else c3))
-    fv = ((src & (3 << Q)) | one).to(gl.float32, bitcast=True)
-    fb = ((src & (2 << Q)) | one).to(gl.float32, bitcast=True)
-    return gl.fma(fb, xb, gl.fma(fv, xv, part))
-
-
-@gluon.jit
-def _issue_tile(words_s, s_s, z_s, stage, words_ptr, scales_ptr, zeros_ptr, wofs, cofs, g2, gc2, g0, g_hi,
-                WPG: gl.constexpr):
-    """cp.async of one tile's words (each thread its own rows x words) and scales/zeros (16-byte rows
-    of 8 groups) into pipeline stage ``stage``; groups at or past g_hi are zero-filled."""
-    async_copy.async_copy_global_to_shared(words_s.index(stage), words_ptr + g0 * WPG + wofs,
-                                           mask=gl.expand_dims(g2 + g0 < g_hi, 2))
-    cm = gc2 + g0 < g_hi
-    async_copy.async_copy_global_to_shared(s_s.index(stage), scales_ptr + g0 + cofs, mask=cm)
-    async_copy.async_copy_global_to_shared(z_s.index(stage), zeros_ptr + g0 + cofs, mask=cm)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _gemv_kernel(fa_ptr, fb_ptr, xs_ptr, kg_ptr, x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, part_ptr,
-                 N, KW, G, n_out, KS, magic,
-                 WPG: gl.constexpr, R: gl.constexpr, TR: gl.constexpr, TG: gl.constexpr, NW: gl.constexpr,
-                 TPI: gl.constexpr, BO: gl.constexpr, EVEN: gl.constexpr, DECODE: gl.constexpr,
-                 STAGES: gl.constexpr):
-    """grid (row blocks, KS + has_outliers); slot k < KS covers tiles [k*TPI, (k+1)*TPI) of the row
-    block, slot KS its outlier columns; each writes part[slot, rows]."""
-    L3: gl.constexpr = gl.BlockedLayout([R, 1, WPG], [TR, TG, 1], [NW, 1, 1], [2, 1, 0])
-    LNG: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, groups]
-    LGW: gl.constexpr = gl.SliceLayout(0, L3)  # [groups, words]
-    BN: gl.constexpr = R * TR * NW
-    BG: gl.constexpr = TG
-    FT: gl.constexpr = 16 * BG * WPG  # factors per tile
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    if pid_k < KS:
-        rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LNG))
-        ga = gl.arange(0, BG, layout=gl.SliceLayout(0, LNG))
-        n2 = gl.expand_dims(rows, 1)
-        g2 = gl.expand_dims(ga, 0)
-        w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, WPG, layout=gl.SliceLayout(0, LGW)), 0), 0)
-        wofs = gl.expand_dims(n2, 2) * KW + gl.expand_dims(g2, 2) * WPG + w3
-        sofs = n2 * G + g2
-        fofs = (gl.expand_dims(gl.arange(0, BG, layout=gl.SliceLayout(1, LGW)), 1) * WPG
-                + gl.expand_dims(gl.arange(0, WPG, layout=gl.SliceLayout(0, LGW)), 0))
-        g_lo = pid_k * (TPI * BG)
-        g_hi = gl.minimum(g_lo + TPI * BG, G)
-        acc = gl.zeros([BN, BG], gl.float32, LNG)
-        if STAGES > 0:  # cp.async ring: the next STAGES-1 tiles are in flight while one is decoded
-            SH3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-            SH2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BG, BG // 8], [NW, 1], [1, 0])
-            words_s = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BG, WPG], SH3)
-            s_s = gl.allocate_shared_memory(scales_ptr.dtype.element_ty, [STAGES, BN, BG], SH2)
-            z_s = gl.allocate_shared_memory(zeros_ptr.dtype.element_ty, [STAGES, BN, BG], SH2)
-            rc = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), 1)
-            gc2 = gl.expand_dims(gl.arange(0, BG, layout=gl.SliceLayout(0, LC)), 0)
-            cofs = rc * G + gc2
-            for i in gl.static_range(STAGES - 1):
-                _issue_tile(words_s, s_s, z_s, i, words_ptr, scales_ptr, zeros_ptr, wofs, cofs,
-                            g2, gc2, g_lo + i * BG, g_hi, WPG)
-        for g0 in range(g_lo, g_hi, BG):
-            if STAGES > 0:
-                it = (g0 - g_lo) // BG
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()  # tile `it` visible to all; every thread is done with tile it-1's stage
-                _issue_tile(words_s, s_s, z_s, (it + STAGES - 1) % STAGES, words_ptr, scales_ptr, zeros_ptr, wofs,
-                            cofs, g2, gc2, g0 + (STAGES - 1) * BG, g_hi, WPG)
-                words = words_s.index(it % STAGES).load(L3)
-                s = s_s.index(it % STAGES).load(LNG)
-                z = z_s.index(it % STAGES).load(LNG)
-                xs = gl.load(xs_ptr + g0 + ga)
-            elif EVEN:
-                words = gl.load(words_ptr + g0 * WPG + wofs)
-                s = gl.load(scales_ptr + g0 + sofs)
-                z = gl.load(zeros_ptr + g0 + sofs)
-                xs = gl.load(xs_ptr + g0 + ga)
-            else:
-                m2 = (n2 < N) & (g2 + g0 < G)
-                words = gl.load(words_ptr + g0 * WPG + wofs, mask=gl.expand_dims(m2, 2), other=0)
-                s = gl.load(scales_ptr + g0 + sofs, mask=m2, other=0.0)
-                z = gl.load(zeros_ptr + g0 + sofs, mask=m2, other=0.0)
-                xs = gl.load(xs_ptr + g0 + ga, mask=ga + g0 < G, other=0.0)
-            fbase = (g0 // BG) * FT + fofs  # factors are padded to whole tiles (zeros): no mask
-            part = gl.zeros([BN, BG, WPG], gl.float32, L3)
-            if DECODE == 0:
-                lo = words << 2
-                hi = words >> 18
-                for j in gl.static_range(16):
-                    xa = gl.expand_dims(gl.load(fa_ptr + fbase + j * (BG * WPG)), 0)
-                    xb = gl.expand_dims(gl.load(fb_ptr + fbase + j * (BG * WPG)), 0)
-                    u = _field_cubic(lo, hi, magic, j)
-                    part = gl.fma(u, gl.fma(xb, u * u, xa), part)
-                ps = gl.sum(part, axis=2)
-            else:
-                c0 = words << 14
-                c1 = words << 6
-                c2 = words >> 2
-                c3 = words >> 10
-                for j in gl.static_range(16):
-                    xv = gl.expand_dims(gl.load(fa_ptr + fbase + j * (BG * WPG)), 0)
-                    xb = gl.expand_dims(gl.load(fb_ptr + fbase + j * (BG * WPG)), 0)
-                    part = _bit_planes(c0, c1, c2, c3, magic, xv, xb, part, j)
-                if EVEN:
-                    kg = gl.load(kg_ptr + g0 + ga)
-                else:
-                    kg = gl.load(kg_ptr + g0 + ga, mask=ga + g0 < G, other=0.0)
-                ps = gl.sum(part, axis=2) + gl.expand_dims(kg, 0)
-            acc = gl.fma(s.to(gl.float32), ps, gl.fma(z.to(gl.float32), gl.expand_dims(xs, 0), acc))
-        gl.store(part_ptr + pid_k * N + rows, gl.sum(acc, axis=1), mask=rows < N)
-    else:
-        LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        rows_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
-        oo = gl.arange(0, BO, layout=gl.SliceLayout(0, LO))
-        rm = gl.expand_dims(rows_o < N, 1)
-        acc_o = gl.zeros([BN, BO], gl.float32, LO)
-        for o0 in range(0, n_out, BO):
-            om = (o0 + oo) < n_out
+def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, row0, c_lo, c_hi, slot, BN: gl.constexpr,
+                  NW: gl.constexpr):
+    """part[slot, rows] = outlier_weight[rows, c_lo:c_hi] @ x[outlier_idx[c_lo:c_hi]], 16*NW rows at a time
+    (32 accumulators per thread: these programs' registers would otherwise set the whole kernel's)."""
+    LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    BO: gl.constexpr = 64
+    oo = gl.arange(0, BO, layout=gl.SliceLayout(0, LO))
+    for rb in gl.static_range(0, BN, 16 * NW):
+        rows = row0 + rb + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, LO))
+        rm = gl.expand_dims(rows < N, 1)
+        acc = gl.zeros([16 * NW, BO], gl.float32, LO)
+        for o0 in range(c_lo, c_hi, BO):
+            om = (o0 + oo) < c_hi
             idx = gl.load(oi_ptr + o0 + oo, mask=om, other=0)
             xo = gl.load(x_ptr + idx, mask=om, other=0.0).to(gl.float32)
-            wo = gl.load(ow_ptr + gl.expand_dims(rows_o, 1) * n_out + o0 + gl.expand_dims(oo, 0),
+            wo = gl.load(ow_ptr + gl.expand_dims(rows, 1) * n_out + o0 + gl.expand_dims(oo, 0),
                          mask=rm & gl.expand_dims(om, 0), other=0.0).to(gl.float32)
-            acc_o = gl.fma(wo, gl.expand_dims(xo, 0), acc_o)
-        gl.store(part_ptr + pid_k * N + rows_o, gl.sum(acc_o, axis=1), mask=rows_o < N)
+            acc = gl.fma(wo, gl.expand_dims(xo, 0), acc)
+        gl.store(part_ptr + slot * N + rows, gl.sum(acc, axis=1), mask=rows < N)
+
+
+@gluon.jit
+def _gemv_kernel(tab_ptr, xs_ptr, words_ptr, scales_ptr, zeros_ptr, part_ptr, x_ptr, ow_ptr, oi_ptr,
+                 N, KW, G, stages, SPP, KS, n_out, OSC,
+                 WPG: gl.constexpr, GPS: gl.constexpr, R: gl.constexpr, NW: gl.constexpr, D: gl.constexpr,
+                 EVEN: gl.constexpr):
+    """grid (row blocks, KS + outlier programs). Program k < KS covers stages [k*SPP, (k+1)*SPP) and writes
+    part[2k + h, rows] for its two half-warps h; program KS + j the outlier columns [j*OSC, (j+1)*OSC)."""
+    SW: gl.constexpr = GPS * WPG  # words per chunk
+    PS: gl.constexpr = 8 * SW  # input pairs per chunk
+    BNW: gl.constexpr = 32 * NW  # lanes per program
+    RH: gl.constexpr = 16 * NW  # rows per repetition
+    BN: gl.constexpr = R * RH
+    CW: gl.constexpr = 2 * D * SW  # words per row per stage
+    CG: gl.constexpr = 2 * D * GPS  # groups per row per stage
+    L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, GPS, WPG, 8], [1, 1, 32, 1, 1, 1], [1, 1, NW, 1, 1, 1],
+                                        [5, 4, 3, 2, 1, 0])  # [D, R, BNW, GPS, WPG, nibble]
+    L5: gl.constexpr = gl.SliceLayout(5, L6)  # words [D, R, BNW, GPS, WPG]
+    L4: gl.constexpr = gl.SliceLayout(4, L5)  # [D, R, BNW, GPS]
+    L3: gl.constexpr = gl.SliceLayout(0, L4)  # [R, BNW, GPS]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [R, BNW]
+    LCW: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (CW // 4), CW // 4], [NW, 1], [1, 0])
+    LCS: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (CG // 4), CG // 4], [NW, 1], [1, 0])
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    if pid_k >= KS:
+        c_lo = (pid_k - KS) * OSC
+        _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, pid_n * BN, c_lo, gl.minimum(c_lo + OSC, n_out),
+                      KS + pid_k, BN, NW)
+        return
+    # coalesced copies: [BN rows, CW words] and [BN rows, CG groups] of the stage
+    rw = pid_n * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LCW)), 1)
+    cw = gl.expand_dims(gl.arange(0, CW, layout=gl.SliceLayout(0, LCW)), 0)
+    rs = pid_n * BN + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LCS)), 1)
+    cs = gl.expand_dims(gl.arange(0, CG, layout=gl.SliceLayout(0, LCS)), 0)
+    wofs = rw * KW + cw
+    sofs = rs * G + cs
+    # table offsets [D, 1, BNW, GPS, WPG, 8]: chunk 2d + h, entry lane & 15, pair q of the chunk
+    L6_0: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, L6)))))
+    L6_2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, L6)))))
+    L6_3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, L6)))))
+    L6_4: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(5, L6)))))
+    L6_5: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L6)))))
+    d6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, D, layout=L6_0), 1), 2), 3), 4), 5)
+    l6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, BNW, layout=L6_2), 0), 1), 3), 4), 5)
+    g6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, GPS, layout=L6_3), 0), 1), 2), 4), 5)
+    w6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, WPG, layout=L6_4), 0), 1), 2), 3), 5)
+    n6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 8, layout=L6_5), 0), 1), 2), 3), 4)
+    q6 = g6 * (8 * WPG) + w6 * 8 + n6
+    tofs = (d6 * 2 + (l6 // 16) % 2) * (16 * PS) + (q6 // 4) * 64 + (l6 % 16) * 4 + q6 % 4
+    # group of (d, lane, g) within the stage, for the group sums of x: (2d + h) * GPS + g, [D, 1, BNW, GPS]
+    xd = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    xl = gl.arange(0, BNW, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    xg = gl.arange(0, GPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    xofs = ((gl.expand_dims(gl.expand_dims(gl.expand_dims(xd, 1), 2), 3) * 2
+             + gl.expand_dims(gl.expand_dims(gl.expand_dims((xl // 16) % 2, 0), 1), 3)) * GPS
+            + gl.expand_dims(gl.expand_dims(gl.expand_dims(xg, 0), 1), 2))
+    acc = gl.zeros([R, BNW, GPS], gl.float32, L3)
+    for st in range(pid_k * SPP, gl.minimum(pid_k * SPP + SPP, stages)):
+        g0 = st * CG
+        if EVEN:
+            wc = gl.load(words_ptr + g0 * WPG + wofs)
+            sc = gl.load(scales_ptr + g0 + sofs)
+            zc = gl.load(zeros_ptr + g0 + sofs)
+        else:
+            mw = (rw < N) & (g0 + cw // WPG < G)
+            ms = (rs < N) & (g0 + cs < G)
+            wc = gl.load(words_ptr + g0 * WPG + wofs, mask=mw, other=0)
+            sc = gl.load(scales_ptr + g0 + sofs, mask=ms, other=0.0)
+            zc = gl.load(zeros_ptr + g0 + sofs, mask=ms, other=0.0)
+        # [BN, CW] -> [R, NW, 16, D, 2, GPS, WPG] -> [D, R, NW, 2, 16, GPS, WPG] = [D, R, BNW, GPS, WPG]
+        words = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(wc, [R, NW, 16, D, 2, GPS, WPG]),
+                                                        [3, 0, 1, 4, 2, 5, 6]), [D, R, BNW, GPS, WPG]), L5)
+        s = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(sc, [R, NW, 16, D, 2, GPS]), [3, 0, 1, 4, 2, 5]),
+                                         [D, R, BNW, GPS]), L4)
+        z = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(zc, [R, NW, 16, D, 2, GPS]), [3, 0, 1, 4, 2, 5]),
+                                         [D, R, BNW, GPS]), L4)
+        xs = gl.load(xs_ptr + g0 + xofs)  # padded to whole stages
+        tab = gl.load(tab_ptr + st * (2 * D * 16 * PS) + tofs)  # [D, 1, BNW, GPS, WPG, 8], padded likewise
+        v = _shfl16(tab, gl.expand_dims(words, 5) >> (n6 * 4))
+        gs = gl.sum(gl.sum(v, axis=5), axis=4)  # [D, R, BNW, GPS]: sum of code level * x per group
+        acc += gl.sum(gl.fma(s.to(gl.float32), gs, z.to(gl.float32) * xs), axis=0)
+    li = gl.arange(0, BNW, layout=gl.SliceLayout(0, L2))
+    rows = (pid_n * BN + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2)), 1) * RH
+            + gl.expand_dims((li // 32) * 16 + li % 16, 0))
+    half = gl.expand_dims((li // 16) % 2, 0)
+    gl.store(part_ptr + (2 * pid_k + half) * N + rows, gl.sum(acc, axis=2), mask=rows < N)
 
 
 def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int,
-              stages: int = STAGES) -> torch.Tensor:
-    """x [K] (fp16/bf16/fp32, contiguous) @ W.T -> [N] in x's dtype. words int32 [N, K/16]."""
+              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int) -> torch.Tensor:
+    """x [K] (fp16/bf16/fp32, contiguous) @ W.T -> [N] in x's dtype. words int32 [N, K/16]; scales, zeros
+    [N, K/group] contiguous; group = 16 * 2^i."""
     n, kw = words.shape
-    G, WPG = kw * 16 // group, group // 16
-    decode = 0 if x.dtype == torch.float32 else 1
+    k = kw * 16
+    G, WPG = k // group, group // 16
+    GPS = max(1, 4 // WPG)  # groups per chunk of max(4, WPG) words
+    PS = 8 * GPS * WPG
+    CG = 2 * D * GPS
+    stages = triton.cdiv(G, CG)
+    BN = R * 16 * NW
+    spp = max(1, (SPAN_SMALL if k <= 8192 else SPAN_LARGE) // (CG * group))
+    ks = triton.cdiv(stages, spp)
     n_out = 0 if outlier_weight is None else outlier_weight.shape[1]
-    ow = outlier_weight if n_out else scales  # any valid pointer stands in when there are none
+    os_ = triton.cdiv(n_out, OSC)
+    slots = 2 * ks + os_
+    npairs = stages * 2 * D * PS  # padded to whole stages; tables and group sums of the padding are zeros
+    # One scratch allocation: tables, group sums, per-slot partials.
+    sizes = [npairs * 16, stages * CG, slots * n]
+    tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
+    bp = max(256, group // 2)
+    _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, k, stages * CG, npairs, GS=group, PS=PS, BP=bp, num_warps=4)
+    # With no outliers their programs do not exist; any valid pointer stands in.
+    ow = outlier_weight if n_out else scales
     oi = outlier_idx if n_out else words
-    BN, BG = R * TR * NW, TG
-    tiles = triton.cdiv(G, BG)
-    even = n % BN == 0 and G % BG == 0
-    # cp.async moves 4-16 bytes per thread: scales/zeros rows of 8 groups need 16-byte aligned bases
-    # (a view into a larger tensor may not be); without them the tiles take plain loads.
-    aligned = all(t.data_ptr() % 16 == 0 for t in (words, scales, zeros))
-    ks = triton.cdiv(tiles, TPI)
-    slots = ks + (1 if n_out else 0)
-    # One scratch allocation: factors fa, fb (whole tiles; padded groups must read as zeros), group sums
-    # xs, group constants kg, per-slot partials.
-    nf = tiles * 16 * BG * WPG
-    sizes = [nf, nf, G, G, slots * n]
-    scratch = (torch.empty if G % BG == 0 else torch.zeros)(sum(sizes), dtype=torch.float32, device=x.device)
-    fa, fb, xs, kg, part = scratch.split(sizes)
-    _prep_kernel[(triton.cdiv(G, 64),)](x, fa, fb, xs, kg, G, WPG=WPG, BGP=64, BG=BG, DECODE=decode, num_warps=4)
-    _gemv_kernel[(triton.cdiv(n, BN), slots)](
-        fa, fb, xs, kg, x, words, scales, zeros, ow, oi, part, n, kw, G, n_out, ks, _MAGIC[decode],
-        WPG=WPG, R=R, TR=TR, TG=TG, NW=NW, TPI=TPI, BO=BO, EVEN=even, DECODE=decode,
-        STAGES=stages if even and aligned else 0, num_warps=NW)
+    _gemv_kernel[(triton.cdiv(n, BN), ks + os_)](
+        tab, xs, words, scales, zeros, part, x, ow, oi, n, kw, G, stages, spp, ks, n_out, OSC,
+        WPG=WPG, GPS=GPS, R=R, NW=NW, D=D, EVEN=n % BN == 0 and G % CG == 0, num_warps=NW)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     bs = min(32, triton.next_power_of_2(slots))
     bn = max(64, 4096 // bs)

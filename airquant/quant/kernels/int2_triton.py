@@ -176,10 +176,11 @@ def _int2_gemm_kernel(
 
 
 _GLUON: dict = {}
-# The automatic choice takes the Gluon GEMV from this many weights up. H200, GPU time per call (Gluon /
-# Triton): 2048x2048 11.8 / 9.2 us, 4096x4096 20.8 / 13.6, 14336x4096 30.4 / 31.5, 4096x14336 26.7 / 37.7,
-# 28672x8192 65.8 / 106.2: its three launches cost more than they save on small matrices.
-GLUON_MIN_WEIGHTS = 1 << 25
+# The automatic choice takes the Gluon GEMV from this many weights up. H200, GPU time per call with L2
+# flushed (Gluon lookup-table GEMV / Triton GEMV): 2048x2048 10.2 / 8.9 us (Gluon with 2 warps per
+# program), 4096x4096 12.7 / 13.8, 14336x4096 22.9 / 32.3, 4096x14336 22.3 / 37.9, 28672x8192
+# 61.2 / 105.9: below ~16M weights its three launches cost more than they save.
+GLUON_MIN_WEIGHTS = 1 << 24
 
 
 def _gluon_gemv():
@@ -220,6 +221,7 @@ def int2_matmul(
     assert k % 16 == 0 and group % 16 == 0 and k % group == 0, (k, group)
     words = codes.contiguous().view(torch.int32)  # [N, K/16]
     x2 = x.reshape(-1, k).contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()  # the kernels index them as dense [N, K/group]
     m = x2.shape[0]
     n_out = 0 if outlier_weight is None else outlier_weight.shape[1]
     # With no outliers the loops never run; any valid pointer stands in for the absent tensors.
