@@ -97,6 +97,13 @@ def _shfl16(tab, idx):
 
 
 @gluon.jit
+def _groups_to_lanes(c, R: gl.constexpr, NW: gl.constexpr, D: gl.constexpr, GPS: gl.constexpr, L4: gl.constexpr):
+    """[BN rows, 2*D*GPS groups] as loaded -> [D, R, 32*NW lanes, GPS] of the lanes that use them."""
+    c = gl.permute(gl.reshape(c, [R, NW, 16, D, 2, GPS]), [3, 0, 1, 4, 2, 5])
+    return gl.convert_layout(gl.reshape(c, [D, R, 32 * NW, GPS]), L4)
+
+
+@gluon.jit
 def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, row0, c_lo, c_hi, slot, BN: gl.constexpr,
                   NW: gl.constexpr):
     """part[slot, rows] = outlier_weight[rows, c_lo:c_hi] @ x[outlier_idx[c_lo:c_hi]], 16*NW rows at a time
@@ -195,10 +202,8 @@ def _gemv_kernel(tab_ptr, xs_ptr, words_ptr, scales_ptr, zeros_ptr, part_ptr, x_
         # [BN, CW] -> [R, NW, 16, D, 2, GPS, WPG] -> [D, R, NW, 2, 16, GPS, WPG] = [D, R, BNW, GPS, WPG]
         words = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(wc, [R, NW, 16, D, 2, GPS, WPG]),
                                                         [3, 0, 1, 4, 2, 5, 6]), [D, R, BNW, GPS, WPG]), L5)
-        s = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(sc, [R, NW, 16, D, 2, GPS]), [3, 0, 1, 4, 2, 5]),
-                                         [D, R, BNW, GPS]), L4)
-        z = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(zc, [R, NW, 16, D, 2, GPS]), [3, 0, 1, 4, 2, 5]),
-                                         [D, R, BNW, GPS]), L4)
+        s = _groups_to_lanes(sc, R, NW, D, GPS, L4)
+        z = _groups_to_lanes(zc, R, NW, D, GPS, L4)
         xs = gl.load(xs_ptr + g0 + xofs)  # padded to whole stages
         tab = gl.load(tab_ptr + st * (2 * D * 16 * PS) + tofs)  # [D, 1, BNW, GPS, WPG, 8], padded likewise
         v = _shfl16(tab, gl.expand_dims(words, 5) >> (n6 * 4))
