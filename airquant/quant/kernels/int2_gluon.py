@@ -44,7 +44,8 @@ from airquant.quant.int2 import LLOYD_MAX_4
 # 8192x28672, +-2 us between runs): R=2, NW=1, D=4 60-62; NW=2 61-63; NW=4 72-75; R=4, D=2 68-75;
 # R=1 68-74; R=2, D=2 61-68 (a program's warps share no data, so NW only sets the program size). A
 # cp.async ring for words and tables instead of plain loads was slower (74-106 us): it needs
-# per-element addresses in registers and adds the tables' shared-memory traffic.
+# per-element addresses in registers and adds the tables' shared-memory traffic; so was loading the next
+# stage's words/scales/zeros into registers before computing this one (65-89 us).
 R, NW, D = 2, 1, 4
 # Inputs per program: 1024 for K <= 8192, 2048 above (4096x4096: 12.7 / 15.4 us; 8192x28672: 64.5 / 62.0).
 SPAN_SMALL, SPAN_LARGE = 1024, 2048
