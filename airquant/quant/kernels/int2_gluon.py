@@ -22,9 +22,9 @@ SPAN_LARGE inputs of its row block and writes one fp32 partial per row and half-
 do the fp16 outlier columns, 128 at a time; ``_reduce_kernel`` sums the partials into y in x's dtype.
 
 Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of the three
-launches with L2 flushed): 28672x8192 61.2 us, 8192x28672 62.6 us = 0.40 / 0.39 of HBM copy bandwidth
-(the previous bit-plane Gluon kernel: 65.8 / 80.1 us; the Triton GEMV: 106 / 111 us; cuBLAS fp16 dense:
-121 / 119 us for 4.5x the bytes). ~2 instructions per weight (SASS, sm_90) against 5 before; what
+launches with L2 flushed): 28672x8192 61.9 us, 8192x28672 62.9 us = 0.40 / 0.39 of HBM copy bandwidth
+(the previous bit-plane Gluon kernel: 65.8 / 80.1 us; the Triton GEMV: 105 / 112 us; cuBLAS fp16 dense:
+120 / 120 us for 4.5x the bytes). ~2 instructions per weight (SASS, sm_90) against 5 before; what
 bounds it now (ncu) is the L1 data pipe, which the shuffles (one per two weights per row), the
 shared-memory layout conversion and the table loads share, and memory latency at the occupancy its
 registers allow, not instruction issue.
