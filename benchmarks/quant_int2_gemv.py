@@ -99,12 +99,18 @@ def copy_bandwidth(gib: float, rep_ms: int) -> float:
 
 
 def random_int2(out_f: int, in_f: int, group: int, n_out: int, dtype) -> dict[str, torch.Tensor]:
+    """Tensors as a store holds them; the outlier rows padded to ``outlier_cols`` columns as written by
+    ``airquant shard`` (the [:, :n_out] view is what the module passes to the kernels)."""
+    from airquant.quant.int2 import outlier_cols
+
     g = torch.Generator(device="cuda").manual_seed(0)
+    ow = torch.zeros(out_f, outlier_cols(n_out), dtype=torch.float16, device="cuda")
+    ow[:, :n_out] = torch.randn(out_f, n_out, device="cuda", generator=g) * 0.05
     return {
         "codes": torch.randint(0, 256, (out_f, in_f // 4), dtype=torch.uint8, device="cuda", generator=g),
         "scales": (torch.rand(out_f, in_f // group, device="cuda", generator=g) * 0.02 + 0.001).half(),
         "zeros": (torch.randn(out_f, in_f // group, device="cuda", generator=g) * 0.002).half(),
-        "outlier_weight": (torch.randn(out_f, n_out, device="cuda", generator=g) * 0.05).half(),
+        "outlier_weight": ow[:, :n_out],
         "outlier_idx": torch.randperm(in_f, device="cuda", generator=g)[:n_out].sort().values.to(torch.int32),
     }
 
@@ -124,16 +130,22 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     n_out = n_outlier_channels(in_f, args.outliers)
     t = random_int2(out_f, in_f, args.group, n_out, dtype)
-    weight_bytes = sum(v.numel() * v.element_size() for v in t.values())
+    weight_bytes = sum(v.numel() * v.element_size() for v in t.values())  # outlier padding not counted
     dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02
     rows = []
-    for m, gemv in [(1, "gluon"), (1, "triton")] + [(b, None) for b in args.batches]:
-        if gemv == "gluon" and _gluon_gemv() is None:
-            print("no triton.experimental.gluon here: Gluon GEMV row skipped")
+    for m, gemv in [(1, "gluon"), (1, "gluon-ldg"), (1, "triton")] + [(b, None) for b in args.batches]:
+        if gemv and gemv.startswith("gluon") and _gluon_gemv() is None:
+            print("no triton.experimental.gluon here: Gluon GEMV rows skipped")
             continue
         x = torch.randn(m, in_f, device="cuda", dtype=dtype)
-        call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
-                                   t["outlier_idx"], args.group, gemv=gemv)
+        if gemv == "gluon-ldg":  # the Gluon kernel without TMA (what other GPUs and shapes get)
+            from airquant.quant.kernels.int2_gluon import int2_gemv
+
+            call = lambda: int2_gemv(x[0], t["codes"].view(torch.int32), t["scales"], t["zeros"],  # noqa: E731
+                                     t["outlier_weight"], t["outlier_idx"], args.group, path="ldg")[None]
+        else:
+            call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
+                                       t["outlier_idx"], args.group, gemv=gemv)
         ref = reference(x, t, args.group).double()
         err = ((call().double() - ref).norm() / ref.norm()).item()
         ms_eager = bench_ms(call, args.rep_ms)
@@ -142,12 +154,16 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
         io_bytes = weight_bytes + x.numel() * x.element_size() + m * out_f * x.element_size()
         bw = io_bytes / (ms * 1e-3)
         kernel = "gemm" if m > 1 else f"gemv-{gemv}"
-        if kernel == "gemv-gluon":
+        if kernel.startswith("gemv-gluon"):
             from airquant.quant.kernels import int2_gluon as gk
 
-            cfg = (f"Gluon lookup tables + warp shuffles (int2_gluon): R={gk.R} rows per lane, {gk.NW} warps, "
-                   f"{2 * gk.D} chunks of 64 inputs per stage, {gk.SPAN_SMALL if in_f <= 8192 else gk.SPAN_LARGE} "
-                   "inputs per program")
+            tma = kernel == "gemv-gluon" and gk.tma_ok(t["codes"].view(torch.int32), t["scales"], t["zeros"],
+                                                        args.group)
+            cfg = (f"Gluon lookup tables + warp shuffles (int2_gluon), TMA ring: R={gk.TR} rows per lane, "
+                   f"{gk.TNW} warps, {gk.TSTAGES} stages, ~{gk.TPROG} programs per SM" if tma else
+                   f"Gluon lookup tables + warp shuffles (int2_gluon), plain loads: R={gk.R} rows per lane, "
+                   f"{gk.NW} warps, {2 * gk.D} chunks of 64 inputs per stage, "
+                   f"{gk.SPAN_SMALL if in_f <= 8192 else gk.SPAN_LARGE} inputs per program")
         else:
             cfg = str((_int2_gemm_kernel if m > 1 else _int2_gemv_kernel).best_config)
         rows.append({

@@ -96,7 +96,7 @@ def make_linear(
     from airquant.quant.int2 import Int2Linear
 
     return Int2Linear(**shape, group=module_meta["group"], n_outliers=module_meta["n_outliers"],
-                      compute_dtype=compute_dtype)
+                      outlier_cols=module_meta.get("outlier_cols"), compute_dtype=compute_dtype)
 
 
 def __getattr__(name: str):

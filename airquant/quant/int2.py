@@ -6,8 +6,11 @@ Format of one [out, in] linear (all on-disk tensors, 2-bit codes packed 4 per by
   means centroid ``LLOYD_MAX_4[i]`` (ascending, so a code is also the rank of its centroid).
 * ``scales``, ``zeros`` fp16 [out, in/group]: w ~= scale * centroid + zero per group of ``group``
   consecutive input weights.
-* ``outlier_weight`` fp16 [out, n_out] and ``outlier_idx`` int32 [n_out] (absent when n_out == 0):
-  the input channels with the largest ||W[:, c]|| * mean|X_c|. We store the *residual*
+* ``outlier_weight`` fp16 [out, outlier_cols(n_out)] and ``outlier_idx`` int32 [n_out] (absent when
+  n_out == 0): the input channels with the largest ||W[:, c]|| * mean|X_c|. Rows are zero-padded to a
+  multiple of 16 columns (``module_meta["outlier_cols"]``; stores written before the padding have none
+  and unpadded rows) so the GPU kernels read them with aligned vector loads; column j < n_out belongs
+  to channel outlier_idx[j]. We store the *residual*
   ``W[:, c] - dequant(codes)[:, c]`` rather than W[:, c] so the 2-bit part needs no mask at run time:
   y = dequant(codes) @ x + outlier_weight @ x[outlier_idx] reproduces W[:, c] to fp16 precision.
 
@@ -38,6 +41,14 @@ CUBIC_A = (LLOYD_MAX_4[2] - 0.125 * CUBIC_B) / 0.5
 def n_outlier_channels(in_features: int, fraction: float) -> int:
     """Number of fp16 input channels kept for ``fraction`` of ``in_features``."""
     return int(round(fraction * in_features))
+
+
+def outlier_cols(n_out: int) -> int:
+    """Stored width of the outlier rows: n_out rounded up to a multiple of 16 (32-byte fp16 rows). The
+    kernels' outlier loads vectorize only when every row starts 16-byte aligned; with an odd n_out
+    (1003 for 3.5 % of 28672) they fell back to 2-byte loads (H200: 8.5 us for the 16 MB of outlier
+    residuals of an 8192x28672 linear, against 5 us padded)."""
+    return -(-n_out // 16) * 16
 
 
 def select_outliers(weight: torch.Tensor, act_scale: torch.Tensor | None, fraction: float) -> torch.Tensor:
@@ -118,9 +129,12 @@ def finish_tensors(
     if idx.numel():
         grid = dequantize_int2(tensors["codes"], scales, zeros, group)  # [out, in] fp32
         residual = weight.float()[:, idx] - grid[:, idx]
-        tensors["outlier_weight"] = residual.to(torch.float16).contiguous()
+        padded = torch.zeros(residual.shape[0], outlier_cols(idx.numel()), dtype=torch.float16, device=residual.device)
+        padded[:, : idx.numel()] = residual
+        tensors["outlier_weight"] = padded
         tensors["outlier_idx"] = idx.to(torch.int32).contiguous()
-    meta = {"scheme": "int2", "group": group, "n_outliers": int(idx.numel()), "codebook": "lloyd_max_gauss4"}
+    meta = {"scheme": "int2", "group": group, "n_outliers": int(idx.numel()), "codebook": "lloyd_max_gauss4",
+            "outlier_cols": outlier_cols(idx.numel())}
     return tensors, meta
 
 
@@ -161,6 +175,7 @@ class Int2Linear(nn.Module):
         group: int,
         n_outliers: int,
         compute_dtype: torch.dtype,
+        outlier_cols: int | None = None,
     ) -> None:
         super().__init__()
         check_shape(in_features, group)
@@ -170,7 +185,10 @@ class Int2Linear(nn.Module):
         self.register_buffer("scales", torch.empty((out_features, in_features // group), dtype=torch.float16))
         self.register_buffer("zeros", torch.empty((out_features, in_features // group), dtype=torch.float16))
         if n_outliers:
-            self.register_buffer("outlier_weight", torch.empty((out_features, n_outliers), dtype=torch.float16))
+            cols = n_outliers if outlier_cols is None else outlier_cols  # None: a store from before the padding
+            if cols < n_outliers:
+                raise ValueError(f"outlier_cols={cols} is less than n_outliers={n_outliers}")
+            self.register_buffer("outlier_weight", torch.empty((out_features, cols), dtype=torch.float16))
             self.register_buffer("outlier_idx", torch.empty(n_outliers, dtype=torch.int32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
 
@@ -178,7 +196,7 @@ class Int2Linear(nn.Module):
         """fp32 [out, in] weight the module multiplies by (torch reference path)."""
         w = dequantize_int2(self.codes, self.scales, self.zeros, self.group)
         if self.n_outliers:
-            w[:, self.outlier_idx.long()] += self.outlier_weight.float()
+            w[:, self.outlier_idx.long()] += self.outlier_weight[:, : self.n_outliers].float()
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,7 @@ class Int2Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         xc = x.to(self.compute_dtype)
         if use_triton(x):
-            outlier_w = self.outlier_weight if self.n_outliers else None
+            outlier_w = self.outlier_weight[:, : self.n_outliers] if self.n_outliers else None
             outlier_i = self.outlier_idx if self.n_outliers else None
             y = int2_matmul(xc, self.codes, self.scales, self.zeros, outlier_w, outlier_i, self.group)
             y = y if bias is None else y + bias

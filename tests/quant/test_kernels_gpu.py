@@ -53,20 +53,23 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
     torch.testing.assert_close(module(x), y)  # the module dispatches to the same kernel
 
 
-@pytest.mark.parametrize("gemv", ["gluon", "triton"])
+@pytest.mark.parametrize("gemv", ["gluon-tma", "gluon-ldg", "triton"])
 @pytest.mark.parametrize("out_f,in_f,group,outliers", [
-    (128, 1024, 32, 0.035),  # whole row blocks (64 rows) and stages (16 groups): the unmasked Gluon path
-    (1000, 768, 32, 0.035),  # partial row block and partial stage
+    (128, 1024, 32, 0.035),  # whole row blocks and stages; TMA: four whole k-tiles
+    (1000, 768, 32, 0.035),  # partial row block and partial stage; TMA: a partial row block
     (64, 512, 16, 0.0),  # one word per group, no outliers
+    (64, 640, 16, 0.035),  # TMA: a partial k-tile (2.5 of 256 inputs), zero-filled past K
     (200, 2048, 64, 0.1),  # four words per group, outliers over two Gluon outlier programs (128 columns each)
     (256, 2176, 128, 0.035),  # eight words per group (8-word chunks), partial stage
 ])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outliers, dtype, tol):
-    """Both batch-1 kernels: Gluon (lookup tables over x read by warp shuffles, fp32 throughout) and Triton."""
+    """The batch-1 kernels: Gluon (lookup tables over x read by warp shuffles, fp32 throughout) with its
+    weights through a TMA ring or plain loads, and Triton. The stored outlier rows are padded
+    (int2.outlier_cols) and passed as stored: the kernels take the first len(outlier_idx) columns."""
     from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
 
-    if gemv == "gluon" and _gluon_gemv() is None:
+    if gemv.startswith("gluon") and _gluon_gemv() is None:
         pytest.skip("this Triton has no triton.experimental.gluon")
     torch.manual_seed(1)
     w = torch.randn(out_f, in_f) * 0.02
@@ -77,7 +80,16 @@ def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outlie
     reference = x.float() @ module.dequantize().t()
     ow = module.outlier_weight if meta["n_outliers"] else None
     oi = module.outlier_idx if meta["n_outliers"] else None
-    y = int2_matmul(x, module.codes, module.scales, module.zeros, ow, oi, group, gemv=gemv)
+    if gemv == "triton":
+        y = int2_matmul(x, module.codes, module.scales, module.zeros, ow, oi, group, gemv="triton")
+    else:
+        from airquant.quant.kernels.int2_gluon import int2_gemv, tma_ok
+
+        words = module.codes.view(torch.int32)
+        path = gemv.split("-")[1]
+        if path == "tma" and not tma_ok(words, module.scales, module.zeros, group):
+            pytest.skip("the TMA path needs Hopper, group 16/32 and K % (8 * group) == 0")
+        y = int2_gemv(x[0], words, module.scales, module.zeros, ow, oi, group, path=path)[None]
     assert y.dtype == dtype and y.shape == (1, out_f)
     assert rel_err(y, reference) <= tol
 

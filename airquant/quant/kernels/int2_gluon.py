@@ -11,23 +11,34 @@ instructions for decoding and multiplying them one by one (the previous kernel h
 was issue-bound). Every operation is fp32 on exact table entries, so one kernel serves fp16, bf16 and
 fp32 inputs (measured 1.8e-7 relative error against the fp32 reference).
 
-Layout of the work: lane ``16*h + i`` of warp ``v`` works on row ``r*16*NW + 16*v + i`` of the row block
-(``r < R``), and on chunk ``2*d + h`` (``SW = max(4, group/16)`` code words; ``d < D``) of each stage
-of ``2*D`` chunks, so the two half-warps use their own tables. Words, scales and zeros are read
-row-contiguously (coalesced: 8 lanes per row, 16 bytes each, for groups of 32) and moved to that
-layout by a ``convert_layout`` (through shared memory); reading them straight in the lane-per-row
-layout touched 16-32 cache lines per load and left the kernel L1-bound (110-270 us). Tables are
-stored so that the 16 lanes' 16-byte loads are contiguous. Each program covers SPAN_SMALL or
-SPAN_LARGE inputs of its row block and writes one fp32 partial per row and half-warp; extra programs
-do the fp16 outlier columns, 128 at a time; ``_reduce_kernel`` sums the partials into y in x's dtype.
+Layout of the work ("ldg" path below; the "tma" kernel's is in its docstring): lane ``16*h + i`` of warp
+``v`` works on row ``r*16*NW + 16*v + i`` of the row block (``r < R``), and on chunk ``2*d + h``
+(``SW = max(4, group/16)`` code words; ``d < D``) of each stage of ``2*D`` chunks, so the two half-warps
+use their own tables. Tables are stored so that the 16 lanes' 16-byte loads are contiguous. Each
+program covers SPAN_SMALL or SPAN_LARGE inputs of its row block and writes one fp32 partial per row and
+half-warp; in both paths extra programs do the fp16 outlier columns, 128 at a time.
 
-Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of the three
-launches with L2 flushed): 28672x8192 61.9 us, 8192x28672 62.9 us = 0.40 / 0.39 of HBM copy bandwidth
-(the previous bit-plane Gluon kernel: 65.8 / 80.1 us; the Triton GEMV: 105 / 112 us; cuBLAS fp16 dense:
-120 / 120 us for 4.5x the bytes). ~2 instructions per weight (SASS, sm_90) against 5 before; what
-bounds it now (ncu) is the L1 data pipe, which the shuffles (one per two weights per row), the
-shared-memory layout conversion and the table loads share, and memory latency at the occupancy its
-registers allow, not instruction issue.
+Two ways to bring the weights in (``int2_gemv(path=...)``):
+
+* "tma" (Hopper, groups of 16/32, the default from TMA_MIN_WEIGHTS): words, scales and zeros of a
+  [16*R*NW rows, 256 inputs] tile stream through a 3-slot shared-memory ring that the tensor memory
+  accelerator fills, and each lane reads its row's 32 bytes of words straight from the 64-byte-swizzled
+  tile (the register layout after the read is already the lane-per-row one: no conversion); no thread
+  spends load instructions or registers on the weights, only on the tables (from L2). The partials of a
+  row block are summed by the last of its programs to finish (an arrival counter that the prep kernel
+  zeroes), and the GEMV is launched as a programmatic dependent of the prep kernel, so its first copies
+  overlap the table build: two launches, one of them hidden, instead of three.
+* "ldg" (any GPU Gluon runs on, any group 16*2^i): the words are read row-contiguously (coalesced: 8
+  lanes per row, 16 bytes each, for groups of 32) and moved to the lane-per-row layout by a
+  ``convert_layout`` (through shared memory); reading them straight in the lane-per-row layout touched
+  16-32 cache lines per load and left the kernel L1-bound (110-270 us). A third kernel sums the partials.
+
+Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of a call's
+launches with L2 flushed): 28672x8192 / 8192x28672 with 3.5 % outliers, "tma" 50.1 / 50.0 us = 0.49 /
+0.49 of HBM copy bandwidth, "ldg" 62.6 / 64.9 us = 0.39 / 0.38 (the bit-plane kernel before the tables:
+65.8 / 80.1 us; the Triton GEMV: 104 / 112 us; cuBLAS fp16 dense: 117 / 115 us for 4.5x the bytes).
+~2 instructions per weight (SASS, sm_90); ncu of "ldg": issue 30 %, L1 68 %, DRAM 38 % busy, the top
+stall waiting on loads at ~11 warps per SM, i.e. latency-bound, which is what the TMA ring addresses.
 """
 
 from __future__ import annotations
@@ -37,8 +48,13 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
 from airquant.quant.int2 import LLOYD_MAX_4
+from airquant.quant.kernels.int2_triton import outlier_read_cols
 
 # Rows per lane, warps per program, double chunks per stage, measured on the H200 (GPU us for 28672x8192 /
 # 8192x28672, +-2 us between runs): R=2, NW=1, D=4 60-62; NW=2 61-63; NW=4 72-75; R=4, D=2 68-75;
@@ -49,6 +65,17 @@ from airquant.quant.int2 import LLOYD_MAX_4
 R, NW, D = 2, 1, 4
 # Inputs per program: 1024 for K <= 8192, 2048 above (4096x4096: 12.7 / 15.4 us; 8192x28672: 64.5 / 62.0).
 SPAN_SMALL, SPAN_LARGE = 1024, 2048
+# TMA path: rows per lane, warps per program, ring slots, programs per SM. H200, GPU us for 28672x8192 /
+# 8192x28672 (+-1.5 us between runs): 2, 4, 3, 12 49.1 / 48.9 and 49.5 / 49.2; 4, 2, 3, 12 49.2-49.5 /
+# 51.5-53.4; 2, 4, 3, 8 49.5 / 50.0-50.7; 2, 4, 4, 12 51.6 / 52.4; 2, 4, 3, 16 50.8 / 52.0; 2, 2, 3, 12
+# 52.8 / 55.0. Before the partials were summed in-kernel and the launch overlapped the prep: 58.2 / 58.4
+# at best (a separate reduce kernel took 4.4-5.6 us, the prep 1.7-3). Dropped: keeping a k-tile's tables in
+# registers while T row tiles pass by (75-125 us): a row's 64-byte pieces are then fetched far apart in
+# time and DRAM read twice the bytes (ncu: 209 MB for 105 MB).
+TR, TNW, TSTAGES, TPROG = 2, 4, 3, 12
+# The automatic choice takes the TMA path from this many weights: it was measured on 235M-weight matrices
+# only (28672x8192, 8192x28672); for smaller ones the plain-load kernel's figures are the measured ones.
+TMA_MIN_WEIGHTS = 1 << 27
 OSC = 128  # outlier columns per program (a run-time argument: as a constexpr its loop unrolls, 249 registers)
 _L0, _L1, _L2, _L3 = (tl.constexpr(v) for v in LLOYD_MAX_4)
 
@@ -59,11 +86,15 @@ def _level(v):
 
 
 @triton.jit
-def _prep_kernel(x_ptr, tab_ptr, xs_ptr, K, NG, NP, GS: tl.constexpr, PS: tl.constexpr, BP: tl.constexpr):
+def _prep_kernel(x_ptr, tab_ptr, xs_ptr, cnt_ptr, K, NG, NP, NC, GS: tl.constexpr, PS: tl.constexpr,
+                 BP: tl.constexpr):
     """Pair p (inputs 2p, 2p+1) of chunk c = p // PS, q = p % PS:
     tab[c, q // 4, e, q % 4] = level(e & 3) * x[2p] + level(e >> 2) * x[2p+1] (a lane's 4 pairs are 16 bytes
-    and the 16 lanes' are contiguous); xs[g] = sum of group g's inputs.
-    Inputs past K read as 0, so padded chunks and groups are zeros."""
+    and the 16 lanes' are contiguous); xs[g] = sum of group g's inputs; cnt[:NC] = 0 (the GEMV's arrival
+    counters). Inputs past K read as 0, so padded chunks and groups are zeros."""
+    gdc_launch_dependents()  # the GEMV (launched as a programmatic dependent) may start its weight copies
+    c = tl.program_id(0) * BP + tl.arange(0, BP)
+    tl.store(cnt_ptr + c, tl.zeros([BP], tl.int32), mask=c < NC)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     x0 = tl.load(x_ptr + 2 * p, mask=2 * p < K, other=0.0).to(tl.float32)
     x1 = tl.load(x_ptr + 2 * p + 1, mask=2 * p < K, other=0.0).to(tl.float32)
@@ -105,10 +136,12 @@ def _groups_to_lanes(c, R: gl.constexpr, NW: gl.constexpr, D: gl.constexpr, GPS:
 
 
 @gluon.jit
-def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, row0, c_lo, c_hi, slot, BN: gl.constexpr,
+def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, ow_stride, row0, c_lo, c_hi, slot, BN: gl.constexpr,
                   NW: gl.constexpr):
     """part[slot, rows] = outlier_weight[rows, c_lo:c_hi] @ x[outlier_idx[c_lo:c_hi]], 16*NW rows at a time
-    (32 accumulators per thread: these programs' registers would otherwise set the whole kernel's)."""
+    (32 accumulators per thread: these programs' registers would otherwise set the whole kernel's).
+    Columns from n_out up to c_hi are row padding (zeros; see int2.outlier_cols), read so that the weight
+    mask bound stays a multiple of 16 and the loads vectorize, and multiplied by 0."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     BO: gl.constexpr = 64
     oo = gl.arange(0, BO, layout=gl.SliceLayout(0, LO))
@@ -118,9 +151,10 @@ def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, row0, c_lo, c_hi, s
         acc = gl.zeros([16 * NW, BO], gl.float32, LO)
         for o0 in range(c_lo, c_hi, BO):
             om = (o0 + oo) < c_hi
-            idx = gl.load(oi_ptr + o0 + oo, mask=om, other=0)
-            xo = gl.load(x_ptr + idx, mask=om, other=0.0).to(gl.float32)
-            wo = gl.load(ow_ptr + gl.expand_dims(rows, 1) * n_out + o0 + gl.expand_dims(oo, 0),
+            im = (o0 + oo) < n_out
+            idx = gl.load(oi_ptr + o0 + oo, mask=im, other=0)
+            xo = gl.load(x_ptr + idx, mask=im, other=0.0).to(gl.float32)
+            wo = gl.load(ow_ptr + gl.expand_dims(rows, 1) * ow_stride + o0 + gl.expand_dims(oo, 0),
                          mask=rm & gl.expand_dims(om, 0), other=0.0).to(gl.float32)
             acc = gl.fma(wo, gl.expand_dims(xo, 0), acc)
         gl.store(part_ptr + slot * N + rows, gl.sum(acc, axis=1), mask=rows < N)
@@ -128,7 +162,7 @@ def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, row0, c_lo, c_hi, s
 
 @gluon.jit
 def _gemv_kernel(tab_ptr, xs_ptr, words_ptr, scales_ptr, zeros_ptr, part_ptr, x_ptr, ow_ptr, oi_ptr,
-                 N, KW, G, stages, SPP, KS, n_out, OSC,
+                 N, KW, G, stages, SPP, KS, n_out, n_cols, ow_stride, OSC,
                  WPG: gl.constexpr, GPS: gl.constexpr, R: gl.constexpr, NW: gl.constexpr, D: gl.constexpr,
                  EVEN: gl.constexpr):
     """grid (row blocks, KS + outlier programs). Program k < KS covers stages [k*SPP, (k+1)*SPP) and writes
@@ -152,7 +186,8 @@ def _gemv_kernel(tab_ptr, xs_ptr, words_ptr, scales_ptr, zeros_ptr, part_ptr, x_
     pid_k = gl.program_id(1)
     if pid_k >= KS:
         c_lo = (pid_k - KS) * OSC
-        _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, pid_n * BN, c_lo, gl.minimum(c_lo + OSC, n_out),
+        _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, ow_stride, pid_n * BN, c_lo,
+                      gl.minimum(c_lo + OSC, n_cols),
                       KS + pid_k, BN, NW)
         return
     # coalesced copies: [BN rows, CW words] and [BN rows, CG groups] of the stage
@@ -217,10 +252,39 @@ def _gemv_kernel(tab_ptr, xs_ptr, words_ptr, scales_ptr, zeros_ptr, part_ptr, x_
     gl.store(part_ptr + (2 * pid_k + half) * N + rows, gl.sum(acc, axis=2), mask=rows < N)
 
 
+def tma_ok(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> bool:
+    """Whether the TMA path takes this matrix: Hopper or newer, groups of 16 or 32 (a k-tile's scales are at
+    least the 16 bytes a TMA box row needs), rows of scales a multiple of 16 bytes (K % (8 * group) == 0),
+    16-byte aligned bases."""
+    k = words.shape[1] * 16
+    return (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] >= 9 and group in (16, 32)
+            and k % (8 * group) == 0 and all(t.data_ptr() % 16 == 0 for t in (words, scales, zeros)))
+
+
 def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int) -> torch.Tensor:
+              outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int,
+              path: str | None = None) -> torch.Tensor:
     """x [K] (fp16/bf16/fp32, contiguous) @ W.T -> [N] in x's dtype. words int32 [N, K/16]; scales, zeros
-    [N, K/group] contiguous; group = 16 * 2^i."""
+    [N, K/group] contiguous; group = 16 * 2^i; outlier_weight [N, n_out] with unit column stride (rows may
+    be padded). ``path``: "tma" (weights through a TMA ring, one launch after the table prep; where
+    ``tma_ok``), "ldg" (plain loads, partials summed by a third kernel) or None (tma where it can, for
+    matrices of TMA_MIN_WEIGHTS or more)."""
+    if outlier_weight is not None:  # stored rows may be padded past the outliers (int2.outlier_cols)
+        outlier_weight = outlier_weight[:, : outlier_idx.numel()]
+    if path is None:
+        big = words.shape[0] * words.shape[1] * 16 >= TMA_MIN_WEIGHTS
+        path = "tma" if big and tma_ok(words, scales, zeros, group) else "ldg"
+    if path == "tma":
+        if not tma_ok(words, scales, zeros, group):
+            raise ValueError("the TMA int2 GEMV needs a Hopper GPU, group 16 or 32, K % (8 * group) == 0 and "
+                             "16-byte aligned words/scales/zeros; use path='ldg'")
+        return _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group)
+    if path != "ldg":
+        raise ValueError(f"path={path!r}: expected 'tma', 'ldg' or None")
+    return _int2_gemv_ldg(x, words, scales, zeros, outlier_weight, outlier_idx, group)
+
+
+def _int2_gemv_ldg(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     n, kw = words.shape
     k = kw * 16
     G, WPG = k // group, group // 16
@@ -239,15 +303,201 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     sizes = [npairs * 16, stages * CG, slots * n]
     tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
     bp = max(256, group // 2)
-    _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, k, stages * CG, npairs, GS=group, PS=PS, BP=bp, num_warps=4)
+    _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, xs, k, stages * CG, npairs, 0, GS=group, PS=PS, BP=bp,
+                                             num_warps=4)  # no counters: a separate kernel sums the partials
     # With no outliers their programs do not exist; any valid pointer stands in.
     ow = outlier_weight if n_out else scales
     oi = outlier_idx if n_out else words
+    ow_stride, n_cols = outlier_read_cols(ow, n_out)
     _gemv_kernel[(triton.cdiv(n, BN), ks + os_)](
-        tab, xs, words, scales, zeros, part, x, ow, oi, n, kw, G, stages, spp, ks, n_out, OSC,
+        tab, xs, words, scales, zeros, part, x, ow, oi, n, kw, G, stages, spp, ks, n_out, n_cols, ow_stride, OSC,
         WPG=WPG, GPS=GPS, R=R, NW=NW, D=D, EVEN=n % BN == 0 and G % CG == 0, num_warps=NW)
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    return _reduce(part, n, slots, x.dtype)
+
+
+def _reduce(part, n, slots, dtype):
+    """y [n] in dtype = the sum of part's ``slots`` rows."""
+    y = torch.empty(n, dtype=dtype, device=part.device)
     bs = min(32, triton.next_power_of_2(slots))
     bn = max(64, 4096 // bs)
     _reduce_kernel[(triton.cdiv(n, bn),)](part, y, n, slots, BLOCK_N=bn, BLOCK_S=bs, num_warps=4)
+    return y
+
+
+# ---- TMA path: words, scales and zeros stream through a shared-memory ring that the tensor memory
+# accelerator fills, so no thread spends load instructions, registers or layout conversions on them.
+TW_ = 16  # code words per row per k-tile (256 inputs; each half-warp takes 8 words = 64 input pairs)
+TW = gl.constexpr(TW_)
+
+
+@gluon.jit
+def _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars,
+               GT: gl.constexpr, STAGES: gl.constexpr):
+    """Start the copies of the program's k-tile kb + i into ring slot i % STAGES (nothing past n_it)."""
+    live = i < n_it
+    b = i % STAGES
+    kt = kb + i
+    bar = bars.index(b)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * s_desc.block_type.nbytes, pred=live)
+    tma.async_copy_global_to_shared(w_desc, [row0, kt * TW], bar, w_smem.index(b), pred=live)
+    tma.async_copy_global_to_shared(s_desc, [row0, kt * GT], bar, s_smem.index(b), pred=live)
+    tma.async_copy_global_to_shared(z_desc, [row0, kt * GT], bar, z_smem.index(b), pred=live)
+
+
+@gluon.jit
+def _to_lanes(c, R: gl.constexpr, NW: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """[BN rows, 2 halves x C] as loaded with [16, 2] lanes per warp -> ``shape`` = [R, BNW, ...] with lane
+    16h + i of warp v on row (r*NW + v)*16 + i: the same registers, so the conversion is free."""
+    c = gl.permute(gl.reshape(c, [R, NW, 16, 2, c.shape[1] // 2]), [0, 1, 3, 2, 4])
+    return gl.convert_layout(gl.reshape(c, shape), layout)
+
+
+@gluon.jit
+def _gemv_tma_kernel(tab_ptr, xs_ptr, w_desc, s_desc, z_desc, part_ptr, cnt_ptr, y_ptr, x_ptr, ow_ptr, oi_ptr,
+                     N, ktiles, KPP, KS, n_out, n_cols, ow_stride, OSC, S,
+                     WPG: gl.constexpr, R: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
+    """grid (KS + outlier programs, row blocks of BN = 16*R*NW rows). Program k < KS takes k-tiles
+    [k*KPP, (k+1)*KPP) of its row block; lane 16h + i of warp v works on rows r*16*NW + 16*v + i (r < R)
+    and on words [8h, 8h + 8) of each k-tile, with that half's 64 table entries in registers. It writes
+    part[2k + h, rows]; program KS + j the outlier columns [j*OSC, (j+1)*OSC) into part[KS + k]. The last
+    program of a row block to finish sums the block's partials into y (_finish)."""
+    GT: gl.constexpr = TW // WPG  # groups per k-tile
+    GPH: gl.constexpr = GT // 2  # groups per half-warp
+    BNW: gl.constexpr = 32 * NW
+    BN: gl.constexpr = R * 16 * NW
+    L5: gl.constexpr = gl.BlockedLayout([1, 1, GPH, WPG, 8], [1, 32, 1, 1, 1], [1, NW, 1, 1, 1],
+                                        [4, 3, 2, 1, 0])  # [R, BNW, GPH, WPG, nibble]
+    L4: gl.constexpr = gl.SliceLayout(4, L5)  # words [R, BNW, GPH, WPG]
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [R, BNW, GPH]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [R, BNW]
+    # shared memory -> registers, lane 16h + i of warp v: row (r*NW + v)*16 + i, words [8h, 8h + 8),
+    # groups [GPH*h, GPH*h + GPH); 16-byte loads, conflict-free on the 64-byte-swizzled words
+    LW: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [NW, 1], [0, 1])
+    LS: gl.constexpr = gl.BlockedLayout([1, GPH], [16, 2], [NW, 1], [0, 1])
+    pid_k = gl.program_id(0)
+    row0 = gl.program_id(1) * BN
+    if pid_k >= KS:
+        c_lo = (pid_k - KS) * OSC
+        _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, ow_stride, row0, c_lo,
+                      gl.minimum(c_lo + OSC, n_cols), KS + pid_k, BN, NW)
+    else:
+        kb = pid_k * KPP
+        n_it = gl.minimum(kb + KPP, ktiles) - kb
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, TW], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BN, GT], s_desc.layout)
+        z_smem = gl.allocate_shared_memory(z_desc.dtype, [STAGES, BN, GT], z_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(bars.index(b), count=1)
+        for i in gl.static_range(STAGES - 1):
+            _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars, GT, STAGES)
+        # table offsets [1, BNW, GPH, WPG, 8] in a k-tile: chunk h, entry lane & 15, pair q of the chunk
+        L5_1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
+        L5_2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
+        L5_3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5))))
+        L5_4: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5))))
+        l5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.arange(0, BNW, layout=L5_1), 0), 2), 3), 4)
+        g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.arange(0, GPH, layout=L5_2), 0), 1), 3), 4)
+        w5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.arange(0, WPG, layout=L5_3), 0), 1), 2), 4)
+        n5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.arange(0, 8, layout=L5_4), 0), 1), 2), 3)
+        q5 = g5 * (8 * WPG) + w5 * 8 + n5
+        tofs = ((l5 // 16) % 2) * (16 * 64) + (q5 // 4) * 64 + (l5 % 16) * 4 + q5 % 4
+        xl = gl.arange(0, BNW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        xg = gl.arange(0, GPH, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        xofs = (gl.expand_dims(gl.expand_dims((xl // 16) % 2, 0), 2) * GPH
+                + gl.expand_dims(gl.expand_dims(xg, 0), 1))
+        acc = gl.zeros([R, BNW], gl.float32, L2)
+        _gdc_wait()  # tables and group sums come from the prep kernel, which may still be running
+        for i in range(n_it):
+            # slot (i - 1) % STAGES was read last iteration: every warp is done with it before it is refilled
+            gl.thread_barrier()
+            fence_async_shared()
+            _tma_issue(i + STAGES - 1, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars,
+                       GT, STAGES)
+            tab = gl.load(tab_ptr + (kb + i) * (2 * 16 * 64) + tofs)  # 64 registers per lane
+            xs = gl.load(xs_ptr + (kb + i) * GT + xofs)  # [1, BNW, GPH]
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            words = _to_lanes(w_smem.index(slot).load(LW), R, NW, [R, BNW, GPH, WPG], L4)
+            s = _to_lanes(s_smem.index(slot).load(LS), R, NW, [R, BNW, GPH], L3)
+            z = _to_lanes(z_smem.index(slot).load(LS), R, NW, [R, BNW, GPH], L3)
+            v = _shfl16(tab, gl.expand_dims(words, 4) >> (n5 * 4))
+            gs = gl.sum(gl.sum(v, axis=4), axis=3)  # [R, BNW, GPH]: sum of code level * x per group
+            acc += gl.sum(gl.fma(s.to(gl.float32), gs, z.to(gl.float32) * xs), axis=2)
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(b))
+        li = gl.arange(0, BNW, layout=gl.SliceLayout(0, L2))
+        rows = (row0 + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2)), 1) * (16 * NW)
+                + gl.expand_dims((li // 32) * 16 + li % 16, 0))
+        half = gl.expand_dims((li // 16) % 2, 0)
+        gl.store(part_ptr + (2 * pid_k + half) * N + rows, acc, mask=rows < N)
+    _finish(part_ptr, cnt_ptr, y_ptr, N, S, gl.num_programs(0), gl.program_id(1), row0, BN, NW)
+
+
+@gluon.jit
+def _gdc_wait():
+    """Wait until the grid this one was launched as a programmatic dependent of has finished (and its writes
+    are visible); a no-op for a normal launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _finish(part_ptr, cnt_ptr, y_ptr, N, S, P, pid_n, row0, BR: gl.constexpr, NW: gl.constexpr):
+    """Count this program in for its row block; the last of the block's P programs to arrive sums the S
+    partial slots of its BR rows into y (x's dtype). The CTA barrier plus the release of the count make
+    every thread's partials visible to the program that acquires the final count."""
+    _gdc_wait()  # the counters are zeroed by the prep kernel
+    gl.thread_barrier()
+    if gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == P - 1:
+        BS: gl.constexpr = 8
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])  # [BS, BR]
+        rows = row0 + gl.arange(0, BR, layout=gl.SliceLayout(0, LR))
+        ss = gl.arange(0, BS, layout=gl.SliceLayout(1, LR))
+        acc = gl.zeros([BS, BR], gl.float32, LR)
+        for s0 in range(0, S, BS):
+            sl = gl.expand_dims(s0 + ss, 1)
+            acc += gl.load(part_ptr + sl * N + gl.expand_dims(rows, 0),
+                           mask=(sl < S) & gl.expand_dims(rows < N, 0), other=0.0, cache_modifier=".cg")
+        gl.store(y_ptr + rows, gl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group):
+    n, kw = words.shape
+    k = kw * 16
+    WPG = group // 16
+    GT = TW_ // WPG
+    ktiles = triton.cdiv(kw, TW_)
+    BN = TR * 16 * TNW
+    row_blocks = triton.cdiv(n, BN)
+    # k-tiles per program: enough programs to fill the GPU a few times over
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    kpp = max(1, min(ktiles, (ktiles * row_blocks) // (TPROG * sms)))
+    ks = triton.cdiv(ktiles, kpp)
+    n_out = 0 if outlier_weight is None else outlier_weight.shape[1]
+    os_ = triton.cdiv(n_out, OSC)
+    slots = 2 * ks + os_
+    npairs = ktiles * 2 * 64
+    sizes = [npairs * 16, ktiles * GT, slots * n]
+    tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
+    bp = max(256, group // 2)
+    cnt = torch.empty(row_blocks, dtype=torch.int32, device=x.device)
+    _prep_kernel[(triton.cdiv(max(npairs, row_blocks), bp),)](x, tab, xs, cnt, k, ktiles * GT, npairs, row_blocks,
+                                                              GS=group, PS=64, BP=bp, num_warps=4)
+    wl = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=0 if GT * 2 < 32 else 32, element_bitwidth=16, rank=2)
+    w_desc = TensorDescriptor.from_tensor(words, [BN, TW_], wl)
+    s_desc = TensorDescriptor.from_tensor(scales, [BN, GT], sl)
+    z_desc = TensorDescriptor.from_tensor(zeros, [BN, GT], sl)
+    ow = outlier_weight if n_out else scales
+    oi = outlier_idx if n_out else words
+    ow_stride, n_cols = outlier_read_cols(ow, n_out)
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_tma_kernel[(ks + os_, row_blocks)](
+        tab, xs, w_desc, s_desc, z_desc, part, cnt, y, x, ow, oi, n, ktiles, kpp, ks, n_out, n_cols, ow_stride, OSC,
+        slots,
+        WPG=WPG, R=TR, NW=TNW, STAGES=TSTAGES, num_warps=TNW, launch_pdl=True)
     return y

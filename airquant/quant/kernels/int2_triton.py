@@ -2,7 +2,8 @@
 
 Layout (see airquant.quant.int2): codes uint8 [N, K/4] read here as int32 words [N, K/16], input
 channel 16*w + j of row n at bits 2j of word w (little-endian, so byte and word views agree);
-scales/zeros fp16 [N, K/GROUP]; outlier residuals fp16 [N, n_out] at channels outlier_idx.
+scales/zeros fp16 [N, K/GROUP]; outlier residuals fp16 [N, n_out] at channels outlier_idx, rows ow_stride
+apart (int2.outlier_cols pads them to 16 columns, so the loads can be vectorized).
 
 Decode without lookups or int->float conversions (the GEMV is bound by instruction issue once
 bytes stream at full rate, so every op per weight counts):
@@ -72,7 +73,7 @@ def _gemv_configs():
 @triton.jit
 def _int2_gemv_kernel(
     x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, y_ptr,
-    N, K, n_out,
+    N, K, n_out, n_cols, ow_stride,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_O: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -106,12 +107,13 @@ def _int2_gemv_kernel(
         acc = tl.fma(s, part, tl.fma(z, xs[None, :], acc))
     out = tl.sum(acc, axis=1)
     if pid_k == 0:
-        for o0 in range(0, n_out, BLOCK_O):
+        for o0 in range(0, n_cols, BLOCK_O):  # columns n_out..n_cols: zero row padding (outlier_read_cols)
             offs_o = o0 + tl.arange(0, BLOCK_O)
-            o_mask = offs_o < n_out
-            idx = tl.load(oi_ptr + offs_o, mask=o_mask, other=0)
-            xo = tl.load(x_ptr + idx, mask=o_mask, other=0.0).to(tl.float32)
-            wo = tl.load(ow_ptr + offs_n[:, None] * n_out + offs_o[None, :],
+            o_mask = offs_o < n_cols
+            i_mask = offs_o < n_out
+            idx = tl.load(oi_ptr + offs_o, mask=i_mask, other=0)
+            xo = tl.load(x_ptr + idx, mask=i_mask, other=0.0).to(tl.float32)
+            wo = tl.load(ow_ptr + offs_n[:, None] * ow_stride + offs_o[None, :],
                          mask=n_mask[:, None] & o_mask[None, :], other=0.0).to(tl.float32)
             out += tl.sum(wo * xo[None, :], axis=1)
     tl.atomic_add(y_ptr + offs_n, out, mask=n_mask)
@@ -132,7 +134,7 @@ def _gemm_configs():
 @triton.jit
 def _int2_gemm_kernel(
     x_ptr, words_ptr, scales_ptr, zeros_ptr, ow_ptr, oi_ptr, y_ptr,
-    M, N, K, n_out, stride_xm, stride_ym, M_BUCKET,
+    M, N, K, n_out, n_cols, ow_stride, stride_xm, stride_ym, M_BUCKET,
     GROUP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
@@ -162,13 +164,14 @@ def _int2_gemm_kernel(
                 acc = tl.dot(xj, tl.trans(w.to(xj.dtype)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xj, tl.trans(w.to(xj.dtype)), acc)
-    for o0 in range(0, n_out, BLOCK_O):
+    for o0 in range(0, n_cols, BLOCK_O):  # columns n_out..n_cols: zero row padding (outlier_read_cols)
         offs_o = o0 + tl.arange(0, BLOCK_O)
-        o_mask = offs_o < n_out
-        idx = tl.load(oi_ptr + offs_o, mask=o_mask, other=0)
+        o_mask = offs_o < n_cols
+        i_mask = offs_o < n_out
+        idx = tl.load(oi_ptr + offs_o, mask=i_mask, other=0)
         xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + idx[None, :],
-                     mask=m_mask[:, None] & o_mask[None, :], other=0.0)
-        wo = tl.load(ow_ptr + offs_n[:, None] * n_out + offs_o[None, :],
+                     mask=m_mask[:, None] & i_mask[None, :], other=0.0)
+        wo = tl.load(ow_ptr + offs_n[:, None] * ow_stride + offs_o[None, :],
                      mask=n_mask[:, None] & o_mask[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(xo, tl.trans(wo.to(xo.dtype)), acc, input_precision="ieee")
@@ -176,6 +179,17 @@ def _int2_gemm_kernel(
             acc = tl.dot(xo, tl.trans(wo.to(xo.dtype)), acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def outlier_read_cols(ow: torch.Tensor, n_out: int) -> tuple[int, int]:
+    """(row stride, columns the kernels read) of the outlier residuals ow [N, >= n_out]: n_out rounded up
+    to 16 where the rows are padded that far (stores written with int2.outlier_cols: zeros there, which
+    the kernels multiply by 0), so that the column mask bound is a multiple of 16 and the loads vectorize
+    (with n_out = 1003 they were 2-byte loads); n_out for unpadded rows."""
+    if not n_out:
+        return 0, 0
+    padded = -(-n_out // 16) * 16
+    return ow.stride(0), padded if padded <= ow.stride(0) else n_out
 
 
 def gemm_bucket(m: int) -> int:
@@ -231,9 +245,14 @@ def int2_matmul(
     x2 = x.reshape(-1, k).contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()  # the kernels index them as dense [N, K/group]
     m = x2.shape[0]
-    n_out = 0 if outlier_weight is None else outlier_weight.shape[1]
+    # The stored outlier rows may be padded ([N, outlier_cols], see int2.outlier_cols): the first
+    # len(outlier_idx) columns are the outliers, and the kernels keep the row stride.
+    n_out = 0 if outlier_weight is None else outlier_idx.numel()
     # With no outliers the loops never run; any valid pointer stands in for the absent tensors.
-    ow = outlier_weight.contiguous() if n_out else scales
+    if n_out:
+        outlier_weight = outlier_weight[:, :n_out]
+    ow = (outlier_weight if outlier_weight.stride(1) == 1 else outlier_weight.contiguous()) if n_out else scales
+    ow_stride, n_cols = outlier_read_cols(ow, n_out)
     oi = outlier_idx.contiguous() if n_out else words
     wpg = group // 16  # words per group: a tile dimension of the Gluon kernel, so a power of two
     if gemv == "gluon" and _gluon_gemv() is None:
@@ -258,13 +277,15 @@ def int2_matmul(
         # Split-K programs add into fp32; the cast to x's dtype is one tiny extra kernel.
         y32 = torch.zeros(n, dtype=torch.float32, device=x.device)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        _int2_gemv_kernel[grid](x2, words, scales, zeros, ow, oi, y32, n, k, n_out, GROUP=group, BLOCK_O=32)
+        _int2_gemv_kernel[grid](x2, words, scales, zeros, ow, oi, y32, n, k, n_out, n_cols, ow_stride, GROUP=group,
+                                BLOCK_O=32)
         y = y32.to(x.dtype)[None, :]
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
         _int2_gemm_kernel[grid](
-            x2, words, scales, zeros, ow, oi, y, m, n, k, n_out, x2.stride(0), y.stride(0), gemm_bucket(m),
+            x2, words, scales, zeros, ow, oi, y, m, n, k, n_out, n_cols, ow_stride, x2.stride(0), y.stride(0),
+            gemm_bucket(m),
             GROUP=group, IEEE=x.dtype == torch.float32, BLOCK_O=32,
         )
     return y.reshape(*x.shape[:-1], n)
