@@ -50,7 +50,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
 from airquant.quant.int2 import LLOYD_MAX_4
@@ -359,7 +358,7 @@ def _gemv_tma_kernel(tab_ptr, xs_ptr, w_desc, s_desc, z_desc, part_ptr, cnt_ptr,
     """grid (KS + outlier programs, row blocks of BN = 16*R*NW rows). Program k < KS takes k-tiles
     [k*KPP, (k+1)*KPP) of its row block; lane 16h + i of warp v works on rows r*16*NW + 16*v + i (r < R)
     and on words [8h, 8h + 8) of each k-tile, with that half's 64 table entries in registers. It writes
-    part[2k + h, rows]; program KS + j the outlier columns [j*OSC, (j+1)*OSC) into part[KS + k]. The last
+    part[2k + h, rows]; program KS + j the outlier columns [j*OSC, (j+1)*OSC) into part[2*KS + j]. The last
     program of a row block to finish sums the block's partials into y (_finish)."""
     GT: gl.constexpr = TW // WPG  # groups per k-tile
     GPH: gl.constexpr = GT // 2  # groups per half-warp
