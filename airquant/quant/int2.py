@@ -7,10 +7,10 @@ Format of one [out, in] linear (all on-disk tensors, 2-bit codes packed 4 per by
 * ``scales``, ``zeros`` fp16 [out, in/group]: w ~= scale * centroid + zero per group of ``group``
   consecutive input weights.
 * ``outlier_weight`` fp16 [out, outlier_cols(n_out)] and ``outlier_idx`` int32 [n_out] (absent when
-  n_out == 0): the input channels with the largest ||W[:, c]|| * mean|X_c|. Rows are zero-padded to a
-  multiple of 16 columns (``module_meta["outlier_cols"]``; stores written before the padding have none
-  and unpadded rows) so the GPU kernels read them with aligned vector loads; column j < n_out belongs
-  to channel outlier_idx[j]. We store the *residual*
+  n_out == 0): the input channels with the largest ||W[:, c]|| * mean|X_c|. From 128 outliers up, rows
+  are zero-padded to a multiple of 16 columns (``module_meta["outlier_cols"]``; stores written before the
+  padding have no such key and unpadded rows) so the GPU kernels read them with aligned vector loads;
+  column j < n_out belongs to channel outlier_idx[j]. We store the *residual*
   ``W[:, c] - dequant(codes)[:, c]`` rather than W[:, c] so the 2-bit part needs no mask at run time:
   y = dequant(codes) @ x + outlier_weight @ x[outlier_idx] reproduces W[:, c] to fp16 precision.
 
@@ -44,12 +44,14 @@ def n_outlier_channels(in_features: int, fraction: float) -> int:
 
 
 def outlier_cols(n_out: int) -> int:
-    """Stored width of the outlier rows: n_out rounded up to a multiple of 16 (32-byte fp16 rows). The
-    kernels' outlier loads vectorize only when every row starts 16-byte aligned and the column bound is
-    a multiple of 16; with an odd n_out (1003 for 3.5 % of 28672) they were 2-byte loads (H200, TMA
-    GEMV kernel alone: 28672x8192 53.4 -> 48.7 us, 8192x28672 52.0 -> 51.1 us; without outliers 43.7 /
-    44.6)."""
-    return -(-n_out // 16) * 16
+    """Stored width of the outlier rows: n_out rounded up to a multiple of 16 (32-byte fp16 rows) from 128
+    outlier channels up. The kernels' outlier loads vectorize only when every row starts 16-byte aligned
+    and the column bound is a multiple of 16; with an odd n_out (1003 for 3.5 % of 28672) they were 2-byte
+    loads (H200, TMA GEMV kernel alone: 28672x8192 53.4 -> 48.7 us, 8192x28672 52.0 -> 51.1 us; without
+    outliers 43.7 / 44.6). Below 128 the padding would be a large share of the outlier bytes (20 -> 32
+    columns for the default model's 576-input layers, +0.33 bits per weight), so those rows stay as they
+    are."""
+    return -(-n_out // 16) * 16 if n_out >= 128 else n_out
 
 
 def select_outliers(weight: torch.Tensor, act_scale: torch.Tensor | None, fraction: float) -> torch.Tensor:

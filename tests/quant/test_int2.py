@@ -154,21 +154,24 @@ def test_calibrated_outliers_rescue_the_real_model(resident_default):
 
 def test_outlier_rows_are_padded_and_old_unpadded_stores_still_load():
     torch.manual_seed(5)
-    w, x = torch.randn(40, 512), torch.randn(3, 512)
-    tensors, meta = quantize_linear(QuantSpec(method="int2", outliers=0.035), w)  # 18 outlier channels
+    w, x = torch.randn(24, 4096), torch.randn(3, 4096)
+    tensors, meta = quantize_linear(QuantSpec(method="int2", outliers=0.035), w)  # 143 outlier channels
     n = meta["n_outliers"]
-    assert n == 18 and meta["outlier_cols"] == 32
-    assert tensors["outlier_weight"].shape == (40, 32) and tensors["outlier_idx"].shape == (18,)
+    assert n == 143 and meta["outlier_cols"] == 144
+    assert tensors["outlier_weight"].shape == (24, 144) and tensors["outlier_idx"].shape == (143,)
     assert not tensors["outlier_weight"][:, n:].any()  # the padding is zeros
-    padded = _module(tensors, meta, 512, 40)
+    padded = _module(tensors, meta, 4096, 24)
     # A store written before the padding: rows of n_out columns and no "outlier_cols" in its meta.
     old_meta = {k: v for k, v in meta.items() if k != "outlier_cols"}
-    old = _module({**tensors, "outlier_weight": tensors["outlier_weight"][:, :n].contiguous()}, old_meta, 512, 40)
-    assert old.outlier_weight.shape == (40, n)
+    old = _module({**tensors, "outlier_weight": tensors["outlier_weight"][:, :n].contiguous()}, old_meta, 4096, 24)
+    assert old.outlier_weight.shape == (24, n)
     torch.testing.assert_close(padded.dequantize(), old.dequantize(), rtol=0, atol=0)
     torch.testing.assert_close(padded(x), old(x), rtol=0, atol=0)
-    # the outlier columns really carry the residuals: without them the weight is further from w
-    cols = tensors["outlier_idx"].long()
+    cols = tensors["outlier_idx"].long()  # the outlier columns carry their residuals: W to fp16 precision
     assert (padded.dequantize()[:, cols] - w[:, cols]).abs().max() < 1e-2
-    with pytest.raises(ValueError, match="outlier_cols=8 is less than n_outliers=18"):
-        make_linear({**meta, "outlier_cols": 8}, 512, 40, False, compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match="outlier_cols=8 is less than n_outliers=143"):
+        make_linear({**meta, "outlier_cols": 8}, 4096, 24, False, compute_dtype=torch.float32)
+    # below 128 outliers the rows stay unpadded: 18 channels of 512
+    small, small_meta = quantize_linear(QuantSpec(method="int2", outliers=0.035), torch.randn(8, 512))
+    assert small_meta["outlier_cols"] == small_meta["n_outliers"] == 18
+    assert small["outlier_weight"].shape == (8, 18)

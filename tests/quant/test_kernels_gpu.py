@@ -65,8 +65,8 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outliers, dtype, tol):
     """The batch-1 kernels: Gluon (lookup tables over x read by warp shuffles, fp32 throughout) with its
-    weights through a TMA ring or plain loads, and Triton. The stored outlier rows are padded
-    (int2.outlier_cols) and passed as stored: the kernels take the first len(outlier_idx) columns."""
+    weights through a TMA ring or plain loads, and Triton. The outlier rows are passed as stored (padded
+    from 128 outliers up, int2.outlier_cols: the 200x2048 case): the kernels take len(outlier_idx) columns."""
     from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
 
     if gemv.startswith("gluon") and _gluon_gemv() is None:
