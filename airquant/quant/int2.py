@@ -208,7 +208,7 @@ class Int2Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         xc = x.to(self.compute_dtype)
         if use_triton(x):
-            outlier_w = self.outlier_weight[:, : self.n_outliers] if self.n_outliers else None
+            outlier_w = self.outlier_weight if self.n_outliers else None  # int2_matmul reads len(idx) columns
             outlier_i = self.outlier_idx if self.n_outliers else None
             y = int2_matmul(xc, self.codes, self.scales, self.zeros, outlier_w, outlier_i, self.group)
             y = y if bias is None else y + bias

@@ -270,11 +270,11 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     matrices of TMA_MIN_WEIGHTS or more)."""
     if outlier_weight is not None:  # stored rows may be padded past the outliers (int2.outlier_cols)
         outlier_weight = outlier_weight[:, : outlier_idx.numel()]
+    ok = path in (None, "tma") and tma_ok(words, scales, zeros, group)
     if path is None:
-        big = words.shape[0] * words.shape[1] * 16 >= TMA_MIN_WEIGHTS
-        path = "tma" if big and tma_ok(words, scales, zeros, group) else "ldg"
+        path = "tma" if ok and words.shape[0] * words.shape[1] * 16 >= TMA_MIN_WEIGHTS else "ldg"
     if path == "tma":
-        if not tma_ok(words, scales, zeros, group):
+        if not ok:
             raise ValueError("the TMA int2 GEMV needs a Hopper GPU, group 16 or 32, K % (8 * group) == 0 and "
                              "16-byte aligned words/scales/zeros; use path='ldg'")
         return _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group)
@@ -304,14 +304,18 @@ def _int2_gemv_ldg(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     bp = max(256, group // 2)
     _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, xs, k, stages * CG, npairs, 0, GS=group, PS=PS, BP=bp,
                                              num_warps=4)  # no counters: a separate kernel sums the partials
-    # With no outliers their programs do not exist; any valid pointer stands in.
-    ow = outlier_weight if n_out else scales
-    oi = outlier_idx if n_out else words
-    ow_stride, n_cols = outlier_read_cols(ow, n_out)
+    ow, oi, ow_stride, n_cols = _outlier_args(outlier_weight, outlier_idx, n_out, scales, words)
     _gemv_kernel[(triton.cdiv(n, BN), ks + os_)](
         tab, xs, words, scales, zeros, part, x, ow, oi, n, kw, G, stages, spp, ks, n_out, n_cols, ow_stride, OSC,
         WPG=WPG, GPS=GPS, R=R, NW=NW, D=D, EVEN=n % BN == 0 and G % CG == 0, num_warps=NW)
     return _reduce(part, n, slots, x.dtype)
+
+
+def _outlier_args(outlier_weight, outlier_idx, n_out, stand_in_w, stand_in_i):
+    """(weights, indices, row stride, columns read) for the kernels; with no outliers their programs do not
+    exist and any valid pointers stand in."""
+    ow = outlier_weight if n_out else stand_in_w
+    return (ow, outlier_idx if n_out else stand_in_i, *outlier_read_cols(ow, n_out))
 
 
 def _reduce(part, n, slots, dtype):
@@ -491,9 +495,7 @@ def _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     w_desc = TensorDescriptor.from_tensor(words, [BN, TW_], wl)
     s_desc = TensorDescriptor.from_tensor(scales, [BN, GT], sl)
     z_desc = TensorDescriptor.from_tensor(zeros, [BN, GT], sl)
-    ow = outlier_weight if n_out else scales
-    oi = outlier_idx if n_out else words
-    ow_stride, n_cols = outlier_read_cols(ow, n_out)
+    ow, oi, ow_stride, n_cols = _outlier_args(outlier_weight, outlier_idx, n_out, scales, words)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_tma_kernel[(ks + os_, row_blocks)](
         tab, xs, w_desc, s_desc, z_desc, part, cnt, y, x, ow, oi, n, ktiles, kpp, ks, n_out, n_cols, ow_stride, OSC,

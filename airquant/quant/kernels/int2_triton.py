@@ -3,7 +3,7 @@
 Layout (see airquant.quant.int2): codes uint8 [N, K/4] read here as int32 words [N, K/16], input
 channel 16*w + j of row n at bits 2j of word w (little-endian, so byte and word views agree);
 scales/zeros fp16 [N, K/GROUP]; outlier residuals fp16 [N, n_out] at channels outlier_idx, rows ow_stride
-apart (int2.outlier_cols pads them to 16 columns, so the loads can be vectorized).
+apart (int2.outlier_cols pads them to 16 columns from 128 outliers up, so the loads can be vectorized).
 
 Decode without lookups or int->float conversions (the GEMV is bound by instruction issue once
 bytes stream at full rate, so every op per weight counts):
