@@ -7,8 +7,10 @@ avoid the zero-data shortcuts of some memory paths). In the same run it measures
 * HBM copy bandwidth: a device-to-device copy of a buffer far larger than L2, counting bytes read
   plus bytes written (the ceiling the fraction is taken against);
 * the int2 GEMV (batch 1), bytes = every tensor the kernels read + y, through both GEMV kernels: the
-  Gluon lookup-table one (the automatic choice from 16M weights where Triton has Gluon) and the
-  plain-Triton one;
+  Gluon lookup-table one (the automatic choice from 16M weights where Triton has Gluon; row
+  "gemv-gluon" is its automatic path, "gemv-gluon-ldg" its plain-load path forced, and on matrices
+  where the automatic path is "ldg" although TMA applies, "gemv-gluon-tma" the TMA path forced) and
+  the plain-Triton one;
 * the fp16 dense GEMV of the same shape (torch / cuBLAS) as a baseline;
 * int2 GEMM at a few batch sizes, for the prefill path;
 
@@ -133,16 +135,24 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     weight_bytes = sum(v.numel() * v.element_size() for v in t.values())  # outlier padding not counted
     dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02
     rows = []
-    for m, gemv in [(1, "gluon"), (1, "gluon-ldg"), (1, "triton")] + [(b, None) for b in args.batches]:
+    gemvs = ["gluon", "gluon-ldg", "triton"]
+    if _gluon_gemv() is not None:
+        from airquant.quant.kernels import int2_gluon as gk
+
+        if (gk.tma_ok(t["codes"].view(torch.int32), t["scales"], t["zeros"], args.group)
+                and out_f * in_f < gk.TMA_MIN_WEIGHTS):  # the automatic choice is "ldg" here: time TMA too
+            gemvs.insert(1, "gluon-tma")
+    for m, gemv in [(1, g) for g in gemvs] + [(b, None) for b in args.batches]:
         if gemv and gemv.startswith("gluon") and _gluon_gemv() is None:
             print("no triton.experimental.gluon here: Gluon GEMV rows skipped")
             continue
         x = torch.randn(m, in_f, device="cuda", dtype=dtype)
-        if gemv == "gluon-ldg":  # the Gluon kernel without TMA (what other GPUs and shapes get)
+        if gemv in ("gluon-ldg", "gluon-tma"):  # one Gluon path forced ("ldg": what other GPUs get)
             from airquant.quant.kernels.int2_gluon import int2_gemv
 
+            path = gemv.split("-")[1]
             call = lambda: int2_gemv(x[0], t["codes"].view(torch.int32), t["scales"], t["zeros"],  # noqa: E731
-                                     t["outlier_weight"], t["outlier_idx"], args.group, path="ldg")[None]
+                                     t["outlier_weight"], t["outlier_idx"], args.group, path=path)[None]
         else:
             call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
                                        t["outlier_idx"], args.group, gemv=gemv)
@@ -157,8 +167,9 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
         if kernel.startswith("gemv-gluon"):
             from airquant.quant.kernels import int2_gluon as gk
 
-            tma = kernel == "gemv-gluon" and gk.tma_ok(t["codes"].view(torch.int32), t["scales"], t["zeros"],
-                                                        args.group)
+            tma = kernel == "gemv-gluon-tma" or (kernel == "gemv-gluon" and out_f * in_f >= gk.TMA_MIN_WEIGHTS
+                                                 and gk.tma_ok(t["codes"].view(torch.int32), t["scales"],
+                                                               t["zeros"], args.group))
             cfg = (f"Gluon lookup tables + warp shuffles (int2_gluon), TMA ring: R={gk.TR} rows per lane, "
                    f"{gk.TNW} warps, {gk.TSTAGES} stages, ~{gk.TPROG} programs per SM" if tma else
                    f"Gluon lookup tables + warp shuffles (int2_gluon), plain loads: R={gk.R} rows per lane, "

@@ -21,24 +21,28 @@ half-warp; in both paths extra programs do the fp16 outlier columns, 128 at a ti
 Two ways to bring the weights in (``int2_gemv(path=...)``):
 
 * "tma" (Hopper, groups of 16/32, the default from TMA_MIN_WEIGHTS): words, scales and zeros of a
-  [16*R*NW rows, 256 inputs] tile stream through a 3-slot shared-memory ring that the tensor memory
-  accelerator fills, and each lane reads its row's 32 bytes of words straight from the 64-byte-swizzled
-  tile (the register layout after the read is already the lane-per-row one: no conversion); no thread
-  spends load instructions or registers on the weights, only on the tables (from L2). The partials of a
-  row block are summed by the last of its programs to finish (an arrival counter that the prep kernel
-  zeroes), and the GEMV is launched as a programmatic dependent of the prep kernel, so its first copies
-  overlap the table build: two launches, one of them hidden, instead of three.
+  [16*R*NW rows, 256 inputs] tile, and the k-tile's 8 KB of tables, stream through a 2-slot
+  shared-memory ring that the tensor memory accelerator fills. Each lane reads its row's 32 bytes of
+  words straight from the 64-byte-swizzled tile (the register layout after the read is already the
+  lane-per-row one: no conversion) and its half's table entries from the shared table, which a
+  program's warps all use: the tables cross from L2 once per program instead of once per warp (they
+  were 2.7x the weights' bytes in L2-to-SM traffic), and no thread spends load instructions or
+  registers on addresses. The partials of a row block are summed by the last of its programs to finish
+  (an arrival counter that the prep kernel zeroes), and the GEMV is launched as a programmatic dependent
+  of the prep kernel, so its weight copies start while the tables are built: two launches, one of them
+  hidden, instead of three.
 * "ldg" (any GPU Gluon runs on, any group 16*2^i): the words are read row-contiguously (coalesced: 8
   lanes per row, 16 bytes each, for groups of 32) and moved to the lane-per-row layout by a
   ``convert_layout`` (through shared memory); reading them straight in the lane-per-row layout touched
   16-32 cache lines per load and left the kernel L1-bound (110-270 us). A third kernel sums the partials.
 
 Measured on the H200 (benchmarks/quant_int2_gemv.py -> results/int2_gemv.json; GPU time of a call's
-launches with L2 flushed): 28672x8192 / 8192x28672 with 3.5 % outliers, "tma" 50.1 / 50.0 us = 0.49 /
-0.49 of HBM copy bandwidth, "ldg" 62.6 / 64.9 us = 0.39 / 0.38 (the bit-plane kernel before the tables:
-65.8 / 80.1 us; the Triton GEMV: 104 / 112 us; cuBLAS fp16 dense: 117 / 115 us for 4.5x the bytes).
-~2 instructions per weight (SASS, sm_90); ncu of "ldg": issue 30 %, L1 68 %, DRAM 38 % busy, the top
-stall waiting on loads at ~11 warps per SM, i.e. latency-bound, which is what the TMA ring addresses.
+launches with L2 flushed): 28672x8192 / 8192x28672 with 3.5 % outliers, "tma" 46.4 / 45.3 us = 0.53 /
+0.54 of HBM copy bandwidth, "ldg" 58.5 / 62.5 us = 0.42 / 0.39 (the bit-plane kernel before the tables:
+65.8 / 80.1 us; the Triton GEMV: 103 / 111 us; cuBLAS fp16 dense: 120 / 119 us for 4.5x the bytes).
+~2 instructions per weight (SASS, sm_90). ncu of "ldg": issue 30 %, L1 68 %, DRAM 38 % busy, the top
+stall waiting on loads at ~11 warps per SM, i.e. latency-bound, which is what the TMA ring addresses;
+of "tma": DRAM 49 %, L2 66 %, issue 48 %, ~19 warps per SM (5 programs: shared memory bounds them).
 """
 
 from __future__ import annotations
@@ -65,15 +69,24 @@ R, NW, D = 2, 1, 4
 # Inputs per program: 1024 for K <= 8192, 2048 above (4096x4096: 12.7 / 15.4 us; 8192x28672: 64.5 / 62.0).
 SPAN_SMALL, SPAN_LARGE = 1024, 2048
 # TMA path: rows per lane, warps per program, ring slots, programs per SM. H200, GPU us for 28672x8192 /
-# 8192x28672 (+-1.5 us between runs): 2, 4, 3, 12 49.1 / 48.9 and 49.5 / 49.2; 4, 2, 3, 12 49.2-49.5 /
-# 51.5-53.4; 2, 4, 3, 8 49.5 / 50.0-50.7; 2, 4, 4, 12 51.6 / 52.4; 2, 4, 3, 16 50.8 / 52.0; 2, 2, 3, 12
-# 52.8 / 55.0. Before the partials were summed in-kernel and the launch overlapped the prep: 58.2 / 58.4
-# at best (a separate reduce kernel took 4.4-5.6 us, the prep 1.7-3). Dropped: keeping a k-tile's tables in
-# registers while T row tiles pass by (75-125 us): a row's 64-byte pieces are then fetched far apart in
-# time and DRAM read twice the bytes (ncu: 209 MB for 105 MB).
-TR, TNW, TSTAGES, TPROG = 2, 4, 3, 12
-# The automatic choice takes the TMA path from this many weights: it was measured on 235M-weight matrices
-# only (28672x8192, 8192x28672); for smaller ones the plain-load kernel's figures are the measured ones.
+# 8192x28672 (+-1.5 us between runs), with the tables through the ring (20 KB per slot): 2, 4, 2, 12
+# 46.7-46.8 / 47.2-47.8; 2, 4, 3, 12 51.2 / 51.1 (3 programs per SM fit instead of 5); 2, 4, 2, 8 48.2 /
+# 49.2; 2, 4, 2, 16 47.5 / 47.5; 2, 4, 2, 20 49.7 / 50.7; 2, 2, 2, 16 49.2 / 50.5; 4, 2, 2, 12 53.5 /
+# 55.1; 2, 8, 2, 12 56.2 / 56.7; 2, 8, 3, 8 58.5 / 59.0; 1, 8, 3, 12 60.3 / 59.1. With the tables loaded
+# by every warp from L2 instead (3 slots, 2, 4, 3, 12): 49.7-50.2 / 50.3-51.2; they were 2.7x the weights'
+# bytes in L2-to-SM traffic. Before the partials were summed in-kernel and the launch overlapped the prep:
+# 58.2 / 58.4 at best (a separate reduce kernel took 4.4-5.6 us, the prep 1.7-3). Dropped: keeping a
+# k-tile's tables in registers while T row tiles pass by (75-125 us): a row's 64-byte pieces are then
+# fetched far apart in time and DRAM read twice the bytes (ncu: 209 MB for 105 MB).
+TR, TNW, TSTAGES, TPROG = 2, 4, 2, 12
+# Input pairs per prep program: 128 (the TMA kernel waits for the prep; 256 -> 128: 46.6 / 47.1 ->
+# 46.2 / 45.0 us; 64: 46.2 / 45.2).
+PREP_BP = 128
+# The automatic choice takes the TMA path from this many weights. Below it the TMA kernel's GPU time is
+# at most a little better (H200, us, "tma" / "ldg": 4096x4096 9.9 / 11.6, 8192x8192 23.2 / 24.6,
+# 14336x4096 21.0 / 22.8, 4096x14336 21.5 / 20.6) while its host time per call is ~60 us more (four
+# tensor-map descriptors encoded per launch): a call made from Python, as in an eager decode step,
+# costs 143-164 us against 81-89 us for the first three (do_bench of the call on the GPU machine's host).
 TMA_MIN_WEIGHTS = 1 << 27
 OSC = 128  # outlier columns per program (a run-time argument: as a constexpr its loop unrolls, 249 registers)
 _L0, _L1, _L2, _L3 = (tl.constexpr(v) for v in LLOYD_MAX_4)
@@ -137,26 +150,27 @@ def _groups_to_lanes(c, R: gl.constexpr, NW: gl.constexpr, D: gl.constexpr, GPS:
 @gluon.jit
 def _outlier_part(x_ptr, ow_ptr, oi_ptr, part_ptr, N, n_out, ow_stride, row0, c_lo, c_hi, slot, BN: gl.constexpr,
                   NW: gl.constexpr):
-    """part[slot, rows] = outlier_weight[rows, c_lo:c_hi] @ x[outlier_idx[c_lo:c_hi]], 16*NW rows at a time
-    (32 accumulators per thread: these programs' registers would otherwise set the whole kernel's).
-    Columns from n_out up to c_hi are row padding (zeros; see int2.outlier_cols), read so that the weight
-    mask bound stays a multiple of 16 and the loads vectorize, and multiplied by 0."""
+    """part[slot, rows] = outlier_weight[rows, c_lo:c_hi] @ x[outlier_idx[c_lo:c_hi]] for the BN rows at
+    once, 64 columns at a time (BN*64 / (32*NW) weights in flight per thread, summed per row as they come:
+    one row accumulator per 4*NW rows instead of a [rows, 64] tile, so these programs do not set the
+    kernel's register count; the TMA kernel went from 92 to 72 registers with this, 47.3 / 47.6 ->
+    46.6 / 47.1 us). Columns from n_out up to c_hi are row padding (zeros; see int2.outlier_cols), read so
+    that the weight mask bound stays a multiple of 16 and the loads vectorize, and multiplied by 0."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     BO: gl.constexpr = 64
     oo = gl.arange(0, BO, layout=gl.SliceLayout(0, LO))
-    for rb in gl.static_range(0, BN, 16 * NW):
-        rows = row0 + rb + gl.arange(0, 16 * NW, layout=gl.SliceLayout(1, LO))
-        rm = gl.expand_dims(rows < N, 1)
-        acc = gl.zeros([16 * NW, BO], gl.float32, LO)
-        for o0 in range(c_lo, c_hi, BO):
-            om = (o0 + oo) < c_hi
-            im = (o0 + oo) < n_out
-            idx = gl.load(oi_ptr + o0 + oo, mask=im, other=0)
-            xo = gl.load(x_ptr + idx, mask=im, other=0.0).to(gl.float32)
-            wo = gl.load(ow_ptr + gl.expand_dims(rows, 1) * ow_stride + o0 + gl.expand_dims(oo, 0),
-                         mask=rm & gl.expand_dims(om, 0), other=0.0).to(gl.float32)
-            acc = gl.fma(wo, gl.expand_dims(xo, 0), acc)
-        gl.store(part_ptr + slot * N + rows, gl.sum(acc, axis=1), mask=rows < N)
+    rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
+    rm = gl.expand_dims(rows < N, 1)
+    acc = gl.zeros([BN], gl.float32, gl.SliceLayout(1, LO))
+    for o0 in range(c_lo, c_hi, BO):
+        om = (o0 + oo) < c_hi
+        im = (o0 + oo) < n_out
+        idx = gl.load(oi_ptr + o0 + oo, mask=im, other=0)
+        xo = gl.load(x_ptr + idx, mask=im, other=0.0).to(gl.float32)
+        wo = gl.load(ow_ptr + gl.expand_dims(rows, 1) * ow_stride + o0 + gl.expand_dims(oo, 0),
+                     mask=rm & gl.expand_dims(om, 0), other=0.0).to(gl.float32)
+        acc += gl.sum(wo * gl.expand_dims(xo, 0), axis=1)
+    gl.store(part_ptr + slot * N + rows, acc, mask=rows < N)
 
 
 @gluon.jit
@@ -301,7 +315,7 @@ def _int2_gemv_ldg(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     # One scratch allocation: tables, group sums, per-slot partials.
     sizes = [npairs * 16, stages * CG, slots * n]
     tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
-    bp = max(256, group // 2)
+    bp = max(PREP_BP, group // 2)
     _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, xs, k, stages * CG, npairs, 0, GS=group, PS=PS, BP=bp,
                                              num_warps=4)  # no counters: a separate kernel sums the partials
     ow, oi, ow_stride, n_cols = _outlier_args(outlier_weight, outlier_idx, n_out, scales, words)
@@ -334,49 +348,59 @@ TW = gl.constexpr(TW_)
 
 
 @gluon.jit
-def _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars,
-               GT: gl.constexpr, STAGES: gl.constexpr):
-    """Start the copies of the program's k-tile kb + i into ring slot i % STAGES (nothing past n_it)."""
+def _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, t_desc, w_smem, s_smem, z_smem, t_smem, bars,
+               GT: gl.constexpr, STAGES: gl.constexpr, WEIGHTS: gl.constexpr, TABLE: gl.constexpr):
+    """Start the copies of the program's k-tile kb + i into ring slot i % STAGES (nothing past n_it): the
+    weights' (words, scales, zeros; WEIGHTS) and/or the table's (TABLE). The slot's barrier expects both's
+    bytes when the weights' copies are issued."""
     live = i < n_it
     b = i % STAGES
     kt = kb + i
     bar = bars.index(b)
-    mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * s_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(w_desc, [row0, kt * TW], bar, w_smem.index(b), pred=live)
-    tma.async_copy_global_to_shared(s_desc, [row0, kt * GT], bar, s_smem.index(b), pred=live)
-    tma.async_copy_global_to_shared(z_desc, [row0, kt * GT], bar, z_smem.index(b), pred=live)
+    if WEIGHTS:
+        mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * s_desc.block_type.nbytes + t_desc.block_type.nbytes,
+                        pred=live)
+        tma.async_copy_global_to_shared(w_desc, [row0, kt * TW], bar, w_smem.index(b), pred=live)
+        tma.async_copy_global_to_shared(s_desc, [row0, kt * GT], bar, s_smem.index(b), pred=live)
+        tma.async_copy_global_to_shared(z_desc, [row0, kt * GT], bar, z_smem.index(b), pred=live)
+    if TABLE:
+        tma.async_copy_global_to_shared(t_desc, [kt * 32, 0], bar, t_smem.index(b), pred=live)
 
 
 @gluon.jit
 def _to_lanes(c, R: gl.constexpr, NW: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    """[BN rows, 2 halves x C] as loaded with [16, 2] lanes per warp -> ``shape`` = [R, BNW, ...] with lane
+    """[BN rows, 2 halves x C] as loaded with [16, 2] lanes per warp -> ``shape`` = [R, NW, 32, ...] with lane
     16h + i of warp v on row (r*NW + v)*16 + i: the same registers, so the conversion is free."""
     c = gl.permute(gl.reshape(c, [R, NW, 16, 2, c.shape[1] // 2]), [0, 1, 3, 2, 4])
     return gl.convert_layout(gl.reshape(c, shape), layout)
 
 
 @gluon.jit
-def _gemv_tma_kernel(tab_ptr, xs_ptr, w_desc, s_desc, z_desc, part_ptr, cnt_ptr, y_ptr, x_ptr, ow_ptr, oi_ptr,
+def _gemv_tma_kernel(t_desc, xs_ptr, w_desc, s_desc, z_desc, part_ptr, cnt_ptr, y_ptr, x_ptr, ow_ptr, oi_ptr,
                      N, ktiles, KPP, KS, n_out, n_cols, ow_stride, OSC, S,
                      WPG: gl.constexpr, R: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
     """grid (KS + outlier programs, row blocks of BN = 16*R*NW rows). Program k < KS takes k-tiles
     [k*KPP, (k+1)*KPP) of its row block; lane 16h + i of warp v works on rows r*16*NW + 16*v + i (r < R)
-    and on words [8h, 8h + 8) of each k-tile, with that half's 64 table entries in registers. It writes
-    part[2k + h, rows]; program KS + j the outlier columns [j*OSC, (j+1)*OSC) into part[2*KS + j]. The last
-    program of a row block to finish sums the block's partials into y (_finish)."""
+    and on words [8h, 8h + 8) of each k-tile, with that half's 64 table entries in registers (the k-tile's
+    8 KB table comes through the ring with the weights, once per program, and every warp reads it from
+    shared memory). It writes part[2k + h, rows]; program KS + j the outlier columns [j*OSC, (j+1)*OSC)
+    into part[2*KS + j]. The last program of a row block to finish sums the block's partials into y
+    (_finish)."""
     GT: gl.constexpr = TW // WPG  # groups per k-tile
     GPH: gl.constexpr = GT // 2  # groups per half-warp
-    BNW: gl.constexpr = 32 * NW
     BN: gl.constexpr = R * 16 * NW
-    L5: gl.constexpr = gl.BlockedLayout([1, 1, GPH, WPG, 8], [1, 32, 1, 1, 1], [1, NW, 1, 1, 1],
-                                        [4, 3, 2, 1, 0])  # [R, BNW, GPH, WPG, nibble]
-    L4: gl.constexpr = gl.SliceLayout(4, L5)  # words [R, BNW, GPH, WPG]
-    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [R, BNW, GPH]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [R, BNW]
+    L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, GPH, WPG, 8], [1, 1, 32, 1, 1, 1], [1, NW, 1, 1, 1, 1],
+                                        [5, 4, 3, 2, 1, 0])  # [R, NW, 32 lanes, GPH, WPG, nibble]
+    L5: gl.constexpr = gl.SliceLayout(5, L6)  # words [R, NW, 32, GPH, WPG]
+    L4: gl.constexpr = gl.SliceLayout(4, L5)  # [R, NW, 32, GPH]
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [R, NW, 32]
     # shared memory -> registers, lane 16h + i of warp v: row (r*NW + v)*16 + i, words [8h, 8h + 8),
     # groups [GPH*h, GPH*h + GPH); 16-byte loads, conflict-free on the 64-byte-swizzled words
     LW: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [NW, 1], [0, 1])
     LS: gl.constexpr = gl.BlockedLayout([1, GPH], [16, 2], [NW, 1], [0, 1])
+    # the table tile [2 halves * 16 pair quads, 16 entries * 4 pairs]: lane 16h + e reads rows 16h.., columns
+    # 4e.. (a quarter-warp's 16-byte loads are one contiguous 128-byte row piece); every warp reads it all
+    LT: gl.constexpr = gl.BlockedLayout([16, 4], [2, 16], [NW, 1], [1, 0])
     pid_k = gl.program_id(0)
     row0 = gl.program_id(1) * BN
     if pid_k >= KS:
@@ -389,54 +413,53 @@ def _gemv_tma_kernel(tab_ptr, xs_ptr, w_desc, s_desc, z_desc, part_ptr, cnt_ptr,
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, TW], w_desc.layout)
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BN, GT], s_desc.layout)
         z_smem = gl.allocate_shared_memory(z_desc.dtype, [STAGES, BN, GT], z_desc.layout)
+        t_smem = gl.allocate_shared_memory(t_desc.dtype, [STAGES, 32, 64], t_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
             mbarrier.init(bars.index(b), count=1)
         for i in gl.static_range(STAGES - 1):
-            _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars, GT, STAGES)
-        # table offsets [1, BNW, GPH, WPG, 8] in a k-tile: chunk h, entry lane & 15, pair q of the chunk
-        L5_1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
-        L5_2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L5))))
-        L5_3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5))))
-        L5_4: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5))))
-        l5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.arange(0, BNW, layout=L5_1), 0), 2), 3), 4)
-        g5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.arange(0, GPH, layout=L5_2), 0), 1), 3), 4)
-        w5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.arange(0, WPG, layout=L5_3), 0), 1), 2), 4)
-        n5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.arange(0, 8, layout=L5_4), 0), 1), 2), 3)
-        q5 = g5 * (8 * WPG) + w5 * 8 + n5
-        tofs = ((l5 // 16) % 2) * (16 * 64) + (q5 // 4) * 64 + (l5 % 16) * 4 + q5 % 4
-        xl = gl.arange(0, BNW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        xg = gl.arange(0, GPH, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        xofs = (gl.expand_dims(gl.expand_dims((xl // 16) % 2, 0), 2) * GPH
-                + gl.expand_dims(gl.expand_dims(xg, 0), 1))
-        acc = gl.zeros([R, BNW], gl.float32, L2)
+            _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, t_desc, w_smem, s_smem, z_smem, t_smem, bars,
+                       GT, STAGES, True, False)
+        # group of (lane, g) in a k-tile, for the group sums of x: GPH*h + g, [1, 1, 32, GPH]
+        xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+        xg = gl.arange(0, GPH, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+        xofs = gl.expand_dims(gl.expand_dims(gl.expand_dims(xl // 16, 0), 1), 3) * GPH + gl.expand_dims(
+            gl.expand_dims(gl.expand_dims(xg, 0), 1), 2)
+        n6 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            3, gl.SliceLayout(4, L6))))))
+        n6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(n6, 0), 1), 2), 3), 4)
+        acc = gl.zeros([R, NW, 32], gl.float32, L3)
         _gdc_wait()  # tables and group sums come from the prep kernel, which may still be running
+        for i in gl.static_range(STAGES - 1):
+            _tma_issue(i, kb, n_it, row0, w_desc, s_desc, z_desc, t_desc, w_smem, s_smem, z_smem, t_smem, bars,
+                       GT, STAGES, False, True)
+        xs = gl.load(xs_ptr + kb * GT + xofs)  # [1, 1, 32, GPH]
         for i in range(n_it):
             # slot (i - 1) % STAGES was read last iteration: every warp is done with it before it is refilled
             gl.thread_barrier()
             fence_async_shared()
-            _tma_issue(i + STAGES - 1, kb, n_it, row0, w_desc, s_desc, z_desc, w_smem, s_smem, z_smem, bars,
-                       GT, STAGES)
-            tab = gl.load(tab_ptr + (kb + i) * (2 * 16 * 64) + tofs)  # 64 registers per lane
-            xs = gl.load(xs_ptr + (kb + i) * GT + xofs)  # [1, BNW, GPH]
+            _tma_issue(i + STAGES - 1, kb, n_it, row0, w_desc, s_desc, z_desc, t_desc, w_smem, s_smem, z_smem,
+                       t_smem, bars, GT, STAGES, True, True)
+            xs_next = gl.load(xs_ptr + (kb + gl.minimum(i + 1, n_it - 1)) * GT + xofs)
             slot = i % STAGES
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            words = _to_lanes(w_smem.index(slot).load(LW), R, NW, [R, BNW, GPH, WPG], L4)
-            s = _to_lanes(s_smem.index(slot).load(LS), R, NW, [R, BNW, GPH], L3)
-            z = _to_lanes(z_smem.index(slot).load(LS), R, NW, [R, BNW, GPH], L3)
-            v = _shfl16(tab, gl.expand_dims(words, 4) >> (n5 * 4))
-            gs = gl.sum(gl.sum(v, axis=4), axis=3)  # [R, BNW, GPH]: sum of code level * x per group
-            acc += gl.sum(gl.fma(s.to(gl.float32), gs, z.to(gl.float32) * xs), axis=2)
+            tab = gl.permute(gl.reshape(t_smem.index(slot).load(LT), [2, 16, 16, 4]), [0, 2, 1, 3])
+            tab = gl.convert_layout(gl.reshape(tab, [1, 1, 32, GPH, WPG, 8]), L6)
+            words = _to_lanes(w_smem.index(slot).load(LW), R, NW, [R, NW, 32, GPH, WPG], L5)
+            s = _to_lanes(s_smem.index(slot).load(LS), R, NW, [R, NW, 32, GPH], L4)
+            z = _to_lanes(z_smem.index(slot).load(LS), R, NW, [R, NW, 32, GPH], L4)
+            v = _shfl16(tab, gl.expand_dims(words, 5) >> (n6 * 4))
+            gs = gl.sum(gl.sum(v, axis=5), axis=4)  # [R, NW, 32, GPH]: sum of code level * x per group
+            acc += gl.sum(gl.fma(s.to(gl.float32), gs, z.to(gl.float32) * xs), axis=3)
+            xs = xs_next
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
-        li = gl.arange(0, BNW, layout=gl.SliceLayout(0, L2))
-        rows = (row0 + gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2)), 1) * (16 * NW)
-                + gl.expand_dims((li // 32) * 16 + li % 16, 0))
-        half = gl.expand_dims((li // 16) % 2, 0)
+        ri = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        vi = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        li = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rows = (row0 + gl.expand_dims(gl.expand_dims(ri, 1), 2) * (16 * NW)
+                + gl.expand_dims(gl.expand_dims(vi, 0), 2) * 16 + gl.expand_dims(gl.expand_dims(li % 16, 0), 1))
+        half = gl.expand_dims(gl.expand_dims(li // 16, 0), 1)
         gl.store(part_ptr + (2 * pid_k + half) * N + rows, acc, mask=rows < N)
     _finish(part_ptr, cnt_ptr, y_ptr, N, S, gl.num_programs(0), gl.program_id(1), row0, BN, NW)
 
@@ -486,11 +509,13 @@ def _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     npairs = ktiles * 2 * 64
     sizes = [npairs * 16, ktiles * GT, slots * n]
     tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
-    bp = max(256, group // 2)
+    bp = max(PREP_BP, group // 2)
     cnt = torch.empty(row_blocks, dtype=torch.int32, device=x.device)
     _prep_kernel[(triton.cdiv(max(npairs, row_blocks), bp),)](x, tab, xs, cnt, k, ktiles * GT, npairs, row_blocks,
                                                               GS=group, PS=64, BP=bp, num_warps=4)
     wl = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    tabl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    t_desc = TensorDescriptor.from_tensor(tab.view(ktiles * 32, 64), [32, 64], tabl)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0 if GT * 2 < 32 else 32, element_bitwidth=16, rank=2)
     w_desc = TensorDescriptor.from_tensor(words, [BN, TW_], wl)
     s_desc = TensorDescriptor.from_tensor(scales, [BN, GT], sl)
@@ -498,7 +523,7 @@ def _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     ow, oi, ow_stride, n_cols = _outlier_args(outlier_weight, outlier_idx, n_out, scales, words)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_tma_kernel[(ks + os_, row_blocks)](
-        tab, xs, w_desc, s_desc, z_desc, part, cnt, y, x, ow, oi, n, ktiles, kpp, ks, n_out, n_cols, ow_stride, OSC,
+        t_desc, xs, w_desc, s_desc, z_desc, part, cnt, y, x, ow, oi, n, ktiles, kpp, ks, n_out, n_cols, ow_stride, OSC,
         slots,
         WPG=WPG, R=TR, NW=TNW, STAGES=TSTAGES, num_warps=TNW, launch_pdl=True)
     return y
