@@ -136,23 +136,22 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02
     rows = []
     gemvs = ["gluon", "gluon-ldg", "triton"]
+    auto = None  # the Gluon GEMV's automatic path ("tma" / "ldg")
     if _gluon_gemv() is not None:
         from airquant.quant.kernels import int2_gluon as gk
 
-        if (gk.tma_ok(t["codes"].view(torch.int32), t["scales"], t["zeros"], args.group)
-                and out_f * in_f < gk.TMA_MIN_WEIGHTS):  # the automatic choice is "ldg" here: time TMA too
-            gemvs.insert(1, "gluon-tma")
+        auto = gk.auto_path(t["codes"].view(torch.int32), t["scales"], t["zeros"], args.group)
+        if auto == "ldg" and gk.tma_ok(t["codes"].view(torch.int32), t["scales"], t["zeros"], args.group):
+            gemvs.insert(1, "gluon-tma")  # time the TMA path too where the automatic choice leaves it out
     for m, gemv in [(1, g) for g in gemvs] + [(b, None) for b in args.batches]:
         if gemv and gemv.startswith("gluon") and _gluon_gemv() is None:
             print("no triton.experimental.gluon here: Gluon GEMV rows skipped")
             continue
         x = torch.randn(m, in_f, device="cuda", dtype=dtype)
         if gemv in ("gluon-ldg", "gluon-tma"):  # one Gluon path forced ("ldg": what other GPUs get)
-            from airquant.quant.kernels.int2_gluon import int2_gemv
-
             path = gemv.split("-")[1]
-            call = lambda: int2_gemv(x[0], t["codes"].view(torch.int32), t["scales"], t["zeros"],  # noqa: E731
-                                     t["outlier_weight"], t["outlier_idx"], args.group, path=path)[None]
+            call = lambda: gk.int2_gemv(x[0], t["codes"].view(torch.int32), t["scales"], t["zeros"],  # noqa: E731
+                                        t["outlier_weight"], t["outlier_idx"], args.group, path=path)[None]
         else:
             call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
                                        t["outlier_idx"], args.group, gemv=gemv)
@@ -165,11 +164,7 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
         bw = io_bytes / (ms * 1e-3)
         kernel = "gemm" if m > 1 else f"gemv-{gemv}"
         if kernel.startswith("gemv-gluon"):
-            from airquant.quant.kernels import int2_gluon as gk
-
-            tma = kernel == "gemv-gluon-tma" or (kernel == "gemv-gluon" and out_f * in_f >= gk.TMA_MIN_WEIGHTS
-                                                 and gk.tma_ok(t["codes"].view(torch.int32), t["scales"],
-                                                               t["zeros"], args.group))
+            tma = kernel == "gemv-gluon-tma" or (kernel == "gemv-gluon" and auto == "tma")
             cfg = (f"Gluon lookup tables + warp shuffles (int2_gluon), TMA ring: R={gk.TR} rows per lane, "
                    f"{gk.TNW} warps, {gk.TSTAGES} stages, ~{gk.TPROG} programs per SM" if tma else
                    f"Gluon lookup tables + warp shuffles (int2_gluon), plain loads: R={gk.R} rows per lane, "

@@ -274,6 +274,13 @@ def tma_ok(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
             and k % (8 * group) == 0 and all(t.data_ptr() % 16 == 0 for t in (words, scales, zeros)))
 
 
+def auto_path(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> str:
+    """The path int2_gemv takes when none is asked for: "tma" where it applies, for matrices of
+    TMA_MIN_WEIGHTS or more; "ldg" otherwise."""
+    big = words.shape[0] * words.shape[1] * 16 >= TMA_MIN_WEIGHTS
+    return "tma" if big and tma_ok(words, scales, zeros, group) else "ldg"
+
+
 def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               outlier_weight: torch.Tensor | None, outlier_idx: torch.Tensor | None, group: int,
               path: str | None = None) -> torch.Tensor:
@@ -284,13 +291,12 @@ def int2_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     matrices of TMA_MIN_WEIGHTS or more)."""
     if outlier_weight is not None:  # stored rows may be padded past the outliers (int2.outlier_cols)
         outlier_weight = outlier_weight[:, : outlier_idx.numel()]
-    ok = path in (None, "tma") and tma_ok(words, scales, zeros, group)
     if path is None:
-        path = "tma" if ok and words.shape[0] * words.shape[1] * 16 >= TMA_MIN_WEIGHTS else "ldg"
+        path = auto_path(words, scales, zeros, group)
+    elif path == "tma" and not tma_ok(words, scales, zeros, group):
+        raise ValueError("the TMA int2 GEMV needs a Hopper GPU, group 16 or 32, K % (8 * group) == 0 and "
+                         "16-byte aligned words/scales/zeros; use path='ldg'")
     if path == "tma":
-        if not ok:
-            raise ValueError("the TMA int2 GEMV needs a Hopper GPU, group 16 or 32, K % (8 * group) == 0 and "
-                             "16-byte aligned words/scales/zeros; use path='ldg'")
         return _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group)
     if path != "ldg":
         raise ValueError(f"path={path!r}: expected 'tma', 'ldg' or None")
