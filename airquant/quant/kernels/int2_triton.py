@@ -199,9 +199,10 @@ def gemm_bucket(m: int) -> int:
 
 _GLUON: dict = {}
 # The automatic choice takes the Gluon GEMV from this many weights up. H200, GPU time per call with L2
-# flushed (Gluon lookup-table GEMV / Triton GEMV): 2048x2048 10.2 / 8.9 us (Gluon with 2 warps per
-# program), 4096x4096 12.7 / 13.8, 14336x4096 22.9 / 32.3, 4096x14336 22.3 / 37.9, 28672x8192
-# 61.2 / 105.9: below ~16M weights its three launches cost more than they save.
+# flushed (Gluon lookup-table GEMV / Triton GEMV), when this was set: 2048x2048 10.2 / 8.9 us (Gluon with 2
+# warps per program), 4096x4096 12.7 / 13.8, 14336x4096 22.9 / 32.3, 4096x14336 22.3 / 37.9: below ~16M
+# weights its three launches cost more than they save. With the current kernels (results/int2_gemv.json):
+# 4096x4096 11.6 / 13.5, 14336x4096 23.3 / 31.0, 4096x14336 21.4 / 38.4, 28672x8192 46.4 / 102.8.
 GLUON_MIN_WEIGHTS = 1 << 24
 
 
