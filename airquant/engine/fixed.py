@@ -8,7 +8,6 @@ A 70B model's bf16 embedding and lm_head take 2.1 GB each, more than half a 4 GB
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from airquant.store.head import ordered_chunks
@@ -16,19 +15,25 @@ from airquant.store.manifest import ShardEntry
 
 
 class HostEmbedding(nn.Module):
-    """Embedding rows gathered on the host from a table that never goes to the device."""
+    """Embedding rows gathered on the host from a table that never goes to the device.
 
-    def __init__(self, table: torch.Tensor, device: torch.device, dtype: torch.dtype):
+    The model's own embedding module runs on the host with the table (so scaled embeddings such as
+    Gemma's keep their scale); only the gathered [B, S, H] rows move.
+    """
+
+    def __init__(self, embedding: nn.Module, table: torch.Tensor, device: torch.device, dtype: torch.dtype):
         super().__init__()
-        # A plain attribute, not a parameter or buffer: model.to() and state_dict() leave it alone.
-        self.table = table
+        # Plain attributes, not submodules, parameters or buffers: model.to() and state_dict() leave them alone.
+        self.table, self.embedding = table, [embedding]
+        self.host_buffers = {k: v.to(table.device) for k, v in embedding.named_buffers() if not v.is_meta}
         self.num_embeddings, self.embedding_dim = table.shape
         # transformers reads model.device and model.dtype from the first parameter, which is this one.
         self.anchor = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(input_ids.to(self.table.device), self.table)  # [B, S, H]
-        return rows.to(device=self.anchor.device, dtype=self.anchor.dtype)
+        ids = input_ids.to(self.table.device)
+        rows = torch.func.functional_call(self.embedding[0], {"weight": self.table, **self.host_buffers}, (ids,))
+        return rows.to(device=self.anchor.device, dtype=self.anchor.dtype)  # [B, S, H]
 
     @property
     def weight(self) -> torch.Tensor:

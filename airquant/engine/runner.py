@@ -130,7 +130,7 @@ class Engine:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = skeleton.build_skeleton(self.config, self.dtype)
+        self.model = skeleton.build_skeleton(self.config, self.dtype, manifest)
         for i, layer in enumerate(skeleton.decoder_layers(self.model)):
             skeleton.swap_quantized_modules(layer, manifest.shards[f"layer.{i}"], self.dtype)
         skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype,

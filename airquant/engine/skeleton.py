@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from airquant.errors import StoreError
+from airquant.layout import Layout, find_layout, meta_model
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
@@ -27,14 +28,16 @@ def load_config(store: Path):
     return AutoConfig.from_pretrained(store)
 
 
-def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
+def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None) -> nn.Module:
+    """The model on meta (buffers real), checked against the layout the store was written with."""
     from airquant.engine.plan import MLP_CHUNK_TOKENS
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
+    model = meta_model(config, dtype)
+    if manifest is not None and manifest.layout:
+        stored, found = Layout.from_dict(manifest.layout), find_layout(model)
+        if (stored.stack, stored.embed, stored.head) != (found.stack, found.embed, found.head):
+            raise StoreError(f"this store was written for module paths {stored}, but transformers now builds "
+                             f"{found}; re-run `airquant shard` with this transformers version.")
     chunk_mlp(model, MLP_CHUNK_TOKENS)
     return model
 
@@ -70,35 +73,43 @@ def chunk_mlp(model: nn.Module, chunk: int) -> None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    return model.get_submodule(find_layout(model).stack)
 
 
 def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: torch.dtype) -> None:
-    """Replace the layer's quantized linears by the modules their scheme (from the manifest) computes with."""
+    """Replace the layer's quantized linears (and fused expert weights) by the modules their scheme
+    (from the manifest) computes with."""
     if not entry.modules:
         return
     from airquant.quant import make_linear
+    from airquant.quant.experts import ExpertWeights
 
     for name, meta in entry.modules.items():
         parent_name, _, child = name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
-        old = getattr(parent, child)
         with torch.device("meta"):
-            new = make_linear(meta, old.in_features, old.out_features, old.bias is not None,
-                              compute_dtype=compute_dtype)
+            if "experts" in meta:
+                # Quantized experts are read one expert at a time: transformers' eager experts loop does that.
+                parent.config._experts_implementation = "eager"
+                new = ExpertWeights(meta, compute_dtype=compute_dtype)
+                del parent._parameters[child]
+            else:
+                old = getattr(parent, child)
+                new = make_linear(meta, old.in_features, old.out_features, old.bias is not None,
+                                  compute_dtype=compute_dtype)
         setattr(parent, child, new)
 
 
 def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
                      dtype: torch.dtype, *, host_embedding: bool = False) -> None:
-    """Embeddings, final norm, lm_head (tied, dense or quantized) and rotary buffers, made real.
+    """Embeddings, lm_head (tied, dense or quantized), the rest (final norm ...) and buffers, made real.
 
     ``host_embedding`` keeps an untied embedding table in host memory (``fixed.HostEmbedding``); a tied
     table is the lm_head weight too and stays on ``device``.
     """
     from airquant.engine import fixed
 
-    inner = model.model
+    layout = Layout.from_dict(manifest.layout)
     on_host = host_embedding and not manifest.tied_lm_head
     for group in ("embed", "norm", "lm_head"):
         if group not in manifest.shards:
@@ -107,21 +118,43 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
         target = torch.device("cpu") if group == "embed" and on_host else device
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
         if group == "embed" and on_host:
-            inner.embed_tokens = fixed.HostEmbedding(tensors["weight"], device, dtype)
+            embed = model.get_submodule(layout.embed)
+            _set_module(model, layout.embed, fixed.HostEmbedding(embed, tensors["weight"], device, dtype))
         elif group == "lm_head" and entry.modules:
-            model.lm_head = fixed.quantized_head(entry, tensors, model.config.hidden_size, dtype)
+            head = fixed.quantized_head(entry, tensors, model.config.hidden_size, dtype)
+            _set_module(model, layout.head, head)
         else:
-            module = {"embed": inner.embed_tokens, "norm": inner.norm, "lm_head": model.lm_head}[group]
-            module.load_state_dict(tensors, assign=True, strict=True)
+            for name, tensor in tensors.items():
+                _set_tensor(model, layout.full_name(group, name), tensor)
     if manifest.tied_lm_head:
-        model.lm_head.weight = inner.embed_tokens.weight
-    rotary = inner.rotary_emb
-    with torch.device(device):  # the inv_freq buffers are computed in __init__, not loaded
-        inner.rotary_emb = type(rotary)(config=model.config)
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    for module in model.modules():  # buffers computed at build time (rotary frequencies, scales)
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
+    stack = find_layout(model).stack + "."
     leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                 if t.is_meta and not n.startswith("model.layers.")]
+                 if t.is_meta and not n.startswith(stack)]
     if leftovers:
         raise StoreError(f"store {store} left these tensors unset: {leftovers[:5]}; the store is incomplete.")
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _set_tensor(model: nn.Module, path: str, tensor: torch.Tensor) -> None:
+    """Put a loaded tensor in place of the meta parameter or buffer at ``path``."""
+    parent, _, attr = path.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        raise StoreError(f"the store holds {path}, which this model does not have; the store belongs to another "
+                         "model or transformers version. Re-run `airquant shard`.")
 
 
 def _cast_dense(entry: ShardEntry, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -138,9 +171,14 @@ class StreamedLayer(nn.Module):
         self.layer = layer
         self.index = index
         self.streamer = streamer
-        # Some decoder stacks (Qwen2, Mistral) pick their mask by the layer's attention type.
-        if hasattr(layer, "attention_type"):
-            self.attention_type = layer.attention_type
+
+    def __getattr__(self, name: str):
+        # Decoder stacks read attributes of their blocks (attention_type, layer_type, is_sliding ...)
+        # to pick masks and caches: answer them from the wrapped block.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
 
     def forward(self, *args, **kwargs):
         tensors = self.streamer.fetch(self.index)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from airquant.errors import ChecksumError, StoreError
+from airquant.layout import group_order
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -28,6 +29,9 @@ class ShardEntry:
     sha256: str
     tensors: dict[str, dict]  # name -> {"dtype", "shape", "scheme"}
     modules: dict[str, dict] = field(default_factory=dict)  # quantized module -> scheme meta
+    # Mixture-of-Experts layers: {"num", "top_k", "tensors": [...], "ranges": [[[start, end], ...] per expert]},
+    # byte ranges inside the shard's data section (what an expert-aware reader fetches alone).
+    experts: dict = field(default_factory=dict)
 
     @property
     def is_layer(self) -> bool:
@@ -44,13 +48,12 @@ class Manifest:
     shards: dict[str, ShardEntry] = field(default_factory=dict)
     complete: bool = False
     synthetic: bool = False
+    layout: dict | None = None  # airquant.layout.Layout; None: the Llama layout of older stores
     format_version: int = FORMAT_VERSION
     tool_version: str = ""
 
     @property
     def layer_order(self) -> list[str]:
-        from airquant.models import group_order
-
         return group_order(self.num_layers, self.tied_lm_head)
 
     @property

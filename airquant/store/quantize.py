@@ -17,23 +17,18 @@ import re
 import shutil
 import tempfile
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from airquant.errors import AirQuantError
+from airquant.layout import expert_modules, linear_modules, moe_counts
 from airquant.models import ModelSource, gguf_refs
 from airquant.store.split import GroupTransform
 
 log = logging.getLogger(__name__)
 
-_STREAMED_NAME = re.compile(r"^model\.layers\.(\d+)\.layer\.")
-
-
-def linear_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Modules of a decoder layer that are linears: a 2-D ``weight`` (norms are 1-D)."""
-    return sorted(k[: -len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2)
 
 
 def quant_record(spec) -> dict:
@@ -59,26 +54,47 @@ def make_transform(source: ModelSource, spec=None, *, act_scales: dict | None = 
             raise AirQuantError(f"--quant keep keeps a GGUF file's own blocks; {source.spec} is not a .gguf file. "
                                 "Use --quant nf4 or int2 for other sources.")
         return _gguf_keep_transform(source), quant_record(spec)
-    return _quantize_transform(spec, act_scales or {}, hessians or {}), quant_record(spec)
+    return _quantize_transform(source, spec, act_scales or {}, hessians or {}), quant_record(spec)
 
 
-def _quantize_transform(spec, act_scales: dict, hessians: dict) -> GroupTransform:
+def expert_params(block: torch.nn.Module, num_experts: int) -> dict[str, bool]:
+    """Fused 3-D expert weights of a decoder block: name -> stored transposed ([E, in, out], gpt-oss)."""
+    out = {}
+    for module_name in expert_modules(block):
+        module = block.get_submodule(module_name)
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 3 and p.shape[0] == num_experts:
+                out[f"{module_name}.{name}"] = bool(getattr(module, "is_transposed", False))
+    return out
+
+
+def _quantize_transform(source: ModelSource, spec, act_scales: dict, hessians: dict) -> GroupTransform:
     from airquant.quant import quantize_linear
+    from airquant.quant.experts import quantize_experts
     from airquant.store.head import quantize_head
+
+    counts = moe_counts(source.config)
+    # Error feedback needs each expert's own Hessian, which calibration does not collect: experts get plain int2.
+    expert_spec = replace(spec, error_feedback=False)
 
     def transform(group: str, tensors: dict[str, torch.Tensor]):
         if group == "lm_head":
             return quantize_head(tensors["weight"], spec)
         if not group.startswith("layer."):
             return tensors, {}
-        prefix = f"model.layers.{group.split('.')[1]}."
+        prefix = source.layout.full_name(group, "")
+        block = source.block(group)
         out, modules = dict(tensors), {}
-        for m in linear_names(tensors):
+        for m in linear_modules(block, source.config):
             weight = out.pop(f"{m}.weight")
             packed, meta = quantize_linear(spec, weight, act_scale=act_scales.get(prefix + m),
                                            hessian=hessians.get(prefix + m))
             out.update({f"{m}.{s}": t.contiguous() for s, t in packed.items()})
             modules[m] = {**meta, "tensors": sorted(packed)}
+        for name, transposed in (expert_params(block, counts[0]) if counts else {}).items():
+            packed, meta = quantize_experts(expert_spec, out.pop(name), transposed=transposed)
+            out.update({f"{name}.{s}": t for s, t in packed.items()})
+            modules[name] = {**meta, "tensors": sorted(packed)}
         return out, modules
 
     return transform
@@ -161,10 +177,11 @@ def calibrate(source: ModelSource, spec, *, device: str = "cpu", n_tokens: int =
         engine.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _plain_names(scales), _plain_names(hess)
+    return _plain_names(scales, source), _plain_names(hess, source)
 
 
-def _plain_names(stats: dict) -> dict:
-    """Hook names seen through the streamed wrapper (``model.layers.N.layer.x``) as checkpoint names."""
-    return {_STREAMED_NAME.sub(r"model.layers.\1.", k): v for k, v in stats.items()}
+def _plain_names(stats: dict, source: ModelSource) -> dict:
+    """Hook names seen through the streamed wrapper (``<stack>.N.layer.x``) as the model's names."""
+    streamed = re.compile(rf"^{re.escape(source.layout.stack)}\.(\d+)\.layer\.")
+    return {streamed.sub(rf"{source.layout.stack}.\1.", k): v for k, v in stats.items()}
 

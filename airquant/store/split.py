@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import shutil
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from airquant import __version__
 from airquant.errors import DiskSpaceError, StoreError
+from airquant.layout import MoEInfo
 from airquant.models import ModelSource
 from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest,
                                      save_manifest, sha256_file)
@@ -51,7 +53,7 @@ def estimate_bytes(source: ModelSource, dtype: str, bytes_per_weight: float | No
     per = bytes_per_weight if bytes_per_weight is not None else DTYPES[dtype].itemsize
     total = 0
     for tensors in source.group_shapes().values():
-        for shape, _ in tensors.values():
+        for shape in tensors.values():
             n = 1
             for d in shape:
                 n *= d
@@ -101,15 +103,24 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) 
 
 
 def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modules: dict[str, dict],
-                schemes: dict[str, str]) -> ShardEntry:
+                schemes: dict[str, str], moe: MoEInfo | None = None) -> ShardEntry:
     """Serialize, hash and atomically write one shard; returns its manifest entry."""
     data = st_save(tensors, metadata={"airquant_group": group})
     file = shard_file(group)
     atomic_write_bytes(store / file, data)
     meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                 "scheme": schemes.get(k, "dense")} for k, v in tensors.items()}
+    experts = moe.record(tensors, data_offsets(data)) if moe is not None else {}
     return ShardEntry(group=group, file=file, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                      tensors=meta, modules=modules)
+                      tensors=meta, modules=modules, experts=experts)
+
+
+def data_offsets(data: bytes) -> dict[str, tuple[int, int]]:
+    """Each tensor's [start, end) inside a serialized safetensors file's data section."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: tuple(v["data_offsets"]) for k, v in header.items()}
 
 
 def _save_side_files(store: Path, source: ModelSource) -> None:
@@ -138,7 +149,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
     manifest = Manifest(source=identity, dtype=dtype, quant=quant, num_layers=source.num_layers,
-                        tied_lm_head=source.tied, tool_version=__version__)
+                        tied_lm_head=source.tied, tool_version=__version__, layout=source.layout.to_dict())
     keep = {g: e for g, e in (old.shards.items() if old else []) if _verified(store, e)}
     remaining = estimate_bytes(source, dtype, bytes_per_weight) - sum(e.bytes for e in keep.values())
     _check_disk(store, max(remaining, 0))
@@ -155,7 +166,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
                 tensors, modules = transform(group, tensors)
             schemes = {f"{m}.{s}": meta["scheme"] for m, meta in modules.items() for s in meta.get("tensors", [])}
             tensors = _cast(tensors, DTYPES[dtype], keep=set(schemes))
-            manifest.shards[group] = write_shard(store, group, tensors, modules, schemes)
+            manifest.shards[group] = write_shard(store, group, tensors, modules, schemes, source.moe_info(group))
             save_manifest(store, manifest)
             bar.update(1)
     bar.close()

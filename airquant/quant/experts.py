@@ -1,0 +1,84 @@
+"""Quantized Mixture-of-Experts weights: one compressed matrix per expert, stacked along a leading dim.
+
+transformers 5 keeps a layer's experts as fused 3-D parameters (``gate_up_proj[E, 2I, H]``,
+``down_proj[E, H, I]``) and every family's experts forward reads them one expert at a time
+(``self.gate_up_proj[expert_idx]``). ``ExpertWeights`` takes that parameter's place: indexing it
+dequantizes that one expert into the compute dtype, so transformers' own expert code (activation,
+gating, biases, routing weights) runs unchanged for every family and only routed experts are decoded.
+
+Stored tensors are the per-expert outputs of ``quantize_linear`` stacked on dim 0
+(``<param>.<suffix>`` of shape ``[E, ...]``), so each expert's bytes are one contiguous slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from airquant.quant import make_linear, quantize_linear
+from airquant.quant.spec import QuantSpec
+
+
+def quantize_experts(spec: QuantSpec, weight: torch.Tensor, *, transposed: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """Quantize a fused [E, a, b] expert parameter one expert at a time.
+
+    ``transposed`` (transformers' ``is_transposed``, gpt-oss) means each expert is stored [in, out]; it is
+    quantized as [out, in] so int2's groups and outlier channels run along the input dimension.
+    """
+    per = [quantize_linear(spec, w.t() if transposed else w) for w in weight]
+    metas = {repr(sorted(m.items())) for _, m in per}
+    if len(metas) != 1:
+        raise ValueError(f"experts of one tensor quantized with different settings: {metas}")
+    out_f, in_f = (weight.shape[2], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[2])
+    tensors = {s: torch.stack([t[s] for t, _ in per]).contiguous() for s in per[0][0]}
+    meta = {**per[0][1], "experts": int(weight.shape[0]), "shape": [int(out_f), int(in_f)],
+            "transposed": transposed}
+    return tensors, meta
+
+
+class _Dequantize(nn.Module):
+    """Calls ``dequantize`` of the one-expert module it holds (``functional_call`` runs ``forward``)."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self) -> torch.Tensor:
+        return self.linear.dequantize()
+
+
+class ExpertWeights(nn.Module):
+    """Stands in for a fused expert parameter; ``self[e]`` is expert e's dense matrix in the compute dtype."""
+
+    def __init__(self, meta: dict, *, compute_dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, (self.out_features, self.in_features) = meta["experts"], meta["shape"]
+        self.transposed, self.compute_dtype = meta["transposed"], compute_dtype
+        one = _Dequantize(make_linear(meta, self.in_features, self.out_features, False,
+                                      compute_dtype=compute_dtype))
+        # A plain attribute, not a submodule: the stacked buffers below are the state, the template has none.
+        self.one, self.suffixes = [one], [name for name, _ in one.linear.named_buffers()]
+        for name, buf in one.linear.named_buffers():
+            self.register_buffer(name, torch.empty((self.num_experts, *buf.shape), dtype=buf.dtype,
+                                                   device=buf.device))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        e = int(index)
+        slices = {f"linear.{name}": getattr(self, name)[e] for name in self.suffixes}
+        w = torch.func.functional_call(self.one[0], slices, ()).to(self.compute_dtype)  # [out, in]
+        return w.t() if self.transposed else w
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    @property
+    def shape(self) -> torch.Size:
+        inner = (self.in_features, self.out_features) if self.transposed else (self.out_features, self.in_features)
+        return torch.Size((self.num_experts, *inner))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, shape={tuple(self.shape)}, scheme={type(self.one[0].linear).__name__}"

@@ -1,0 +1,77 @@
+"""Tiny random models of many transformers causal-LM types, saved as real checkpoints.
+
+``MODEL_TYPES`` is the list of types the test matrix streams; the README's supported-types list is
+generated from it (``python -m tests.zoo``). A type is added by adding its name here (and, when its
+config needs other small sizes, an entry in ``OVERRIDES``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Dense families.
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+               "cohere2", "starcoder2", "smollm3", "glm4", "glm", "olmo3", "stablelm", "exaone4", "seed_oss",
+               "ministral", "helium", "arcee", "apertus", "hunyuan_v1_dense", "ernie4_5", "phi")
+# Mixture-of-Experts families.
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "deepseek_v2",
+             "glm4_moe", "olmoe", "granitemoe", "phimoe", "dots1", "ernie4_5_moe", "minimax", "hunyuan_v1_moe",
+             "flex_olmo")
+# Hybrid stacks: attention beside linear-attention / state-space blocks with a recurrent state.
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "nemotron_h")
+MODEL_TYPES = DENSE_TYPES + MOE_TYPES
+
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+    first_k_dense_replace=1, sliding_window=8, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, mamba_n_heads=4, mamba_d_head=16,
+    mamba_d_state=8, mamba_n_groups=1, ssm_state_size=8, mamba_d_conv=4, decoder_sparse_step=1,
+)
+# MLA attention ropes qk_rope_head_dim channels; the layer pattern of Qwen3.5 / Qwen3-Next puts full
+# attention at every fourth block.
+OVERRIDES: dict[str, dict] = {
+    "deepseek_v2": dict(head_dim=8, num_key_value_heads=4), "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
+    "qwen3_5_text": dict(num_hidden_layers=4), "qwen3_5_moe_text": dict(num_hidden_layers=4),
+    "qwen3_next": dict(num_hidden_layers=4),
+}
+
+
+def tiny_config(model_type: str, tokenizer, *, layers: int = 3, **over):
+    """The type's config class with small sizes, token ids from ``tokenizer``."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    kw = {k: v for k, v in SMALL.items() if hasattr(base, k)}
+    kw.update(num_hidden_layers=layers, vocab_size=len(tokenizer), tie_word_embeddings=False,
+              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id)
+    kw.update(OVERRIDES.get(model_type, {}))
+    kw.update(over)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def make_model(folder: Path, tokenizer, model_type: str, *, seed: int = 0, **over) -> Path:
+    """Build the tiny model with random weights, save it with ``save_pretrained``; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, **over), dtype=torch.float32)
+    # Random init gives near-uniform logits; a larger spread makes greedy decoding less tie-prone.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+if __name__ == "__main__":  # the README's list
+    print("Dense:", ", ".join(DENSE_TYPES))
+    print("Mixture-of-Experts:", ", ".join(MOE_TYPES))
+    print("Hybrid:", ", ".join(HYBRID_TYPES))
