@@ -50,10 +50,10 @@ class _ChunkedMLP:
     def __init__(self, forward, chunk: int):
         self.forward, self.chunk = forward, chunk
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= self.chunk:
-            return self.forward(x)
+        if args or kwargs or flat.shape[0] <= self.chunk:  # an MLP of more inputs (Bloom's residual): whole
+            return self.forward(x, *args, **kwargs)
         first = self.forward(flat[: self.chunk])
         if not isinstance(first, torch.Tensor):  # a block that also returns router logits: left whole
             return self.forward(x)

@@ -159,3 +159,17 @@ def test_unsupported_type_is_refused_and_nothing_is_written(tmp_path, capsys, co
     assert not store.exists() or not any(store.iterdir())
     with pytest.raises(UnsupportedModelError, match=says):
         resolve(str(folder))
+
+
+def test_readme_lists_the_tested_types():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    listed = re.search(r"<!-- model-types:begin -->\n```text\n(.*?)\n```\n<!-- model-types:end -->", readme, re.S)
+    generated = subprocess.run([sys.executable, "-m", "tests.zoo"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    assert listed and listed.group(1) == generated, "README's model list is stale: regenerate it (python -m tests.zoo)"
