@@ -112,8 +112,12 @@ class NF4Linear(nn.Module):
         return out.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] weight in compute_dtype, decoded with torch ops from the buffers."""
+        """[out, in] weight in compute_dtype: bitsandbytes' kernel on CUDA, torch ops from the buffers elsewhere
+        (bitsandbytes' CPU decode shares the straddling-block fault of its CPU matmul)."""
         state = self.quant_state()
+        if self.weight_packed.is_cuda:
+            return _bnb().functional.dequantize_4bit(self.weight_packed, state).reshape(
+                self.out_features, self.in_features)
         absmax = state.absmax
         if self.double_quant:
             absmax = _bnb().functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
