@@ -112,6 +112,12 @@ def cmd_info(args) -> int:
     print(f"model      : {src.get('name')} ({src.get('model_type')}, from {src.get('kind')} '{src.get('spec')}')")
     print(f"scheme     : {manifest.scheme} (dtype {manifest.dtype}, quant {manifest.quant.get('method')})")
     print(f"layers     : {manifest.num_layers}, lm_head {'tied to embeddings' if manifest.tied_lm_head else 'own'}")
+    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
+    if moe:
+        ex = moe[0].experts
+        per_layer = [sum(end - start for r in e.experts["ranges"] for start, end in r) for e in moe]
+        print(f"experts    : {len(moe)} MoE layers, {ex['num']} experts each, {ex['top_k']} routed per token; "
+              f"{min(per_layer) / 1e6:.2f}-{max(per_layer) / 1e6:.2f} MB of experts per layer")
     print(f"complete   : {manifest.complete}{'  (synthetic weights: speed figures only)' if manifest.synthetic else ''}")
     sizes = manifest.layer_bytes if manifest.complete else [e.bytes for e in manifest.shards.values() if e.is_layer]
     if sizes:

@@ -173,3 +173,12 @@ def test_readme_lists_the_tested_types():
     generated = subprocess.run([sys.executable, "-m", "tests.zoo"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.strip()
     assert listed and listed.group(1) == generated, "README's model list is stale: regenerate it (python -m tests.zoo)"
+
+
+def test_info_shows_the_experts_of_a_moe_store(tmp_path, real_tokenizer, capsys):
+    from airquant.cli import main
+
+    _, store = _shard(tmp_path, real_tokenizer, "mixtral")
+    assert main(["info", "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "3 MoE layers, 4 experts each, 2 routed per token" in out
