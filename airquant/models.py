@@ -81,6 +81,11 @@ class ModelSource:
         modules = expert_modules(self.block(group))
         return MoEInfo(num=counts[0], top_k=counts[1], modules=tuple(modules)) if modules else None
 
+    def check_tensors(self) -> None:
+        """Map every checkpoint name now, so a checkpoint AirQuant cannot take is refused before anything is written."""
+        if self._index:
+            self._targets  # noqa: B018 - computing it raises the clear error
+
     @property
     def tied(self) -> bool:
         """lm_head shares the embedding (declared, or a checkpoint that simply has no lm_head)."""
@@ -318,6 +323,12 @@ def _read_tensor(file: Path, name: str) -> torch.Tensor:
     return torch.load(file, map_location="cpu", weights_only=True, mmap=True)[name].clone()
 
 
+# GGUF tensors that transformers concatenates into one parameter, by their position along its output rows
+# (dim -2): the MoE tensor processors (qwen2moe, qwen3moe, minimax-m2) build ``experts.gate_up_proj`` as
+# ``ffn_gate_exps`` then ``ffn_up_exps``.
+GGUF_FUSED_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1}
+
+
 @dataclass(frozen=True)
 class GGUFTensorRef:
     """One GGUF tensor, still memory-mapped: its raw block bytes and what to call it in transformers."""
@@ -325,12 +336,19 @@ class GGUFTensorRef:
     hf_name: str
     gguf_name: str
     ggml_type: int
-    shape: tuple[int, ...]  # transformers' [out, in] order
+    shape: tuple[int, ...]  # transformers' [out, in] order ([E, out, in] for stacked experts)
     data: object  # numpy view of the raw bytes in the memory-mapped file
 
 
-def gguf_refs(src: ModelSource) -> tuple[dict[str, list[GGUFTensorRef]], object]:
-    """GGUF tensors by store group (nothing read yet) and transformers' tensor processor for the arch."""
+GGUFGroup = dict[str, tuple[GGUFTensorRef, ...]]  # name in the group -> its GGUF tensors, in concatenation order
+
+
+def gguf_refs(src: ModelSource) -> tuple[dict[str, GGUFGroup], object]:
+    """GGUF tensors by store group (nothing read yet) and transformers' tensor processor for the arch.
+
+    Each model tensor maps to one GGUF tensor, or to the several that transformers concatenates along
+    dim -2 (``GGUF_FUSED_PARTS``), listed in that order.
+    """
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint)
@@ -340,16 +358,32 @@ def gguf_refs(src: ModelSource) -> tuple[dict[str, list[GGUFTensorRef]], object]
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
     mapping = get_gguf_hf_weights_map(src.skeleton, processor)
-    groups: dict[str, list[GGUFTensorRef]] = defaultdict(list)
+    found: dict[str, dict[str, list[GGUFTensorRef]]] = defaultdict(lambda: defaultdict(list))
     for t in reader.tensors:
-        hf = mapping.get(t.name)
+        stem = t.name.removesuffix(".weight")
+        # Fused expert parameters have no ``.weight`` suffix, so transformers maps their parts without one.
+        hf = mapping.get(t.name) or mapping.get(stem)
         g = src.layout.group_of(hf) if hf else None
         if g is None:
             log.debug("skipping GGUF tensor %s", t.name)
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        groups[g[0]].append(GGUFTensorRef(g[1], t.name, int(t.tensor_type), shape, t.data))
-    return dict(groups), processor
+        found[g[0]][g[1]].append(GGUFTensorRef(g[1], t.name, int(t.tensor_type), shape, t.data))
+    return {group: {name: _fused_order(parts, src.path) for name, parts in names.items()}
+            for group, names in found.items()}, processor
+
+
+def _fused_order(parts: list[GGUFTensorRef], path: Path) -> tuple[GGUFTensorRef, ...]:
+    """The GGUF tensors of one model tensor in the order transformers concatenates them."""
+    if len(parts) == 1:
+        return tuple(parts)
+    order = [GGUF_FUSED_PARTS.get(r.gguf_name.removesuffix(".weight").rpartition(".")[2]) for r in parts]
+    if set(order) != set(range(len(parts))):
+        raise UnsupportedModelError(
+            f"{path}: GGUF tensors {[r.gguf_name for r in parts]} all load into {parts[0].hf_name}, in an order "
+            f"AirQuant does not know (known parts: {GGUF_FUSED_PARTS}); shard the model from its safetensors "
+            "checkpoint instead.")
+    return tuple(parts[order.index(i)] for i in range(len(parts)))
 
 
 def dequantize_ref(ref: GGUFTensorRef, processor) -> torch.Tensor:
@@ -363,13 +397,30 @@ def dequantize_ref(ref: GGUFTensorRef, processor) -> torch.Tensor:
     return torch.from_numpy(np.array(weights, dtype=weights.dtype, copy=True)).reshape(ref.shape)
 
 
+def dequantize_parts(parts: tuple[GGUFTensorRef, ...], processor) -> torch.Tensor:
+    """A model tensor from its GGUF tensors: one, or the parts transformers concatenates along dim -2."""
+    if len(parts) == 1:
+        return dequantize_ref(parts[0], processor)
+    return torch.cat([dequantize_ref(r, processor) for r in parts], dim=-2)  # e.g. [E, 2I, H] from two [E, I, H]
+
+
 def _gguf_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     groups, processor = gguf_refs(src)
+    params: dict[str, set[str]] = defaultdict(set)
+    for name, _ in src.skeleton.named_parameters():
+        g = src.layout.group_of(name)
+        if g is not None:
+            params[g[0]].add(g[1])
     for group in group_order(src.num_layers, tied=src.tied):
         refs = groups.get(group)
         if not refs:
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the GGUF file is incomplete.")
-        yield group, {r.hf_name: dequantize_ref(r, processor) for r in refs}
+        missing = sorted(params[group] - set(refs))
+        if missing:  # a layer run without them would fail only at generation time
+            raise UnsupportedModelError(
+                f"{src.path}: no GGUF tensor maps to {missing} of {group} through transformers' GGUF name map "
+                f"for {src.config.model_type}; shard the model from its safetensors checkpoint instead.")
+        yield group, {name: dequantize_parts(parts, processor) for name, parts in refs.items()}
 
 
 def _download(repo_id: str) -> Path:

@@ -2,9 +2,12 @@
 
 A kept linear stores one tensor, ``weight_blocks`` uint8 [out, (in / block) * type_size]: row n is the
 row of GGUF blocks of output feature n exactly as in the file (GGUF blocks run along the input
-dimension). ``module_meta`` records the ggml type by name. The dequantization below follows the
-block layouts of ggml-quants.c and reproduces ``gguf.quants.dequantize`` bit for bit (same fp32
-operations in the same order), which the tests check.
+dimension). ``module_meta`` records the ggml type by name. Fused MoE experts keep one such tensor per
+expert, stacked [E, out, row_bytes] as ``airquant.quant.experts`` stores them; a parameter transformers
+concatenates from several GGUF tensors along its output rows (``gate_up_proj`` from ``ffn_gate_exps``
+and ``ffn_up_exps``) is the concatenation of their packed rows, since whole rows are whole blocks.
+The dequantization below follows the block layouts of ggml-quants.c and reproduces
+``gguf.quants.dequantize`` bit for bit (same fp32 operations in the same order), which the tests check.
 
 llama.cpp's converter permutes the rows of the Q and K projections of llama models (per head, the
 two rotary halves are interleaved). Since that is a permutation of whole output rows, the store can
@@ -40,6 +43,11 @@ GGUF_LLAMA_LINEARS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+def keepable_type(ggml_type: int) -> str | None:
+    """The name of a ggml type id whose blocks can be kept, None for the others (F32, F16, IQ*, ...)."""
+    return next((name for name, (type_id, _, _) in GGUF_TYPES.items() if type_id == int(ggml_type)), None)
 
 
 def ggml_type_name(ggml_type) -> str:
@@ -81,6 +89,30 @@ def gguf_linear_tensors(
     if row_perm is not None:
         blocks = blocks[row_perm].contiguous()
     return {"weight_blocks": blocks}, {"scheme": "gguf", "ggml_type": name}
+
+
+def gguf_expert_tensors(
+    parts: list[tuple[np.ndarray, tuple[int, int, int]]], ggml_type
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Keep a fused [E, out, in] expert parameter's GGUF blocks, in ``quantize_experts``' layout.
+
+    ``parts`` are (raw bytes, [E, out_i, in] shape) of the GGUF tensors that make the parameter, in the
+    order transformers concatenates them along ``out`` (one part for ``down_proj``; gate then up for
+    ``gate_up_proj``), all of type ``ggml_type``. Expert e's rows are then one ``GGUFLinear``'s
+    ``weight_blocks`` and dequantize to transformers' ``param[e]``.
+    """
+    num, _, in_f = parts[0][1]
+    if any((shape[0], shape[2]) != (num, in_f) for _, shape in parts):
+        raise UnsupportedModelError(f"GGUF expert tensors of shapes {[s for _, s in parts]} cannot be "
+                                    "concatenated into one [E, out, in] parameter")
+    stacked = []
+    for raw, (_, out_i, _) in parts:
+        tensors, meta = gguf_linear_tensors(raw, ggml_type, (num * out_i, in_f))
+        stacked.append(tensors["weight_blocks"].reshape(num, out_i, -1))  # [E, out_i, row_bytes]
+    blocks = torch.cat(stacked, dim=1) if len(stacked) > 1 else stacked[0]
+    out_f = int(blocks.shape[1])
+    return {"weight_blocks": blocks.contiguous()}, {**meta, "experts": int(num), "shape": [out_f, int(in_f)],
+                                                     "transposed": False}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -118,32 +118,47 @@ def _prequant_transform(detected: dict) -> GroupTransform:
 
 
 def _gguf_keep_transform(source: ModelSource) -> GroupTransform:
+    """Linears and fused experts whose GGUF tensors are all of one keepable type stay as their blocks;
+    everything else (norms, routers, F16/F32 or other-typed weights) is stored dequantized."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    from airquant.quant.gguf_keep import GGUF_TYPES, ggml_type_name, gguf_linear_tensors, llama_qk_row_permutation
+    from airquant.quant.gguf_keep import (gguf_expert_tensors, gguf_linear_tensors, keepable_type,
+                                          llama_qk_row_permutation)
 
     refs, processor = gguf_refs(source)
     # transformers un-permutes llama.cpp's q/k row order only for llama-family files; so must we.
     permute = isinstance(processor, TENSOR_PROCESSORS["llama"])
     heads = {"self_attn.q_proj": source.config.num_attention_heads,
              "self_attn.k_proj": source.config.num_key_value_heads}
+    counts = moe_counts(source.config)
 
     def transform(group: str, tensors: dict[str, torch.Tensor]):
         if not group.startswith("layer."):
             return tensors, {}
+        block = source.block(group)
+        linears = set(linear_modules(block, source.config))
+        experts = expert_params(block, counts[0]) if counts else {}
         out, modules = dict(tensors), {}
-        for ref in refs.get(group, []):
-            module = ref.hf_name.removesuffix(".weight")
-            if not ref.hf_name.endswith(".weight") or len(ref.shape) != 2:
+        for name, parts in refs.get(group, {}).items():
+            module = name.removesuffix(".weight")
+            fused = name in experts and not experts[name]  # transposed (gpt-oss) experts stay dense
+            if not fused and not (module in linears and name.endswith(".weight") and len(parts) == 1):
+                continue  # norms, routers: dense
+            types = {keepable_type(r.ggml_type) for r in parts}
+            if len(types) != 1 or None in types:
+                log.info("%s: GGUF types %s are not kept packed; stored dequantized", name,
+                         [r.ggml_type for r in parts])
                 continue
-            if ggml_type_name(ref.ggml_type) not in GGUF_TYPES:
-                log.info("%s: GGUF type %s is not kept packed; stored dequantized", ref.gguf_name, ref.ggml_type)
-                continue
-            perm = llama_qk_row_permutation(ref.shape[0], heads[module]) if permute and module in heads else None
-            packed, meta = gguf_linear_tensors(ref.data, ref.ggml_type, ref.shape, row_perm=perm)
-            del out[ref.hf_name]
-            out.update({f"{module}.{s}": t for s, t in packed.items()})
-            modules[module] = {**meta, "tensors": sorted(packed)}
+            if fused:
+                packed, meta = gguf_expert_tensors([(r.data, r.shape) for r in parts], types.pop())
+            else:
+                ref = parts[0]
+                perm = llama_qk_row_permutation(ref.shape[0], heads[module]) if permute and module in heads else None
+                packed, meta = gguf_linear_tensors(ref.data, types.pop(), ref.shape, row_perm=perm)
+            del out[name]
+            key = name if fused else module
+            out.update({f"{key}.{s}": t for s, t in packed.items()})
+            modules[key] = {**meta, "tensors": sorted(packed)}
         return out, modules
 
     return transform

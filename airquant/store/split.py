@@ -148,6 +148,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     store.mkdir(parents=True, exist_ok=True)
     identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
+    source.check_tensors()
     manifest = Manifest(source=identity, dtype=dtype, quant=quant, num_layers=source.num_layers,
                         tied_lm_head=source.tied, tool_version=__version__, layout=source.layout.to_dict())
     keep = {g: e for g, e in (old.shards.items() if old else []) if _verified(store, e)}

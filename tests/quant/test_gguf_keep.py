@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from airquant.quant import make_linear
-from airquant.quant.gguf_keep import (GGUF_TYPES, dequantize_gguf, gguf_layer_linears, gguf_linear_tensors,
-                                      llama_qk_row_permutation)
+from airquant.quant.gguf_keep import (GGUF_TYPES, dequantize_gguf, gguf_expert_tensors, gguf_layer_linears,
+                                      gguf_linear_tensors, keepable_type, llama_qk_row_permutation)
 
 gguf = pytest.importorskip("gguf")
 
@@ -62,6 +62,27 @@ def test_module_forward_and_row_permutation():
     dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0))[perm]
     x = torch.randn(5, 64)
     torch.testing.assert_close(module(x), x @ dense.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_keepable_types():
+    assert keepable_type(gguf.GGMLQuantizationType.Q4_K) == "Q4_K" and keepable_type(8) == "Q8_0"
+    assert keepable_type(gguf.GGMLQuantizationType.F16) is None and keepable_type(0) is None  # F32
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_expert_parts_concatenate_as_packed_rows(name):
+    """gate [E, I, H] and up [E, I, H] kept as one [E, 2I, row_bytes]: expert e dequantizes to cat(gate[e], up[e])."""
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(3)
+    gate, up = (rng.standard_normal((3, 40, 96)).astype(np.float32) for _ in range(2))
+    raw = [gguf.quants.quantize(w, qtype) for w in (gate, up)]
+    tensors, meta = gguf_expert_tensors([(r, (3, 40, 96)) for r in raw], name)
+    assert meta == {"scheme": "gguf", "ggml_type": name, "experts": 3, "shape": [80, 96], "transposed": False}
+    one = make_linear(meta, 96, 80, False, compute_dtype=torch.float32)
+    for e in range(3):
+        one.load_state_dict({"weight_blocks": tensors["weight_blocks"][e]})
+        want = np.concatenate([gguf.quants.dequantize(r, qtype)[e] for r in raw])
+        assert torch.equal(one.dequantize(), torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("n_rows,n_head", [(576, 9), (192, 3), (64, 4)])
