@@ -14,7 +14,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property

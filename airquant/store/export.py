@@ -2,7 +2,10 @@
 
 The folder holds ``model-0000K-of-0000N.safetensors`` files of about ``max_file_bytes`` each with
 their ``model.safetensors.index.json``, the store's ``config.json`` and its tokenizer files, which is
-what ``transformers.AutoModelForCausalLM.from_pretrained`` and AirLLM's splitter read.
+what ``transformers.AutoModelForCausalLM.from_pretrained`` and AirLLM's splitter read. Tensor names are
+the ones ``save_pretrained`` writes: the store's layout gives the model's names, and transformers'
+``revert_weight_conversion`` splits fused experts back into the hub's per-expert tensors
+(Mixtral's ``block_sparse_moe.experts.N.w1``).
 """
 
 from __future__ import annotations
@@ -11,28 +14,15 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from airquant.errors import StoreError
+from airquant.layout import Layout, meta_model
 from airquant.store.manifest import load_manifest
 
-_PREFIX = {"embed": "model.embed_tokens.", "norm": "model.norm.", "lm_head": "lm_head."}
 
-
-def hf_name(group: str, name: str) -> str:
-    """The checkpoint name of tensor ``name`` of store group ``group``."""
-    if group.startswith("layer."):
-        return f"model.layers.{group.split('.')[1]}.{name}"
-    return _PREFIX[group] + name
-
-
-def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 * 10**9) -> Path:
-    """Write the dense store ``store`` as a Hugging Face folder; returns the folder."""
-    store, folder = Path(store), Path(folder)
-    manifest = load_manifest(store)
-    if any(e.modules for e in manifest.shards.values()):
-        raise StoreError(f"{store} holds quantized modules; only dense stores can be exported as a plain "
-                         "Hugging Face checkpoint.")
+def _file_groups(manifest, max_file_bytes: int) -> list[list[str]]:
     files: list[list[str]] = [[]]
     size = 0
     for group in manifest.layer_order:
@@ -42,6 +32,22 @@ def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 
             size = 0
         files[-1].append(group)
         size += nbytes
+    return files
+
+
+def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 * 10**9) -> Path:
+    """Write the dense store ``store`` as a Hugging Face folder; returns the folder."""
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    store, folder = Path(store), Path(folder)
+    manifest = load_manifest(store)
+    if any(e.modules for e in manifest.shards.values()):
+        raise StoreError(f"{store} holds quantized modules; only dense stores can be exported as a plain "
+                         "Hugging Face checkpoint.")
+    layout = Layout.from_dict(manifest.layout)
+    model = meta_model(AutoConfig.from_pretrained(store), torch.bfloat16)  # conversions are looked up per class
+    files = _file_groups(manifest, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for k, groups in enumerate(files, 1):
@@ -49,14 +55,16 @@ def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 
         tensors = {}
         for group in groups:
             for key, t in load_file(store / manifest.shards[group].file).items():
-                tensors[hf_name(group, key)] = t
+                tensors[layout.full_name(group, key)] = t
+        # Split experts are views of one fused tensor; safetensors writes only tensors that own their memory.
+        tensors = {n: t.clone() for n, t in revert_weight_conversion(model, tensors).items()}
         save_file(tensors, folder / name, metadata={"format": "pt"})
-        weight_map.update({key: name for key in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = json.loads((store / "config.json").read_text())
-    config.setdefault("architectures", ["LlamaForCausalLM"])
+    config.setdefault("architectures", [type(model).__name__])
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     for f in (store / "tokenizer").iterdir():
         shutil.copy2(f, folder / f.name)

@@ -136,3 +136,107 @@ def test_exported_hf_folder_holds_the_same_model(tmp_path, real_tokenizer):
     with torch.no_grad():
         want = model(**enc).logits
     torch.testing.assert_close(engine.forward(**enc), want, rtol=1e-4, atol=1e-4)
+
+
+# -- Mixture-of-Experts shapes ---------------------------------------------------------------------
+# 4 experts, 2 per token; each family's own fields small too (MLA ranks, Qwen3's explicit head_dim), and
+# DeepSeek's dense prefix cut to one layer so its second layer holds experts.
+TINY_MOE = TINY + (("experts", 4), ("top_k", 2))
+MOE_OVERRIDES = {
+    "mixtral-8x7b": TINY_MOE,
+    "qwen3-30b-a3b": TINY_MOE + (("head_dim", 16), ("moe_intermediate", 32)),
+    "gpt-oss-120b": TINY_MOE + (("head_dim", 16),),
+    "deepseek-v3": TINY_MOE + (("kv_heads", 4), ("moe_intermediate", 32), ("kv_lora_rank", 16), ("q_lora_rank", 32),
+                               ("qk_nope_head_dim", 8), ("qk_rope_head_dim", 8), ("v_head_dim", 16), ("n_group", 1),
+                               ("topk_group", 1), ("first_k_dense_replace", 1)),
+}
+
+
+def _data_bytes(store: Path, entry, start: int, end: int) -> bytes:
+    with open(store / entry.file, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header + start)
+        return f.read(end - start)
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ("mixtral-8x7b", "bfloat16"), pytest.param("mixtral-8x7b", "nf4", marks=needs_bnb),
+    pytest.param("qwen3-30b-a3b", "nf4", marks=needs_bnb), pytest.param("gpt-oss-120b", "nf4", marks=needs_bnb),
+    ("deepseek-v3", "bfloat16"),
+])
+def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_tokenizer, shape, dtype):
+    spec = SynthSpec(shape, dtype, layers=2, overrides=MOE_OVERRIDES[shape])
+    real = synth(spec, tmp_path / "real", tokenizer=real_tokenizer, progress=False)
+    twin = synth(spec, tmp_path / "twin", manifest_only=True, tokenizer=real_tokenizer, progress=False)
+    for group, entry in real.shards.items():
+        other = twin.shards[group]
+        assert (entry.bytes, entry.tensors, entry.modules, entry.experts) == \
+            (other.bytes, other.tensors, other.modules, other.experts)
+        assert (tmp_path / "real" / entry.file).stat().st_size == entry.bytes
+    assert real.source["model_type"] == json.loads((tmp_path / "real" / "config.json").read_text())["model_type"]
+    assert real.layout["stack"] == "model.layers" and set(real.shards["norm"].tensors) == {"weight"}
+    moe = [real.shards[f"layer.{i}"] for i in range(2) if real.shards[f"layer.{i}"].experts]
+    assert len(moe) == (1 if shape == "deepseek-v3" else 2)  # DeepSeek's first layer stays dense
+    entry = moe[-1]
+    assert (entry.experts["num"], entry.experts["top_k"], len(entry.experts["ranges"])) == (4, 2, 4)
+    if dtype == "nf4":
+        experts = {m: meta for m, meta in entry.modules.items() if "experts" in meta}
+        assert experts and all(m["scheme"] == "nf4" and m["experts"] == 4 for m in experts.values())
+        assert all(m["transposed"] == (shape == "gpt-oss-120b") for m in experts.values())
+    else:  # expert 1's first range holds exactly expert 1's slice of the first fused tensor in the file
+        name = entry.experts["tensors"][0]
+        tensor = load_file(tmp_path / "real" / entry.file)[name]
+        start, end = entry.experts["ranges"][1][0]
+        want = tensor[1].contiguous().view(torch.uint8).numpy().tobytes()
+        assert _data_bytes(tmp_path / "real", entry, start, end) == want
+    streamed = Engine.open(tmp_path / "real", device="cpu", max_ram_gb=0.0)
+    resident = Engine.open(tmp_path / "real", device="cpu", resident=True)
+    enc = streamed.encode(["The quick brown fox jumps over the lazy dog"])
+    a, b = streamed.forward(**enc), resident.forward(**enc)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "nf4"])
+def test_manifest_only_mixtral_bytes_match_the_shapes(tmp_path, real_tokenizer, dtype):
+    # Mixtral-8x7B: q,o [4096 x 4096], k,v [1024 x 4096], router [8 x 4096], 8 experts of gate_up [28672 x 4096]
+    # and down [4096 x 14336]; vocab 32000.
+    h, i, e, v = 4096, 14336, 8, 32000
+    attn = [h * h, 1024 * h, 1024 * h, h * h]
+    expert = 2 * 3 * i * h if dtype == "bfloat16" else _nf4_bytes(2 * i * h) + _nf4_bytes(h * i)
+    rest = 2 * sum(attn) if dtype == "bfloat16" else sum(_nf4_bytes(n) for n in attn)
+    m = synth(SynthSpec("mixtral-8x7b", dtype), tmp_path / dtype, manifest_only=True, tokenizer=real_tokenizer,
+              progress=False)
+    assert m.num_layers == 32 and m.source["model_type"] == "mixtral"
+    for k in range(32):
+        entry = m.shards[f"layer.{k}"]
+        data = sum(math.prod(t["shape"]) * torch.empty(0, dtype=getattr(torch, t["dtype"])).itemsize
+                   for t in entry.tensors.values())
+        assert data == rest + e * expert + 2 * (e * h + 2 * h)  # router and the two norms stay bf16
+        assert 8 < entry.bytes - data < 8192
+        assert (entry.experts["num"], entry.experts["top_k"]) == (8, 2)
+        assert [sum(b - a for a, b in r) for r in entry.experts["ranges"]] == [expert] * e
+    assert m.shards["embed"].tensors["weight"]["shape"] == [v, h]
+
+
+def test_manifest_only_deepseek_v3_keeps_its_dense_first_layers(tmp_path, real_tokenizer):
+    m = synth(SynthSpec("deepseek-v3", "nf4", layers=5), tmp_path / "ds", manifest_only=True,
+              tokenizer=real_tokenizer, progress=False)
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["first_k_dense_replace"], config["n_routed_experts"]) == (5, 3, 256)
+    assert [bool(m.shards[f"layer.{k}"].experts) for k in range(5)] == [False, False, False, True, True]
+    moe = m.shards["layer.3"]
+    assert len(moe.experts["ranges"]) == 256 and moe.experts["top_k"] == 8
+    assert "mlp.shared_experts.gate_proj" in moe.modules and "mlp.gate" not in moe.modules  # the router stays dense
+    assert m.layer_bytes[3] > 15 * m.layer_bytes[0]  # 256 experts of 3 x 2048 x 7168 against one 18432-wide MLP
+
+
+def test_cli_synth_moe_manifest_only_and_gptq_refusal(tmp_path, capsys):
+    store = tmp_path / "q"
+    assert main(["synth", "--shape", "qwen3-235b-a22b", "--dtype", "nf4", "--store", str(store), "--manifest-only",
+                 "--layers", "2", "--tokenizer", str(TOKENIZER_DIR)]) == 0
+    assert "qwen3-235b-a22b (nf4), 2 layers" in capsys.readouterr().out
+    assert load_manifest(store).shards["layer.1"].experts["num"] == 128
+    assert main(["synth", "--shape", "mixtral-8x7b", "--dtype", "gptq", "--store", str(tmp_path / "g"),
+                 "--manifest-only"]) == 2
+    err = capsys.readouterr().err
+    assert "Llama shapes only" in err and "llama3-70b" in err

@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""Mixture-of-Experts streaming: whole MoE layers over the pinned link, and AirLLM on the same Mixtral weights.
+
+One run measures the link and the systems on the same weights (random, in real shapes: speed does not
+depend on values), prints a short table last and merges its numbers into ``results/moe_bench.json``.
+Parts, each under 10 minutes on one H200 (run them as separate commands where a command may not run
+longer):
+
+* ``link``: pinned host->GPU copy bandwidth (1 GiB copies, median).
+* ``mixtral``: a Mixtral-8x7B-shaped NF4 store (26.5 GB, written on the GPU), every layer streamed
+  (``resident_layers=0``, embedding in host RAM), the GPU capped to 15 GB and to 4 GB: one decode step
+  (prompt 128) at batch 1, 64 and 256. A case that does not fit records its error instead of a time.
+* ``qwen3``: the same for a Qwen3-30B-A3B-shaped NF4 store (17.6 GB).
+* ``airllm``: a bf16 Mixtral-shaped store of ``--airllm-layers`` layers, exported as the hub's checkpoint
+  (per-expert ``block_sparse_moe.experts.N.w1`` names, as Mixtral is published), run by AirLLM 4.0.0, and
+  AirQuant bf16 and NF4 on the same layer count: the batch-1 decode step per layer. When AirLLM raises,
+  its exception text is the result.
+
+Link fraction = bytes of the layers streamed per step / step time / pinned link bandwidth. Caps are
+decimal GB (4 GB = 4e9 bytes). Stores are deleted after their part unless ``--keep-stores``, so the disk
+holds one at a time (at most 26.5 GB; the airllm part about 13 GB at 2 layers: two of the 6.3 GB bf16 store,
+its exported checkpoint and AirLLM's own split at once). ``--quick`` runs the whole flow on the CPU with
+tiny shapes (a test of the script, not a measurement).
+
+    python benchmarks/moe_bench.py --part link && python benchmarks/moe_bench.py --part mixtral \
+        && python benchmarks/moe_bench.py --part qwen3 && python benchmarks/moe_bench.py --part airllm
+"""
+
+from __future__ import annotations
+
+import os
+
+# Fewer, growable segments: a capped card (set_per_process_memory_fraction) is not lost to fragmentation.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airquant.engine.plan import PlanError  # noqa: E402
+from airquant.engine.profile import summarize  # noqa: E402
+from airquant.store.export import export_hf  # noqa: E402
+from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from benchmarks.stream_bench import (  # noqa: E402
+    GB, Bench, bench_device, cap_gpu, decode_step, finish_paths, free_gpu, hf_decode_step, len_vocab, open_engine,
+    part_link, prompt_ids, versions, write_results)
+
+log = logging.getLogger("moe_bench")
+TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9}  # minimums
+SHAPES = {"mixtral": ("mixtral-8x7b", "mixtral_nf4"), "qwen3": ("qwen3-30b-a3b", "qwen3_30b_a3b_nf4")}
+# --quick: two layers of small experts, as many per token as the real models route (2 of 8; 8 of 16 for Qwen3).
+_QUICK_BASE = (("hidden", 128), ("intermediate", 256), ("heads", 4), ("kv_heads", 2), ("vocab", 2048))
+QUICK = {"mixtral-8x7b": _QUICK_BASE,
+         "qwen3-30b-a3b": _QUICK_BASE + (("head_dim", 32), ("moe_intermediate", 64), ("experts", 16))}
+
+
+# -- stores ----------------------------------------------------------------------------------------
+def make_store(b: Bench, shape: str, dtype: str, layers: int | None) -> Path:
+    from transformers import AutoTokenizer
+
+    layers = 2 if b.quick else layers
+    spec = SynthSpec(shape, dtype, layers=layers, overrides=QUICK[shape] if b.quick else ())
+    path = b.store_path(f"{shape}-{dtype}" + (f"-{layers}L" if layers else ""))
+    tok = AutoTokenizer.from_pretrained(b.args.tokenizer) if b.args.tokenizer else None
+    start = time.perf_counter()
+    m = synth(spec, path, device=b.device.type, tokenizer=tok, progress=not b.quick)
+    log.info("store %s: %.2f GB in %.1f s", path, m.total_bytes / GB, time.perf_counter() - start)
+    return path
+
+
+# -- measurements ----------------------------------------------------------------------------------
+def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int) -> dict:
+    """One whole-layer-streamed decode step; a case that does not fit gives its error instead."""
+    a, link = b.args, b.results.get("link_pinned_gbps")
+    row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
+    engine = None
+    try:
+        engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
+                             context=a.prompt_len + a.steps + 3)
+        step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}")
+        gbps = step["bytes_per_step"] / step["step_s"] / GB
+        row.update(step_s=step["step_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
+                   bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
+                   link_fraction=gbps / link if link else None, kv_offload=engine.plan.kv_offload,
+                   peak_allocated_gb=step["peak_allocated_gb"], peak_reserved_gb=step["peak_reserved_gb"])
+    except (PlanError, torch.OutOfMemoryError) as exc:  # did not fit under this cap: planned or found out
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        if torch.cuda.is_available():
+            row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
+            row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        log.warning("%s cap %g GB batch %d: %s", model, cap_gb, batch, row["error"])
+    finally:  # unpins the RAM tier; open_engine frees the device before the next case
+        if engine is not None:
+            engine.close()
+    return row
+
+
+def part_whole_layer(b: Bench, name: str) -> None:
+    a, (shape, key) = b.args, SHAPES[name]
+    batches = (1, 2) if b.quick else tuple(int(x) for x in a.batches.split(","))
+    caps = tuple(float(x) for x in a.caps.split(","))
+    caps = caps[-1:] if b.quick else caps  # a cap means nothing on the CPU: one is enough to run the flow
+    store = make_store(b, shape, "nf4", a.layers)
+    rows = [measure(b, store, f"{shape} nf4", cap, n) for cap in caps for n in batches]
+    free_gpu()
+    b.drop(store)
+    b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), rows)
+    bs1 = [r for r in rows if r["batch"] == 1]
+    if bs1:  # the largest cap: every layer streams under each cap, the larger one leaves compute the most room
+        b.results[f"{key}_bs1_link_fraction"] = max(bs1, key=lambda r: r["cap_gb"]).get("link_fraction")
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """Rows of earlier runs, less the cases measured again, then the new rows (a rerun replaces its cases)."""
+    case = lambda r: (r["model"], r["cap_gb"], r["batch"])  # noqa: E731
+    fresh = {case(r) for r in new}
+    return [r for r in old if case(r) not in fresh] + new
+
+
+def run_airllm(b: Bench, folder: Path) -> dict:
+    """AirLLM 4.0.0's batch-1 decode step on the checkpoint, or the error it stopped with."""
+    try:
+        from airllm import AutoModel
+    except ImportError as exc:
+        return {"error": f"airllm is not installed ({exc}); pip install airllm==4.0.0"}
+    dev = "cuda:0" if b.device.type == "cuda" else "cpu"
+    ids = prompt_ids(len_vocab(folder), 1, b.args.prompt_len)
+    split_dir = b.store_path("airllm-split")
+    free_gpu()
+    cap_gpu(b.args.cap_airllm)
+    model = None
+    try:
+        model = AutoModel.from_pretrained(str(folder), compression=None, layer_shards_saving_path=str(split_dir),
+                                          device=dev)
+        row = hf_decode_step(model.generate, ids, 1 + b.args.airllm_steps, dev)
+        row["error"] = None
+    except Exception as exc:  # noqa: BLE001 - AirLLM's failure on this model is the measurement: recorded, not hidden
+        log.exception("AirLLM failed on %s", folder)
+        row = {"error": f"{type(exc).__name__}: {exc}"}
+    row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None
+    del model
+    free_gpu()
+    cap_gpu(None)
+    b.drop(split_dir)
+    return row
+
+
+def part_airllm(b: Bench) -> None:
+    a = b.args
+    layers = 2 if b.quick else a.airllm_layers
+    out: dict = {"layers": layers, "cap_gb": a.cap_airllm, "batch": 1}
+    bf16 = make_store(b, "mixtral-8x7b", "bfloat16", layers)
+    out["airquant_bf16"] = measure(b, bf16, "mixtral-8x7b bf16", a.cap_airllm, 1)
+    folder = export_hf(bf16, b.store_path("mixtral-8x7b-hf"))
+    b.drop(bf16)
+    out["airllm"] = run_airllm(b, folder)
+    b.drop(folder)
+    nf4 = make_store(b, "mixtral-8x7b", "nf4", layers)
+    out["airquant_nf4"] = measure(b, nf4, "mixtral-8x7b nf4", a.cap_airllm, 1)
+    b.drop(nf4)
+    for case in ("airquant_bf16", "airquant_nf4", "airllm"):
+        step = out[case].get("step_s")
+        out[case]["per_layer_s"] = step / layers if step else None
+    r = b.results
+    r["airllm_over_airquant_mixtral"] = _ratio(out["airllm"]["per_layer_s"], out["airquant_bf16"]["per_layer_s"])
+    r["airllm_over_airquant_mixtral_nf4"] = _ratio(out["airllm"]["per_layer_s"], out["airquant_nf4"]["per_layer_s"])
+    r["airllm_error"] = out["airllm"]["error"]
+    r.setdefault("details", {})["airllm"] = out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+# -- reporting -------------------------------------------------------------------------------------
+def check_targets(b: Bench) -> list[str]:
+    lines = []
+    for key, threshold in TARGETS.items():
+        value = b.results.get(key)
+        if value is None:
+            lines.append(f"  {key:<38} not measured")
+            continue
+        met = value >= threshold
+        lines.append(f"  {key:<38} {value:8.3f}  target >= {threshold:g}: {'met' if met else 'MISSED'}")
+        b.results.setdefault("targets", {})[key] = {"value": value, "target": threshold, "kind": "min", "met": met}
+    return lines
+
+
+def print_table(b: Bench) -> None:
+    r = b.results
+    fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
+    print(f"\nmoe_bench on {r.get('device')} ({'QUICK: tiny shapes, not a measurement' if b.quick else 'real shapes'})")
+    print(f"  pinned link {fmt(r.get('link_pinned_gbps'), '{:.1f}')} GB/s; every layer streamed, prompt "
+          f"{b.args.prompt_len}")
+    print(f"  {'model':<22}{'cap GB':>7}{'batch':>6}{'step s':>9}{'GB/step':>9}{'GB/s':>7}{'link':>6}{'peak GB':>8}")
+    for row in r.get("whole_layer", []):
+        line = (f"  {row['model']:<22}{row['cap_gb']:>7g}{row['batch']:>6}{fmt(row.get('step_s'), '{:.4f}'):>9}"
+                f"{fmt(row.get('bytes_per_step') and row['bytes_per_step'] / GB, '{:.2f}'):>9}"
+                f"{fmt(row.get('effective_gbps'), '{:.1f}'):>7}{fmt(row.get('link_fraction'), '{:.2f}'):>6}"
+                f"{fmt(row.get('peak_allocated_gb'), '{:.2f}'):>8}")
+        print(line + (f"  {row['error'][:70]}" if row.get("error") else ""))
+    air = r.get("details", {}).get("airllm")
+    if air:
+        print(f"  Mixtral-shaped, {air['layers']} layers, batch 1, cap {air['cap_gb']:g} GB: seconds per layer")
+        for case, label in (("airllm", "AirLLM 4.0.0"), ("airquant_bf16", "AirQuant bf16"),
+                            ("airquant_nf4", "AirQuant NF4")):
+            row = air[case]
+            print(f"    {label:<15}{fmt(row.get('per_layer_s'), '{:.4f}'):>9}"
+                  + (f"  {row['error'][:90]}" if row.get("error") else ""))
+        print(f"    AirLLM / AirQuant bf16: x{fmt(r.get('airllm_over_airquant_mixtral'), '{:.1f}')}")
+    print("targets:")
+    print("\n".join(check_targets(b)))
+    r["profiles"] = {**r.get("profiles", {}), **{case: summarize(rows) for case, rows in b.profiles.items()}}
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "airllm", "all"], default="all")
+    p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
+    p.add_argument("--results", default=None,
+                   help="folder of moe_bench.json (default: results/, or WORKDIR/results with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: tests the script")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--keep-stores", action="store_true", help="keep the stores (and reuse them next run)")
+    p.add_argument("--steps", type=int, default=4, help="timed decode steps per case (after one warm-up step)")
+    p.add_argument("--airllm-steps", type=int, default=2, help="timed AirLLM decode steps")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batches", default="1,64,256", help="batch sizes of the whole-layer parts")
+    p.add_argument("--caps", default="15,4", help="GPU caps (GB) of the whole-layer parts")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
+    p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
+    p.add_argument("--cap-airllm", type=float, default=15.0,
+                   help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
+    p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"),
+                   help="tokenizer folder for the stores (default: the SmolLM2 tokenizer shipped in tests/data)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.steps, args.airllm_steps = min(args.prompt_len, 8), min(args.steps, 2), 2
+    finish_paths(args)
+    if args.results is None:
+        args.results = str(Path(args.workdir) / "results") if args.quick else str(REPO / "results")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    device = bench_device(args)
+    out = Path(args.results) / "moe_bench.json"
+    b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
+    b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
+                     quick=args.quick, versions=versions())
+    parts = ["link", "mixtral", "qwen3", "airllm"] if args.part == "all" else [args.part]
+    if "link" not in parts and "link_pinned_gbps" not in b.results:
+        parts.insert(0, "link")  # every link fraction needs it measured on this machine
+    run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
+           "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm}
+    for part in parts:
+        start = time.perf_counter()
+        run[part](b)
+        b.results.setdefault("seconds", {})[part] = time.perf_counter() - start
+        write_results(b, out)
+    print_table(b)
+    write_results(b, out)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

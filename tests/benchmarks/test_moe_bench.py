@@ -1,0 +1,63 @@
+"""benchmarks/moe_bench.py end to end on tiny MoE shapes (CPU), and the hub-named checkpoint AirLLM reads."""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from airquant.engine.runner import Engine
+from airquant.store.synth import SynthSpec, synth
+from airquant.store.export import export_hf
+from benchmarks.moe_bench import QUICK, main, merge_rows
+
+CASES = {(f"{m} nf4", 4.0, n) for m in ("mixtral-8x7b", "qwen3-30b-a3b") for n in (1, 2)}  # --quick: one cap
+
+
+def test_quick_run_records_every_case(tmp_path, real_tokenizer):
+    work, out = tmp_path / "work", tmp_path / "results"
+    assert main(["--quick", "--workdir", str(work), "--results", str(out)]) == 0
+    r = json.loads((out / "moe_bench.json").read_text())
+    assert r["synthetic"] and r["quick"] and r["link_pinned_gbps"] > 0
+    assert {(x["model"], x["cap_gb"], x["batch"]) for x in r["whole_layer"]} == CASES
+    for row in r["whole_layer"]:
+        assert row["error"] is None and row["step_s"] > 0 and row["effective_gbps"] > 0 and row["link_fraction"] > 0
+        assert {"peak_allocated_gb", "peak_reserved_gb", "bytes_per_step", "kv_offload"} <= set(row)
+    for shape, key in (("mixtral-8x7b", "mixtral_nf4"), ("qwen3-30b-a3b", "qwen3_30b_a3b_nf4")):
+        assert r[f"{key}_bs1_link_fraction"] > 0
+        # every layer streamed: a step moves exactly the layers' bytes, which --manifest-only predicts
+        twin = synth(SynthSpec(shape, "nf4", layers=2, overrides=QUICK[shape]), tmp_path / shape, manifest_only=True,
+                     tokenizer=real_tokenizer, progress=False)
+        moved = {x["bytes_per_step"] for x in r["whole_layer"] if x["model"] == f"{shape} nf4"}
+        assert moved == {sum(twin.layer_bytes)}
+    air = r["details"]["airllm"]
+    assert air["layers"] == 2 and air["airquant_bf16"]["per_layer_s"] > 0 and air["airquant_nf4"]["per_layer_s"] > 0
+    # AirLLM gives a time (and a ratio) or the error it stopped with, never neither
+    assert (r["airllm_over_airquant_mixtral"] is None) == (r["airllm_error"] is not None)
+    assert not [p for p in work.iterdir() if p.name != "results"]  # stores and the exported folder are dropped
+
+
+def test_exported_mixtral_checkpoint_has_the_hub_names_and_the_same_model(tmp_path, real_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    store = tmp_path / "s"
+    synth(SynthSpec("mixtral-8x7b", layers=2, overrides=QUICK["mixtral-8x7b"]), store, tokenizer=real_tokenizer,
+          progress=False)
+    folder = export_hf(store, tmp_path / "hf")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.block_sparse_moe.experts.7.w1.weight" in index and "model.norm.weight" in index
+    assert not [k for k in index if "gate_up_proj" in k or "mlp.experts" in k]  # per expert, as Mixtral is published
+    with safe_open(folder / index["model.layers.0.block_sparse_moe.experts.3.w2.weight"], "pt") as f:
+        assert f.get_slice("model.layers.0.block_sparse_moe.experts.3.w2.weight").get_shape() == [128, 256]
+    engine = Engine.open(store, device="cpu", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    enc = engine.encode(["A quick test of the exported experts"])
+    with torch.no_grad():
+        want = model(**enc).logits
+    torch.testing.assert_close(engine.forward(**enc), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rerun_replaces_its_cases_and_keeps_the_others():
+    row = lambda model, cap, batch, step: {"model": model, "cap_gb": cap, "batch": batch, "step_s": step}  # noqa: E731
+    old = [row("m", 15.0, 1, 1.0), row("m", 4.0, 1, 2.0), row("q", 15.0, 1, 3.0)]
+    merged = merge_rows(old, [row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)])
+    assert merged == [row("m", 15.0, 1, 1.0), row("q", 15.0, 1, 3.0), row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)]
