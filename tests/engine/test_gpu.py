@@ -32,3 +32,29 @@ def test_cuda_streamed_equals_resident(tiny_store, kw):
     if kw.get("resident_layers") == 0:
         assert streamed.stats()["bytes_streamed"] > 0
     streamed.close()
+
+
+@pytest.mark.parametrize("model_type, quant", [
+    ("gemma2", None), ("mixtral", None), ("mixtral", "nf4"), ("gpt_oss", "nf4"), ("deepseek_v3", "nf4"),
+    ("qwen3_next", None), ("lfm2", None),
+])
+def test_cuda_streams_model_types_like_resident(tmp_path, real_tokenizer, model_type, quant):
+    """Generic stacks on the CUDA path: buffers moved to the device, experts (fused or NF4) on the GPU."""
+    from airquant.models import resolve
+    from airquant.quant import QuantSpec
+    from airquant.store.quantize import make_transform
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    source = resolve(str(make_model(tmp_path / "model", real_tokenizer, model_type)))
+    transform, record = make_transform(source, QuantSpec(method=quant)) if quant else (None, None)
+    split(source, tmp_path / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    streamed = Engine.open(tmp_path / "store", device="cuda", resident_layers=0, host_embedding=True)
+    resident = Engine.open(tmp_path / "store", device="cuda", resident=True)
+    enc = streamed.encode(PROMPTS)
+    torch.testing.assert_close(streamed.forward(**enc), resident.forward(**enc), rtol=1e-4, atol=1e-4)
+    ga = streamed.generate_detailed(PROMPTS, max_new_tokens=8)
+    gb = resident.generate_detailed(PROMPTS, max_new_tokens=8)
+    assert [c.token_ids for c in ga] == [c.token_ids for c in gb]
+    assert streamed.stats()["bytes_streamed"] > 0
+    streamed.close()
