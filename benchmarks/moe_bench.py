@@ -113,9 +113,18 @@ def part_whole_layer(b: Bench, name: str) -> None:
     free_gpu()
     b.drop(store)
     b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), rows)
-    bs1 = [r for r in rows if r["batch"] == 1]
-    if bs1:  # the largest cap: every layer streams under each cap, the larger one leaves compute the most room
-        b.results[f"{key}_bs1_link_fraction"] = max(bs1, key=lambda r: r["cap_gb"]).get("link_fraction")
+    derive_keys(b)
+
+
+def derive_keys(b: Bench) -> None:
+    """The link-fraction keys from the merged rows: a run of one cap keeps the other cap's rows, and the key
+    always reads the batch-1 row at the largest cap measured (every layer streams under each cap; the larger
+    one leaves compute the most room)."""
+    for shape, key in SHAPES.values():
+        bs1 = [r for r in b.results.get("whole_layer", []) if r["model"] == f"{shape} nf4" and r["batch"] == 1
+               and r.get("link_fraction") is not None]
+        if bs1:
+            b.results[f"{key}_bs1_link_fraction"] = max(bs1, key=lambda r: r["cap_gb"])["link_fraction"]
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -224,7 +233,8 @@ def print_table(b: Bench) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "airllm", "all"], default="all")
+    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "airllm", "report", "all"], default="all",
+                   help="report: no measurement, the keys and table re-derived from the rows in moe_bench.json")
     p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
     p.add_argument("--results", default=None,
                    help="folder of moe_bench.json (default: results/, or WORKDIR/results with --quick)")
@@ -258,10 +268,14 @@ def main(argv=None) -> int:
     device = bench_device(args)
     out = Path(args.results) / "moe_bench.json"
     b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
-    b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
-                     quick=args.quick, versions=versions())
     parts = ["link", "mixtral", "qwen3", "airllm"] if args.part == "all" else [args.part]
-    if "link" not in parts and "link_pinned_gbps" not in b.results:
+    if args.part == "report":  # the rows keep the machine and versions they were measured with
+        derive_keys(b)
+        parts = []
+    else:
+        b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
+                         quick=args.quick, versions=versions())
+    if "link" not in parts and parts and "link_pinned_gbps" not in b.results:
         parts.insert(0, "link")  # every link fraction needs it measured on this machine
     run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
            "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm}

@@ -56,6 +56,7 @@ OVERRIDES: dict[str, dict] = {
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, use_mamba_kernels=False),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    "lfm2": dict(full_attn_idxs=[1]),  # otherwise every block of a small LFM2 is attention
 }
 
 

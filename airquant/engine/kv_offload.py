@@ -14,7 +14,9 @@ in use and each step's new tokens are then contiguous and move in one copy each 
 between host and device goes through pageable temporaries), and growth keeps the prefix in place.
 On the device, a ``DynamicLayer`` gets the token-major block as a ``[B, H, T, D]`` view, which its
 ``update`` only concatenates onto; the TurboQuant store gets its own layout with room to append in
-place (one device-side copy), because its attention reads the packed history directly.
+place (one device-side copy), because its attention reads the packed history directly. A hybrid
+stack's linear-attention / state-space / conv layers (``LinearAttentionLayer``) hold fixed-size states
+that each step rewrites in place: they travel whole, both ways, every step (small beside the weights).
 
 On CPU (``ops`` None) the same path runs with plain copies: "host" and "device" are both CPU memory.
 """
@@ -53,6 +55,7 @@ class _Plain:
     """transformers' ``DynamicLayer``: keys/values ``[B, H, T, D]``, grown by concatenation."""
 
     in_place = False  # update() concatenates onto the keys: a token-major view will do
+    rewritten = False  # a whole part that changed is a new tensor: one still installed is unchanged
 
     @staticmethod
     def read(layer) -> LayerState:
@@ -67,6 +70,7 @@ class _TurboQuant:
     """airquant's ``TQLayer``: the packed history (append-only) and the exact window and statistics."""
 
     in_place = True  # the store appends into its tensors and the attention reads them in this layout
+    rewritten = False
     STATS = ("k_mean", "v_mean", "k_ref", "v_ref")
 
     @classmethod
@@ -83,17 +87,73 @@ class _TurboQuant:
             setattr(layer.store, name, state.whole[name])
 
 
+class _Recurrent:
+    """transformers' ``LinearAttentionLayer`` (a hybrid stack's linear-attention, state-space or conv
+    layer): fixed-size conv / recurrent states, no tokens to append. A step rewrites them in place
+    (``copy_`` keeps their address), so they go back whole after every run."""
+
+    in_place = False
+    rewritten = True
+
+    @staticmethod
+    def read(layer) -> LayerState:
+        whole = {f"conv.{j}": t for j, t in layer.conv_states.items()}
+        whole.update({f"recurrent.{j}": t for j, t in layer.recurrent_states.items()})
+        return LayerState({}, 0, whole)
+
+    @staticmethod
+    def write(layer, state: LayerState) -> None:
+        for name, t in state.whole.items():
+            group, _, j = name.partition(".")
+            (layer.conv_states if group == "conv" else layer.recurrent_states)[int(j)] = t
+
+
+class _PlainAndRecurrent:
+    """transformers' ``LinearAttentionAndFullAttentionLayer`` (Falcon-H1: attention and a Mamba state in
+    one layer): keys/values as ``_Plain``, the states as ``_Recurrent`` (its only whole parts)."""
+
+    in_place = False
+    rewritten = True
+
+    @staticmethod
+    def read(layer) -> LayerState:
+        return LayerState(_Plain.read(layer).append, layer.keys.shape[-2], _Recurrent.read(layer).whole)
+
+    @staticmethod
+    def write(layer, state: LayerState) -> None:
+        _Plain.write(layer, state)
+        _Recurrent.write(layer, state)
+
+
 def _kind(layer):
-    from transformers.cache_utils import DynamicLayer
+    from transformers import cache_utils
 
     from airquant.kv.cache import TQLayer
 
     if isinstance(layer, TQLayer):
         return _TurboQuant
-    if type(layer) is DynamicLayer:
-        return _Plain
-    raise KVOffloadError(f"KV offload supports transformers' DynamicLayer and the TurboQuant ('tq') cache, not "
-                         f"{type(layer).__name__}; use --no-kv-offload or --kv tq.")
+    # The linear-attention layer classes are newer than some transformers 5.x releases: look them up by name.
+    names = {"DynamicLayer": _Plain, "LinearAttentionLayer": _Recurrent,
+             "LinearAttentionAndFullAttentionLayer": _PlainAndRecurrent}
+    kinds = {getattr(cache_utils, n): k for n, k in names.items() if hasattr(cache_utils, n)}
+    if type(layer) in kinds:
+        return kinds[type(layer)]
+    raise KVOffloadError(f"KV offload supports transformers' DynamicLayer, LinearAttentionLayer (and both in one) and "
+                         f"the TurboQuant ('tq') cache, not {type(layer).__name__}; use --no-kv-offload (or --kv tq).")
+
+
+def _holds_state(layer) -> bool:
+    """Whether a cache layer holds tensors yet (a layer without attention or state never does)."""
+    from transformers import cache_utils
+
+    # Both classes are newer than some transformers 5.x releases (5.17 has neither): absent, no layer is one.
+    dummy = getattr(cache_utils, "DummyLayer", ())
+    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+    if dummy and isinstance(layer, dummy):
+        return False
+    if linear and isinstance(layer, linear) and not hasattr(layer, "is_initialized"):
+        return any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
+    return layer.is_initialized
 
 
 # -- host side ---------------------------------------------------------------------------------
@@ -178,7 +238,7 @@ class KVOffload:
         if self.cache is None or i not in self.layers or i >= len(self.cache.layers):
             return None
         layer = self.cache.layers[i]
-        return layer if layer.is_initialized else None
+        return layer if _holds_state(layer) else None
 
     # -- host -> device ----------------------------------------------------------------------
     def bring_in(self, i: int, slot: int, after=None):
@@ -256,7 +316,7 @@ class KVOffload:
                 new = t[:, :, rec.length: state.length].movedim(2, 0).contiguous()  # [L, B, H, ...]
                 outgoing.append((part.tokens(rec.length, state.length), new))
         for name, t in state.whole.items():
-            if name in rec.whole and t is rec.installed.get(name, _EMPTY):
+            if not kind.rewritten and name in rec.whole and t is rec.installed.get(name, _EMPTY):
                 continue  # unchanged since it came in: the host copy stands
             part = self._whole_part(i, rec, name, t)
             if t is not None and t.numel():

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from airquant.errors import AirQuantError
+from airquant.kv.layers import LayerStates
 
 Tier = Literal["vram", "ram", "disk"]
 GB = 1e9
@@ -30,6 +31,14 @@ class Budgets:
     reserve_bytes: int = 0  # activations + KV cache + workspace kept free on the device
     kv_bytes: int = 0  # the KV-cache part of reserve_bytes (every layer, whole batch; 0: not known)
     kv_offload: bool | None = False  # streamed layers' cache in pinned host RAM; None: when it does not fit VRAM
+    attention_layers: tuple[int, ...] | None = None  # the layers whose cache grows per token (None: every one)
+
+    def kv_shares(self, n: int) -> list[int]:
+        """Each of ``n`` layers' part of ``kv_bytes``: an equal share per attention layer, none for the others."""
+        attention = range(n) if self.attention_layers is None else self.attention_layers
+        share = self.kv_bytes // max(len(attention), 1)
+        chosen = set(attention)
+        return [share if i in chosen else 0 for i in range(n)]
 
 
 @dataclass
@@ -103,35 +112,48 @@ class Reserve:
     logits: int  # last-position logits in fp32, and one processed copy
     workspace: int = WORKSPACE_BYTES
     mlp: int = 0  # MLP intermediates of one chunk (<= MLP_CHUNK_TOKENS tokens): bounded, whatever the batch
+    state: int = 0  # hybrid stacks: the fixed recurrent/conv state of every sequence (not per token)
 
     @property
     def total(self) -> int:
-        return self.kv + self.activations + self.mlp + self.dequant + self.logits + self.workspace
+        return self.kv + self.state + self.activations + self.mlp + self.dequant + self.logits + self.workspace
 
     def describe(self) -> str:
-        return (f"KV {self.kv / GB:.2f} + activations {self.activations / GB:.2f} + MLP chunk {self.mlp / GB:.2f}"
-                f" + dequant {self.dequant / GB:.2f} + logits {self.logits / GB:.2f} + workspace "
-                f"{self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
+        state = f" + fixed state {self.state / GB:.2f}" if self.state else ""
+        return (f"KV {self.kv / GB:.2f}{state} + activations {self.activations / GB:.2f} + MLP chunk "
+                f"{self.mlp / GB:.2f} + dequant {self.dequant / GB:.2f} + logits {self.logits / GB:.2f} + "
+                f"workspace {self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
 
 
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Keys and values of every layer for one token of one sequence."""
+def kv_bytes_per_token(config, dtype_bytes: int, states: LayerStates | None = None) -> int:
+    """Keys and values of every attention layer for one token of one sequence.
+
+    A hybrid stack's linear-attention / state-space / conv layers keep no keys and values; their fixed
+    state is ``LayerStates.state_bytes``. ``states``: what each layer keeps (None: read from ``config``).
+    """
+    states = states or LayerStates.of(config)
+    if not states.attention_layers:  # a pure state-space stack
+        return 0
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    return 2 * len(states.attention_layers) * kv_heads * head_dim * dtype_bytes
 
 
-def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0) -> Reserve:
-    """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in."""
+def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0,
+                states: LayerStates | None = None) -> Reserve:
+    """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in;
+    ``states``: what each layer keeps between steps (None: read from ``config``)."""
+    states = states or LayerStates.of(config)
     h = config.hidden_size
     # Prefill holds the residual, the normed input and q/k/v/attention output (<= 4 x H) for every token
     # at once; the MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its gate, up and
     # their product (3 x I) exist for one chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
     activations = batch * context * 4 * h * dtype_bytes
-    return Reserve(kv=kv_bytes_per_token(config, dtype_bytes) * batch * context, activations=activations,
+    return Reserve(kv=kv_bytes_per_token(config, dtype_bytes, states) * batch * context, activations=activations,
                    dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2,
-                   mlp=mlp_chunk_bytes(config, batch * context, dtype_bytes))
+                   mlp=mlp_chunk_bytes(config, batch * context, dtype_bytes),
+                   state=states.state_bytes(dtype_bytes) * batch)
 
 
 def mlp_chunk_bytes(config, tokens: int, dtype_bytes: int) -> int:
@@ -152,7 +174,7 @@ def dequant_elems(shards: dict, config) -> int:
     """out*in of the largest quantized weight a multi-token matmul dequantizes whole (0: none)."""
     elems = 0
     if any(m.get("scheme", "none") != "none" for e in shards.values() if e.is_layer for m in e.modules.values()):
-        heads = config.num_attention_heads
+        heads = getattr(config, "num_attention_heads", None) or 1  # a pure state-space stack has none
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         elems = config.hidden_size * max(config.intermediate_size, heads * head_dim)
     head = shards.get("lm_head")
@@ -171,7 +193,8 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
     offload = _choose_kv_offload(layer_bytes, fixed_bytes, budgets, reasons)
     # An offloaded cache keeps each VRAM-resident layer's share on the device, and the shares of the
     # layers in flight: one per slot, plus the running layer's grown copy (DynamicLayer concatenates).
-    kv_layer = budgets.kv_bytes // n if offload and n else 0
+    kv_of = budgets.kv_shares(n) if offload and n else [0] * n
+    kv_layer = max(kv_of, default=0)
     reserve = budgets.reserve_bytes - budgets.kv_bytes + (budgets.slots + 1) * kv_layer if offload \
         else budgets.reserve_bytes
     if budgets.vram_bytes is None:
@@ -187,7 +210,7 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
                 f"+ reserve ({reserve / GB:.2f} GB) = {floor / GB:.2f} GB; raise --max-vram, "
                 f"use a compressed store (--quant nf4){hint} or a smaller batch/context.")
         spare = budgets.vram_bytes - floor
-        resident = _fit([b + kv_layer for b in layer_bytes], spare)
+        resident = _fit([b + kv for b, kv in zip(layer_bytes, kv_of)], spare)
         reasons.append(f"VRAM {budgets.vram_bytes / GB:.2f} GB - fixed {fixed_bytes / GB:.2f} - slots "
                        f"{budgets.slots * slot / GB:.2f} - reserve {reserve / GB:.2f} leaves "
                        f"{spare / GB:.2f} GB: {resident} layer(s) fit"
@@ -199,7 +222,7 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
             reasons.append("every layer fits: no streaming needed")
     for i in range(resident):
         tiers[i] = "vram"
-    kv_host = kv_layer * (n - resident)
+    kv_host = sum(kv_of[resident:])
     ram_left = max(budgets.ram_bytes - kv_host, 0)
     for i in range(resident, n):
         if layer_bytes[i] <= ram_left:
@@ -227,7 +250,7 @@ def _choose_kv_offload(layer_bytes: list[int], fixed_bytes: int, budgets: Budget
         return False
     slot = max(layer_bytes)
     on_device = fixed_bytes + budgets.slots * slot + budgets.reserve_bytes
-    offloaded = on_device - budgets.kv_bytes + (budgets.slots + 1) * (budgets.kv_bytes // n)
+    offloaded = on_device - budgets.kv_bytes + (budgets.slots + 1) * max(budgets.kv_shares(n))
     if on_device <= budgets.vram_bytes or offloaded > budgets.vram_bytes or budgets.kv_bytes > budgets.ram_bytes:
         return False
     reasons.append(f"the KV cache ({budgets.kv_bytes / GB:.2f} GB at this batch and context) does not fit in VRAM "

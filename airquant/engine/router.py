@@ -13,12 +13,15 @@ The router sits above the layer planner (``plan.py``): given one or more stores 
 * the largest batch that still fits at this context.
 
 Everything is arithmetic over the manifests and ``config.json``, so a manifest-only store (no shard
-files) can be planned. ``Route.describe()`` is what ``airquant plan`` prints.
+files) can be planned. Hybrid stacks count KV for their attention layers only, plus the fixed state of
+their linear-attention / state-space layers per sequence (``airquant.kv.layers``). ``Route.describe()``
+is what ``airquant plan`` prints.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,8 +43,10 @@ from airquant.engine.plan import (
     reserve_for,
 )
 from airquant.errors import AirQuantError, StoreError
+from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest, load_manifest
 
+log = logging.getLogger(__name__)
 GIB = 1 << 30
 Mode = Literal["auto", "resident", "streamed"]
 KVScheme = Literal["none", "tq"]
@@ -75,16 +80,21 @@ class ModelDims:
     head_dim: int
     vocab: int
     max_context: int
+    states: LayerStates  # what each layer keeps between steps: KV (attention), a fixed state, nothing
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelDims":
-        cfg = cfg.get("text_config", cfg)
-        heads = cfg["num_attention_heads"]
-        return cls(num_layers=cfg["num_hidden_layers"], heads=heads, hidden=cfg["hidden_size"],
-                   intermediate=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
-                   kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
-                   max_context=cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
+        """From ``config.json``, read through the type's transformers config class where there is one: it
+        derives fields from the names a family uses (Nemotron-H's layer pattern, GPT-2's ``n_embd``)."""
+        text = _text_config(cfg)
+        states = LayerStates.of(text)
+        hidden = text.hidden_size
+        heads = getattr(text, "num_attention_heads", None) or 1  # a pure state-space stack has none
+        return cls(num_layers=getattr(text, "num_hidden_layers", None) or len(states.kinds), heads=heads,
+                   hidden=hidden, intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
+                   max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states)
 
     def as_config(self) -> SimpleNamespace:
         """The attributes ``plan.reserve_for`` reads from a transformers config."""
@@ -93,14 +103,29 @@ class ModelDims:
                                num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab)
 
     def kv_bytes(self, scheme: KVScheme, tokens: int, dtype_bytes: int) -> int:
-        """KV cache bytes for one sequence of ``tokens`` (plain, or TurboQuant past its window)."""
-        per_token = kv_bytes_per_token(self.as_config(), dtype_bytes)
+        """KV cache bytes for one sequence of ``tokens`` (plain, or TurboQuant past its window), attention
+        layers only (a hybrid stack's fixed state is ``states.state_bytes``)."""
+        per_token = kv_bytes_per_token(self.as_config(), dtype_bytes, self.states)
         if scheme == "none":
             return tokens * per_token
         kv = tq_config()
         exact = min(tokens, kv.window + kv.block - 1)  # the recent window stays in the compute dtype
         packed = per_token / (8 * dtype_bytes) * kv.bits_per_element(self.head_dim)
         return int(exact * per_token + (tokens - exact) * packed)
+
+
+def _text_config(cfg: dict):
+    """The text part of ``cfg`` as its transformers config class reads it; as given (attributes of a
+    namespace) when transformers does not know the type."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(cfg["model_type"], **fields)
+    except (KeyError, ValueError) as exc:
+        log.debug("config.json read as is (%s)", exc)
+        return SimpleNamespace(**cfg.get("text_config", cfg))
+    return config.get_text_config()
 
 
 @dataclass(frozen=True)
@@ -227,11 +252,11 @@ class _Costs:
         # batch's tokens up to a full chunk; dequant and workspace do not grow.
         one = self.one
         return replace(one, kv=batch * one.kv, activations=batch * one.activations, logits=batch * one.logits,
-                       mlp=min(batch * one.mlp, self.mlp_cap))
+                       mlp=min(batch * one.mlp, self.mlp_cap), state=batch * one.state)
 
     @property
     def per_seq(self) -> int:
-        return self.one.kv + self.one.activations + self.one.logits
+        return self.one.kv + self.one.state + self.one.activations + self.one.logits
 
     def weights_part(self, mode: str) -> int:
         if mode == "resident":
@@ -262,6 +287,8 @@ class _Costs:
         kv = f"KV {self.one.kv / GB:.3f}"
         if self.kv_host:
             kv += f" on the device, {self.kv_host / GB:.3f} in host RAM"
+        if self.one.state:
+            kv += f" + state {self.one.state / GB:.3f}"
         return (f"fixed {self.fixed / GB:.2f} + {weights} + batch {batch} x ({kv} + act "
                 f"{(self.one.activations + self.one.logits) / GB:.3f}){extra} = {self.need(mode, batch) / GB:.2f} GB")
 
@@ -278,11 +305,12 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
     gpu = hw.vram_bytes is not None
     config = c.dims.as_config()
     one = reserve_for(config, batch=1, context=context, dtype_bytes=width,
-                      dequant_elems=dequant_elems(c.manifest.shards, config))
+                      dequant_elems=dequant_elems(c.manifest.shards, config), states=c.dims.states)
     kv_bytes = c.dims.kv_bytes(kv, context, width)
     # Offloaded, the device keeps the cache of the layers in flight: one per slot, and the running one's
-    # grown copy (plan.plan_layers adds each VRAM-resident layer's share).
-    device_kv = (SLOTS + 1) * kv_bytes // c.dims.num_layers if offload else kv_bytes
+    # grown copy (plan.plan_layers adds each VRAM-resident layer's share). Only attention layers have one.
+    attention = max(len(c.dims.states.attention_layers), 1)
+    device_kv = (SLOTS + 1) * kv_bytes // attention if offload else kv_bytes
     one = replace(one, kv=device_kv, workspace=WORKSPACE_BYTES if gpu else 0)
     device, host = c.fixed_bytes(wl.host_embedding)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
@@ -305,6 +333,7 @@ class Route:
     max_batch: int  # largest batch at this context with this store/mode/KV (fewer resident layers)
     lines: tuple[str, ...]  # the arithmetic, in the order it was tried
     kv_offload: bool = False  # the streamed layers' cache lives in pinned host RAM
+    dtype_bytes: int = 2  # the compute dtype's width the arithmetic used
 
     @property
     def store(self) -> Path:
@@ -339,6 +368,8 @@ class Route:
         head = [
             f"model     : {c.manifest.source.get('name')}, {d.num_layers} layers, hidden {d.hidden}, "
             f"{d.kv_heads} KV heads x {d.head_dim}, context {d.max_context}",
+            *([f"cache     : {d.states.describe(self.dtype_bytes)}"] if d.states.hybrid else []),
+            *([f"experts   : {text}"] if (text := _experts_text(c.manifest)) else []),
             f"hardware  : {_budget_text(self.hardware)}",
             f"workload  : batch {self.batch_size} x {self.context} tokens (prompt + new)",
             "tried, best quality first:",
@@ -353,6 +384,28 @@ class Route:
                else ""),
         ]
         return "\n".join(head + [f"  {line}" for line in self.lines] + tail)
+
+
+def _size(nbytes: float) -> str:
+    """GB from 1 GB up, else MB (three significant digits below 10 MB)."""
+    if nbytes >= GB:
+        return f"{nbytes / GB:.2f} GB"
+    mb = nbytes / 1e6
+    return f"{mb:.0f} MB" if mb >= 10 else f"{mb:.3g} MB"
+
+
+def _experts_text(manifest: Manifest) -> str | None:
+    """The largest Mixture-of-Experts layer: its bytes, of which its experts' (the manifest's byte ranges)."""
+    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
+    if not moe:
+        return None
+    entry = max(moe, key=lambda e: e.bytes)
+    per_expert = [sum(end - start for start, end in ranges) for ranges in entry.experts["ranges"]]
+    text = (f"layer {_size(entry.bytes)}, of which experts {_size(sum(per_expert))} "
+            f"({entry.experts['num']} x {_size(max(per_expert))}, {entry.experts['top_k']} routed per token)")
+    if len(moe) < manifest.num_layers:
+        text += f"; {len(moe)} of {manifest.num_layers} layers have experts"
+    return text
 
 
 def _budget_text(hw: Hardware) -> str:
@@ -452,7 +505,8 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
     return Route(candidate=c, mode=mode, kv=kv, plan=plan, hardware=hw, batch_size=wl.batch_size,
                  context=context, reserve_bytes=reserve,
                  ram_tier_bytes=ram_tier - plan.kv_host_bytes if mode == "streamed" else 0,
-                 max_batch=max_batch, lines=tuple(lines), kv_offload=plan.kv_offload)
+                 max_batch=max_batch, lines=tuple(lines), kv_offload=plan.kv_offload,
+                 dtype_bytes=_compute_bytes(c, hw, wl.dtype))
 
 
 def _ram_tier(costs: _Costs, mode: str, hw: Hardware, batch: int) -> int | None:
@@ -486,7 +540,8 @@ def _placement(c: Candidate, costs: _Costs, mode: str, hw: Hardware, wl: Workloa
         reserve += kv - wl.batch_size * costs.one.kv  # the reserve with the whole cache on the device
     budgets = Budgets(vram_bytes=hw.vram_bytes, ram_bytes=ram_tier, resident_layers=wl.resident_layers,
                       slots=SLOTS, reserve_bytes=reserve if costs.gpu else 0, kv_bytes=kv,
-                      kv_offload=(True if wl.kv_offload else None) if kv else False)
+                      kv_offload=(True if wl.kv_offload else None) if kv else False,
+                      attention_layers=c.dims.states.attention_layers)
     try:
         plan = plan_layers(c.layer_bytes, costs.fixed, budgets)
     except PlanError:

@@ -16,6 +16,7 @@ from airquant.engine import skeleton
 from airquant.engine.plan import Budgets, Reserve, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
+from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest, open_store
 from airquant.store.split import DTYPES
 
@@ -96,8 +97,9 @@ def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_
         else:
             sized = planned_reserve(manifest, cfg, model_config, dtype or DTYPES[manifest.dtype])
             reserve, kv = sized.total, sized.kv
+    attention = LayerStates.of(model_config).attention_layers if model_config is not None else None
     budgets = Budgets(vram_bytes=vram, ram_bytes=ram, resident_layers=cfg.resident_layers, slots=cfg.slots,
-                      reserve_bytes=reserve, kv_bytes=kv, kv_offload=cfg.kv_offload)
+                      reserve_bytes=reserve, kv_bytes=kv, kv_offload=cfg.kv_offload, attention_layers=attention)
     return replace(plan_layers(manifest.layer_bytes, fixed, budgets), host_fixed_bytes=host_fixed)
 
 

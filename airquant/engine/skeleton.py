@@ -54,14 +54,20 @@ class _ChunkedMLP:
         flat = x.reshape(-1, x.shape[-1])
         if args or kwargs or flat.shape[0] <= self.chunk:  # an MLP of more inputs (Bloom's residual): whole
             return self.forward(x, *args, **kwargs)
-        first = self.forward(flat[: self.chunk])
+        first = self._part(flat[: self.chunk], x.dim())
         if not isinstance(first, torch.Tensor):  # a block that also returns router logits: left whole
             return self.forward(x)
         out = first.new_empty(flat.shape[0], first.shape[-1])
         out[: self.chunk] = first
         for start in range(self.chunk, flat.shape[0], self.chunk):
-            out[start : start + self.chunk] = self.forward(flat[start : start + self.chunk])
+            out[start : start + self.chunk] = self._part(flat[start : start + self.chunk], x.dim())
         return out.reshape(*x.shape[:-1], first.shape[-1])
+
+    def _part(self, tokens: torch.Tensor, dims: int):
+        """The forward on [n, H] tokens, given as [1, n, H] where the input was [B, S, H]: Mixture-of-Experts
+        blocks unpack (batch, sequence, hidden) from their input."""
+        out = self.forward(tokens.unsqueeze(0) if dims == 3 else tokens)
+        return out.reshape(-1, out.shape[-1]) if isinstance(out, torch.Tensor) else out
 
 
 def chunk_mlp(model: nn.Module, chunk: int) -> None:

@@ -15,27 +15,52 @@ import logging
 import torch
 
 from airquant.kv.config import KVConfig, KVConfigError, Schedule
+from airquant.kv.layers import ATTENTION, NONE, RECURRENT, LayerStates, layer_kind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVConfig", "KVConfigError", "Schedule", "make_cache", "kv_logits", "cache_nbytes", "model_dims"]
+__all__ = ["KVConfig", "KVConfigError", "Schedule", "LayerStates", "make_cache", "kv_logits", "cache_nbytes",
+           "model_dims", "state_layers"]
 
 
 def model_dims(model_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config; rejects layouts the cache can't hold."""
+    """(num_layers, num_kv_heads, head_dim) of a decoder config; rejects layouts the cache can't hold.
+
+    Hybrid stacks pass: their linear-attention / state-space / conv layers keep transformers' own fixed
+    state beside the compressed attention layers (``make_cache``). Sliding-window attention does not.
+    """
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     layer_types = getattr(cfg, "layer_types", None)
     # layer_types is authoritative where present (Qwen2 keeps a sliding_window value it does not use).
-    sliding = any(t != "full_attention" for t in layer_types) if layer_types else getattr(cfg, "sliding_window", None)
-    if sliding:
+    if layer_types:
+        unsupported = sorted({t for t in layer_types
+                              if t != "full_attention" and layer_kind(t) not in (RECURRENT, NONE)})
+    else:
+        unsupported = ["sliding"] if getattr(cfg, "sliding_window", None) else []
+    if not LayerStates.of(cfg).attention_layers:
+        raise KVConfigError(f"{type(cfg).__name__} has no attention layers, so no KV cache to compress (its "
+                            "state-space layers keep a fixed state): use kv backend 'none'")
+    if unsupported:
         raise KVConfigError(
-            f"{type(cfg).__name__} has sliding-window/linear layers ({sorted(set(layer_types or ['sliding']))}); the "
-            "TurboQuant KV cache supports full-attention decoders only: use kv backend 'none'"
+            f"{type(cfg).__name__} has {unsupported} layers; the TurboQuant KV cache supports full-attention "
+            "layers (beside linear-attention / state-space ones) only: use kv backend 'none'"
         )
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def state_layers(model_config) -> dict[int, object]:
+    """transformers' own cache layers for the layers without attention (fixed recurrent/conv state, or
+    none): a compressed cache holds these beside its attention layers, uncompressed."""
+    states = LayerStates.of(model_config)
+    if not states.hybrid:
+        return {}
+    from transformers import DynamicCache
+
+    own = DynamicCache(config=model_config).layers
+    return {i: own[i] for i, kind in enumerate(states.kinds) if kind != ATTENTION}
 
 
 def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
@@ -50,6 +75,8 @@ def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
     Streamed engine: call make_cache before building the causal mask (``create_causal_mask`` picks
     the mask builder by the same name; ``airquant_tq`` uses sdpa's boolean mask), then pass the
     cache as ``past_key_values`` to each decoder layer as transformers' own model loop does.
+    Hybrid stacks: only the attention layers are compressed; the others hold transformers' own
+    recurrent/conv state layers (``state_layers``), untouched.
     Backend "turboquant": the package's cache (one bit-width, ``bits_k`` must equal ``bits_v``).
     ``device``/``dtype`` are taken from the first states written; they are accepted for API symmetry.
     """
@@ -59,13 +86,16 @@ def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
     if kv.backend == "turboquant":
         from airquant.kv.turboquant_backend import make_turboquant_cache
 
+        if LayerStates.of(model_config).hybrid:
+            raise KVConfigError(f"kv backend 'turboquant' (the PyPI package) has no place for the recurrent state of "
+                                f"{type(model_config).__name__}'s linear-attention/state-space layers; use 'tq'")
         return make_turboquant_cache(kv)
     from airquant.kv.cache import TQCache
     from airquant.kv.dispatch import use_tq_attention
 
     use_tq_attention(model_config)
     logger.debug("TQ cache: %d layers, head_dim %d, %s on %s/%s", num_layers, head_dim, kv, device, dtype)
-    return TQCache(kv, num_layers, head_dim)
+    return TQCache(kv, num_layers, head_dim, state_layers(model_config))
 
 
 def _fake_fns(kv: KVConfig, head_dim: int):
@@ -107,7 +137,7 @@ def kv_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 
     num_layers, _, head_dim = model_dims(model.config)
     fake_k, fake_v, schedule = _fake_fns(kv, head_dim)
-    cache = FakeQuantCache(num_layers, schedule, fake_k, fake_v)
+    cache = FakeQuantCache(num_layers, schedule, fake_k, fake_v, state_layers(model.config))
     previous = model.config._attn_implementation
     use_tq_attention(model.config)
     try:
@@ -131,7 +161,8 @@ def _cache_kwarg(model) -> str:
 def cache_nbytes(cache) -> int:
     """Bytes of every tensor storage a cache keeps between steps (allocated, slack included).
 
-    Storages are counted once each, whole (a view into a larger buffer counts the buffer).
+    Storages are counted once each, whole (a view into a larger buffer counts the buffer). A hybrid
+    stack's fixed recurrent/conv states count too.
     """
     if cache is None:
         return 0
@@ -147,4 +178,11 @@ def cache_nbytes(cache) -> int:
 
 
 def _tensor_attrs(obj) -> list[torch.Tensor]:
-    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+    """Tensor attributes, and the tensors of dict attributes (a linear-attention layer's conv/recurrent states)."""
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, dict):
+            out.extend(t for t in v.values() if isinstance(t, torch.Tensor))
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out

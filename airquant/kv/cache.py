@@ -184,8 +184,11 @@ class TQLayer(CacheLayerMixin):
 
 
 class TQCache(Cache):
-    """A transformers Cache of :class:`TQLayer`, one per decoder layer."""
+    """A transformers Cache of :class:`TQLayer`, one per attention layer; ``others`` (layer index -> a
+    transformers cache layer) take the places of layers without attention (a hybrid stack's
+    linear-attention / state-space layers keep their fixed state there, uncompressed)."""
 
-    def __init__(self, kv: KVConfig, num_layers: int, head_dim: int):
-        super().__init__(layers=[TQLayer(kv, i, head_dim) for i in range(num_layers)])
+    def __init__(self, kv: KVConfig, num_layers: int, head_dim: int, others: dict[int, object] | None = None):
+        others = others or {}
+        super().__init__(layers=[others[i] if i in others else TQLayer(kv, i, head_dim) for i in range(num_layers)])
         self.kv = kv

@@ -68,8 +68,14 @@ class FakeQuantLayer(CacheLayerMixin):
 
 
 class FakeQuantCache(Cache):
-    def __init__(self, num_layers: int, schedule: Schedule, fake_k: FakeFn, fake_v: FakeFn):
-        layers = [FakeQuantLayer(i, schedule, fake_k, fake_v) for i in range(num_layers)]
+    """``others`` (layer index -> a transformers cache layer) hold the fixed state of a hybrid stack's
+    layers without attention, as in :class:`~airquant.kv.cache.TQCache`."""
+
+    def __init__(self, num_layers: int, schedule: Schedule, fake_k: FakeFn, fake_v: FakeFn,
+                 others: dict[int, object] | None = None):
+        others = others or {}
+        layers = [others[i] if i in others else FakeQuantLayer(i, schedule, fake_k, fake_v)
+                  for i in range(num_layers)]
         super().__init__(layers=layers)
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from airquant.kv import KVConfig, cache_nbytes, kv_logits, make_cache, model_dims
+from airquant.kv import KVConfig, LayerStates, cache_nbytes, kv_logits, make_cache, model_dims
 from airquant.kv.codec import Codec
 
 logger = logging.getLogger(__name__)
@@ -41,14 +41,15 @@ def codec_mse(dim: int, bits: int, n: int = 8192, seed: int = 0) -> float:
 
 def compression_vs_fp16(model_config, kv: KVConfig, n_tokens: int, batch: int = 1) -> float:
     """fp16 cache bytes / allocated compressed-cache bytes after a prefill of ``n_tokens``."""
-    num_layers, kv_heads, head_dim = model_dims(model_config)
+    _, kv_heads, head_dim = model_dims(model_config)
+    attention = LayerStates.of(model_config).attention_layers  # a hybrid stack's other layers hold no KV
     cache = make_cache(model_config, kv, device="cpu", dtype=torch.float16)
     gen = torch.Generator().manual_seed(0)
     shape = (batch, kv_heads, n_tokens, head_dim)
-    for layer_idx in range(num_layers):
+    for layer_idx in attention:
         k = torch.randn(shape, generator=gen).to(torch.float16)
         cache.update(k, k.clone(), layer_idx)  # one prefill per layer: nothing needs to attend
-    fp16_bytes = 2 * num_layers * batch * kv_heads * n_tokens * head_dim * 2
+    fp16_bytes = 2 * len(attention) * batch * kv_heads * n_tokens * head_dim * 2
     return fp16_bytes / cache_nbytes(cache)
 
 

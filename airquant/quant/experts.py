@@ -36,17 +36,6 @@ def quantize_experts(spec: QuantSpec, weight: torch.Tensor, *, transposed: bool)
     return tensors, meta
 
 
-class _Dequantize(nn.Module):
-    """Calls ``dequantize`` of the one-expert module it holds (``functional_call`` runs ``forward``)."""
-
-    def __init__(self, linear: nn.Module):
-        super().__init__()
-        self.linear = linear
-
-    def forward(self) -> torch.Tensor:
-        return self.linear.dequantize()
-
-
 class ExpertWeights(nn.Module):
     """Stands in for a fused expert parameter; ``self[e]`` is expert e's dense matrix in the compute dtype."""
 
@@ -54,18 +43,22 @@ class ExpertWeights(nn.Module):
         super().__init__()
         self.num_experts, (self.out_features, self.in_features) = meta["experts"], meta["shape"]
         self.transposed, self.compute_dtype = meta["transposed"], compute_dtype
-        one = _Dequantize(make_linear(meta, self.in_features, self.out_features, False,
-                                      compute_dtype=compute_dtype))
+        one = make_linear(meta, self.in_features, self.out_features, False, compute_dtype=compute_dtype)
         # A plain attribute, not a submodule: the stacked buffers below are the state, the template has none.
-        self.one, self.suffixes = [one], [name for name, _ in one.linear.named_buffers()]
-        for name, buf in one.linear.named_buffers():
+        self.one, self.suffixes = [one], [name for name, _ in one.named_buffers()]
+        for name, buf in one.named_buffers():
             self.register_buffer(name, torch.empty((self.num_experts, *buf.shape), dtype=buf.dtype,
                                                    device=buf.device))
 
     def __getitem__(self, index) -> torch.Tensor:
         e = int(index)
-        slices = {f"linear.{name}": getattr(self, name)[e] for name in self.suffixes}
-        w = torch.func.functional_call(self.one[0], slices, ()).to(self.compute_dtype)  # [out, in]
+        # The one-expert template gets expert e's slices as its buffers and decodes them. Plain assignment,
+        # not functional_call: this runs once per routed expert and tensor in every step, and the
+        # reparametrization machinery cost ~0.1 ms of CPU each (Qwen3-30B: 16 calls per layer at batch 1).
+        linear = self.one[0]
+        for name in self.suffixes:
+            linear._buffers[name] = getattr(self, name)[e]
+        w = linear.dequantize().to(self.compute_dtype)  # [out, in]
         return w.t() if self.transposed else w
 
     def __len__(self) -> int:
@@ -81,4 +74,4 @@ class ExpertWeights(nn.Module):
         return self.compute_dtype
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, shape={tuple(self.shape)}, scheme={type(self.one[0].linear).__name__}"
+        return f"experts={self.num_experts}, shape={tuple(self.shape)}, scheme={type(self.one[0]).__name__}"

@@ -24,7 +24,7 @@ def test_chunked_mlp_gives_the_model_s_logits():
     chunk_mlp(model, 32)  # 150 tokens -> chunks of 32, 32, 32, 32, 22
     out = model(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert [s[0] for s in calls] == [32, 32, 32, 32, 22]
+    assert [s[-2] for s in calls] == [32, 32, 32, 32, 22]
 
 
 def test_short_inputs_and_decode_steps_are_not_split():
@@ -34,3 +34,19 @@ def test_short_inputs_and_decode_steps_are_not_split():
     x = torch.randn(2, 16, 64)
     assert mlp(x).shape == (2, 16, 64)
     assert torch.equal(mlp(x), mlp.forward.forward(x))
+
+
+def test_chunked_moe_block_gives_the_model_s_logits():
+    """Mixture-of-Experts blocks unpack [B, S, H] from their input: chunks reach them as [1, n, H]."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (3, 50))
+    with torch.no_grad():
+        ref = model(ids).logits
+        chunk_mlp(model, 32)
+        out = model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from airquant.engine.plan import Budgets, PlanError, plan_layers
+from tests.zoo import HYBRID_TYPES
 
 GB = 10**9
 
@@ -142,3 +143,118 @@ def test_mlp_chunk_is_a_constant_part_of_the_reserve():
     assert one.mlp == eight.mlp == MLP_CHUNK_TOKENS * 3 * 28672 * 2
     assert eight.activations == 8 * one.activations == 8 * 8192 * 4 * 8192 * 2
     assert "MLP chunk 0.35" in one.describe()
+
+
+# -- hybrid stacks: KV for the attention layers, a fixed state per sequence for the others ------------
+# Qwen3-Next-80B-A3B's published config: 48 layers, full attention at every fourth (its config.json gives
+# full_attention_interval, not layer_types), 2 KV heads of 256; Gated DeltaNet layers of 16 key heads x 128
+# and 32 value heads x 128 with a 4-wide conv window.
+QWEN3_NEXT_80B = dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+                      num_key_value_heads=2, head_dim=256, vocab_size=151936, full_attention_interval=4,
+                      linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4)
+# Per sequence, bf16: 36 conv windows of (2 x 16 x 128 + 32 x 128) channels x 4 (bf16) and 36 fp32 states
+# of 32 x 128 x 128: 2.36 + 75.5 = 77.9 MB.
+QWEN3_NEXT_STATE = 36 * (2 * 16 * 128 + 32 * 128) * 4 * 2 + 36 * 32 * 128 * 128 * 4
+
+
+def test_hybrid_kv_counts_attention_layers_and_a_fixed_state_per_sequence():
+    from transformers import AutoConfig
+
+    from airquant.engine.plan import kv_bytes_per_token, reserve_for
+    from airquant.kv import LayerStates
+
+    cfg = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_80B)
+    states = LayerStates.of(cfg)
+    assert states.attention_layers == tuple(range(3, 48, 4)) and len(states.recurrent_layers) == 36
+    assert kv_bytes_per_token(cfg, 2) == 2 * 12 * 2 * 256 * 2  # K and V of the 12 attention layers only
+    assert states.state_bytes(2) == QWEN3_NEXT_STATE
+    one, four = (reserve_for(cfg, batch=b, context=4096, dtype_bytes=2) for b in (1, 4))
+    assert one.kv == 4096 * 2 * 12 * 2 * 256 * 2 and one.state == QWEN3_NEXT_STATE and four.state == 4 * one.state
+    assert one.total - reserve_for(cfg, batch=1, context=4096, dtype_bytes=2,
+                                   states=replace(states, state_elems=0, fp32_elems=0)).total == QWEN3_NEXT_STATE
+    assert "fixed state 0.08" in one.describe()
+    assert states.describe(2) == "KV for 12 of 48 layers (attention) + 77.9 MB fixed state per sequence in 36 layers"
+    # Nemotron-H's older pattern string (M Mamba-2, * attention, - MLP): 8 x 128 heads x 64, state 128, 4-wide conv.
+    nemotron = AutoConfig.for_model("nemotron_h", hybrid_override_pattern="M-M*-M-", mamba_num_heads=128,
+                                    mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4)
+    states = LayerStates.of(nemotron)
+    assert states.kinds == ("recurrent", "none", "recurrent", "attention", "none", "recurrent", "none")
+    assert states.state_bytes(2) == 3 * ((128 * 64 + 2 * 8 * 128) * 4 * 2 + 128 * 64 * 128 * 4)
+
+
+@pytest.mark.parametrize("model_type", HYBRID_TYPES)
+def test_hybrid_estimate_equals_the_cache_transformers_allocates(real_tokenizer, model_type):
+    """The arithmetic against the tensors transformers' own cache holds after a bf16 prefill."""
+    from transformers import AutoModelForCausalLM
+
+    from airquant.engine.plan import kv_bytes_per_token
+    from airquant.kv import LayerStates
+    from tests.zoo import tiny_config
+
+    cfg = tiny_config(model_type, real_tokenizer, **({"full_attn_idxs": [1]} if model_type == "lfm2" else {}))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        cache = model(torch.ones(3, 7, dtype=torch.long), use_cache=True).past_key_values
+    kv = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+             if isinstance(t, torch.Tensor))
+    state = sum(t.nbytes for layer in cache.layers for group in ("conv_states", "recurrent_states")
+                for t in getattr(layer, group, {}).values() if t is not None)
+    states = LayerStates.of(cfg)
+    assert states.hybrid and kv == 3 * 7 * kv_bytes_per_token(cfg, 2) and state == 3 * states.state_bytes(2)
+
+
+def test_engine_plan_of_a_hybrid_store(tmp_path, real_tokenizer):
+    """Qwen3-Next's tiny store: the engine reserves one fixed state per sequence, and offloaded, the one
+    attention layer in flight holds the whole cache (not a quarter of it)."""
+    from airquant.config import EngineConfig
+    from airquant.engine import skeleton
+    from airquant.engine.plan import kv_bytes_per_token
+    from airquant.engine.runner import plan_for, planned_reserve
+    from airquant.kv import LayerStates
+    from airquant.models import resolve
+    from airquant.store.manifest import load_manifest
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    split(resolve(str(make_model(tmp_path / "model", real_tokenizer, "qwen3_next"))), tmp_path / "store",
+          dtype="bfloat16", progress=False)
+    manifest, config = load_manifest(tmp_path / "store"), skeleton.load_config(tmp_path / "store")
+    cfg = EngineConfig(max_vram_gb=1, max_ram_gb=1, batch_size=8, context=128, kv_offload=True)
+    sized = planned_reserve(manifest, cfg, config, torch.bfloat16)
+    assert sized.state == 8 * LayerStates.of(config).state_bytes(2) > 0
+    assert sized.kv == 8 * 128 * kv_bytes_per_token(config, 2) == 8 * 128 * 2 * 1 * 2 * 16 * 2  # 1 layer of 4
+    plan = plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)  # capped: no GPU touched
+    assert plan.kv_offload and plan.reserve_bytes == sized.total - sized.kv + 3 * sized.kv
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral"])
+def test_dense_kv_is_unchanged(real_tokenizer, model_type):
+    from airquant.engine.plan import kv_bytes_per_token, reserve_for
+    from airquant.kv import LayerStates
+    from tests.zoo import tiny_config
+
+    cfg = tiny_config(model_type, real_tokenizer, layers=5)
+    states = LayerStates.of(cfg)
+    assert not states.hybrid and states.attention_layers == tuple(range(5)) and states.state_bytes(2) == 0
+    assert kv_bytes_per_token(cfg, 2) == 2 * 5 * cfg.num_key_value_heads * cfg.head_dim * 2
+    one = reserve_for(cfg, batch=2, context=100, dtype_bytes=2)
+    assert one.state == 0 and "fixed state" not in one.describe() and "(attention)" in states.describe(2)
+
+
+@pytest.mark.parametrize("attention, vram, resident, host", [
+    (None, 10, 1, 3 * GB),  # every layer holds 1 GB of the 4 GB cache: floor 1 + 2 + (5 - 4 + 3 x 1) = 7 GB
+    ((3,), 10, "cannot hold", 0),  # the one attention layer holds all 4 GB: 3 in flight make the floor 16 GB
+    ((3,), 17, 1, 4 * GB),  # 1 GB spare: layer 0 (no KV) fits; layer 3's 4 GB share goes to host RAM
+    (None, 17, 4, 0),
+])
+def test_offloaded_kv_is_shared_by_the_attention_layers_only(attention, vram, resident, host):
+    budgets = Budgets(vram_bytes=vram * GB, ram_bytes=64 * GB, reserve_bytes=5 * GB, kv_bytes=4 * GB,
+                      kv_offload=True, attention_layers=attention)
+    if isinstance(resident, str):
+        with pytest.raises(PlanError, match=resident):
+            plan_layers([GB] * 4, GB, budgets)
+        return
+    plan = plan_layers([GB] * 4, GB, budgets)
+    assert plan.reserve_bytes == GB + 3 * max(budgets.kv_shares(4))  # 5 - 4 + the shares of 3 layers in flight
+    assert len(plan.vram_layers) == resident and plan.kv_host_bytes == host

@@ -214,3 +214,69 @@ def test_plan_cli_takes_the_kv_offload_flag(stores, capsys):
     assert "KV cache                : offloaded" in capsys.readouterr().out
     assert main(args + ["--no-kv-offload"]) == 2
     assert "--kv-offload" in capsys.readouterr().err
+
+
+# -- hybrid stacks and Mixture-of-Experts stores -------------------------------------------------------
+def config_store(folder, cfg: dict, layers: int, layer_bytes: int):
+    """A manifest-only bf16 store of ``layers`` equal layers with ``cfg`` as its config.json."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    sizes = {"embed": v * h * 2, **{f"layer.{k}": layer_bytes for k in range(layers)}, "norm": h * 2,
+             "lm_head": v * h * 2}
+    shards = {g: ShardEntry(g, f"{g}.safetensors", b, "", {}, {}) for g, b in sizes.items()}
+    manifest = Manifest(source={"kind": "synthetic", "model_type": cfg["model_type"], "name": cfg["model_type"]},
+                        dtype="bfloat16", quant={"method": "none"}, num_layers=layers, tied_lm_head=False,
+                        shards=shards, complete=True, synthetic=True)
+    folder.mkdir(parents=True)
+    save_manifest(folder, manifest)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_hybrid_plan_counts_kv_for_attention_layers_and_a_fixed_state(tmp_path):
+    """Qwen3-Next-80B's shape, its config.json as published (full_attention_interval, no layer_types)."""
+    from test_plan import QWEN3_NEXT_80B, QWEN3_NEXT_STATE  # tests/engine is on sys.path
+
+    cfg = dict(QWEN3_NEXT_80B, model_type="qwen3_next", max_position_embeddings=262144, tie_word_embeddings=False)
+    store = config_store(tmp_path / "qwen3-next", cfg, 48, int(3.3 * GB))
+    dims = Candidate.open(store).dims
+    assert dims.states.attention_layers == tuple(range(3, 48, 4)) and dims.states.state_bytes(2) == QWEN3_NEXT_STATE
+    assert dims.kv_bytes("none", 1000, 2) == 1000 * 2 * 12 * 2 * 256 * 2  # 12 attention layers of 48
+    r = route(load_candidates([store]), _hw(80, 256), Workload(batch_size=4, context=8192, kv_schemes=("none",)))
+    text = r.describe()
+    assert "cache     : KV for 12 of 48 layers (attention) + 77.9 MB fixed state per sequence in 36 layers" in text
+    assert "+ state 0.078" in text  # in the arithmetic of every option, per sequence
+    # Nemotron-H's config.json names its layers in layers_block_type and has no num_hidden_layers.
+    nemotron = dict(model_type="nemotron_h", hidden_size=4096, vocab_size=131072, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, layers_block_type=["linear_attention", "mlp"] * 3
+                    + ["full_attention", "mlp"], mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
+                    n_groups=8, conv_kernel=4, max_position_embeddings=8192)
+    dims = Candidate.open(config_store(tmp_path / "nemotron", nemotron, 8, GB)).dims
+    assert dims.num_layers == 8 and dims.states.attention_layers == (6,) and len(dims.states.recurrent_layers) == 3
+    assert dims.kv_bytes("none", 10, 2) == 10 * 2 * 8 * 128 * 2
+
+
+def test_dense_plan_has_no_hybrid_or_expert_lines(stores):
+    text = route(load_candidates([stores["llama3-8b", "bfloat16"]]), _hw(24, 32), Workload()).describe()
+    assert "cache     :" not in text and "experts   :" not in text and "state" not in text
+
+
+def test_plan_shows_the_experts_of_a_moe_layer(tmp_path, real_tokenizer, capsys):
+    from safetensors import safe_open
+
+    from airquant.models import resolve
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    split(resolve(str(make_model(tmp_path / "model", real_tokenizer, "mixtral"))), tmp_path / "store",
+          dtype="float32", progress=False)
+    assert main(["plan", str(tmp_path / "store"), "--device", "cpu", "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    entry = Candidate.open(tmp_path / "store").manifest.shards["layer.0"]
+    with safe_open(tmp_path / "store" / entry.file, "pt") as f:  # the expert tensors, read another way
+        experts = sum(f.get_tensor(name).nbytes for name in entry.experts["tensors"])
+    assert entry.experts["num"] == 4 and 0 < experts < entry.bytes
+    def mb(nbytes: float) -> str:
+        return f"{nbytes / 1e6:.3g} MB"
+
+    assert (f"experts   : layer {mb(entry.bytes)}, of which experts {mb(experts)} (4 x {mb(experts / 4)}, "
+            "2 routed per token)") in out
