@@ -54,7 +54,8 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": dict(num_heads=8), "bamba": dict(mamba_n_heads=8, attn_layer_indices=[1]),
     "falcon_h1": dict(mamba_n_heads=8, mamba_d_ssm=128), "granitemoehybrid": dict(mamba_n_heads=8),
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1, use_mamba_kernels=False),
+                  expert_layer_offset=1, use_mamba_kernels=False, mamba_dt_rank=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=1, moe_shared_expert_intermediate_size=64),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "lfm2": dict(full_attn_idxs=[1]),  # otherwise every block of a small LFM2 is attention
 }

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
+from airquant.quant.base import QuantLinear
 
 # ggml type name -> (ggml type id, weights per block, bytes per block), from ggml.h / GGML_QUANT_SIZES.
 GGUF_TYPES: dict[str, tuple[int, int, int]] = {
@@ -171,7 +172,7 @@ def dequantize_gguf(weight_blocks: torch.Tensor, ggml_type, in_features: int) ->
     return _dequant_blocks(name, blocks).reshape(weight_blocks.shape[0], in_features)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(QuantLinear):
     """y = x @ W.T + b with W kept as llama.cpp blocks."""
 
     def __init__(

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
+from airquant.quant.base import QuantLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE_ORDER[j]
@@ -79,7 +80,7 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return ((q - zeros[g]).float() * scales.float()[g]).t()
 
 
-class _PackedIntLinear(nn.Module):
+class _PackedIntLinear(QuantLinear):
     """Shared plumbing: bias, dtype handling and the torch/Triton dispatch."""
 
     def _init_common(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
+from airquant.quant.base import QuantLinear
 
 # Lloyd-Max (1960) optimum 4-level quantizer for N(0, 1): centroids and the midpoints between them.
 LLOYD_MAX_4 = (-1.5104, -0.4528, 0.4528, 1.5104)
@@ -166,7 +167,7 @@ def dequantize_int2(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return (c * scales.float()[..., None] + zeros.float()[..., None]).reshape(out_f, in_f)
 
 
-class Int2Linear(nn.Module):
+class Int2Linear(QuantLinear):
     """y = x @ W.T + b with W as 2-bit Lloyd-Max codes plus fp16 outlier-channel residuals."""
 
     def __init__(

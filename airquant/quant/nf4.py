@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from airquant.errors import DependencyError
+from airquant.quant.base import QuantLinear
 
 # bitsandbytes quantizes the fp32 absmax of double quant in blocks of 256 (quantize_blockwise default);
 # its CPU and CUDA gemm kernels only accept that nested blocksize.
@@ -46,7 +47,7 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int, double_quant: bool) -> tu
     return {k: v.contiguous() for k, v in tensors.items()}, meta
 
 
-class NF4Linear(nn.Module):
+class NF4Linear(QuantLinear):
     """y = x @ W.T + b with W stored as bitsandbytes NF4 (packed uint8 + absmax [+ nested absmax])."""
 
     def __init__(

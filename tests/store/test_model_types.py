@@ -19,7 +19,7 @@ from airquant.models import resolve
 from airquant.quant import QuantSpec
 from airquant.store.quantize import make_transform
 from airquant.store.split import split
-from tests.zoo import MODEL_TYPES, make_model
+from tests.zoo import HYBRID_TYPES, MODEL_TYPES, MOE_TYPES, SSM_TYPES, make_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
 
@@ -127,13 +127,20 @@ def _fake_quantized_reference(folder, spec: QuantSpec):
 
 
 @pytest.mark.parametrize("method", ["nf4", "int2"])
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
+                                        "qwen3_next", "lfm2", "nemotron_h", "jamba"])
 def test_quantized_moe_streams_like_the_model_quantized_in_memory(tmp_path, real_tokenizer, model_type, method):
+    """MoE experts, and the linears of hybrid blocks (their conv / A_log / dt tensors stay dense)."""
     spec = QuantSpec(method=method, group=16, outliers=0.0) if method == "int2" else QuantSpec(method=method)
     folder, store = _shard(tmp_path, real_tokenizer, model_type, spec=spec)
     manifest = json.loads((store / "manifest.json").read_text())
-    quantized = {m for e in manifest["shards"].values() for m, meta in e["modules"].items() if "experts" in meta}
-    assert quantized, "no expert tensor was quantized"
+    modules = {m: meta for e in manifest["shards"].values() for m, meta in e["modules"].items()}
+    if model_type in MOE_TYPES:
+        assert any("experts" in meta for meta in modules.values()), "no expert tensor was quantized"
+    dense = {n for e in manifest["shards"].values() for n, t in e["tensors"].items() if t["scheme"] == "dense"}
+    assert modules and not any(m.endswith(("conv1d", "conv", "A_log", "dt_bias")) for m in modules)
+    if model_type in HYBRID_TYPES + SSM_TYPES:
+        assert any(n.endswith(("A_log", "conv1d.weight", "conv.weight")) for n in dense)
     engine = Engine.open(store, device="cpu")
     _check_against(engine, _fake_quantized_reference(folder, spec), real_tokenizer, 1e-4)
     resident = Engine.open(store, device="cpu", resident=True)
