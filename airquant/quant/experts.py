@@ -19,13 +19,19 @@ from airquant.quant import make_linear, quantize_linear
 from airquant.quant.spec import QuantSpec
 
 
-def quantize_experts(spec: QuantSpec, weight: torch.Tensor, *, transposed: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def quantize_experts(spec: QuantSpec, weight: torch.Tensor, *, transposed: bool,
+                     act_scales: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantize a fused [E, a, b] expert parameter one expert at a time.
 
     ``transposed`` (transformers' ``is_transposed``, gpt-oss) means each expert is stored [in, out]; it is
     quantized as [out, in] so int2's groups and outlier channels run along the input dimension.
+    ``act_scales`` [E, in] (calibration, mean |x| of the tokens routed to each expert) rank each expert's
+    int2 outlier channels; a row of NaN (no calibration token reached that expert) falls back to the
+    column norm.
     """
-    per = [quantize_linear(spec, w.t() if transposed else w) for w in weight]
+    rows = [None if act_scales is None or not torch.isfinite(act_scales[e]).all() else act_scales[e]
+            for e in range(weight.shape[0])]
+    per = [quantize_linear(spec, w.t() if transposed else w, act_scale=a) for w, a in zip(weight, rows)]
     metas = {repr(sorted(m.items())) for _, m in per}
     if len(metas) != 1:
         raise ValueError(f"experts of one tensor quantized with different settings: {metas}")

@@ -74,7 +74,8 @@ def _quantize_transform(source: ModelSource, spec, act_scales: dict, hessians: d
     from airquant.store.head import quantize_head
 
     counts = moe_counts(source.config)
-    # Error feedback needs each expert's own Hessian, which calibration does not collect: experts get plain int2.
+    # Error feedback needs each expert's own Hessian, which calibration does not collect: experts get int2
+    # with calibrated outliers (per expert) but no error feedback.
     expert_spec = replace(spec, error_feedback=False)
 
     def transform(group: str, tensors: dict[str, torch.Tensor]):
@@ -92,7 +93,8 @@ def _quantize_transform(source: ModelSource, spec, act_scales: dict, hessians: d
             out.update({f"{m}.{s}": t.contiguous() for s, t in packed.items()})
             modules[m] = {**meta, "tensors": sorted(packed)}
         for name, transposed in (expert_params(block, counts[0]) if counts else {}).items():
-            packed, meta = quantize_experts(expert_spec, out.pop(name), transposed=transposed)
+            packed, meta = quantize_experts(expert_spec, out.pop(name), transposed=transposed,
+                                            act_scales=act_scales.get(prefix + name))
             out.update({f"{name}.{s}": t for s, t in packed.items()})
             modules[name] = {**meta, "tensors": sorted(packed)}
         return out, modules

@@ -63,3 +63,55 @@ def test_nf4_expert_decode_on_cuda_matches_cpu():
     gpu = _loaded({k: v.cuda() for k, v in tensors.items()}, meta, torch.bfloat16)
     for e in range(4):
         assert torch.equal(gpu[e].cpu(), cpu[e])
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_calibration_gives_each_expert_the_mean_abs_input_of_its_tokens(tmp_path, real_tokenizer, model_type):
+    """Per expert, mean |x| over the tokens routed to it, against the experts module's inputs captured by
+    a hook of the test's own (hidden states and routing indices)."""
+    from transformers import AutoModelForCausalLM
+
+    from airquant.quant import calibrate_act_scales
+    from tests.zoo import make_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path, real_tokenizer, model_type)).eval()
+    experts = model.model.layers[1].mlp.experts
+    calls = []
+    handle = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach(), a[1].detach())))
+    scales = calibrate_act_scales(model, real_tokenizer, "The quick brown fox jumps over the lazy dog. " * 20,
+                                  n_tokens=64)
+    handle.remove()
+    x = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in calls]).float()
+    idx = torch.cat([i.reshape(x.shape[0] if len(calls) == 1 else -1, i.shape[-1]) for _, i in calls])
+    got = scales["model.layers.1.mlp.experts.gate_up_proj"]
+    down = scales["model.layers.1.mlp.experts.down_proj"]
+    assert got.shape == (4, x.shape[-1]) and down.shape[0] == 4
+    for e in range(4):
+        tokens = (idx == e).any(-1)
+        if tokens.any():
+            torch.testing.assert_close(got[e], x[tokens].abs().mean(0), rtol=1e-5, atol=1e-6)
+            assert torch.isfinite(down[e]).all() and (down[e] > 0).any()
+        else:
+            assert torch.isnan(got[e]).all()
+
+
+def test_calibrated_int2_experts_rank_outliers_by_their_own_tokens(tmp_path, real_tokenizer, capsys):
+    import json
+
+    from airquant.cli import main
+    from airquant.engine.runner import Engine
+    from tests.zoo import make_model
+
+    folder = make_model(tmp_path / "model", real_tokenizer, "mixtral")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("Calibration text about many things, numbers 1 2 3 and words. " * 40)
+    store = tmp_path / "store"
+    assert main(["shard", str(folder), "--store", str(store), "--dtype", "float32", "--quant", "int2",
+                 "--group", "16", "--outliers", "0.1", "--calib", str(calib), "--quiet"]) == 0
+    manifest = json.loads((store / "manifest.json").read_text())
+    meta = manifest["shards"]["layer.0"]["modules"]["mlp.experts.gate_up_proj"]
+    assert meta["experts"] == 4 and meta["n_outliers"] == 6  # 10 % of 64 input channels, per expert
+    streamed = Engine.open(store, device="cpu")
+    resident = Engine.open(store, device="cpu", resident=True)
+    enc = streamed.encode(["The quick brown fox", "Hi"])
+    assert torch.equal(streamed.forward(**enc), resident.forward(**enc))
