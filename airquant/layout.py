@@ -109,7 +109,8 @@ def find_layout(model: nn.Module) -> Layout:
         raise UnsupportedModelError(
             f"architecture '{model.config.model_type}' keeps no ModuleList of its {n} decoder blocks, so its "
             "blocks cannot be streamed one at a time.")
-    stack = min(stacks, key=lambda s: s.count("."))  # the outermost: nested lists are parts of a block
+    # The outermost list (nested lists are parts of a block); of two at one depth, the one with the weights.
+    stack = max(stacks, key=lambda s: (-s.count("."), sum(p.numel() for p in model.get_submodule(s).parameters())))
     names = {id(m): name for name, m in model.named_modules()}
     embed = names[id(model.get_input_embeddings())]
     head_module = model.get_output_embeddings()
