@@ -176,7 +176,10 @@ def dequant_elems(shards: dict, config) -> int:
     if any(m.get("scheme", "none") != "none" for e in shards.values() if e.is_layer for m in e.modules.values()):
         heads = getattr(config, "num_attention_heads", None) or 1  # a pure state-space stack has none
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        elems = config.hidden_size * max(config.intermediate_size, heads * head_dim)
+        elems = config.hidden_size * max(getattr(config, "intermediate_size", 0) or 0, heads * head_dim)
+    # A quantized expert is decoded whole into the compute dtype (gate_up: 2 x its width x hidden).
+    experts = [m["shape"] for e in shards.values() if e.is_layer for m in e.modules.values() if "experts" in m]
+    elems = max([elems] + [out * inp for out, inp in experts])
     head = shards.get("lm_head")
     if head is not None and head.modules:
         rows = max(m["rows"][1] - m["rows"][0] for m in head.modules.values())

@@ -258,3 +258,21 @@ def test_offloaded_kv_is_shared_by_the_attention_layers_only(attention, vram, re
     plan = plan_layers([GB] * 4, GB, budgets)
     assert plan.reserve_bytes == GB + 3 * max(budgets.kv_shares(4))  # 5 - 4 + the shares of 3 layers in flight
     assert len(plan.vram_layers) == resident and plan.kv_host_bytes == host
+
+
+def test_dequant_workspace_counts_a_whole_quantized_expert():
+    """A quantized expert is decoded whole: Mixtral's gate_up (2 x 14336 x 4096) outgrows the dense MLP term."""
+    from types import SimpleNamespace
+
+    from airquant.engine.plan import dequant_elems
+    from airquant.store.manifest import ShardEntry
+
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, head_dim=128)
+    nf4 = {"scheme": "nf4", "blocksize": 64, "double_quant": False}
+    layer = ShardEntry(group="layer.0", file="layer_0000.safetensors", bytes=1, sha256="", tensors={},
+                       modules={"self_attn.q_proj": nf4,
+                                "mlp.experts.gate_up_proj": {**nf4, "experts": 8, "shape": [28672, 4096]},
+                                "mlp.experts.down_proj": {**nf4, "experts": 8, "shape": [4096, 14336]}})
+    assert dequant_elems({"layer.0": layer}, config) == 28672 * 4096
+    dense_only = ShardEntry(group="layer.0", file="x", bytes=1, sha256="", tensors={}, modules={"self_attn.q_proj": nf4})
+    assert dequant_elems({"layer.0": dense_only}, config) == 4096 * 14336
