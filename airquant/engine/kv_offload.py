@@ -71,20 +71,14 @@ class _TurboQuant:
 
     in_place = True  # the store appends into its tensors and the attention reads them in this layout
     rewritten = False
-    STATS = ("k_mean", "v_mean", "k_ref", "v_ref")
 
-    @classmethod
-    def read(cls, layer) -> LayerState:
-        whole = {"keys": layer.keys, "values": layer.values}
-        whole.update({name: getattr(layer.store, name) for name in cls.STATS})
-        return LayerState(dict(layer.store.tensors), layer.store.length, whole)
+    @staticmethod
+    def read(layer) -> LayerState:
+        return LayerState(*layer.offload_state())
 
-    @classmethod
-    def write(cls, layer, state: LayerState) -> None:
-        layer.store.tensors = dict(state.append)
-        layer.keys, layer.values = state.whole["keys"], state.whole["values"]
-        for name in cls.STATS:
-            setattr(layer.store, name, state.whole[name])
+    @staticmethod
+    def write(layer, state: LayerState) -> None:
+        layer.load_state(state.append, state.whole)
 
 
 class _Recurrent:

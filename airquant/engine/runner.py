@@ -265,9 +265,9 @@ class Engine:
     def _cache_arg(self, cache) -> dict:
         if cache is None:
             return {}
-        from airquant.kv import _cache_kwarg
+        from airquant.kv import cache_kwarg
 
-        return {_cache_kwarg(self.model): cache}
+        return {cache_kwarg(self.model): cache}
 
     def generate(self, prompts: list[str] | str, gen: GenerateConfig | None = None, **overrides) -> list[str]:
         return [c.text for c in self.generate_detailed(prompts, gen, **overrides)]

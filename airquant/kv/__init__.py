@@ -20,7 +20,7 @@ from airquant.kv.layers import ATTENTION, NONE, RECURRENT, LayerStates, layer_ki
 logger = logging.getLogger(__name__)
 
 __all__ = ["KVConfig", "KVConfigError", "Schedule", "LayerStates", "make_cache", "kv_logits", "cache_nbytes",
-           "model_dims", "state_layers"]
+           "cache_kwarg", "model_dims", "state_layers"]
 
 
 def model_dims(model_config) -> tuple[int, int, int]:
@@ -141,7 +141,7 @@ def kv_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     previous = model.config._attn_implementation
     use_tq_attention(model.config)
     try:
-        cache_arg = {_cache_kwarg(model): cache}
+        cache_arg = {cache_kwarg(model): cache}
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **cache_arg)
     finally:
         if previous != ATTN_NAME:
@@ -149,7 +149,7 @@ def kv_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     return out.logits
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns); 5.17 has only the old."""
     try:
         params = inspect.signature(model.forward).parameters

@@ -33,6 +33,8 @@ class History:
 class PackedStore:
     """Packed K/V codes and fp16 norms, ``[B, H, capacity, ...]``, the first ``length`` in use."""
 
+    STATS = ("k_mean", "v_mean", "k_ref", "v_ref")  # per-head statistics fixed by ``calibrate``
+
     def __init__(self, k_codec: Codec, v_codec: Codec):
         self.k_codec = k_codec
         self.v_codec = v_codec
@@ -105,9 +107,18 @@ class PackedStore:
     def map_tensors(self, fn) -> None:
         """Apply ``fn`` to every stored tensor (batch reorder, device moves)."""
         self.tensors = {name: fn(t) for name, t in self.tensors.items()}
-        for name in ("k_mean", "v_mean", "k_ref", "v_ref"):
+        for name in self.STATS:
             value = getattr(self, name)
             setattr(self, name, None if value is None else fn(value))
+
+    def stats(self) -> dict[str, torch.Tensor | None]:
+        """The statistics by name (None where not calibrated or not centered)."""
+        return {name: getattr(self, name) for name in self.STATS}
+
+    def set_stats(self, stats: dict[str, torch.Tensor | None]) -> None:
+        """Replace the statistics (the same ones moved to other memory)."""
+        for name in self.STATS:
+            setattr(self, name, stats[name])
 
     def all_tensors(self) -> list[torch.Tensor]:
         stats = [m for m in (self.k_mean, self.v_mean, self.k_ref, self.v_ref) if m is not None]

@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from airquant.store.split import GroupTransform
 
 log = logging.getLogger(__name__)
 
+# How ``calibrate`` opens its temporary float store: store -> (model, tokenizer, close). A callable,
+# because the store sits below the engine that does the opening.
+OpenModel = Callable[[Path], tuple[torch.nn.Module, object, Callable[[], None]]]
 
 
 def quant_record(spec) -> dict:
@@ -166,13 +170,14 @@ def _gguf_keep_transform(source: ModelSource) -> GroupTransform:
     return transform
 
 
-def calibrate(source: ModelSource, spec, *, device: str = "cpu", n_tokens: int = 2048):
+def calibrate(source: ModelSource, spec, *, open_model: OpenModel, n_tokens: int = 2048) -> tuple[dict, dict]:
     """Activation scales (and Hessians for error feedback) of every decoder linear, from ``spec.calib``.
 
     Runs the model streamed from a temporary float32 store, so calibration never needs the whole
-    model in memory; the temporary store is removed afterwards.
+    model in memory; the temporary store is removed afterwards. ``open_model(store)`` opens that
+    store as ``(model, tokenizer, close)``: the store sits below the engine, so the caller supplies
+    it (``airquant.engine.calibration.calibrate_streamed`` opens an ``Engine``).
     """
-    from airquant.engine.runner import Engine
     from airquant.quant import calibrate_act_scales, calibrate_hessians
     from airquant.store.split import split
 
@@ -185,13 +190,13 @@ def calibrate(source: ModelSource, spec, *, device: str = "cpu", n_tokens: int =
     tmp = Path(tempfile.mkdtemp(prefix="airquant-calib-"))
     try:
         split(source, tmp / "dense", dtype="float32", progress=False)
-        engine = Engine.open(tmp / "dense", device=device)
+        model, tokenizer, close = open_model(tmp / "dense")
         text = path.read_text(encoding="utf-8")
         if spec.error_feedback:
-            scales, hess = calibrate_hessians(engine.model, engine.tokenizer, text, n_tokens)
+            scales, hess = calibrate_hessians(model, tokenizer, text, n_tokens)
         else:
-            scales, hess = calibrate_act_scales(engine.model, engine.tokenizer, text, n_tokens), {}
-        engine.close()
+            scales, hess = calibrate_act_scales(model, tokenizer, text, n_tokens), {}
+        close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _plain_names(scales, source), _plain_names(hess, source)

@@ -80,7 +80,8 @@ def _check_existing(store: Path, identity: dict, dtype: str, quant: dict) -> Man
     return old
 
 
-def _check_disk(store: Path, needed: int) -> None:
+def check_disk(store: Path, needed: int) -> None:
+    """Raise ``DiskSpaceError`` unless ``store``'s disk has room for ``needed`` more bytes (with a margin)."""
     free = _free_bytes(store)
     want = int(needed * _DISK_MARGIN) + _DISK_SLACK_BYTES
     if free < want:
@@ -153,7 +154,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
                         tied_lm_head=source.tied, tool_version=__version__, layout=source.layout.to_dict())
     keep = {g: e for g, e in (old.shards.items() if old else []) if _verified(store, e)}
     remaining = estimate_bytes(source, dtype, bytes_per_weight) - sum(e.bytes for e in keep.values())
-    _check_disk(store, max(remaining, 0))
+    check_disk(store, max(remaining, 0))
     _save_side_files(store, source)
     manifest.shards.update(keep)
     todo = [g for g in manifest.layer_order if g not in keep]

@@ -39,7 +39,7 @@ from airquant.layout import MoEInfo, decoder_stack, expert_modules, find_layout,
 from airquant.models import group_order
 from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest, save_manifest
 from airquant.store.quantize import expert_params
-from airquant.store.split import _check_disk, shard_file, write_shard
+from airquant.store.split import check_disk, shard_file, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     manifest.shards.update({g: e for g, e in (old.shards.items() if old else [])
                             if (store / e.file).is_file() and (store / e.file).stat().st_size == e.bytes})
     todo = [g for g in order if g not in manifest.shards]
-    _check_disk(store, sum(_meta_entry(g, *groups.metas(g)).bytes for g in todo))
+    check_disk(store, sum(_meta_entry(g, *groups.metas(g)).bytes for g in todo))
     bar = tqdm(total=len(order), initial=len(order) - len(todo), desc="synth", unit="shard", disable=not progress)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-synth") as pool:
         pending: list[Future] = []
@@ -468,10 +468,10 @@ def default_tokenizer():
     """The default model's tokenizer (read from its GGUF: a few seconds, so once per process)."""
     from transformers import AutoTokenizer
 
-    from airquant.models import _default_gguf_path, _require_gguf
+    from airquant.models import default_gguf_path, require_gguf
 
-    _require_gguf()
-    path = _default_gguf_path()
+    require_gguf()
+    path = default_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

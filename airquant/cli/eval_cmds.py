@@ -1,10 +1,17 @@
-"""``airquant eval ppl|rouge|niah|perf|parity|kvmem``, ``airquant report``, ``airquant env``, ``airquant pipeline``."""
+"""``airquant eval ppl|rouge|niah|perf|parity|kvmem``, ``airquant report``, ``airquant env``, ``airquant pipeline``.
+
+The commands import the engine and the eval modules (torch, transformers) inside their functions so that
+``airquant --help`` and argument errors stay fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
+from airquant import envs
+from airquant.cli.flags import add_engine_flags, add_kv_flags, engine_config, kv_from_args
 from airquant.errors import AirQuantError
 
 
@@ -25,42 +32,7 @@ def _float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from exc
 
 
-def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
-    try:
-        return tuple(tuple(int(v) for v in entry.split(":")) for entry in text.split(",") if entry.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:BITS_K:BITS_V[,...], e.g. 0:4:4,29:4:3") from exc
-
-
 # -- eval -------------------------------------------------------------------------------------------
-def add_kv_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
-    g.add_argument("--kv", choices=["none", "tq", "turboquant"], default="none",
-                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)")
-    g.add_argument("--kv-bits-k", type=int, default=None, metavar="B", help="key bits (KVConfig default 4)")
-    g.add_argument("--kv-bits-v", type=int, default=None, metavar="B", help="value bits (default 2)")
-    g.add_argument("--kv-window", type=int, default=None, metavar="N", help="recent tokens kept exact (default 128)")
-    g.add_argument("--kv-block", type=int, default=None, metavar="N", help="tokens leaving the window at a time")
-    g.add_argument("--kv-sink", type=int, default=None, metavar="N", help="first tokens never quantized")
-    g.add_argument("--kv-seed", type=int, default=None, metavar="S", help="seed of the per-layer rotations")
-    g.add_argument("--kv-rotation", choices=["auto", "dense"], default=None,
-                   help="auto: randomized Hadamard where head_dim is a power of two; dense: Haar QR (the paper's)")
-    g.add_argument("--kv-center-k", action="store_true", default=None, help="subtract a per-head key mean first")
-    g.add_argument("--kv-layer-bits", type=_layer_bits, default=None, metavar="L:K:V,...",
-                   help="per-layer bit overrides, e.g. 0:4:4,29:4:3")
-
-
-def kv_from_args(args):
-    """The ``KVConfig`` the flags describe, or None for ``--kv none``."""
-    if args.kv == "none":
-        return None
-    from airquant.kv import KVConfig
-
-    names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits", "rotation")
-    given = {n: getattr(args, f"kv_{n}") for n in names if getattr(args, f"kv_{n}") is not None}
-    return KVConfig(backend=args.kv, **given)
-
-
 def _metric_call(args, engine, kv):
     from airquant import eval as ev
 
@@ -105,14 +77,13 @@ def _parity(args, engine, kv):
 
 
 def cmd_eval(args) -> int:
-    from airquant.cli import _engine_config
     from airquant.engine.runner import Engine
     from airquant.eval import write_row, write_rows
     from airquant.suite import headline, row_path
 
     kv = kv_from_args(args)
     batch = max(getattr(args, "batch_sizes", None) or (args.batch,))
-    engine = Engine.open(args.store, replace(_engine_config(args), batch_size=batch))
+    engine = Engine.open(args.store, replace(engine_config(args), batch_size=batch))
     try:
         rows = _metric_call(args, engine, kv)
     finally:
@@ -130,9 +101,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _add_eval_parsers(sub) -> None:
-    from airquant.cli import _add_engine_flags
-
+def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="measure one metric on a store; write a results row")
     metrics = p.add_subparsers(dest="metric", metavar="METRIC", required=True)
     helps = {"ppl": "sliding-window perplexity (WikiText-2 test)", "rouge": "ROUGE-L of summaries (CNN/DailyMail)",
@@ -149,7 +118,7 @@ def _add_eval_parsers(sub) -> None:
                        help="windows / prompts per weight pass (default 1)")
         _add_metric_flags(m, name)
         add_kv_flags(m)
-        _add_engine_flags(m)
+        add_engine_flags(m)
         m.set_defaults(func=cmd_eval)
 
 
@@ -197,9 +166,14 @@ def cmd_report(args) -> int:
     return 0
 
 
-def cmd_env(args) -> int:
-    from airquant import envs
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="assemble RESULTS_DIR/RESULTS.md (and plots) from the rows there")
+    p.add_argument("results_dir", nargs="?", default="results")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.set_defaults(func=cmd_report)
 
+
+def cmd_env(args) -> int:
     if args.action == "list":
         for stage in envs.STAGES:
             kernel = envs.find_kernel(stage) or "not registered"
@@ -210,9 +184,17 @@ def cmd_env(args) -> int:
     return 0
 
 
-def cmd_pipeline(args) -> int:
-    import logging
+def add_env_parser(sub) -> None:
+    p = sub.add_parser("env", help="per-stage pinned environments (environments/*.txt) and their kernels")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    c = actions.add_parser("create", help="build a stage's virtual environment and register its Jupyter kernel")
+    c.add_argument("stage", choices=envs.STAGES)
+    c.add_argument("--prefix", default=None, metavar="DIR", help="where the venv goes (default .venvs/STAGE)")
+    c.set_defaults(func=cmd_env)
+    actions.add_parser("list", help="stages, requirement files, registered kernels").set_defaults(func=cmd_env)
 
+
+def cmd_pipeline(args) -> int:
     from airquant.pipeline import PipelineConfig, run_pipeline
 
     logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
@@ -227,24 +209,7 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
-def add_subcommands(sub) -> None:
-    """Register eval, report, env and pipeline on the ``airquant`` parser's subcommands."""
-    from airquant.envs import STAGES
-
-    _add_eval_parsers(sub)
-    p = sub.add_parser("report", help="assemble RESULTS_DIR/RESULTS.md (and plots) from the rows there")
-    p.add_argument("results_dir", nargs="?", default="results")
-    p.add_argument("--no-plots", action="store_true", help="tables only")
-    p.set_defaults(func=cmd_report)
-
-    p = sub.add_parser("env", help="per-stage pinned environments (environments/*.txt) and their kernels")
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    c = actions.add_parser("create", help="build a stage's virtual environment and register its Jupyter kernel")
-    c.add_argument("stage", choices=STAGES)
-    c.add_argument("--prefix", default=None, metavar="DIR", help="where the venv goes (default .venvs/STAGE)")
-    c.set_defaults(func=cmd_env)
-    actions.add_parser("list", help="stages, requirement files, registered kernels").set_defaults(func=cmd_env)
-
+def add_pipeline_parser(sub) -> None:
     p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md")
     p.add_argument("--model", default="default", help="'default', a model folder, a .gguf file, or a hub id")
     p.add_argument("--store", default="store", metavar="DIR", help="folder of the stores (default ./store)")
@@ -254,11 +219,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--schemes", nargs="+", choices=["bf16", "nf4"], default=None,
                    help="stores stage 01 builds (default: bf16, and nf4 when bitsandbytes imports)")
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=None, help="run only these stages, in order")
+    p.add_argument("--stages", nargs="+", choices=envs.STAGES, default=None, help="run only these stages, in order")
     p.add_argument("--kernels", choices=["auto", "current"], default="auto",
                    help="auto: each stage's own kernel when registered; current: this interpreter for all")
     p.add_argument("--cell-timeout", type=int, default=None, metavar="S",
                    help="stop a notebook whose cell runs longer than S seconds (default: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar over the notebook cells")
     p.set_defaults(func=cmd_pipeline)
-

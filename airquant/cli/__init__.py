@@ -1,0 +1,64 @@
+"""``airquant`` command line: ``build_parser`` and ``main``; each command lives in the module of its group.
+
+- ``flags``: flag groups shared by several commands (engine, generation, KV cache, routing) and the configs
+  they map to
+- ``store_cmds``: shard, info, synth (write a store, or read what one holds)
+- ``run_cmds``: plan, generate, batch, serve (route and run a store)
+- ``eval_cmds``: eval, report, env, pipeline (measure and report)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from airquant import __version__
+from airquant.cli import eval_cmds, run_cmds, store_cmds
+from airquant.errors import AirQuantError
+
+__all__ = ["build_parser", "main"]
+
+DESCRIPTION = """\
+AirQuant runs LLMs larger than GPU memory: a one-time split into one shard per layer, then a
+forward pass that streams each layer to the GPU only while it runs.
+
+  airquant shard default --store ./store          split the embedded SmolLM2-135M model
+  airquant generate ./store --chat --prompt "What is the capital of France?"
+  airquant info --store ./store --verify          what a store holds; check every checksum
+"""
+
+# The order of ``airquant --help``.
+COMMANDS = (store_cmds.add_shard_parser, store_cmds.add_info_parser, run_cmds.add_plan_parser,
+            run_cmds.add_generate_parser, store_cmds.add_synth_parser, run_cmds.add_batch_parser,
+            run_cmds.add_serve_parser, eval_cmds.add_eval_parser, eval_cmds.add_report_parser,
+            eval_cmds.add_env_parser, eval_cmds.add_pipeline_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="airquant", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"airquant {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add_parser in COMMANDS:
+        add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except AirQuantError as exc:
+        print(f"airquant: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("airquant: interrupted; stores and output files keep what was finished.", file=sys.stderr)
+        return 130

@@ -1,0 +1,120 @@
+"""Flag groups shared by several ``airquant`` commands, and the configs the parsed flags map to.
+
+Two ``--kv`` vocabularies, one meaning per word:
+
+- a run (generate, batch, eval) builds the cache it is told: ``none`` (plain), ``tq`` (AirQuant's TurboQuant,
+  ``airquant.kv``) or ``turboquant`` (the PyPI package); the ``--kv-*`` flags tune it (``add_kv_flags``).
+- a route (plan, serve) lets the router choose among caches it can size: ``auto`` (plain if it fits, else
+  ``tq``), ``none`` or ``tq``. The router sizes only AirQuant's own TurboQuant at K4/V2, so ``turboquant``
+  is not a routing choice (``add_route_flags``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+KV_RUN_CHOICES = ("none", "tq", "turboquant")
+KV_ROUTE_CHOICES = ("auto", "none", "tq")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``EngineConfig`` (see ``engine_config``)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="compute device (default: auto)")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (default: the store's; fp16 stores compute in fp32 on CPU)")
+    g.add_argument("--resident", action="store_true", help="load every layer once instead of streaming")
+    g.add_argument("--max-vram", type=float, default=None, metavar="GB",
+                   help="cap GPU memory as a smaller card would (GiB)")
+    g.add_argument("--max-ram", type=float, default=None, metavar="GB",
+                   help="pinned host RAM for layer copies (GiB; default: half the free RAM)")
+    g.add_argument("--resident-layers", type=int, default=None, metavar="N",
+                   help="keep the first N layers in VRAM (default: planned from --max-vram)")
+    g.add_argument("--host-embedding", action="store_true",
+                   help="keep the embedding table in host RAM; only the looked-up rows go to the GPU")
+    g.add_argument("--reserve", type=float, default=None, metavar="GB",
+                   help="VRAM kept free for KV cache and activations (GiB; default: sized from batch and context)")
+    g.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the streamed layers' KV cache in pinned host RAM, copied in with each layer's weights "
+                        "(default: only when the batch's cache does not fit in VRAM)")
+    g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
+    g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
+    g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
+
+
+def engine_config(args):
+    """The ``EngineConfig`` of ``add_engine_flags`` (plus ``--batch``/``--context`` where the command has them)."""
+    from airquant.config import EngineConfig
+
+    return EngineConfig(device=args.device, dtype=args.dtype, resident=args.resident, max_vram_gb=args.max_vram,
+                        max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify,
+                        reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
+                        profile=args.profile, kv_offload=args.kv_offload,
+                        batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None))
+
+
+def add_generate_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``GenerateConfig`` (``--ignore-eos`` is generate's alone)."""
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+
+
+def generate_config(args):
+    from airquant.config import GenerateConfig
+
+    return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, chat=args.chat, ignore_eos=getattr(args, "ignore_eos", False))
+
+
+def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        return tuple(tuple(int(v) for v in entry.split(":")) for entry in text.split(",") if entry.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:BITS_K:BITS_V[,...], e.g. 0:4:4,29:4:3") from exc
+
+
+def add_kv_flags(p: argparse.ArgumentParser) -> None:
+    """The cache a run builds: ``--kv`` and the ``KVConfig`` fields (see ``kv_from_args``)."""
+    g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
+    g.add_argument("--kv", choices=KV_RUN_CHOICES, default="none",
+                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)")
+    g.add_argument("--kv-bits-k", type=int, default=None, metavar="B", help="key bits (KVConfig default 4)")
+    g.add_argument("--kv-bits-v", type=int, default=None, metavar="B", help="value bits (default 2)")
+    g.add_argument("--kv-window", type=int, default=None, metavar="N", help="recent tokens kept exact (default 128)")
+    g.add_argument("--kv-block", type=int, default=None, metavar="N", help="tokens leaving the window at a time")
+    g.add_argument("--kv-sink", type=int, default=None, metavar="N", help="first tokens never quantized")
+    g.add_argument("--kv-seed", type=int, default=None, metavar="S", help="seed of the per-layer rotations")
+    g.add_argument("--kv-rotation", choices=["auto", "dense"], default=None,
+                   help="auto: randomized Hadamard where head_dim is a power of two; dense: Haar QR (the paper's)")
+    g.add_argument("--kv-center-k", action="store_true", default=None, help="subtract a per-head key mean first")
+    g.add_argument("--kv-layer-bits", type=_layer_bits, default=None, metavar="L:K:V,...",
+                   help="per-layer bit overrides, e.g. 0:4:4,29:4:3")
+
+
+def kv_from_args(args):
+    """The ``KVConfig`` the flags describe, or None for ``--kv none``."""
+    if args.kv == "none":
+        return None
+    from airquant.kv import KVConfig
+
+    names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits", "rotation")
+    given = {n: getattr(args, f"kv_{n}") for n in names if getattr(args, f"kv_{n}") is not None}
+    return KVConfig(backend=args.kv, **given)
+
+
+def add_route_flags(p: argparse.ArgumentParser) -> None:
+    """What the router plans for: ``--context`` and the caches it may choose (see ``route_kv_schemes``)."""
+    g = p.add_argument_group("routing")
+    g.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens per sequence (prompt + new) to plan memory for (default: min(model's, 2048))")
+    g.add_argument("--kv", choices=KV_ROUTE_CHOICES, default="auto",
+                   help="KV cache: plain, TurboQuant K4/V2, or auto (plain if it fits; default). The router "
+                        "sizes only AirQuant's tq, so the PyPI 'turboquant' of generate/batch/eval is not offered")
+
+
+def route_kv_schemes(kv: str) -> tuple[str, ...]:
+    """The KV schemes the router may choose from for a route ``--kv``."""
+    return ("none", "tq") if kv == "auto" else (kv,)

@@ -1,0 +1,164 @@
+"""``airquant plan``, ``generate``, ``batch`` and ``serve``: route and run a store.
+
+The commands import the engine (torch, transformers) inside their functions so that ``airquant --help`` and
+argument errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from airquant.cli.flags import (add_engine_flags, add_generate_flags, add_kv_flags, add_route_flags, engine_config,
+                                generate_config, kv_from_args, route_kv_schemes)
+from airquant.errors import AirQuantError
+
+
+# -- plan --------------------------------------------------------------------------------------
+def cmd_plan(args) -> int:
+    from airquant.engine.router import Hardware, plan_route, workload_for
+
+    hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
+    workload = workload_for(engine_config(args), batch_size=args.batch, context=args.context,
+                            mode="resident" if args.resident else "auto", allow_streaming=not args.interactive,
+                            kv_schemes=route_kv_schemes(args.kv))
+    print(plan_route(args.stores, hardware, workload).describe())
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="choose store, mode, KV cache and layer placement; print the arithmetic")
+    p.add_argument("stores", nargs="+", metavar="STORE",
+                   help="one or more stores of the same model (one weight scheme each)")
+    p.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per batch to plan for (default 1)")
+    p.add_argument("--interactive", action="store_true", help="plan for interactive use: never stream layers")
+    add_route_flags(p)
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_plan)
+
+
+# -- generate ----------------------------------------------------------------------------------
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        from airquant.jobs.batch import read_prompts
+
+        prompts += [p.prompt for p in read_prompts(Path(args.prompts_file), flag="--prompts-file")]
+    if not prompts:
+        raise AirQuantError("no prompt given: pass --prompt TEXT or --prompts-file F.jsonl.")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from airquant.engine.runner import Engine
+
+    prompts = _read_prompts(args)
+    kv = kv_from_args(args)
+    engine = Engine.open(args.store, replace(engine_config(args), batch_size=len(prompts)))
+    gen = generate_config(args)
+    try:
+        completions = engine.generate_detailed(prompts, gen, kv=kv)
+    finally:
+        engine.close()
+    for prompt, c in zip(prompts, completions):
+        if len(prompts) > 1:
+            print(f"### {prompt}")
+        print(c.text)
+    t = engine.last_timings
+    new = sum(c.new_tokens for c in completions)
+    stats = engine.stats()
+    vram = (f", peak VRAM {stats['peak_vram_allocated_gb']:.2f} GB allocated / "
+            f"{stats['peak_vram_reserved_gb']:.2f} GB reserved") if "peak_vram_allocated_gb" in stats else ""
+    mode = "resident" if args.resident else "streamed"
+    rate = new / t["total_s"] if t.get("total_s") else 0.0
+    print(f"[{mode} on {engine.device}, batch {len(prompts)}: {new} new tokens in {t.get('total_s', 0):.2f} s "
+          f"({rate:.2f} tok/s), first token {t.get('ttft_s', 0):.2f} s{vram}]", file=sys.stderr)
+    if args.profile:
+        from airquant.engine.profile import profile_table
+
+        print(profile_table(engine.layer_profile()), file=sys.stderr)
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a store")
+    p.add_argument("store")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", help="JSONL of {\"prompt\": ...} lines, run as one batch")
+    add_generate_flags(p)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    add_engine_flags(p)
+    add_kv_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+
+# -- batch -------------------------------------------------------------------------------------
+def _batch_size(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive integer")
+    return text
+
+
+def cmd_batch(args) -> int:
+    from airquant.jobs.batch import BatchJob, run_batch
+
+    size = None if args.batch_size == "auto" else int(args.batch_size)
+    gen = generate_config(args)
+    job = BatchJob(input=Path(args.input), output=Path(args.output), batch_size=size, max_batch=args.max_batch,
+                   gen=gen, kv=kv_from_args(args))
+    report = run_batch(args.store, job, engine_config(args), progress=not args.quiet)
+    sizes = sorted(set(report.batch_sizes), reverse=True)
+    print(f"{args.output}: {report.done} new records ({report.skipped} already there), {report.new_tokens} tokens "
+          f"in {report.elapsed_s:.1f} s ({report.tokens_per_s:.1f} tok/s), batch sizes {sizes or '-'}"
+          + (f", {report.oom_halvings} out-of-memory halving(s)" if report.oom_halvings else ""))
+    return 0
+
+
+def add_batch_parser(sub) -> None:
+    p = sub.add_parser("batch", help="run a JSONL of prompts in large batches; resumable output JSONL")
+    p.add_argument("store")
+    p.add_argument("--input", required=True, help='JSONL of {"id": ..., "prompt": ...} (id optional: line number)')
+    p.add_argument("--output", required=True, help="JSONL of records; ids already there are skipped")
+    p.add_argument("--batch-size", default="auto", metavar="auto|N", type=_batch_size,
+                   help="sequences per weight pass (auto: as many as the VRAM left for the KV cache holds; 8 on CPU)")
+    p.add_argument("--max-batch", type=int, default=256, metavar="N", help="upper bound of --batch-size auto")
+    add_generate_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_flags(p)
+    add_kv_flags(p)
+    p.set_defaults(func=cmd_batch)
+
+
+# -- serve -------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from airquant.provider import ProviderConfig
+    from airquant.serve import require_serve
+
+    require_serve()
+    from airquant.serve.server import serve
+
+    config = ProviderConfig(mode="resident" if args.resident else args.mode, allow_streaming=args.allow_streaming,
+                            kv=args.kv, max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+                            context=args.context, max_queue=args.max_queue)
+    return serve(args.stores, config, engine_config(args), host=args.host, port=args.port,
+                 log_level="debug" if args.verbose else "info")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: fastapi, uvicorn)")
+    p.add_argument("stores", nargs="+", metavar="STORE", help="one or more stores of the same model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=["auto", "resident", "streamed"], default="auto")
+    p.add_argument("--allow-streaming", action="store_true",
+                   help="let requests run streamed when the model fits only that way (off by default)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="prompts per weight pass (default 8)")
+    p.add_argument("--batch-window-ms", type=float, default=20.0, metavar="MS",
+                   help="how long a request waits for others to share its pass (default 20)")
+    p.add_argument("--max-queue", type=int, default=1024, metavar="N",
+                   help="prompts waiting before new requests get 429 (default 1024)")
+    add_route_flags(p)
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
