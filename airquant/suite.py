@@ -14,12 +14,13 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from airquant.errors import EvalConfigError
+from airquant.eval.metrics import METRICS as METRIC_SPECS
+from airquant.eval.metrics import metric_spec
 from airquant.stages import Metric, Sizes, open_engine
 
 log = logging.getLogger(__name__)
 
-METRICS: tuple[Metric, ...] = ("ppl", "rouge", "niah", "perf", "parity", "kvmem")
+METRICS: tuple[Metric, ...] = tuple(METRIC_SPECS)
 # (store scheme, KV backend) columns of the results table, in order.
 CONFIGURATIONS = (("bf16", "none"), ("nf4", "none"), ("nf4", "tq"))
 
@@ -38,30 +39,9 @@ def configurations(stores: dict[str, Path], sizes: Sizes) -> list[dict]:
 
 def settings(metric: Metric, sizes: Sizes) -> tuple[dict, dict]:
     """(keyword arguments of the metric's ``run_*`` function, the row fields that record them)."""
-    if metric == "ppl":
-        kw = dict(limit_tokens=sizes.ppl_tokens, max_length=sizes.ppl_max_length, stride=sizes.ppl_stride,
-                  batch_size=sizes.batch)
-        return kw, kw
-    if metric == "parity":
-        kw = dict(limit_tokens=sizes.parity_tokens, max_length=sizes.ppl_max_length, stride=sizes.ppl_max_length,
-                  batch_size=sizes.batch)
-        return kw, kw
-    if metric == "rouge":
-        kw = dict(limit=sizes.rouge_samples, max_new_tokens=sizes.rouge_new_tokens,
-                  max_length=sizes.rouge_max_length, batch_size=sizes.batch)
-        return kw, {**{k: v for k, v in kw.items() if k != "limit"}, "n_samples": sizes.rouge_samples}
-    if metric == "niah":
-        kw = dict(context_lengths=tuple(sizes.niah_contexts), depths=tuple(float(d) for d in sizes.niah_depths),
-                  trials=1, max_new_tokens=sizes.niah_new_tokens, batch_size=sizes.batch)
-        return kw, kw
-    if metric == "perf":
-        kw = dict(batch_sizes=tuple(sizes.perf_batches), prompt_length=sizes.perf_prompt,
-                  max_new_tokens=sizes.perf_new_tokens, warmup=1, repeats=sizes.perf_repeats)
-        return kw, {k: v for k, v in kw.items() if k != "batch_sizes"}
-    if metric == "kvmem":
-        kw = dict(context_lengths=tuple(sizes.kv_contexts), vram_budget_gb=sizes.kv_budget_gb, batch_size=1)
-        return kw, kw
-    raise EvalConfigError(f"metric {metric!r} is not one of {METRICS}.")
+    spec = metric_spec(metric)
+    kw = spec.sized(sizes)
+    return kw, spec.recorded(kw)
 
 
 def row_path(results_dir: str | Path, row: Any, label: str = "full") -> Path:
@@ -118,24 +98,12 @@ def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes
 
 # -- running ----------------------------------------------------------------------------------------
 def _run(metric: Metric, engine: Any, sizes: Sizes, kv: Any, reference: Path | None, device: str) -> list:
-    from airquant import eval as ev
-
-    kw, _ = settings(metric, sizes)
-    if metric == "ppl":
-        return [ev.run_perplexity(engine, kv=kv, **kw)]
-    if metric == "rouge":
-        return [ev.run_rouge(engine, kv=kv, **kw)]
-    if metric == "niah":
-        return [ev.run_niah(engine, kv=kv, **kw)]
-    if metric == "perf":
-        return ev.run_perf_sweep(engine, kv=kv, **kw)
-    if metric == "kvmem":
-        from airquant.eval.kvmem import run_kv_memory
-
-        return [run_kv_memory(engine, kv=kv, **kw)]
+    spec, (kw, _) = metric_spec(metric), settings(metric, sizes)
+    if not spec.takes_reference:
+        return spec.run(engine, data=None, kv=kv, **kw)
     ref_engine = open_engine(reference, device) if reference is not None else None
     try:
-        return [ev.run_parity(engine, reference=ref_engine, kv=kv, **kw)]
+        return spec.run(engine, data=None, kv=kv, reference=ref_engine, **kw)
     finally:
         if ref_engine is not None:
             ref_engine.close()

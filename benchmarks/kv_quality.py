@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from airquant.eval.kv_perplexity import compare_logits, kv_perplexity
 from airquant.kv import KVConfig, model_dims
-from airquant.kv.quality import codec_mse, compare_logits, compression_vs_fp16, perplexity
+from airquant.kv.quality import codec_mse, compression_vs_fp16
 
 logger = logging.getLogger("kv_quality")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,7 +88,7 @@ def ppl_section(args, model, tok, configs: dict[str, KVConfig]) -> dict:
     rows, exact = {}, None
     for label, kv in configs.items():
         t0 = time.time()
-        row, scored = perplexity(model, ids, kv, max_length=args.max_length, stride=args.stride, label=label)
+        row, scored = kv_perplexity(model, ids, kv, max_length=args.max_length, stride=args.stride, label=label)
         if exact is None:
             exact = scored
         else:

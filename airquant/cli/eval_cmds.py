@@ -33,47 +33,35 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 # -- eval -------------------------------------------------------------------------------------------
+# Flags whose names differ from the ``run`` keyword they set.
+_FLAG_OF = {"batch_size": "batch", "vram_budget_gb": "vram_budget"}
+
+
 def _metric_call(args, engine, kv):
-    from airquant import eval as ev
+    from airquant.eval.metrics import metric_spec
 
-    common = dict(data=args.data, kv=kv)
-    if args.metric == "ppl":
-        return [ev.run_perplexity(engine, limit_tokens=args.limit_tokens, max_length=args.max_length,
-                                  stride=args.stride, batch_size=args.batch, **common)]
-    if args.metric == "rouge":
-        return [ev.run_rouge(engine, limit=args.limit, max_new_tokens=args.max_new_tokens, max_length=args.max_length,
-                             batch_size=args.batch, **common)]
-    if args.metric == "niah":
-        return [ev.run_niah(engine, context_lengths=args.context_lengths, depths=args.depths, trials=args.trials,
-                            max_length=args.max_length, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                            seed=args.seed, **common)]
-    if args.metric == "perf":
-        return ev.run_perf_sweep(engine, batch_sizes=args.batch_sizes, prompt_length=args.prompt_length,
-                                 max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
-                                 **common)
-    if args.metric == "kvmem":
-        return [ev.run_kv_memory(engine, context_lengths=args.context_lengths, batch_size=args.batch,
-                                 vram_budget_gb=args.vram_budget, **common)]
-    return [_parity(args, engine, kv)]
+    spec = metric_spec(args.metric)
+    settings = {name: getattr(args, _FLAG_OF.get(name, name)) for name in spec.params}
+    if not spec.takes_reference:
+        return spec.run(engine, data=args.data, kv=kv, **settings)
+    reference = _open_reference(args, engine, kv)
+    try:
+        return spec.run(engine, data=args.data, kv=kv, reference=reference, **settings)
+    finally:
+        if reference is not None:
+            reference.close()
 
 
-def _parity(args, engine, kv):
+def _open_reference(args, engine, kv):
+    """Parity's reference engine: another store, or this one resident; None compares against no ``--kv``."""
     from airquant.engine.runner import Engine
-    from airquant.eval import run_parity
 
     if args.reference is None and not args.reference_resident and kv is None:
         raise AirQuantError("parity needs something to compare with: --reference STORE, --reference-resident, "
                             "or a --kv scheme (compared with the same store without it).")
-    reference = None
-    if args.reference is not None or args.reference_resident:
-        ref_cfg = replace(engine.cfg, resident=args.reference_resident)
-        reference = Engine.open(args.reference or args.store, ref_cfg)
-    try:
-        return run_parity(engine, reference=reference, data=args.data, limit_tokens=args.limit_tokens,
-                          max_length=args.max_length, stride=args.stride, batch_size=args.batch, kv=kv)
-    finally:
-        if reference is not None:
-            reference.close()
+    if args.reference is None and not args.reference_resident:
+        return None
+    return Engine.open(args.reference or args.store, replace(engine.cfg, resident=args.reference_resident))
 
 
 def cmd_eval(args) -> int:

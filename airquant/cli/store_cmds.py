@@ -43,9 +43,10 @@ def add_shard_parser(sub) -> None:
     p.add_argument("--store", required=True, help="output store directory (e.g. a Drive folder on Colab)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of dense tensors (and the compute dtype by default)")
-    p.add_argument("--quant", choices=["none", "nf4", "int2", "keep"], default="none",
+    p.add_argument("--quant", choices=["none", "nf4", "int2", "gguf", "keep"], default="none",
                    help="decoder-layer weights: nf4 (bitsandbytes), int2 (2-bit Lloyd-Max + fp16 outliers), "
-                        "keep (a GGUF file's own Q4_0/Q4_1/Q8_0/K blocks); GPTQ/AWQ checkpoints are detected")
+                        "gguf (a GGUF file's own Q4_0/Q4_1/Q8_0/K blocks; 'keep' is its former name); "
+                        "GPTQ/AWQ checkpoints are detected")
     p.add_argument("--blocksize", type=int, default=64, help="nf4: weights per absmax block")
     p.add_argument("--double-quant", action="store_true", help="nf4: quantize the absmax values too")
     p.add_argument("--group", type=int, default=32, help="int2: input weights per scale/zero group")

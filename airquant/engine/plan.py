@@ -11,6 +11,7 @@ from typing import Literal
 
 from airquant.errors import AirQuantError
 from airquant.kv.layers import LayerStates
+from airquant.quant.schemes import workspace_elems
 
 Tier = Literal["vram", "ram", "disk"]
 GB = 1e9
@@ -172,11 +173,13 @@ def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False) -> tuple
 
 def dequant_elems(shards: dict, config) -> int:
     """out*in of the largest quantized weight a multi-token matmul dequantizes whole (0: none)."""
+    metas = [m for e in shards.values() if e.is_layer for m in e.modules.values()]
     elems = 0
-    if any(m.get("scheme", "none") != "none" for e in shards.values() if e.is_layer for m in e.modules.values()):
+    if metas:
         heads = getattr(config, "num_attention_heads", None) or 1  # a pure state-space stack has none
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        elems = config.hidden_size * max(getattr(config, "intermediate_size", 0) or 0, heads * head_dim)
+        dense = config.hidden_size * max(getattr(config, "intermediate_size", 0) or 0, heads * head_dim)
+        elems = max(workspace_elems(m, dense) for m in metas)
     # A quantized expert is decoded whole into the compute dtype (gate_up: 2 x its width x hidden).
     experts = [m["shape"] for e in shards.values() if e.is_layer for m in e.modules.values() if "experts" in m]
     elems = max([elems] + [out * inp for out, inp in experts])

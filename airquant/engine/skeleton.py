@@ -110,10 +110,10 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
                      dtype: torch.dtype, *, host_embedding: bool = False) -> None:
     """Embeddings, lm_head (tied, dense or quantized), the rest (final norm ...) and buffers, made real.
 
-    ``host_embedding`` keeps an untied embedding table in host memory (``fixed.HostEmbedding``); a tied
+    ``host_embedding`` keeps an untied embedding table in host memory (``embed_head.HostEmbedding``); a tied
     table is the lm_head weight too and stays on ``device``.
     """
-    from airquant.engine import fixed
+    from airquant.engine import embed_head
 
     layout = Layout.from_dict(manifest.layout)
     on_host = host_embedding and not manifest.tied_lm_head
@@ -125,9 +125,9 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
         if group == "embed" and on_host:
             embed = model.get_submodule(layout.embed)
-            _set_module(model, layout.embed, fixed.HostEmbedding(embed, tensors["weight"], device, dtype))
+            _set_module(model, layout.embed, embed_head.HostEmbedding(embed, tensors["weight"], device, dtype))
         elif group == "lm_head" and entry.modules:
-            head = fixed.quantized_head(entry, tensors, model.config.hidden_size, dtype)
+            head = embed_head.quantized_head(entry, tensors, model.config.hidden_size, dtype)
             _set_module(model, layout.head, head)
         else:
             for name, tensor in tensors.items():

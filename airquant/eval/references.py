@@ -11,10 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from airquant.quant.schemes import SCHEMES, find_scheme
+
 FULL_PRECISION = ("float16", "bfloat16", "float32")  # preference order for the baseline column
 _PRECISION_LABELS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
-_STORE_LABELS = {"nf4": "NF4", "int2": "2-bit (int2)", "gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
-_STORE_ORDER = ("nf4", "gptq", "awq", "int2", "gguf")
+# Packed store columns follow the scheme registry's order; labels are the schemes' own.
+_STORE_ORDER = tuple(name for name in SCHEMES if name != "none")
 _KV_BACKENDS = {"tq": "TQ-KV", "turboquant": "turboquant KV"}
 _KV_PATTERN = re.compile(r"^(?P<backend>[a-z_]+)-k(?P<k>\d)v(?P<v>\d)$")
 
@@ -75,7 +77,8 @@ def config_label(store_scheme: str, kv_scheme: str, streamed: bool | None = None
     if is_full_precision(store_scheme):
         label = _PRECISION_LABELS[store_scheme] + {True: " streamed", False: " resident", None: ""}[streamed]
     else:
-        label = _STORE_LABELS.get(store_scheme, store_scheme.upper())
+        scheme = find_scheme(store_scheme)
+        label = scheme.label if scheme is not None and scheme.name != "none" else store_scheme.upper()
     return label if kv_scheme in ("none", "") else f"{label} + {kv_text(kv_scheme)}"
 
 
@@ -83,8 +86,9 @@ def column_order(store_scheme: str, kv_scheme: str, synthetic: bool) -> tuple:
     if is_full_precision(store_scheme):
         rank = FULL_PRECISION.index(store_scheme)
     else:
-        rank = len(FULL_PRECISION) + (_STORE_ORDER.index(store_scheme) if store_scheme in _STORE_ORDER
-                                      else len(_STORE_ORDER))
+        scheme = find_scheme(store_scheme)
+        packed = scheme.name if scheme is not None else store_scheme  # "keep" stores sort as gguf
+        rank = len(FULL_PRECISION) + (_STORE_ORDER.index(packed) if packed in _STORE_ORDER else len(_STORE_ORDER))
     return (synthetic, rank, kv_scheme != "none", store_scheme, kv_scheme)
 
 

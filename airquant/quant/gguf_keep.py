@@ -1,4 +1,4 @@
-"""GGUF weights kept in their llama.cpp block form ("keep") and computed from it.
+"""GGUF weights kept in their llama.cpp block form (`--quant gguf`, formerly "keep") and computed from it.
 
 A kept linear stores one tensor, ``weight_blocks`` uint8 [out, (in / block) * type_size]: row n is the
 row of GGUF blocks of output feature n exactly as in the file (GGUF blocks run along the input
@@ -60,7 +60,7 @@ def ggml_type_name(ggml_type) -> str:
     if name not in GGUF_TYPES:
         raise UnsupportedModelError(
             f"GGUF type {ggml_type!r} cannot be kept packed; supported: {', '.join(GGUF_TYPES)}. "
-            "Shard this model without --quant keep to dequantize it instead"
+            "Shard this model without --quant gguf to dequantize it instead"
         )
     return name
 

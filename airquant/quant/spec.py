@@ -11,17 +11,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from airquant.errors import UnsupportedModelError
+from airquant.quant.schemes import SUPPORTED_SCHEMES, canonical_name, scheme_of, shard_methods
 
-# Schemes a module_meta may name. "none" is a plain nn.Linear; gptq/awq come from pre-quantized
-# checkpoints (prequant.detect), gguf from llama.cpp files kept packed ("keep").
-SUPPORTED_SCHEMES: tuple[str, ...] = ("none", "nf4", "gptq", "awq", "gguf", "int2")
+__all__ = ["QuantSpec", "SUPPORTED_SCHEMES", "check_scheme"]
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """Quantization requested for the decoder-layer linears of a store."""
 
-    method: Literal["none", "nf4", "int2", "keep"] = "none"
+    # "gguf" keeps a GGUF file's own blocks; "keep", its former name, is read as "gguf".
+    method: Literal["none", "nf4", "int2", "gguf", "keep"] = "none"
     blocksize: int = 64  # nf4: weights per absmax
     double_quant: bool = False  # nf4: 8-bit absmax with a nested fp32 absmax per 256
     group: int = 32  # int2: input weights per (scale, zero)
@@ -31,10 +31,11 @@ class QuantSpec:
     error_feedback: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "nf4", "int2", "keep"):
+        if self.method not in shard_methods():
             raise UnsupportedModelError(
-                f"quant method {self.method!r} is not supported; choose one of none, nf4, int2, keep"
+                f"quant method {self.method!r} is not supported; choose one of {', '.join(shard_methods())}"
             )
+        object.__setattr__(self, "method", canonical_name(self.method))  # frozen: normalise the alias once
         if self.blocksize not in (64, 128, 256, 512, 1024, 2048, 4096):
             raise ValueError(f"nf4 blocksize {self.blocksize} must be a power of two in 64..4096 (bitsandbytes)")
         if self.group <= 0 or self.group % 16:
@@ -45,10 +46,4 @@ class QuantSpec:
 
 def check_scheme(module_meta: dict) -> str:
     """Return the scheme named by ``module_meta``; raise naming the supported ones otherwise."""
-    scheme = module_meta.get("scheme")
-    if scheme not in SUPPORTED_SCHEMES:
-        raise UnsupportedModelError(
-            f"module scheme {scheme!r} (module_meta={module_meta}) is not one AirQuant can run; "
-            f"supported: {', '.join(SUPPORTED_SCHEMES)}"
-        )
-    return scheme
+    return scheme_of(module_meta).name

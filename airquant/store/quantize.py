@@ -7,7 +7,7 @@ module name -> scheme meta with the list of its tensors):
   an untied lm_head is stored as quantized row chunks.
 * pre-quantized GPTQ/AWQ checkpoints (detected from ``quantization_config``): packed tensors kept
   exactly as the checkpoint has them.
-* ``--quant keep`` on a GGUF file: Q4_0/Q4_1/Q8_0 (and K-quant) blocks kept as they are.
+* ``--quant gguf`` (formerly ``keep``) on a GGUF file: Q4_0/Q4_1/Q8_0 (and K-quant) blocks kept as they are.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def make_transform(source: ModelSource, spec=None, *, act_scales: dict | None = 
         return _prequant_transform(detected), {"method": detected["method"], **detected["module_meta"]}
     if method == "none":
         return None, quant_record(None)
-    if method == "keep":
+    if method == "gguf":
         if not source.gguf_file:
-            raise AirQuantError(f"--quant keep keeps a GGUF file's own blocks; {source.spec} is not a .gguf file. "
+            raise AirQuantError(f"--quant gguf keeps a GGUF file's own blocks; {source.spec} is not a .gguf file. "
                                 "Use --quant nf4 or int2 for other sources.")
         return _gguf_keep_transform(source), quant_record(spec)
     return _quantize_transform(source, spec, act_scales or {}, hessians or {}), quant_record(spec)

@@ -24,6 +24,7 @@ from airquant import __version__
 from airquant.errors import DiskSpaceError, StoreError
 from airquant.layout import MoEInfo
 from airquant.models import ModelSource
+from airquant.quant.schemes import canonical_name
 from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest,
                                      save_manifest, sha256_file)
 
@@ -73,11 +74,20 @@ def _check_existing(store: Path, identity: dict, dtype: str, quant: dict) -> Man
             raise StoreError(f"{store} holds safetensors files but no manifest; choose an empty --store.")
         return None
     old = load_manifest(store)
-    if old.source.get("spec") != identity["spec"] or old.dtype != dtype or old.quant != quant:
+    if old.source.get("spec") != identity["spec"] or old.dtype != dtype or not _same_quant(old.quant, quant):
         raise StoreError(
             f"{store} already holds {old.source.get('spec')} ({old.dtype}, quant {old.quant.get('method')}); "
             f"it is left untouched. Use another --store for {identity['spec']} ({dtype}, quant {quant.get('method')}).")
     return old
+
+
+def _same_quant(old: dict, new: dict) -> bool:
+    """Quant records compare with method aliases resolved: a store written with ``--quant keep`` resumes
+    under its current name ``gguf`` (and the other way round)."""
+    def canonical(q: dict) -> dict:
+        return {**q, "method": canonical_name(q.get("method", "none"))}
+
+    return canonical(old) == canonical(new)
 
 
 def check_disk(store: Path, needed: int) -> None:

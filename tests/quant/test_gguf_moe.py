@@ -256,3 +256,21 @@ def test_gptq_experts_are_refused_and_nothing_is_written(tmp_path, capsys, real_
     assert "block_sparse_moe.experts.0.w1." in err and "merges on loading (fused experts)" in err
     assert "--quant nf4 or int2" in err
     assert not store.exists() or not any(store.iterdir())
+
+
+def test_store_written_with_keep_resumes_under_either_name(stores, moe_gguf, tmp_path):
+    """Older stores record ``keep``, the former name of ``gguf``: sharding again with either name resumes."""
+    import shutil
+
+    store = tmp_path / "old"
+    shutil.copytree(stores["keep"], store)
+    record = json.loads((store / "manifest.json").read_text())
+    record["quant"]["method"] = "keep"
+    (store / "manifest.json").write_text(json.dumps(record))
+    for name in ("keep", "gguf"):
+        argv = ["shard", str(moe_gguf), "--store", str(store), "--dtype", "float32", "--quiet", "--quant", name]
+        assert main(argv) == 0
+        assert load_manifest(store).quant["method"] == "gguf"
+    got, _ = _streamed_logits(store)
+    want, _ = _streamed_logits(stores["keep"])
+    assert torch.equal(got, want)
