@@ -118,6 +118,21 @@ def find_layout(model: nn.Module) -> Layout:
     return Layout(stack=stack, embed=embed, head=head)
 
 
+def swap_tensor(model: nn.Module, path: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """Put ``tensor`` in place of the parameter or buffer at ``path``; returns what was there (None: nothing)."""
+    parent, _, attr = path.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    elif attr in module._buffers:
+        old = module._buffers[attr]
+        module._buffers[attr] = tensor
+    else:
+        return None
+    return old
+
+
 def decoder_stack(model: nn.Module, layout: Layout) -> nn.ModuleList:
     return model.get_submodule(layout.stack)
 

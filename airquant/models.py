@@ -24,7 +24,7 @@ import torch
 
 from airquant.errors import DependencyError, ModelNotFoundError, UnsupportedModelError
 from airquant.layout import (Layout, check_decoder_only, decoder_stack, expert_modules, find_layout, group_order,
-                             MoEInfo, meta_model, moe_counts)
+                             MoEInfo, meta_model, moe_counts, swap_tensor)
 
 log = logging.getLogger(__name__)
 
@@ -288,13 +288,9 @@ def convert_tensors(skeleton, state: dict[str, torch.Tensor]) -> dict[str, torch
 
 def _take(model, name: str) -> torch.Tensor:
     """Remove a loaded tensor from the meta model (its place goes back to meta) and return it."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    tensor = getattr(module, attr)
-    if attr in module._parameters:
-        module._parameters[attr] = torch.nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
-    else:
-        module._buffers[attr] = torch.empty_like(tensor, device="meta")
+    parent, _, attr = name.rpartition(".")
+    tensor = getattr(model.get_submodule(parent) if parent else model, attr)
+    swap_tensor(model, name, torch.empty_like(tensor, device="meta"))
     return tensor.detach()
 
 
@@ -304,11 +300,11 @@ def _folder_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tens
         g = src.layout.group_of(target)
         if g is not None:
             by_group[g[0]].append(name)
+    model_names = src.skeleton.state_dict()  # the same for every group
     for group in group_order(src.num_layers, tied=src.tied):
         names = by_group.get(group)
         if not names:
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the checkpoint is incomplete.")
-        model_names = src.skeleton.state_dict()
         dense = [n for n in names if src._targets[n] in model_names]
         tensors = convert_tensors(src.skeleton, {n: _read_tensor(src._index[n], n) for n in dense})
         tensors.update({src._targets[n]: _read_tensor(src._index[n], n) for n in names if n not in dense})

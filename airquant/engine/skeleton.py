@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from airquant.errors import StoreError
-from airquant.layout import Layout, find_layout, meta_model
+from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,10 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
             _set_module(model, layout.head, head)
         else:
             for name, tensor in tensors.items():
-                _set_tensor(model, layout.full_name(group, name), tensor)
+                path = layout.full_name(group, name)
+                if swap_tensor(model, path, tensor) is None:
+                    raise StoreError(f"the store holds {path}, which this model does not have; the store belongs to "
+                                     "another model or transformers version. Re-run `airquant shard`.")
     if manifest.tied_lm_head:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     for module in model.modules():  # buffers computed at build time (rotary frequencies, scales)
@@ -148,19 +151,6 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
-def _set_tensor(model: nn.Module, path: str, tensor: torch.Tensor) -> None:
-    """Put a loaded tensor in place of the meta parameter or buffer at ``path``."""
-    parent, _, attr = path.rpartition(".")
-    module = model.get_submodule(parent) if parent else model
-    if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    elif attr in module._buffers:
-        module._buffers[attr] = tensor
-    else:
-        raise StoreError(f"the store holds {path}, which this model does not have; the store belongs to another "
-                         "model or transformers version. Re-run `airquant shard`.")
 
 
 def _cast_dense(entry: ShardEntry, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
