@@ -328,8 +328,8 @@ def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _gptq_pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """GPTQ checkpoint tensors of a [out, in] weight: symmetric round-to-nearest per group of 128 input
-    channels (GPTQ's min/max grid, as ``quant.synthetic.rtn_quantize`` without act-order), on w's device."""
-    from airquant.quant.synthetic import RTNResult, gptq_tensors
+    channels (GPTQ's min/max grid, as ``quant.rtn.rtn_quantize`` without act-order), on w's device."""
+    from airquant.quant.rtn import RTNResult, gptq_tensors
 
     g = GPTQ_META["group_size"]
     out_f, in_f = w.shape

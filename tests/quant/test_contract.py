@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from airquant.errors import UnsupportedModelError
 from airquant.quant import SUPPORTED_SCHEMES, QuantSpec, make_linear, quantize_linear
 from airquant.quant.gguf_keep import gguf_linear_tensors
-from airquant.quant.synthetic import awq_tensors, gptq_tensors, rtn_quantize
+from airquant.quant.rtn import awq_tensors, gptq_tensors, rtn_quantize
 
 OUT, IN = 64, 256
 

@@ -232,7 +232,7 @@ def test_gptq_experts_are_refused_and_nothing_is_written(tmp_path, capsys, real_
     """transformers fuses per-expert linears on loading; GPTQ tensors of those have no fused form to keep."""
     from safetensors.torch import save_file
 
-    from airquant.quant.synthetic import gptq_tensors, quantization_config, rtn_quantize
+    from airquant.quant.rtn import gptq_tensors, quantization_config, rtn_quantize
     from tests.zoo import tiny_config
 
     folder = tmp_path / "mixtral-gptq"

@@ -2,7 +2,7 @@
 
 The reference packers below are written the way AutoGPTQ's ``QuantLinear.pack`` and AutoAWQ's
 ``WQLinear_GEMM.from_linear`` loop over words (numpy uint32, one shift at a time), independently
-of the vectorised packers in airquant.quant.synthetic; dequantization is checked against
+of the vectorised packers in airquant.quant.rtn; dequantization is checked against
 (q - zero) * scale computed per element in float64 from the integers before packing.
 """
 
@@ -17,8 +17,8 @@ import torch
 from airquant.quant import make_linear
 from airquant.quant.gptq import dequantize_awq, dequantize_gptq
 from airquant.quant.prequant import detect
-from airquant.quant.synthetic import (awq_tensors, gptq_tensors, rtn_quantize, tiny_llama_config,
-                                      write_synthetic_gptq_checkpoint)
+from airquant.quant.rtn import awq_tensors, gptq_tensors, rtn_quantize
+from tests.quant.checkpoints import tiny_llama_config, write_synthetic_gptq_checkpoint
 
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]
 

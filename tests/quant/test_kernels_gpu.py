@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from airquant.quant import QuantSpec, make_linear, quantize_linear
-from airquant.quant.synthetic import awq_tensors, gptq_tensors, rtn_quantize
+from airquant.quant.rtn import awq_tensors, gptq_tensors, rtn_quantize
 
 pytestmark = [
     pytest.mark.gpu,

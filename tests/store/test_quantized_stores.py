@@ -58,7 +58,7 @@ def test_nf4_store_equals_bitsandbytes_in_memory(tmp_path, tiny_llama):
 
 @pytest.mark.parametrize("method, desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
 def test_prequantized_checkpoint_streams_its_packed_tensors(tmp_path, real_tokenizer, method, desc_act):
-    from airquant.quant.synthetic import tiny_llama_config, write_synthetic_gptq_checkpoint
+    from tests.quant.checkpoints import tiny_llama_config, write_synthetic_gptq_checkpoint
 
     ckpt = write_synthetic_gptq_checkpoint(
         tmp_path / "ckpt", method=method, desc_act=desc_act,
@@ -87,7 +87,7 @@ def test_prequantized_checkpoint_streams_its_packed_tensors(tmp_path, real_token
 
 def test_quantizing_a_prequantized_checkpoint_is_refused(tmp_path, real_tokenizer):
     from airquant.quant import QuantSpec
-    from airquant.quant.synthetic import write_synthetic_gptq_checkpoint
+    from tests.quant.checkpoints import write_synthetic_gptq_checkpoint
 
     ckpt = write_synthetic_gptq_checkpoint(tmp_path / "ckpt")
     with pytest.raises(AirQuantError, match="already quantized"):

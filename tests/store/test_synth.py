@@ -80,7 +80,7 @@ def test_tiny_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_token
 
 def test_synthetic_gptq_packing_is_the_round_to_nearest_reference():
     from airquant.quant.gptq import dequantize_gptq
-    from airquant.quant.synthetic import rtn_quantize
+    from airquant.quant.rtn import rtn_quantize
     from airquant.store.synth import _gptq_pack
 
     w = torch.randn(96, 384, dtype=torch.bfloat16) * 0.05

@@ -1,14 +1,12 @@
-"""Round-to-nearest GPTQ/AWQ packing and tiny pre-quantized Llama checkpoints for tests and benchmarks.
+"""Round-to-nearest GPTQ/AWQ packing: the published on-disk layouts from plain weights.
 
-The packers write the published on-disk layouts (see ``airquant.quant.gptq``); the quantizer is plain
-round-to-nearest with GPTQ's min/max grid (no Hessian), which is all a layout test or a speed
-benchmark needs. ``write_synthetic_gptq_checkpoint`` writes a folder that looks like a hub GPTQ/AWQ
-model: ``config.json`` with ``quantization_config`` and one ``model.safetensors``.
+The packers write the layouts ``airquant.quant.gptq`` reads; the quantizer is plain round-to-nearest
+with GPTQ's min/max grid (no Hessian), which is all a random-weight store of a real shape
+(``airquant synth --dtype gptq``), a layout test or a speed benchmark needs.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -17,7 +15,6 @@ import torch
 
 from airquant.quant.gptq import AWQ_ORDER, n_groups
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -117,58 +114,3 @@ def quantization_config(method: Literal["gptq", "awq"], bits: int, group_size: i
                 "sym": sym, "damp_percent": 0.01, "true_sequential": True, "checkpoint_format": "gptq"}
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
             "modules_to_not_convert": None}
-
-
-@dataclass(frozen=True)
-class SyntheticCheckpoint:
-    path: Path
-    config: dict  # the config.json written
-    reference_state_dict: dict[str, torch.Tensor]  # plain-Llama fp32 weights equal to the dequantized checkpoint
-
-
-def tiny_llama_config(**overrides) -> dict:
-    """Config of a random 2-layer Llama whose shapes exercise partial groups (in=160 with group 64)."""
-    cfg = {"hidden_size": 160, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 5,
-           "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 320, "max_position_embeddings": 256,
-           "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
-    cfg.update(overrides)
-    return cfg
-
-
-def write_synthetic_gptq_checkpoint(
-    directory: str | Path,
-    *,
-    method: Literal["gptq", "awq"] = "gptq",
-    bits: int = 4,
-    group_size: int = 64,
-    desc_act: bool = False,
-    sym: bool = True,
-    seed: int = 0,
-    llama_config: dict | None = None,
-) -> SyntheticCheckpoint:
-    """Write a tiny random LlamaForCausalLM as a GPTQ/AWQ checkpoint folder (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**(llama_config or tiny_llama_config()))
-    model = LlamaForCausalLM(cfg).eval()
-    tensors, reference = {}, {}
-    for name, param in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in _LINEARS):
-            tensors[name] = reference[name] = param.detach().clone().contiguous()
-            continue
-        perm = torch.randperm(param.shape[1]) if desc_act else None
-        rtn = rtn_quantize(param.detach(), bits, group_size, sym=sym if method == "gptq" else False, perm=perm)
-        packed = gptq_tensors(rtn, bits) if method == "gptq" else awq_tensors(rtn)
-        tensors.update({f"{module}.{k}": v for k, v in packed.items()})
-        reference[name] = rtn.dequantize()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = cfg.to_dict()
-    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, sym)
-    config["architectures"] = ["LlamaForCausalLM"]
-    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return SyntheticCheckpoint(path=directory, config=config, reference_state_dict=reference)
