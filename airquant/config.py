@@ -12,7 +12,8 @@ DType = Literal["bfloat16", "float16", "float32"]
 @dataclass(frozen=True)
 class EngineConfig:
     """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --reserve
-    --batch-size --context --host-embedding --kv-offload --readahead --profile --verify``."""
+    --batch-size --context --host-embedding --kv-offload --readahead --profile --verify --no-verify-reads
+    --experts --expert-cache --expert-policy --expert-prefetch``."""
 
     device: Device = "auto"
     dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
@@ -31,11 +32,18 @@ class EngineConfig:
     readahead: int = 2  # layers read ahead from disk (and into the RAM tier on first use)
     profile: bool = False  # record per-layer copy and compute times on CUDA (Engine.layer_profile())
     verify: bool = False  # check every shard's sha256 when opening the store
+    # Check each shard's xxh3_128 as it is read (store/integrity.py); off only for benchmarks (--no-verify-reads).
+    verify_reads: bool = True
+    # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed for MoE stores when streaming.
+    experts: Literal["auto", "whole", "routed"] = "auto"
+    expert_cache_gb: float | None = None  # VRAM expert cache (GB); None: what the layer plan leaves free
+    expert_policy: Literal["lru", "lfu"] = "lfu"  # which cached expert to evict: least recently / frequently used
+    expert_prefetch: bool = True  # speculative prefetch of the next layer's experts at batch <= 8
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """``--max-new-tokens --temperature --top-p --seed --chat --ignore-eos``."""
+    """``--max-new-tokens --temperature --top-p --seed --chat --ignore-eos --stop``."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
@@ -43,3 +51,10 @@ class GenerateConfig:
     seed: int | None = None
     chat: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens tokens (benchmarks)
+    stop: tuple[str, ...] = ()  # strings that end a sequence (not included in its text)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string given bare
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))

@@ -46,6 +46,7 @@ class ModelSource:
     config: object  # transformers.PretrainedConfig
     gguf_file: str | None = None
     _index: dict[str, Path] = field(default_factory=dict, repr=False)
+    trust_remote_code: bool = False  # run the folder's own modeling code (only with --trust-remote-code)
 
     @property
     def num_layers(self) -> int:
@@ -57,7 +58,7 @@ class ModelSource:
         dtype = getattr(self.config, "dtype", None)
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and not self.gguf_file \
             else torch.float32
-        return meta_model(self.config, dtype)
+        return meta_model(self.config, dtype, **({"trust_remote_code": True} if self.trust_remote_code else {}))
 
     @cached_property
     def layout(self) -> Layout:
@@ -110,7 +111,7 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         folder = self.path.parent if self.gguf_file else self.path
-        return AutoTokenizer.from_pretrained(folder, gguf_file=self.gguf_file)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=self.gguf_file, trust_remote_code=self.trust_remote_code)
 
     def clean_config(self):
         """The config to store: GGUF sources lose their gguf quantization marker (weights are split)."""
@@ -139,8 +140,10 @@ class ModelSource:
         return dict(out)
 
 
-def resolve(spec: str) -> ModelSource:
-    """Resolve ``default``, a folder, a ``.gguf`` file or a hub id; raise a clear error otherwise."""
+def resolve(spec: str, *, trust_remote_code: bool = False) -> ModelSource:
+    """Resolve ``default``, a folder, a ``.gguf`` file or a hub id; raise a clear error otherwise.
+
+    A model whose config names its own Python code (``auto_map``) is refused unless ``trust_remote_code``."""
     if spec == "default":
         return _from_gguf(default_gguf_path(), spec=spec, kind="default")
     path = Path(spec).expanduser()
@@ -149,12 +152,12 @@ def resolve(spec: str) -> ModelSource:
             raise ModelNotFoundError(f"GGUF file {path} does not exist; check the path.")
         return _from_gguf(path, spec=spec, kind="gguf")
     if path.is_dir():
-        return _from_folder(path, spec=spec, kind="folder")
+        return _from_folder(path, spec=spec, kind="folder", trust_remote_code=trust_remote_code)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelNotFoundError(
             f"model '{spec}' is not a folder, a .gguf file, 'default', or a hub id of the form owner/name; "
             "pass an existing path or a hub id.")
-    return _from_folder(_download(spec), spec=spec, kind="hub")
+    return _from_folder(_download(spec), spec=spec, kind="hub", trust_remote_code=trust_remote_code)
 
 
 def default_gguf_path() -> Path:
@@ -185,19 +188,33 @@ def _from_gguf(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
     return ModelSource(spec=spec, kind=kind, path=path, config=config, gguf_file=path.name)
 
 
-def _from_folder(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
+def _from_folder(path: Path, *, spec: str, kind: SourceKind, trust_remote_code: bool = False) -> ModelSource:
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json; point at a Hugging Face model folder.")
+    check_remote_code(path / "config.json", trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError) as exc:  # a model_type this transformers does not know
         raise UnsupportedModelError(f"transformers cannot read {path / 'config.json'} ({exc}); AirQuant streams "
                                     "the causal LMs transformers knows. Upgrade transformers for newer types.") from exc
     check_decoder_only(config)
     index = _weight_index(path)
-    return ModelSource(spec=spec, kind=kind, path=path, config=config, _index=index)
+    return ModelSource(spec=spec, kind=kind, path=path, config=config, _index=index,
+                       trust_remote_code=trust_remote_code)
+
+
+def check_remote_code(config_file: Path, trust: bool) -> None:
+    """Refuse a model that ships its own Python code unless the user trusted it (``--trust-remote-code``)."""
+    try:
+        auto_map = json.loads(config_file.read_text()).get("auto_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return  # AutoConfig reports an unreadable config with its own message
+    if auto_map and not trust:
+        raise UnsupportedModelError(
+            f"{config_file} names the model's own Python code (auto_map: {sorted(auto_map)}), which would run on "
+            "this machine. AirQuant runs it only when you pass --trust-remote-code, after reading that code.")
 
 
 def _weight_index(path: Path) -> dict[str, Path]:

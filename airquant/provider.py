@@ -1,10 +1,12 @@
-"""A provider other software can call: ``await Provider(store).generate(prompt)``.
+"""A provider other software can call: ``await Provider(store).generate(prompt)``, ``Provider.stream``.
 
-The engine is not thread-safe, so one worker thread owns it and drains a request queue. Requests
-that arrive within ``batch_window_ms`` of each other and share their settings (max_new_tokens,
-temperature, top_p, seed, chat) go through the model as one batch: one weight pass serves them all.
-Callers await a ``concurrent.futures.Future`` (wrapped for asyncio), so the provider works from any
-event loop, from several at once, and from plain threads (``provider.sync``).
+The engine is not thread-safe, so one worker thread owns it and its decode loop
+(``airquant.engine.decode``). Every prompt becomes a sequence of that loop, with its own settings
+(max_new_tokens, temperature, top_p, seed, stop): concurrent requests share weight passes, a sequence
+that ends frees its slot at once, and a new request joins at the next pass. ``stream`` yields the
+text as it is generated; closing the stream early (a client that went away) frees its slot at the
+next pass. Callers await a ``concurrent.futures.Future`` (wrapped for asyncio), so the provider works
+from any event loop, from several at once, and from plain threads (``provider.sync``).
 
 The router (``airquant.engine.router``) picks the store, mode and KV scheme. Layer-by-layer
 streaming is kept off the interactive path: a single ``generate`` call runs streamed only when the
@@ -22,7 +24,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import AsyncIterator, Callable, Literal, Sequence
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
@@ -49,10 +51,24 @@ class ProviderConfig:
     mode: Mode = "auto"
     allow_streaming: bool = False  # may a single (interactive) call run streamed?
     kv: Literal["auto", "none", "tq"] = "auto"  # auto: plain cache if it fits, else TurboQuant
-    max_batch: int = 8  # prompts per weight pass; the router plans memory for this many
-    batch_window_ms: float = 20.0  # how long the first request waits for others to share its pass
+    max_batch: int = 8  # sequences per weight pass (decode-loop slots); the router plans memory for this many
+    batch_window_ms: float = 20.0  # how long an idle loop waits for more requests before its first pass
     context: int | None = None  # tokens per sequence the memory plan allows; None: min(model's, 2048)
-    max_queue: int = 1024  # prompts waiting before new ones are refused
+    max_queue: int = 1024  # prompts waiting for a slot (beyond max_batch running) before new ones are refused
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a streamed generation: the text and token ids new since the previous event.
+
+    ``text`` never ends inside a UTF-8 character and never holds (part of) a stop string;
+    ``finish_reason`` ("stop" or "length") and ``usage`` (prompt_tokens, completion_tokens,
+    total_tokens) are set on the last event only."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: dict | None = None
 
 
 @dataclass
@@ -61,7 +77,9 @@ class _Request:
     gen: GenerateConfig
     future: Future = field(default_factory=Future)
     results: list = field(default_factory=list)
-    started: bool = False
+    on_event: Callable | None = None  # streaming: called (on the worker thread) with each StreamEvent
+    cancelled: bool = False  # the streaming client went away
+    seqs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prompts)
@@ -73,13 +91,13 @@ class _Metrics:
     requests: int = 0
     requests_failed: int = 0
     prompts: int = 0
-    batches: int = 0
+    passes: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
     busy_s: float = 0.0
-    last_batch_size: int = 0
-    waiting: int = 0  # prompts queued, not yet in a batch
-    running: int = 0  # prompts in the batch being generated
+    waiting: int = 0  # prompts queued for the worker
+    loop_waiting: int = 0  # prompts in the loop, waiting for a slot
+    running: int = 0  # sequences in the loop's slots
 
 
 class Provider:
@@ -104,6 +122,7 @@ class Provider:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._metrics = _Metrics()
+        self._requests: dict[int, _Request] = {}  # streamed requests, by id of their future
         self._closed = False
         self.engine = None
         self._ready = Future()
@@ -128,8 +147,39 @@ class Provider:
     async def complete_batch(self, prompts: Sequence[Prompt], **kw):
         return await asyncio.wrap_future(self.submit(list(prompts), batch_job=True, **kw))
 
-    def submit(self, prompts: list[Prompt], *, batch_job: bool, **kw) -> Future:
-        """Queue prompts; the Future resolves to their Completions in order."""
+    async def stream(self, prompt: Prompt, **kw) -> AsyncIterator[StreamEvent]:
+        """One prompt (interactive), its text as it is generated: ``async for event in provider.stream(p)``.
+        Settings are ``generate``'s keywords. Leaving early (``aclose()``, a cancelled task) frees the
+        sequence's slot at the next pass."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event) -> None:  # on the worker thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        future = self.submit([prompt], batch_job=False, on_event=deliver, **kw)
+        request = self._requests.pop(id(future))
+        finished = asyncio.wrap_future(future)
+        try:
+            while True:
+                if finished.done() and events.empty():
+                    finished.result()  # the request failed before its last event: raise its error
+                    return
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait([getter, finished], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                event = getter.result()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            request.cancelled = not future.done()
+
+    def submit(self, prompts: list[Prompt], *, batch_job: bool, on_event: Callable | None = None, **kw) -> Future:
+        """Queue prompts; the Future resolves to their Completions in order (``on_event``: streamed events)."""
+
         if self._closed or not self._thread.is_alive():
             raise ProviderClosedError("this provider is closed; create a new Provider.")
         if not batch_job and not self.interactive:
@@ -141,13 +191,17 @@ class Provider:
             done.set_result([])
             return done
         gen = self._settings(kw, prompts)
-        with self._lock:
-            if self._metrics.waiting + len(prompts) > self.config.max_queue:
-                raise QueueFullError(f"{self._metrics.waiting} prompts are already waiting (max_queue "
+        with self._lock:  # waiting: queued for the worker, or in the loop without a slot yet; a free slot takes one
+            m, held = self._metrics, self.config.max_queue + self.config.max_batch
+            waiting = m.waiting + m.loop_waiting
+            if waiting + m.running + len(prompts) > held:
+                raise QueueFullError(f"{waiting} prompts are already waiting (max_queue "
                                      f"{self.config.max_queue}); retry later.")
             self._metrics.waiting += len(prompts)
             self._metrics.requests += 1
-        request = _Request(list(prompts), gen)
+        request = _Request(list(prompts), gen, on_event=on_event)
+        if on_event is not None:
+            self._requests[id(request.future)] = request
         self._queue.put(request)
         return request.future
 
@@ -198,14 +252,16 @@ class Provider:
                 "interactive": self.interactive, "device": self.engine.device.type if self.engine else None}
 
     def metrics(self) -> dict:
+        """Queue depth, running sequences, tokens/s and passes/s (of engine time), counters since start."""
         with self._lock:
             m = replace(self._metrics)
         out = {"uptime_s": time.time() - m.started_at, "requests": m.requests, "requests_failed": m.requests_failed,
-               "prompts": m.prompts, "batches": m.batches, "new_tokens": m.new_tokens,
+               "prompts": m.prompts, "passes": m.passes, "batches": m.passes, "new_tokens": m.new_tokens,
                "prompt_tokens": m.prompt_tokens, "busy_s": m.busy_s,
                "tokens_per_s": m.new_tokens / m.busy_s if m.busy_s else 0.0,
-               "mean_batch_size": m.prompts / m.batches if m.batches else 0.0,
-               "last_batch_size": m.last_batch_size, "queue_depth": m.waiting, "in_flight": m.running}
+               "passes_per_s": m.passes / m.busy_s if m.busy_s else 0.0,
+               "mean_batch_size": m.new_tokens / m.passes if m.passes else 0.0,
+               "queue_depth": m.waiting + m.loop_waiting, "running": m.running, "in_flight": m.running}
         out.update(_vram(self.engine))
         return out
 
@@ -215,102 +271,122 @@ class Provider:
 
         try:
             self.engine = Engine.open(self.route.store, self.engine_config)
+            self._loop = self.engine.decode_loop(self.config.max_batch, context=self.route.context, kv=self._kv)
         except BaseException as exc:  # handed to the constructor, which re-raises it
             self._closed = True
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
         log.info("provider: %s", self.describe())
-        pending: list[tuple[_Request, int]] = []
+        live: list[_Request] = []
+        stop = False
         try:
-            while not (self._closed and not pending and self._queue.empty()):
-                if not pending and not self._take(pending, block=True):
-                    break
-                self._gather(pending)
-                batch = self._next_batch(pending)
-                if batch:
-                    self._run(batch)
+            while not (stop and self._loop.idle):
+                if self._loop.idle:
+                    stop = self._take(live, block=True) is _STOP
+                    if not stop:  # an idle loop waits a moment so concurrent callers share the first pass
+                        time.sleep(self.config.batch_window_ms / 1000)
+                while not stop:  # the stop sentinel can arrive here too (close() during the window or a pass)
+                    taken = self._take(live, block=False)
+                    if taken is None:
+                        break
+                    stop = taken is _STOP
+                if not self._loop.idle:
+                    self._step(live)
         finally:
             self._closed = True
-            self._fail_all(pending, ProviderClosedError("the provider was closed before this request ran."))
+            self._fail_all(live, ProviderClosedError("the provider was closed before this request ran."))
             self.engine.close()
 
-    def _take(self, pending: list, block: bool, timeout: float | None = None) -> bool:
-        """Move one queued request into ``pending``; False on stop or timeout."""
+    def _take(self, live: list, block: bool):
+        """Move one queued request into the loop and return it; ``_STOP`` when that came, None when nothing is
+        queued. The two must stay apart: a stop taken for "nothing queued" is lost and close() never returns."""
         try:
-            item = self._queue.get(block=block, timeout=timeout)
+            request = self._queue.get(block=block)
         except queue.Empty:
-            return False
-        if item is _STOP:
-            return False
-        pending.extend((item, i) for i in range(len(item.prompts)))
-        return True
-
-    def _gather(self, pending: list) -> None:
-        """Wait up to the batch window for more prompts with the first one's settings."""
-        deadline = time.monotonic() + self.config.batch_window_ms / 1000
-        key = pending[0][0].gen
-        while sum(r.gen == key for r, _ in pending) < self.config.max_batch:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._take(pending, block=True, timeout=left):
-                return
-
-    def _run(self, batch: list[tuple[_Request, int]]) -> None:
-        with self._lock:
-            self._metrics.waiting -= len(batch)
-            self._metrics.running = len(batch)
-        start = time.perf_counter()
+            return None
+        if request is _STOP:
+            return _STOP
+        if not request.future.set_running_or_notify_cancel():
+            self._count_loop(taken=len(request.prompts))
+            return request
         try:
-            completions = self.engine.generate_detailed([r.prompts[i] for r, i in batch], batch[0][0].gen,
-                                                        kv=self._kv)
-        except Exception as exc:  # forwarded to the callers; the worker keeps serving the others
-            self._count(batch, None, time.perf_counter() - start)
-            if len(batch) > 1:
-                self._run_alone(batch, exc)
-            else:
-                self._fail(batch[0][0], exc)
+            for p in request.prompts:  # one at a time: those submitted before a bad one are cancelled below
+                seq = self._loop.submit(self.engine.request(self.engine.prompt_ids(p, request.gen.chat), request.gen))
+                seq.owner = request
+                request.seqs.append(seq)
+        except Exception as exc:  # a prompt over the context: this request fails, the others run
+            self._drop(request, exc, taken=len(request.prompts))
+            return request
+        self._count_loop(taken=len(request.prompts))
+        live.append(request)
+        return request
+
+    def _step(self, live: list[_Request]) -> None:
+        for request in live:
+            if request.cancelled or request.future.cancelled():
+                for seq in request.seqs:
+                    self._loop.cancel(seq)
+        stats = self._loop.stats
+        before = stats.passes, stats.useful_tokens, stats.prompt_tokens, stats.busy_s
+        try:
+            events = self._loop.step()
+        except Exception as exc:  # the pass failed: its sequences fail, the provider keeps serving
+            self._abort(live, exc)
             return
-        self._count(batch, completions, time.perf_counter() - start)
-        for (request, i), completion in zip(batch, completions):
-            request.results[i] = completion
-            if all(r is not None for r in request.results) and not request.future.done():
-                request.future.set_result(request.results)
+        with self._lock:  # before the results go out: a caller that got one reads metrics that include it
+            m = self._metrics
+            m.busy_s += stats.busy_s - before[3]
+            m.passes += stats.passes - before[0]
+            m.new_tokens += stats.useful_tokens - before[1]
+            m.prompt_tokens += stats.prompt_tokens - before[2]
+            m.running, m.loop_waiting = len(self._loop.running), len(self._loop.waiting)
+        for event in events:
+            try:
+                self._deliver(event)
+            except Exception as exc:  # e.g. a streaming client's event loop is gone: that request fails alone
+                log.warning("delivering a result failed (%s): its request fails, the provider keeps serving", exc)
+                self._drop(event.seq.owner, exc)
+        live[:] = [r for r in live if not r.future.done() and not (r.cancelled and all(s.done for s in r.seqs))]
 
-    def _run_alone(self, batch: list[tuple[_Request, int]], error: Exception) -> None:
-        """One bad prompt (too long, say) must not fail the requests it was batched with."""
-        log.info("batch of %d failed (%s); running its prompts one by one", len(batch), error)
-        for one in batch:
-            if one[0].future.done():  # an earlier prompt of the same request failed
-                continue
+    def _deliver(self, event) -> None:
+        request = event.seq.owner
+        if request.on_event is not None and not request.cancelled:
+            usage = None
+            if event.finish_reason is not None:
+                done = len(event.seq.out) + event.seq.eos_hit
+                usage = {"prompt_tokens": event.seq.prompt_len, "completion_tokens": done,
+                         "total_tokens": event.seq.prompt_len + done}
+            request.on_event(StreamEvent(event.text, list(event.token_ids), event.finish_reason, usage))
+        if event.finish_reason is None:
+            return
+        k = request.seqs.index(event.seq)
+        request.results[k] = self.engine.completion(event.seq)
+        if all(r is not None for r in request.results) and not request.future.done():
             with self._lock:
-                self._metrics.waiting += 1  # _run takes it off again
-            self._run([one])
+                self._metrics.prompts += len(request.results)
+            request.future.set_result(request.results)
 
-    def _count(self, batch: list, completions: list | None, took: float) -> None:
+    def _abort(self, live: list[_Request], exc: Exception) -> None:
+        log.warning("a pass failed (%s): its requests fail, the provider keeps serving", exc)
+        for request in live:
+            self._drop(request, exc)
+        live.clear()
+
+    def _drop(self, request: _Request, exc: BaseException, taken: int = 0) -> None:
+        """Fail one request and free its slots (its other sequences stop at once)."""
+        for seq in request.seqs:
+            self._loop.cancel(seq)
+        self._count_loop(taken)
+        self._fail(request, exc)
+
+    def _count_loop(self, taken: int = 0) -> None:
+        """Bring the loop's counts into the metrics; ``taken`` prompts moved from the queue into the loop. One
+        update under the lock, so ``max_queue`` (which counts both places) never misses them in between."""
         with self._lock:
             m = self._metrics
-            m.running = 0
-            m.busy_s += took
-            if completions is not None:
-                m.batches += 1
-                m.last_batch_size = len(batch)
-                m.prompts += len(batch)
-                m.new_tokens += sum(c.new_tokens for c in completions)
-                m.prompt_tokens += sum(c.prompt_tokens for c in completions)
-
-    def _next_batch(self, pending: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
-        """Take up to ``max_batch`` prompts sharing the first one's settings, in arrival order."""
-        wanted = [(r, i) for r, i in pending if _still_wanted(r)]
-        with self._lock:
-            self._metrics.waiting -= len(pending) - len(wanted)  # cancelled by their callers
-        if not wanted:
-            pending.clear()
-            return []
-        key = wanted[0][0].gen
-        batch = [p for p in wanted if p[0].gen == key][: self.config.max_batch]
-        taken = {(id(r), i) for r, i in batch}
-        pending[:] = [(r, i) for r, i in wanted if (id(r), i) not in taken]
-        return batch
+            m.waiting -= taken
+            m.running, m.loop_waiting = len(self._loop.running), len(self._loop.waiting)
 
     def _fail(self, request: _Request, exc: BaseException) -> None:
         with self._lock:
@@ -318,19 +394,16 @@ class Provider:
         if not request.future.done():
             request.future.set_exception(exc)
 
-    def _fail_all(self, pending: list, exc: BaseException) -> None:
-        while self._take(pending, block=False):
-            pass
-        for request in {id(r): r for r, _ in pending}.values():
+    def _fail_all(self, live: list, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get(block=False)
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                live.append(item)
+        for request in live:
             self._fail(request, exc)
-
-
-def _still_wanted(request: _Request) -> bool:
-    """False for a request its caller cancelled (or one already failed); marks it running otherwise."""
-    if request.started:
-        return not request.future.done()
-    request.started = True
-    return request.future.set_running_or_notify_cancel()
 
 
 def _vram(engine) -> dict:

@@ -54,7 +54,10 @@ from benchmarks.stream_bench import (  # noqa: E402
     part_link, prompt_ids, versions, write_results)
 
 log = logging.getLogger("moe_bench")
-TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9}  # minimums
+TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
+           "mixtral_nf4_bs1_tok_s": 10, "mixtral_nf4_bs256_tok_s": 500, "mixtral_nf4_max_batch_tok_s": 800,
+           "qwen3_30b_nf4_bs1_tok_s": 30, "airllm_over_airquant_mixtral_bs1": 30}
+MAX_TARGETS = {"mixtral_nf4_bs1_bytes_fraction": 0.35, "mixtral_nf4_bs1_step_over_bytes_floor": 1.15}
 SHAPES = {"mixtral": ("mixtral-8x7b", "mixtral_nf4"), "qwen3": ("qwen3-30b-a3b", "qwen3_30b_a3b_nf4")}
 # --quick: two layers of small experts, as many per token as the real models route (2 of 8; 8 of 16 for Qwen3).
 _QUICK_BASE = (("hidden", 128), ("intermediate", 256), ("heads", 4), ("kv_heads", 2), ("vocab", 2048))
@@ -77,15 +80,24 @@ def make_store(b: Bench, shape: str, dtype: str, layers: int | None) -> Path:
 
 
 # -- measurements ----------------------------------------------------------------------------------
-def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int) -> dict:
-    """One whole-layer-streamed decode step; a case that does not fit gives its error instead."""
+def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str | None = None,
+            **kw) -> dict:
+    """One streamed decode step (whole layers; ``experts="routed"`` in ``kw``: expert-aware, ``case`` names
+    the row); a case that does not fit gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
+    if case is not None:
+        row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"})
+    kw.setdefault("experts", "whole")
     engine = None
     try:
         engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
-                             context=a.prompt_len + a.steps + 3)
-        step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}")
+                             context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
+        step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
+        if engine.experts is not None:
+            row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(),
+                       decode_bytes_per_step=routed_step_bytes(b, engine, batch))
+            step["bytes_per_step"] = row["decode_bytes_per_step"]
         gbps = step["bytes_per_step"] / step["step_s"] / GB
         row.update(step_s=step["step_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
                    bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
@@ -101,6 +113,19 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int) -> dic
         if engine is not None:
             engine.close()
     return row
+
+
+def routed_step_bytes(b: Bench, engine, batch: int) -> float:
+    """Bytes one decode step moves: a run of 1 + k new tokens less a run of 1 (the same prefill)."""
+    from airquant.config import GenerateConfig
+
+    ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
+    moved = []
+    for new in (1, 3):
+        engine.reset_stats()
+        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=new, ignore_eos=True))
+        moved.append(engine.stats()["bytes_streamed"])
+    return (moved[1] - moved[0]) / 2
 
 
 def part_whole_layer(b: Bench, name: str) -> None:
@@ -189,17 +214,75 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+# -- expert-aware streaming (engine/experts.py) -----------------------------------------------------------
+ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
+    "nocache": (1, dict(expert_cache_gb=0.0, expert_prefetch=False)),
+    "lfu": (1, dict(expert_policy="lfu")), "lru": (1, dict(expert_policy="lru")),
+    "lfu_bs256": (256, dict(expert_policy="lfu")),
+}
+
+
+def measure_routed(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str, **kw) -> dict:
+    """One expert-aware decode step, the bytes a decode step moves (two runs' difference: the prefill's
+    bytes cancel) and the pool's hit/speculation counters."""
+    row = measure(b, store, model, cap_gb, batch, experts="routed", case=case, **kw)
+    return row
+
+
+def part_routed(b: Bench, name: str) -> None:
+    a, (shape, key) = b.args, SHAPES[name]
+    store = make_store(b, shape, "nf4", a.layers)
+    cap = 4.0 if name == "qwen3" else 15.0
+    cases = {"nocache": ROUTED_CASES["nocache"], "lfu": ROUTED_CASES["lfu"]} if name == "qwen3" else ROUTED_CASES
+    rows = []
+    for case, (batch, kw) in cases.items():
+        rows.append(measure_routed(b, store, f"{shape} nf4", cap, 2 if b.quick and batch > 8 else batch, case, **kw))
+    if name == "mixtral" and a.max_batch:
+        rows.append(measure_routed(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
+                                   kv_offload=None))
+    whole = [measure(b, store, f"{shape} nf4", cap, 1)]  # the bytes fraction's denominator, same run
+    free_gpu()
+    b.drop(store)
+    b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), whole)
+    b.results["expert_aware"] = merge_rows(b.results.get("expert_aware", []), rows)
+    derive_routed_keys(b)
+
+
+def derive_routed_keys(b: Bench) -> None:
+    r, link = b.results, b.results.get("link_pinned_gbps")
+    rows = {(x["model"], x["case"]): x for x in r.get("expert_aware", [])}
+    whole = {(x["model"], x["cap_gb"], x["batch"]): x for x in r.get("whole_layer", [])}
+    mix, qwen = rows.get(("mixtral-8x7b nf4", "nocache")), rows.get(("qwen3-30b-a3b nf4", "lfu"))
+    full = whole.get(("mixtral-8x7b nf4", 15.0, 1))
+    if mix and mix.get("step_s") and full and full.get("bytes_per_step"):
+        r["mixtral_nf4_bs1_bytes_fraction"] = mix["decode_bytes_per_step"] / full["bytes_per_step"]
+        if link:
+            r["mixtral_nf4_bs1_step_over_bytes_floor"] = mix["step_s"] / (mix["decode_bytes_per_step"] / GB / link)
+    for case, out in (("lfu", "mixtral_nf4_bs1_tok_s"), ("lfu_bs256", "mixtral_nf4_bs256_tok_s"),
+                      ("max_batch", "mixtral_nf4_max_batch_tok_s")):
+        row = rows.get(("mixtral-8x7b nf4", case))
+        if row and row.get("tok_s"):
+            r[out] = row["tok_s"]
+    if qwen and qwen.get("tok_s"):
+        r["qwen3_30b_nf4_bs1_tok_s"] = qwen["tok_s"]
+    air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
+    if air and mix and mix.get("step_s"):
+        layers = b.args.layers or 32
+        r["airllm_over_airquant_mixtral_bs1"] = air * layers / mix["step_s"]
+
+
 # -- reporting -------------------------------------------------------------------------------------
 def check_targets(b: Bench) -> list[str]:
     lines = []
-    for key, threshold in TARGETS.items():
-        value = b.results.get(key)
+    for key, threshold in list(TARGETS.items()) + list(MAX_TARGETS.items()):
+        value, kind = b.results.get(key), "max" if key in MAX_TARGETS else "min"
         if value is None:
             lines.append(f"  {key:<38} not measured")
             continue
-        met = value >= threshold
-        lines.append(f"  {key:<38} {value:8.3f}  target >= {threshold:g}: {'met' if met else 'MISSED'}")
-        b.results.setdefault("targets", {})[key] = {"value": value, "target": threshold, "kind": "min", "met": met}
+        met = value <= threshold if kind == "max" else value >= threshold
+        lines.append(f"  {key:<38} {value:8.3f}  target {'<=' if kind == 'max' else '>='} {threshold:g}: "
+                     f"{'met' if met else 'MISSED'}")
+        b.results.setdefault("targets", {})[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
     return lines
 
 
@@ -216,6 +299,13 @@ def print_table(b: Bench) -> None:
                 f"{fmt(row.get('effective_gbps'), '{:.1f}'):>7}{fmt(row.get('link_fraction'), '{:.2f}'):>6}"
                 f"{fmt(row.get('peak_allocated_gb'), '{:.2f}'):>8}")
         print(line + (f"  {row['error'][:70]}" if row.get("error") else ""))
+    for row in r.get("expert_aware", []):
+        ex = row.get("experts") or {}
+        print(f"  routed {row['model']:<19}{row['cap_gb']:>5g}{row['batch']:>5} {row['case']:<10}"
+              f"{fmt(row.get('step_s'), '{:.4f}'):>8}s {fmt(row.get('tok_s'), '{:.1f}'):>7} tok/s "
+              f"{fmt(row.get('decode_bytes_per_step') and row['decode_bytes_per_step'] / GB, '{:.3f}'):>7} GB/step "
+              f"hit {fmt(ex.get('hit_rate'), '{:.2f}')} spec {fmt(ex.get('speculation_recall'), '{:.2f}')}"
+              + (f"  {row['error'][:60]}" if row.get("error") else ""))
     air = r.get("details", {}).get("airllm")
     if air:
         print(f"  Mixtral-shaped, {air['layers']} layers, batch 1, cap {air['cap_gb']:g} GB: seconds per layer")
@@ -233,7 +323,8 @@ def print_table(b: Bench) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "airllm", "report", "all"], default="all",
+    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "airllm",
+                                      "report", "all"], default="all",
                    help="report: no measurement, the keys and table re-derived from the rows in moe_bench.json")
     p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
     p.add_argument("--results", default=None,
@@ -248,6 +339,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--caps", default="15,4", help="GPU caps (GB) of the whole-layer parts")
     p.add_argument("--layers", type=int, default=None,
                    help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
+    p.add_argument("--max-batch", type=int, default=512,
+                   help="batch of the expert-aware max-batch row (Mixtral, 15 GB, KV offload when needed; 0: skip)")
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
@@ -268,9 +361,11 @@ def main(argv=None) -> int:
     device = bench_device(args)
     out = Path(args.results) / "moe_bench.json"
     b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
-    parts = ["link", "mixtral", "qwen3", "airllm"] if args.part == "all" else [args.part]
+    parts = (["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "airllm"] if args.part == "all"
+             else [args.part])
     if args.part == "report":  # the rows keep the machine and versions they were measured with
         derive_keys(b)
+        derive_routed_keys(b)
         parts = []
     else:
         b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
@@ -278,7 +373,8 @@ def main(argv=None) -> int:
     if "link" not in parts and parts and "link_pinned_gbps" not in b.results:
         parts.insert(0, "link")  # every link fraction needs it measured on this machine
     run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
-           "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm}
+           "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm,
+           "mixtral_routed": lambda b: part_routed(b, "mixtral"), "qwen3_routed": lambda b: part_routed(b, "qwen3")}
     for part in parts:
         start = time.perf_counter()
         run[part](b)

@@ -204,7 +204,7 @@ def main() -> None:
     args.gguf = args.gguf or str(default_gguf())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from airquant.eval.data import load_wikitext
+    from airquant.eval.data import file_source, load_wikitext
     from airquant.eval.perplexity import tokenize_text
 
     gguf = Path(args.gguf)
@@ -213,7 +213,8 @@ def main() -> None:
     ids = tokenize_text(tok, load_wikitext(args.data).text, args.tokens)
     results = run_schemes(model, tok, ids, args)
     versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "bitsandbytes", "gguf")}
-    out = {"model": str(gguf.name), "data": args.data, "calibration": f"{args.calib} first {args.calib_tokens} tokens",
+    out = {"model": str(gguf.name), "data": file_source(Path(args.data)),
+           "calibration": f"{file_source(Path(args.calib))} first {args.calib_tokens} tokens",
            "dtype": "float32", "device": "cpu", "threads": torch.get_num_threads(), "versions": versions,
            "schemes": results}
     path = Path(args.out)

@@ -1,14 +1,16 @@
 """The validation suite's rows for one model without Jupyter: what notebooks 01-03 call, in one script.
 
 For a machine that has the GPU but not papermill/ipykernel (the H200 here), or a quick look: it shards
-the model into the bf16 and (with bitsandbytes) NF4 stores of ``airquant.stages`` and runs
-``airquant.suite.evaluate`` per configuration -- bf16: ppl, perf, niah; NF4: the same plus parity against
+the model into the bf16 and (with bitsandbytes) NF4 stores of ``airquant.pipeline.stores`` and runs
+``airquant.pipeline.suite.evaluate`` per configuration -- bf16: ppl, perf, niah; NF4: the same plus parity against
 bf16; NF4 + TQ-KV K4/V2: the same plus kvmem (parity against NF4); ROUGE-L too where ``rouge-score``
 imports. Rows land in ``--results`` under their usual names (``__cuda`` on a GPU, ``__<label>`` for
 sizes other than the full suite's); ``airquant report`` puts them in RESULTS.md, a GPU run in columns of
 its own.
 
-The default model's GPU columns in results/RESULTS.md come from (data files in $AIRQUANT_DATA_DIR)::
+The published headline table comes from ``airquant pipeline --profile full --device cuda`` (every
+configuration at the reference settings, in one process); this script made the earlier GPU rows that
+RESULTS.md shows beside the smoke run, from (data files in $AIRQUANT_DATA_DIR)::
 
     python benchmarks/suite_rows.py --device cuda --sizes '{"ppl_tokens": 32768, "ppl_max_length": 2048,
         "ppl_stride": 512, "batch": 8, "parity_tokens": 8192, "niah_contexts": [2048, 8192],
@@ -27,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from airquant import stages, suite  # noqa: E402
+from airquant.pipeline import stores, suite  # noqa: E402
+from airquant.pipeline.sizes import Sizes  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,18 +40,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", default="results")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--quick", action="store_true", help="start from the quick sizes instead of the full suite's")
-    p.add_argument("--sizes", default="{}", help="JSON overrides of airquant.stages.Sizes fields")
+    p.add_argument("--sizes", default="{}", help="JSON overrides of airquant.pipeline.sizes.Sizes fields")
     return p.parse_args(argv)
 
 
-def plan(stores: dict[str, Path], sizes: stages.Sizes) -> list[tuple[Path, list[str], object, Path | None]]:
+def plan(built: dict[str, Path], sizes: Sizes) -> list[tuple[Path, list[str], object, Path | None]]:
     """(store, metrics, kv, parity reference) per configuration."""
     rouge = ["rouge"] if suite_has_rouge() else []
-    out = [(stores["bf16"], ["ppl", "perf", "niah"] + rouge, None, None)]
-    if "nf4" in stores:
-        out.append((stores["nf4"], ["ppl", "perf", "niah", "parity"] + rouge, None, stores["bf16"]))
-    weights = stores.get("nf4", stores["bf16"])
-    out.append((weights, ["ppl", "perf", "niah", "parity", "kvmem"] + rouge, stages.kv_config("tq", sizes), None))
+    out = [(built["bf16"], ["ppl", "perf", "niah"] + rouge, None, None)]
+    if "nf4" in built:
+        out.append((built["nf4"], ["ppl", "perf", "niah", "parity"] + rouge, None, built["bf16"]))
+    weights = built.get("nf4", built["bf16"])
+    out.append((weights, ["ppl", "perf", "niah", "parity", "kvmem"] + rouge, stores.kv_config("tq", sizes), None))
     return out
 
 
@@ -64,12 +67,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("airquant").setLevel(logging.INFO)
-    sizes = stages.Sizes.preset(args.quick, json.loads(args.sizes))
+    sizes = Sizes.preset(args.quick, json.loads(args.sizes))
     start = time.perf_counter()
-    for scheme in stages.available_schemes():
-        print(stages.shard(args.model, args.store, scheme), flush=True)
-    stores = stages.find_stores(args.store, args.model)
-    for store, metrics, kv, reference in plan(stores, sizes):
+    for scheme in stores.available_schemes():
+        print(stores.shard(args.model, args.store, scheme), flush=True)
+    built = stores.find_stores(args.store, args.model)
+    for store, metrics, kv, reference in plan(built, sizes):
         for metric in metrics:
             t0 = time.perf_counter()
             rows = suite.evaluate(store, [metric], sizes, kv=kv, reference=reference if metric == "parity" else None,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from airquant import envs
+from airquant.pipeline import envs
 from airquant.errors import EnvironmentSetupError
 
 ROOT = Path(__file__).resolve().parents[1]

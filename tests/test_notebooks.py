@@ -33,7 +33,7 @@ def source(cell: dict) -> str:
 
 
 def test_the_four_stages_are_there():
-    from airquant.pipeline import NOTEBOOKS as BY_STAGE
+    from airquant.pipeline.runner import NOTEBOOKS as BY_STAGE
 
     assert [p.name for p in NOTEBOOKS] == sorted(BY_STAGE.values())
 
@@ -54,12 +54,12 @@ def test_notebook_starts_with_parameters_then_setup(path):
     assert not any("parameters" in c["metadata"].get("tags", []) for c in cells[1:])
     params = {t.id: ast.literal_eval(node.value) for node in ast.parse(source(cells[0])).body
               for t in node.targets}
-    assert params["model"] == "default" and params["device"] == "auto" and params["quick"] is True
+    assert params["model"] == "default" and params["device"] == "auto" and params["profile"] == "quick"
     assert params["store"] is None and params["results_dir"] == "results" and params["sizes"] == {}
     setup = source(cells[1])
     stage = ast.literal_eval(next(n.value for n in ast.parse(setup).body
                                   if isinstance(n, ast.Assign) and n.targets[0].id == "STAGE"))
-    from airquant.pipeline import NOTEBOOKS as BY_STAGE
+    from airquant.pipeline.runner import NOTEBOOKS as BY_STAGE
 
     assert BY_STAGE[stage] == path.name
     for needed in ('environments/{STAGE}.txt', "drive.mount", "AIRQUANT_STORE", "requirements-models.txt"):
@@ -69,7 +69,7 @@ def test_notebook_starts_with_parameters_then_setup(path):
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, tiny_llama, eval_data):
     """Stages 01-03, then 04 alone (so stage 04's reuse of earlier rows can be seen)."""
-    from airquant.pipeline import PipelineConfig, run_pipeline
+    from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     work = tmp_path_factory.mktemp("pipeline")
     cfg = PipelineConfig(model=str(tiny_llama), store=str(work / "store"), results=str(work / "results"),
@@ -132,8 +132,8 @@ def test_failing_notebook_names_the_cell_and_keeps_the_old_report(tmp_path):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
-    from airquant.pipeline import NOTEBOOKS as BY_STAGE
-    from airquant.pipeline import PipelineConfig, run_pipeline
+    from airquant.pipeline.runner import NOTEBOOKS as BY_STAGE
+    from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     params = new_code_cell('model = "default"')
     params.metadata["tags"] = ["parameters"]

@@ -1,6 +1,8 @@
 """The provider: concurrent calls batched into shared weight passes, answers equal the engine's."""
 
 import asyncio
+import queue
+import threading
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from airquant.config import EngineConfig
 from airquant.engine.router import GIB, Hardware, StreamingNotAllowedError, Workload, plan_route
 from airquant.engine.runner import Engine, plan_for
 from airquant.errors import PromptTooLongError
-from airquant.provider import ProviderClosedError
+from airquant.provider import ProviderClosedError, QueueFullError
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi", "Tell me",
            "A B C D", "Water is"]
@@ -39,7 +41,7 @@ def test_concurrent_calls_share_weight_passes(provider, reference):
     assert got == [reference.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
     after = provider.metrics()
     assert after["prompts"] - before["prompts"] == len(PROMPTS)
-    assert after["batches"] - before["batches"] < len(PROMPTS)  # requests were batched together
+    assert after["passes"] - before["passes"] < 6 * len(PROMPTS) / 2  # requests shared weight passes
     assert after["queue_depth"] == 0 and after["tokens_per_s"] > 0
 
 
@@ -71,6 +73,78 @@ def test_one_bad_prompt_fails_alone(provider, reference):
     bad, good = asyncio.run(calls())
     assert isinstance(bad, PromptTooLongError)
     assert good == reference.generate([PROMPTS[0]], max_new_tokens=4)[0]
+
+
+def _closes(provider) -> bool:
+    """Whether close() returns; run on a helper thread so a hang fails the test instead of stalling the run
+    (a minute is a watchdog for "never", not a speed limit: close() takes at most one batch window)."""
+    closer = threading.Thread(target=provider.close, daemon=True)
+    closer.start()
+    closer.join(60)
+    return not closer.is_alive()
+
+
+def test_close_returns_after_a_prompt_too_long_error(tiny_store, reference):
+    # a long batch window: the failing caller closes while the worker still waits in it, where the stop
+    # sentinel used to be taken for "nothing queued" and dropped
+    p = Provider(tiny_store, device="cpu", max_batch=2, batch_window_ms=500)
+    with pytest.raises(PromptTooLongError):
+        p.sync.generate("word " * 300, max_new_tokens=4)
+    assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == reference.generate([PROMPTS[0]], max_new_tokens=4)[0]
+    with pytest.raises(PromptTooLongError):
+        p.sync.generate("word " * 300, max_new_tokens=4)
+    assert _closes(p) and not p.alive
+
+
+def test_a_batch_with_one_bad_prompt_fails_without_leaving_sequences_behind(tiny_store, reference):
+    with Provider(tiny_store, device="cpu", max_batch=4, batch_window_ms=0) as p:
+        with pytest.raises(PromptTooLongError):
+            p.sync.generate_batch([PROMPTS[0], "word " * 300], max_new_tokens=4)
+        # the good prompt submitted before the bad one was withdrawn: nothing ownerless runs in the loop
+        assert p.sync.generate(PROMPTS[1], max_new_tokens=4) == reference.generate([PROMPTS[1]],
+                                                                                   max_new_tokens=4)[0]
+        assert p.alive and p.metrics()["running"] == 0
+        assert _closes(p)
+
+
+def test_a_failing_stream_consumer_fails_only_its_request(tiny_store, reference):
+    def gone(event):  # a streaming client whose event loop has closed
+        raise RuntimeError("Event loop is closed")
+
+    with Provider(tiny_store, device="cpu", max_batch=2, batch_window_ms=0) as p:
+        failed = p.submit(["Hi"], batch_job=False, on_event=gone, max_new_tokens=4)
+        with pytest.raises(RuntimeError, match="Event loop is closed"):
+            failed.result(timeout=60)
+        assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == reference.generate([PROMPTS[0]],
+                                                                                   max_new_tokens=4)[0]
+        assert p.metrics()["running"] == 0
+        assert _closes(p)
+
+
+def test_max_queue_counts_prompts_waiting_in_the_loop_for_a_slot(tiny_store):
+    """One slot, max_queue 1: one prompt runs, one waits, a third is refused, also once the waiting one has
+    left the provider's queue for the decode loop (it still waits there for the slot)."""
+    passes, go = queue.Queue(), threading.Semaphore(0)
+
+    def paced(event):  # on the worker: it holds in each pass's delivery until the test lets it go on
+        passes.put(event)
+        go.acquire()
+
+    with Provider(tiny_store, device="cpu", max_batch=1, max_queue=1, batch_window_ms=0) as p:
+        running = p.submit(["Once upon a time"], batch_job=False, on_event=paced, max_new_tokens=60,
+                           ignore_eos=True)
+        try:
+            passes.get(timeout=60)  # the worker holds in pass 1, "Once upon a time" has the slot
+            waiting = p.submit(["Hi"], batch_job=False, max_new_tokens=2)
+            go.release()
+            passes.get(timeout=60)  # in pass 2: the worker took "Hi" from its queue into the loop before it
+            assert p.metrics()["queue_depth"] == 1
+            with pytest.raises(QueueFullError, match="1 prompts are already waiting"):
+                p.submit(["Tell me"], batch_job=False, max_new_tokens=2)
+        finally:
+            go.release(100)  # more than the passes left: the worker runs freely again
+        assert running.result(timeout=60)[0].new_tokens == 60 and waiting.result(timeout=60)[0].new_tokens >= 1
+        assert p.metrics()["queue_depth"] == 0
 
 
 def test_unknown_setting_is_refused(provider):
@@ -148,3 +222,40 @@ def test_server_refuses_to_stream_unless_allowed(six_layer_store, capsys):
     argv = ["serve", str(six_layer_store), "--device", "cpu", "--max-ram", str(ram), "--max-batch", "2", "--kv", "none"]
     assert main(argv) == 2  # refused before loading anything
     assert "--allow-streaming" in capsys.readouterr().err
+
+
+def test_stream_yields_the_generated_text(provider, reference):
+    async def collect():
+        return [e async for e in provider.stream(PROMPTS[1], max_new_tokens=8)]
+
+    events = asyncio.run(collect())
+    want = reference.generate_detailed([PROMPTS[1]], max_new_tokens=8)[0]
+    assert "".join(e.text for e in events) == want.text
+    assert [t for e in events for t in e.token_ids] == list(want.token_ids)
+    assert all(e.finish_reason is None and e.usage is None for e in events[:-1])
+    last = events[-1]
+    assert last.finish_reason in ("stop", "length")
+    assert last.usage == {"prompt_tokens": want.prompt_tokens, "completion_tokens": want.new_tokens,
+                          "total_tokens": want.prompt_tokens + want.new_tokens}
+
+
+def test_closing_a_stream_early_frees_its_slot(tiny_store):
+    with Provider(tiny_store, device="cpu", max_batch=1, batch_window_ms=0) as p:
+        async def go():
+            stream = p.stream("Once upon a time", max_new_tokens=200, ignore_eos=True)
+            first = await stream.__anext__()
+            await stream.aclose()  # the client went away
+            # the only slot is free again: a new request runs to its end
+            return first, await asyncio.wait_for(p.generate("Hi", max_new_tokens=3), timeout=60)
+
+        first, text = asyncio.run(go())
+        assert first.token_ids and isinstance(text, str)
+        assert p.metrics()["new_tokens"] < 50  # the closed stream did not run to its 200 tokens
+        assert p.metrics()["running"] == 0
+
+
+def test_per_request_stop_strings(provider, reference):
+    full = reference.generate(["The quick brown fox"], max_new_tokens=10, ignore_eos=True)[0]
+    stop = full[4:7]
+    got = provider.sync.complete("The quick brown fox", max_new_tokens=10, ignore_eos=True, stop=[stop])
+    assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"

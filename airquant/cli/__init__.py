@@ -3,8 +3,9 @@
 - ``flags``: flag groups shared by several commands (engine, generation, KV cache, routing) and the configs
   they map to
 - ``store_cmds``: shard, info, synth (write a store, or read what one holds)
-- ``run_cmds``: plan, generate, batch, serve (route and run a store)
+- ``run_cmds``: plan, generate, batch, serve, ui (route and run a store)
 - ``eval_cmds``: eval, report, env, pipeline (measure and report)
+- ``doctor_cmds``: doctor (what this runtime gives AirQuant, and what AirQuant does with it)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import sys
 
 from airquant import __version__
-from airquant.cli import eval_cmds, run_cmds, store_cmds
+from airquant.cli import doctor_cmds, eval_cmds, run_cmds, store_cmds
 from airquant.errors import AirQuantError
 
 __all__ = ["build_parser", "main"]
@@ -31,8 +32,9 @@ forward pass that streams each layer to the GPU only while it runs.
 # The order of ``airquant --help``.
 COMMANDS = (store_cmds.add_shard_parser, store_cmds.add_info_parser, run_cmds.add_plan_parser,
             run_cmds.add_generate_parser, store_cmds.add_synth_parser, run_cmds.add_batch_parser,
-            run_cmds.add_serve_parser, eval_cmds.add_eval_parser, eval_cmds.add_report_parser,
-            eval_cmds.add_env_parser, eval_cmds.add_pipeline_parser)
+            run_cmds.add_serve_parser, run_cmds.add_ui_parser, eval_cmds.add_eval_parser,
+            eval_cmds.add_report_parser, eval_cmds.add_env_parser, eval_cmds.add_pipeline_parser,
+            doctor_cmds.add_doctor_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

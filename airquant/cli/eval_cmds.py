@@ -10,9 +10,9 @@ import argparse
 import logging
 from dataclasses import replace
 
-from airquant import envs
 from airquant.cli.flags import add_engine_flags, add_kv_flags, engine_config, kv_from_args
 from airquant.errors import AirQuantError
+from airquant.pipeline import envs
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -67,7 +67,7 @@ def _open_reference(args, engine, kv):
 def cmd_eval(args) -> int:
     from airquant.engine.runner import Engine
     from airquant.eval import write_row, write_rows
-    from airquant.suite import headline, row_path
+    from airquant.pipeline.suite import headline, row_path
 
     kv = kv_from_args(args)
     batch = max(getattr(args, "batch_sizes", None) or (args.batch,))
@@ -183,30 +183,46 @@ def add_env_parser(sub) -> None:
 
 
 def cmd_pipeline(args) -> int:
-    from airquant.pipeline import PipelineConfig, run_pipeline
+    import json
+
+    from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
-    cfg = PipelineConfig(model=args.model, store=args.store, quick=args.quick, results=args.results,
+    profile = "quick" if args.quick else args.profile
+    cfg = PipelineConfig(model=args.model, store=args.store, profile=profile, results=args.results,
                          device=args.device, stages=tuple(args.stages) if args.stages else PipelineConfig.stages,
                          kernels=args.kernels, schemes=tuple(args.schemes) if args.schemes else None,
-                         cell_timeout_s=args.cell_timeout, progress=not args.quiet)
+                         cell_timeout_s=args.cell_timeout, progress=not args.quiet, runner=args.runner,
+                         only=tuple(args.only) if args.only else None, sizes=json.loads(args.sizes))
     result = run_pipeline(cfg)
     for run in result.stages:
-        print(f"{run.stage:<14} {run.seconds:7.1f} s  kernel {run.kernel:<22} {run.notebook}")
+        print(f"{run.stage:<14} {run.seconds:7.1f} s  {run.kernel:<22} {run.notebook}")
     print(f"pipeline finished in {result.seconds / 60:.1f} min: {result.report}")
     return 0
 
 
 def add_pipeline_parser(sub) -> None:
-    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md")
+    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md; "
+                                        "--profile full measures the headline table at the reference settings")
     p.add_argument("--model", default="default", help="'default', a model folder, a .gguf file, or a hub id")
     p.add_argument("--store", default="store", metavar="DIR", help="folder of the stores (default ./store)")
-    p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=False,
-                   help="small sizes: minutes on a CPU (default: the full suite)")
+    p.add_argument("--profile", choices=["quick", "full"], default="quick",
+                   help="quick: every metric in minutes on a CPU (the smoke run, default); full: the reference "
+                        "settings of RESULTS.md's headline table, every configuration (a GPU: ~10 min on an H200)")
+    p.add_argument("--quick", action="store_true", help="the same as --profile quick (kept for older scripts)")
+    p.add_argument("--sizes", default="{}", metavar="JSON",
+                   help="overrides of airquant.pipeline.sizes.Sizes fields; on the full profile they make a "
+                        "'custom' profile (or the \"label\" given), never mistaken for the reference rows")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="full profile: these configurations only (bf16 nf4 nf4-tq nf4-mixed gguf gptq int2), "
+                        "to split the run over two calls")
+    p.add_argument("--runner", choices=["auto", "papermill", "inprocess"], default="auto",
+                   help="auto: the full profile in this process, quick through papermill")
     p.add_argument("--results", default="results", metavar="DIR")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--schemes", nargs="+", choices=["bf16", "nf4"], default=None,
-                   help="stores stage 01 builds (default: bf16, and nf4 when bitsandbytes imports)")
+    p.add_argument("--schemes", nargs="+", choices=["bf16", "nf4", "gguf", "gptq", "int2"], default=None,
+                   help="stores to build and measure (default: bf16, and nf4 when bitsandbytes imports; the full "
+                        "profile: all)")
     p.add_argument("--stages", nargs="+", choices=envs.STAGES, default=None, help="run only these stages, in order")
     p.add_argument("--kernels", choices=["auto", "current"], default="auto",
                    help="auto: each stage's own kernel when registered; current: this interpreter for all")

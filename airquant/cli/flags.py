@@ -40,6 +40,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
     g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
+    g.add_argument("--experts", choices=["auto", "whole", "routed"], default="auto",
+                   help="MoE stores streamed: routed moves only the experts a batch routes to, whole moves whole "
+                        "layers (default auto: routed for MoE stores when streaming)")
+    g.add_argument("--expert-cache", type=float, default=None, metavar="GB",
+                   help="VRAM kept for recently/frequently used experts (GB; default: what the plan leaves free)")
+    g.add_argument("--expert-policy", choices=["lru", "lfu"], default="lfu",
+                   help="expert cache eviction: least recently used, or least frequently used with decay (default)")
+    g.add_argument("--expert-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="guess the next layer's experts with its router at batch <= 8 and copy them early")
+    g.add_argument("--no-verify-reads", dest="verify_reads", action="store_false",
+                   help="benchmarks only: skip the checksum every shard read is checked against")
 
 
 def engine_config(args):
@@ -49,7 +60,9 @@ def engine_config(args):
     return EngineConfig(device=args.device, dtype=args.dtype, resident=args.resident, max_vram_gb=args.max_vram,
                         max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify,
                         reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
-                        profile=args.profile, kv_offload=args.kv_offload,
+                        profile=args.profile, kv_offload=args.kv_offload, verify_reads=args.verify_reads,
+                        experts=args.experts, expert_cache_gb=args.expert_cache, expert_policy=args.expert_policy,
+                        expert_prefetch=args.expert_prefetch,
                         batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None))
 
 
@@ -113,6 +126,31 @@ def add_route_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv", choices=KV_ROUTE_CHOICES, default="auto",
                    help="KV cache: plain, TurboQuant K4/V2, or auto (plain if it fits; default). The router "
                         "sizes only AirQuant's tq, so the PyPI 'turboquant' of generate/batch/eval is not offered")
+
+
+def add_scale_flags(p: argparse.ArgumentParser) -> None:
+    """Ray Data across GPUs and machines: ``--ray [ADDRESS] --engines N --gpus-per-engine G`` (``ScaleConfig``)."""
+    g = p.add_argument_group("scale (Ray Data, one engine per GPU; pip install -r requirements-scale.txt)")
+    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray: alone, a new local Ray sized to this machine's GPUs; 'auto' or HOST:PORT "
+                        "joins a cluster started with `ray start`")
+    g.add_argument("--engines", type=int, default=None, metavar="N",
+                   help="engine actors (default: one per --gpus-per-engine GPUs in the cluster; 1 without GPUs)")
+    g.add_argument("--gpus-per-engine", type=float, default=None, metavar="G",
+                   help="GPUs each engine holds (default 1; 0 when the cluster has no GPU: CPU engines)")
+
+
+def scale_config(args):
+    """The ``ScaleConfig`` of ``add_scale_flags``, or None without ``--ray``."""
+    if args.ray is None:
+        if args.engines is not None or args.gpus_per_engine is not None:
+            from airquant.errors import AirQuantError
+
+            raise AirQuantError("--engines and --gpus-per-engine need --ray (add --ray to run on Ray).")
+        return None
+    from airquant.jobs.ray_batch import ScaleConfig
+
+    return ScaleConfig(address=args.ray, engines=args.engines, gpus_per_engine=args.gpus_per_engine)
 
 
 def route_kv_schemes(kv: str) -> tuple[str, ...]:

@@ -11,20 +11,24 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from airquant.cli.flags import (add_engine_flags, add_generate_flags, add_kv_flags, add_route_flags, engine_config,
-                                generate_config, kv_from_args, route_kv_schemes)
+from airquant.cli.flags import (add_engine_flags, add_generate_flags, add_kv_flags, add_route_flags, add_scale_flags,
+                                engine_config, generate_config, kv_from_args, route_kv_schemes, scale_config)
 from airquant.errors import AirQuantError
 
 
 # -- plan --------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
+    from airquant.engine.capability import compute_line
     from airquant.engine.router import Hardware, plan_route, workload_for
 
     hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
-    workload = workload_for(engine_config(args), batch_size=args.batch, context=args.context,
+    engine = engine_config(args)
+    workload = workload_for(engine, batch_size=args.batch, context=args.context,
                             mode="resident" if args.resident else "auto", allow_streaming=not args.interactive,
                             kv_schemes=route_kv_schemes(args.kv))
-    print(plan_route(args.stores, hardware, workload).describe())
+    route = plan_route(args.stores, hardware, workload)
+    print(route.describe(engine))
+    print(compute_line(route.candidate.manifest.dtype, args.dtype, args.device))
     return 0
 
 
@@ -108,7 +112,13 @@ def cmd_batch(args) -> int:
     gen = generate_config(args)
     job = BatchJob(input=Path(args.input), output=Path(args.output), batch_size=size, max_batch=args.max_batch,
                    gen=gen, kv=kv_from_args(args))
-    report = run_batch(args.store, job, engine_config(args), progress=not args.quiet)
+    scale = scale_config(args)
+    if scale is None:
+        report = run_batch(args.store, job, engine_config(args), progress=not args.quiet)
+    else:
+        from airquant.jobs.ray_batch import run_batch_ray
+
+        report = run_batch_ray(args.store, job, engine_config(args), scale, progress=not args.quiet)
     sizes = sorted(set(report.batch_sizes), reverse=True)
     print(f"{args.output}: {report.done} new records ({report.skipped} already there), {report.new_tokens} tokens "
           f"in {report.elapsed_s:.1f} s ({report.tokens_per_s:.1f} tok/s), batch sizes {sizes or '-'}"
@@ -128,29 +138,48 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(p)
     add_kv_flags(p)
+    add_scale_flags(p)
     p.set_defaults(func=cmd_batch)
 
 
-# -- serve -------------------------------------------------------------------------------------
+# -- serve and ui ------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
     from airquant.provider import ProviderConfig
     from airquant.serve import require_serve
+    from airquant.serve.config import ServeConfig, api_key_from, check_bind
 
+    sc = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key), insecure=args.insecure,
+                     max_body_mb=args.max_body_mb, cors_origins=tuple(args.cors_origin or ()))
+    check_bind(sc)  # before the imports and the model load: a refused address should fail in a second
     require_serve()
+    mount = None
+    if args.ui:
+        from airquant.ui import UiMount, require_ui
+
+        require_ui()
+        mount = UiMount(stores=tuple(args.stores), results=Path(args.results), jobs=Path(args.jobs_dir))
     from airquant.serve.server import serve
 
     config = ProviderConfig(mode="resident" if args.resident else args.mode, allow_streaming=args.allow_streaming,
                             kv=args.kv, max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
                             context=args.context, max_queue=args.max_queue)
-    return serve(args.stores, config, engine_config(args), host=args.host, port=args.port,
-                 log_level="debug" if args.verbose else "info")
+    return serve(args.stores, config, engine_config(args), sc, log_level="debug" if args.verbose else "info",
+                 mount=mount)
 
 
-def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: fastapi, uvicorn)")
+def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("stores", nargs="+", metavar="STORE", help="one or more stores of the same model")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs --api-key or --insecure)")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$AIRQUANT_API_KEY; the UI asks for it on a login page)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
+                   help="largest request body (and UI upload); larger ones get 413 (default 4)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin allowed to call the API cross-site (repeat; default: none, CORS off)")
     p.add_argument("--mode", choices=["auto", "resident", "streamed"], default="auto")
     p.add_argument("--allow-streaming", action="store_true",
                    help="let requests run streamed when the model fits only that way (off by default)")
@@ -159,6 +188,22 @@ def add_serve_parser(sub) -> None:
                    help="how long a request waits for others to share its pass (default 20)")
     p.add_argument("--max-queue", type=int, default=1024, metavar="N",
                    help="prompts waiting before new requests get 429 (default 1024)")
+    g = p.add_argument_group("web UI (needs requirements-ui.txt: gradio)")
+    g.add_argument("--results", default="results", metavar="DIR", help="the results the UI shows (RESULTS.md)")
+    g.add_argument("--jobs-dir", default="airquant-jobs", metavar="DIR",
+                   help="where the UI keeps batch jobs' input and output JSONL (resumable, like airquant batch)")
     add_route_flags(p)
     add_engine_flags(p)
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with SSE streaming (needs the serve extra)")
+    _add_server_flags(p, port=8000)
+    p.add_argument("--ui", action="store_true", help="also serve the web UI at /ui (as airquant ui)")
     p.set_defaults(func=cmd_serve)
+
+
+def add_ui_parser(sub) -> None:
+    p = sub.add_parser("ui", help="web UI (chat, plan, batch jobs, results) over the server, at /ui")
+    _add_server_flags(p, port=7860)
+    p.set_defaults(func=cmd_serve, ui=True)

@@ -7,6 +7,7 @@ and argument errors stay fast.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 
 # -- shard -------------------------------------------------------------------------------------
@@ -16,7 +17,7 @@ def cmd_shard(args) -> int:
     from airquant.store.quantize import make_transform
     from airquant.store.split import split
 
-    source = resolve(args.model)
+    source = resolve(args.model, trust_remote_code=args.trust_remote_code)
     spec = None
     if args.quant != "none":
         from airquant.quant import QuantSpec
@@ -54,17 +55,20 @@ def add_shard_parser(sub) -> None:
     p.add_argument("--calib", default=None, metavar="FILE", help="int2: calibration text (not the eval text)")
     p.add_argument("--calib-device", default="cpu", choices=["cpu", "cuda"], help="int2: calibration device")
     p.add_argument("--error-feedback", action="store_true", help="int2: GPTQ-style error feedback")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model folder's own Python code (config.json auto_map) to run; off by default")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_shard)
 
 
 # -- info --------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
-    from airquant.store.manifest import load_manifest, open_store
+    from airquant.store.manifest import load_manifest, open_store, record_checksums
 
     manifest = load_manifest(args.store)
     if args.verify:
         open_store(args.store, verify=True)
+    upgraded = record_checksums(Path(args.store), manifest) if args.upgrade else None
     src = manifest.source
     print(f"model      : {src.get('name')} ({src.get('model_type')}, from {src.get('kind')} '{src.get('spec')}')")
     print(f"scheme     : {manifest.scheme} (dtype {manifest.dtype}, quant {manifest.quant.get('method')})")
@@ -85,6 +89,9 @@ def cmd_info(args) -> int:
     print(f"total      : {manifest.total_bytes / 1e6:.1f} MB in {len(manifest.shards)} shards")
     if args.verify:
         print("verify     : every sha256 matches")
+    if upgraded is not None:
+        print(f"upgrade    : read checksums recorded for {upgraded} shards"
+              + (" (all had one already)" if not upgraded else ""))
     return 0
 
 
@@ -92,6 +99,8 @@ def add_info_parser(sub) -> None:
     p = sub.add_parser("info", help="show what a store holds")
     p.add_argument("--store", required=True)
     p.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    p.add_argument("--upgrade", action="store_true",
+                   help="record the per-read checksum (xxh3_128) of a store written before it existed")
     p.set_defaults(func=cmd_info)
 
 

@@ -101,6 +101,14 @@ def _ranges(idx: list[int]) -> str:
 
 # Prefill runs each decoder layer's MLP over at most this many tokens at a time (skeleton.chunk_mlp).
 MLP_CHUNK_TOKENS = 2048
+# Tokens one pass of the decode loop takes (decodes + prefill chunks): a pass of this many tokens costs
+# about one weight pass more than a decode step on a GPU, and its activations fit the reserve below.
+PASS_TOKENS = 2048
+
+
+def token_budget(slots: int, context: int) -> int:
+    """Tokens per pass of the decode loop: every slot's decode token, and prefill up to ``PASS_TOKENS``."""
+    return max(slots, min(slots * context, PASS_TOKENS))
 
 
 @dataclass(frozen=True)

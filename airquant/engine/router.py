@@ -363,7 +363,9 @@ class Route:
         return replace(base, resident=False, resident_layers=self.resident_layers if gpu else None,
                        max_ram_gb=self.ram_tier_bytes / GIB)
 
-    def describe(self) -> str:
+    def describe(self, engine=None) -> str:
+        """What ``airquant plan`` prints; ``engine`` (an EngineConfig, None: its defaults) gives the expert
+        settings a streamed MoE route sizes its expert pool with (--experts, --expert-cache, ...)."""
         c, d = self.candidate, self.candidate.dims
         head = [
             f"model     : {c.manifest.source.get('name')}, {d.num_layers} layers, hidden {d.hidden}, "
@@ -379,6 +381,7 @@ class Route:
             f"{'TurboQuant K4/V2' if self.kv == 'tq' else 'plain'}"
             + (", offloaded to pinned host RAM (moved with each layer)" if self.kv_offload else ""),
             self.plan.describe(c.layer_bytes),
+            *_expert_pool_lines(self, engine),
             f"max batch : {self.max_batch} sequences of {self.context} tokens with this choice"
             + (" (larger batches keep fewer layers in VRAM)" if self.mode == "streamed" and self.resident_layers
                else ""),
@@ -392,6 +395,28 @@ def _size(nbytes: float) -> str:
         return f"{nbytes / GB:.2f} GB"
     mb = nbytes / 1e6
     return f"{mb:.0f} MB" if mb >= 10 else f"{mb:.3g} MB"
+
+
+def _expert_pool_lines(route: Route, engine) -> list[str]:
+    """The expert pool a streamed MoE route opens, sized as the engine sizes it (``experts.open_for``) from the
+    VRAM this plan leaves; nothing when the route is resident, the store dense or the experts move whole."""
+    from airquant.config import EngineConfig
+    from airquant.engine import experts
+
+    cfg, manifest, plan = engine or EngineConfig(), route.candidate.manifest, route.plan
+    moe = any(e.experts for e in manifest.shards.values() if e.is_layer)
+    routed = experts.routed_layers(manifest, plan.tiers) if moe and route.mode == "streamed" else {}
+    if not routed or cfg.experts == "whole":
+        return []
+    spare = experts.spare_vram(manifest, plan.tiers, plan.fixed_bytes, plan.slots, plan.reserve_bytes, routed,
+                               route.hardware.vram_bytes)
+    sizing = experts.plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
+                                  speculate=cfg.expert_prefetch)
+    lines = [sizing.describe()]
+    if spare is not None and sizing.pool_bytes + sizing.gather_bytes > spare:  # open_for refuses this run
+        lines.append(f"            does NOT fit the {_size(max(spare, 0))} the layer plan leaves: lower "
+                     "--expert-cache, raise --max-vram or use --experts whole")
+    return lines
 
 
 def _experts_text(manifest: Manifest) -> str | None:

@@ -12,7 +12,8 @@ import psutil
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
-from airquant.engine import skeleton
+from airquant.engine import experts, skeleton
+from airquant.engine.decode import DecodeLoop, Request, Sequence, attention_backends
 from airquant.engine.plan import Budgets, Reserve, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
@@ -28,8 +29,11 @@ GIB = 1 << 30
 class Completion:
     text: str
     prompt_tokens: int
-    new_tokens: int
+    new_tokens: int  # generated tokens, an EOS that ended the sequence included
     token_ids: tuple[int, ...]
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
+    ttft_s: float | None = None  # submit to first token
+    latency_s: float | None = None  # submit to last token
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,24 +47,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def compute_dtype(manifest: Manifest, requested: str | None, device: torch.device) -> torch.dtype:
-    if requested is not None:
-        return DTYPES[requested]
-    # fp16 matmuls on CPU are slow and lose precision: compute fp16 stores in fp32 there.
-    if device.type == "cpu" and manifest.dtype == "float16":
-        return torch.float32
-    return DTYPES[manifest.dtype]
+    """The capability rule's dtype (engine/capability.py): fp16 below sm_80 for bf16 stores, fp32 on CPU for fp16."""
+    from airquant.engine.capability import compute_dtype as rule
 
-
-def attention_backends():
-    """Scaled-dot-product attention without its cuDNN backend, which PyTorch prefers on Hopper.
-
-    cuDNN builds an execution plan for every new sequence length, tens of milliseconds of CPU at each
-    decode step (the KV cache grows by one token). The stall holds back the next layer copies: on an
-    H200 a streamed step of 8 bf16 layers took 123 ms instead of the 64 ms its copies need.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return rule(manifest.dtype, requested, device)
 
 
 def vram_budget(cfg: EngineConfig, device: torch.device) -> int | None:
@@ -103,18 +93,6 @@ def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_
     return replace(plan_layers(manifest.layer_bytes, fixed, budgets), host_fixed_bytes=host_fixed)
 
 
-class _StepClock:
-    """A logits processor that timestamps each decoding step (works for any batch size)."""
-
-    def __init__(self, sync):
-        self.sync, self.times = sync, []
-
-    def __call__(self, input_ids, scores):
-        self.sync()
-        self.times.append(time.perf_counter())
-        return scores
-
-
 class Engine:
     """A store opened for inference; streamed by default, resident when asked."""
 
@@ -136,16 +114,27 @@ class Engine:
         for i, layer in enumerate(skeleton.decoder_layers(self.model)):
             skeleton.swap_quantized_modules(layer, manifest.shards[f"layer.{i}"], self.dtype)
         skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype,
-                                  host_embedding=cfg.host_embedding)
+                                  host_embedding=cfg.host_embedding, verify_reads=cfg.verify_reads)
         self.streamer: LayerStreamer | None = None
         self.plan: StreamPlan | None = None
+        self.experts: experts.ExpertPool | None = None  # routed MoE experts (engine/experts.py)
+        routed_mode = experts.use_routed(cfg.experts, manifest, streamed=not cfg.resident)
         if cfg.resident:
-            skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype)
+            skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype,
+                                          verify_reads=cfg.verify_reads)
         else:
             self.plan = plan_for(manifest, cfg, self.device, self.config, self.dtype)
+            routed = experts.routed_layers(manifest, self.plan.tiers) if routed_mode else {}
             self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype,
-                                          readahead=cfg.readahead, profile=cfg.profile)
+                                          readahead=cfg.readahead, profile=cfg.profile,
+                                          verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
+            if routed:
+                self.experts = experts.open_for(self, routed, vram_budget(cfg, self.device))
+                skeleton.attach_experts(self.model, self.experts)
+        from airquant.engine.capability import guard_overflow
+
+        self.overflow_guard = guard_overflow(self.model, skeleton.decoder_layers(self.model), self.dtype)
         self.last_timings: dict = {}
 
     @classmethod
@@ -190,6 +179,10 @@ class Engine:
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
+    def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        """One prompt's token ids, as ``encode`` makes them (no padding)."""
+        return self.encode([prompt] if isinstance(prompt, list) else prompt, chat)["input_ids"][0].tolist()
+
     def _check_context(self, prompt_len: int, new_tokens: int) -> None:
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit and prompt_len + new_tokens > limit:
@@ -212,43 +205,129 @@ class Engine:
     @torch.inference_mode()
     def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen: GenerateConfig,
                      *, kv=None) -> list[Completion]:
-        """Generate from a left-padded batch of token ids [B, S]; one weight pass per new token."""
-        from transformers import GenerationConfig, LogitsProcessorList
+        """Generate from a left-padded batch of token ids [B, S]: one request per row, all in one loop."""
+        rows = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(),
+                                                                              attention_mask.tolist())]
+        return self.generate_requests([self.request(r, gen) for r in rows], kv=kv)
 
-        enc = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
-        batch, prompt_len = enc["input_ids"].shape
-        self._check_context(prompt_len, gen.max_new_tokens)
-        if gen.seed is not None:
-            torch.manual_seed(gen.seed)
-        sample = gen.temperature > 0
-        config = GenerationConfig(
-            max_new_tokens=gen.max_new_tokens, do_sample=sample, temperature=gen.temperature if sample else None,
-            top_p=gen.top_p if sample else None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.eos_ids(), min_new_tokens=gen.max_new_tokens if gen.ignore_eos else None)
-        cache = self._make_cache(kv)
-        offload = self.streamer.kv if self.streamer is not None else None
-        if offload is not None:
-            offload.bind(cache, tokens=prompt_len + gen.max_new_tokens)
-        clock = _StepClock(self._sync)
+    def request(self, prompt_ids: list[int], gen: GenerateConfig) -> Request:
+        """The loop's request for these ids with ``gen``'s settings."""
+        return Request(tuple(prompt_ids), max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                       top_p=gen.top_p, seed=gen.seed, stop=tuple(gen.stop), ignore_eos=gen.ignore_eos)
+
+    def generate_requests(self, requests: list[Request], *, kv=None) -> list[Completion]:
+        """Every request through one decode loop with a slot each (the static call of ``generate``)."""
+        if not requests:
+            return []
+        if not self.loop_supported:
+            return self._generate_transformers(requests, kv)
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
+        loop = self.decode_loop(len(requests), context=longest, kv=kv,
+                                token_budget=sum(len(r.prompt_ids) for r in requests))
         self._sync()
         start = time.perf_counter()
-        try:
-            with attention_backends():
-                out = self.model.generate(**enc, generation_config=config,
-                                          logits_processor=LogitsProcessorList([clock]),
-                                          **self._cache_arg(cache))
-        except BaseException:
-            if self.streamer is not None:  # an OOM or an interrupt cut a forward short
-                self.streamer.reset()
-            raise
-        finally:
-            if offload is not None:
-                offload.unbind()
+        seqs = loop.run(requests)
         self._sync()
-        end = time.perf_counter()
-        self._record_timings(start, end, clock.times, batch, prompt_len)
-        return [self._completion(row[prompt_len:], int(mask.sum())) for row, mask in
-                zip(out, enc["attention_mask"])]
+        self._record_timings(loop, seqs, time.perf_counter() - start)
+        return [self.completion(s) for s in seqs]
+
+    @property
+    def loop_supported(self) -> bool:
+        """Whether AirQuant's decode loop runs this stack: attention through transformers' AttentionInterface
+        and no recurrent/conv state layers (those run batches through transformers' generate instead)."""
+        from airquant.kv.layers import LayerStates
+
+        # Attention sinks (a learned per-head logit, gpt-oss) are not in the loop's attention: the stack
+        # keeps them as a ``sinks`` parameter of its attention modules.
+        sinks = any(name.endswith(".sinks") for name, _ in self.model.named_parameters())
+        # The per-slot buffers hold keys and values of one head size (MLA stacks differ: DeepSeek-V2/V3).
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        if getattr(text, "qk_rope_head_dim", None) is not None:  # MLA: keys are nope + rope wide, values not
+            return False
+        return (bool(getattr(self.model, "_supports_attention_backend", False))
+                and not LayerStates.of(self.config).hybrid and not sinks)
+
+    def decode_loop(self, slots: int, *, context: int | None = None, kv=None,
+                    token_budget: int | None = None, offload: set[int] | None = None) -> DecodeLoop:
+        """A decode loop of ``slots`` sequences of up to ``context`` tokens each (default: the planned one);
+        ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads)."""
+        from airquant.engine.plan import token_budget as planned_budget
+        from airquant.kv import cache_kwarg
+
+        limit = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        context = min(context or self.cfg.context or 2048, limit)
+        if offload is None and self.plan is not None and self.plan.kv_offload:
+            offload = set(self.plan.ram_layers + self.plan.disk_layers)
+        return DecodeLoop(self.model, self.tokenizer, slots=slots, context=context,
+                          token_budget=token_budget or planned_budget(slots, context), device=self.device,
+                          dtype=self.dtype, eos_ids=self.eos_ids(), cache_arg=cache_kwarg(self.model),
+                          kv=kv if kv is not None and kv.backend != "none" else None, offload=offload or set(),
+                          sync=self._sync, on_error=self.streamer.reset if self.streamer is not None else lambda: None)
+
+    def completion(self, seq: Sequence) -> Completion:
+        return Completion(text=seq.detok.text, prompt_tokens=seq.prompt_len, new_tokens=len(seq.out) + seq.eos_hit,
+                          token_ids=tuple(seq.out), finish_reason=seq.finish_reason or "length",
+                          ttft_s=seq.ttft_s, latency_s=seq.latency_s)
+
+    def _record_timings(self, loop: DecodeLoop, seqs: list[Sequence], total: float) -> None:
+        ttft = max((s.ttft_s for s in seqs if s.ttft_s is not None), default=total)
+        steps = loop.stats.decode_pass_s
+        self.last_timings = {"ttft_s": ttft, "prefill_s": ttft, "decode_s": total - ttft, "decode_steps": len(steps),
+                             "batch_size": len(seqs), "prompt_len": max(s.prompt_len for s in seqs), "total_s": total,
+                             "step_s": list(steps), "passes": loop.stats.passes,
+                             "slot_utilization": loop.stats.utilization(loop.slots),
+                             "decode_step_median_s": statistics.median(steps) if steps else None}
+
+    def _generate_transformers(self, requests: list[Request], kv) -> list[Completion]:
+        """Stacks the loop does not run (recurrent state layers, attention outside the AttentionInterface):
+        transformers' generate, one call per group of equal settings (left-padded batch)."""
+        from transformers import GenerationConfig
+
+        groups: dict[Request, list[int]] = {}
+        for k, r in enumerate(requests):
+            groups.setdefault(Request((), *[getattr(r, f) for f in ("max_new_tokens", "temperature", "top_p",
+                                                                   "seed", "stop", "ignore_eos")]), []).append(k)
+        out: list[Completion | None] = [None] * len(requests)
+        start = time.perf_counter()
+        for key, members in groups.items():
+            pad = self.tokenizer.pad_token_id
+            width = max(len(requests[k].prompt_ids) for k in members)
+            ids = torch.tensor([[pad] * (width - len(requests[k].prompt_ids)) + list(requests[k].prompt_ids)
+                                for k in members], device=self.device)
+            mask = torch.tensor([[0] * (width - len(requests[k].prompt_ids)) + [1] * len(requests[k].prompt_ids)
+                                 for k in members], device=self.device)
+            self._check_context(width, key.max_new_tokens)
+            if key.seed is not None:
+                torch.manual_seed(key.seed)
+            sample = key.temperature > 0
+            config = GenerationConfig(
+                max_new_tokens=key.max_new_tokens, do_sample=sample, temperature=key.temperature if sample else None,
+                top_p=key.top_p if sample else None, top_k=None, pad_token_id=pad, eos_token_id=self.eos_ids(),
+                min_new_tokens=key.max_new_tokens if key.ignore_eos else None,
+                stop_strings=list(key.stop) or None)
+            cache = self._make_cache(kv)
+            offload = self.streamer.kv if self.streamer is not None else None
+            if offload is not None:
+                offload.bind(cache, tokens=width + key.max_new_tokens)
+            try:
+                with attention_backends():
+                    rows = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                               tokenizer=self.tokenizer if key.stop else None, **self._cache_arg(cache))
+            except BaseException:
+                if self.streamer is not None:  # an OOM or an interrupt cut a forward short
+                    self.streamer.reset()
+                raise
+            finally:
+                if offload is not None:
+                    offload.unbind()
+            for k, row in zip(members, rows):
+                out[k] = self._completion(row[width:], len(requests[k].prompt_ids), key.stop)
+        total = time.perf_counter() - start
+        self.last_timings = {"ttft_s": None, "prefill_s": None, "decode_s": None, "decode_steps": 0,
+                             "batch_size": len(requests), "total_s": total, "step_s": [], "decode_step_median_s": None,
+                             "prompt_len": max(len(r.prompt_ids) for r in requests)}
+        return out
 
     def _make_cache(self, kv):
         """The cache to decode with: ``kv``'s, a plain one when the streamer offloads it, or None (generate's)."""
@@ -272,23 +351,16 @@ class Engine:
     def generate(self, prompts: list[str] | str, gen: GenerateConfig | None = None, **overrides) -> list[str]:
         return [c.text for c in self.generate_detailed(prompts, gen, **overrides)]
 
-    def _completion(self, new_ids: torch.Tensor, prompt_tokens: int) -> Completion:
+    def _completion(self, new_ids: torch.Tensor, prompt_tokens: int, stop: tuple[str, ...]) -> Completion:
         ids = new_ids.tolist()
-        stop = set(self.eos_ids())
-        cut = next((k for k, t in enumerate(ids) if t in stop), len(ids))
+        eos = set(self.eos_ids())
+        cut = next((k for k, t in enumerate(ids) if t in eos), len(ids))
         kept = ids[:cut]
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
-        return Completion(text=text, prompt_tokens=prompt_tokens, new_tokens=len(kept) + (cut < len(ids)),
-                          token_ids=tuple(kept))
-
-    def _record_timings(self, start: float, end: float, steps: list[float], batch: int, prompt_len: int) -> None:
-        ttft = (steps[0] - start) if steps else end - start
-        decode = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
-        step_s = [b - a for a, b in zip(steps, steps[1:])]
-        self.last_timings = {"ttft_s": ttft, "prefill_s": ttft, "decode_s": decode,
-                             "decode_steps": max(len(steps) - 1, 0), "batch_size": batch,
-                             "prompt_len": prompt_len, "total_s": end - start, "step_s": step_s,
-                             "decode_step_median_s": statistics.median(step_s) if step_s else None}
+        hits = [i for s in stop if (i := text.find(s)) >= 0]
+        return Completion(text=text[:min(hits)] if hits else text, prompt_tokens=prompt_tokens,
+                          new_tokens=len(kept) + (cut < len(ids)), token_ids=tuple(kept),
+                          finish_reason="stop" if cut < len(ids) or hits else "length")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -296,7 +368,10 @@ class Engine:
 
     # -- reporting -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        out = {"bytes_streamed": self.streamer.bytes_copied if self.streamer else 0}
+        out = {"bytes_streamed": (self.streamer.bytes_copied if self.streamer else 0)
+               + (self.experts.bytes_copied if self.experts else 0)}
+        if self.experts is not None:
+            out["experts"] = self.experts.report()
         if self.device.type == "cuda":
             out["peak_vram_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
             out["peak_vram_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
@@ -305,6 +380,8 @@ class Engine:
     def reset_stats(self) -> None:
         if self.streamer:
             self.streamer.bytes_copied = 0
+        if self.experts is not None:
+            self.experts.reset_stats()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

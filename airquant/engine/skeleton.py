@@ -17,7 +17,8 @@ from torch import nn
 
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
-from airquant.store.manifest import Manifest, ShardEntry
+from airquant.store.integrity import check_file
+from airquant.store.manifest import Manifest, ShardEntry, integrity_fix
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
 
 
 def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
-                     dtype: torch.dtype, *, host_embedding: bool = False) -> None:
+                     dtype: torch.dtype, *, host_embedding: bool = False, verify_reads: bool = True) -> None:
     """Embeddings, lm_head (tied, dense or quantized), the rest (final norm ...) and buffers, made real.
 
     ``host_embedding`` keeps an untied embedding table in host memory (``embed_head.HostEmbedding``); a tied
@@ -122,6 +123,8 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
             continue
         entry = manifest.shards[group]
         target = torch.device("cpu") if group == "embed" and on_host else device
+        if verify_reads:  # checked once, at load (store/integrity.py)
+            check_file(store / entry.file, entry.checksum, integrity_fix(store, manifest))
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
         if group == "embed" and on_host:
             embed = model.get_submodule(layout.embed)
@@ -194,9 +197,23 @@ def attach_streamer(model: nn.Module, streamer) -> None:
 
 
 def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
-                         dtype: torch.dtype) -> None:
+                         dtype: torch.dtype, *, verify_reads: bool = True) -> None:
     """Fill every decoder layer with its weights on ``device`` (the resident reference mode)."""
     for i, layer in enumerate(decoder_layers(model)):
         entry = manifest.shards[f"layer.{i}"]
+        if verify_reads:  # checked once, at load (store/integrity.py)
+            check_file(store / entry.file, entry.checksum, integrity_fix(store, manifest))
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(device)), dtype)
         layer.load_state_dict(tensors, assign=True, strict=True)
+
+
+def attach_experts(model: nn.Module, pool) -> None:
+    """Route-then-fetch for the pool's MoE layers: each one's experts module runs through the pool
+    (``engine.experts.RoutedForward``), which moves only the experts the batch routes to."""
+    from airquant.engine.experts import RoutedForward
+
+    layers = decoder_layers(model)
+    for i, layer in pool.layers.items():
+        block = layers[i].layer if isinstance(layers[i], StreamedLayer) else layers[i]
+        module = block.get_submodule(layer.module)
+        module.forward = RoutedForward(pool, i, module, module.forward)

@@ -32,7 +32,8 @@ from airquant.engine.cuda_ops import CudaOps, HostMemory
 from airquant.engine.kv_offload import KVOffload
 from airquant.engine.plan import StreamPlan
 from airquant.errors import StoreError
-from airquant.store.manifest import Manifest
+from airquant.store.integrity import CHUNK_BYTES, PendingCheck, ShardChecks
+from airquant.store.manifest import Manifest, integrity_fix
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,24 @@ class ShardLayout:
             out[name] = raw.view(dtype).view(shape)
         return out
 
+    def without(self, names: set[str]) -> tuple["ShardLayout", "ShardLayout", tuple[tuple[int, int, int], ...]]:
+        """The layout less ``names`` (a MoE layer's experts, moved by ``engine.experts``): (in place, at the
+        same offsets; packed, as copied into a slot; the copy runs (source start, slot start, bytes))."""
+        kept = [t for t in self.tensors if t[0] not in names]
+        runs: list[list[int]] = []
+        packed = []
+        for name, dtype, shape, start, end in kept:
+            if runs and start - (runs[-1][0] + runs[-1][2]) <= 64:  # alignment padding: copied along
+                runs[-1][2] = end - runs[-1][0]
+            else:
+                runs.append([start, (runs[-1][1] + runs[-1][2] + 63) // 64 * 64 if runs else 0, end - start])
+            shift = runs[-1][0] - runs[-1][1]
+            packed.append((name, dtype, shape, start - shift, end - shift))
+        nbytes = runs[-1][1] + runs[-1][2] if runs else 0
+        in_place = ShardLayout(self.path, self.data_offset, self.nbytes, tuple(kept))
+        return in_place, ShardLayout(self.path, self.data_offset, nbytes, tuple(packed)), \
+            tuple(tuple(r) for r in runs)
+
 
 def read_layout(path: Path) -> ShardLayout:
     with open(path, "rb") as f:
@@ -81,18 +100,25 @@ def read_layout(path: Path) -> ShardLayout:
     return ShardLayout(path=path, data_offset=8 + n, nbytes=nbytes, tensors=tensors)
 
 
-def read_into(layout: ShardLayout, flat: torch.Tensor) -> None:
-    """Read a shard's data section into the first ``layout.nbytes`` of a uint8 buffer."""
+def read_into(layout: ShardLayout, flat: torch.Tensor, check: PendingCheck | None = None) -> None:
+    """Read a shard's data section into the first ``layout.nbytes`` of a uint8 buffer.
+
+    ``check`` hashes each chunk (on its own thread) while the next one is read, and raises
+    ``ChecksumError`` before the bytes are used when they do not match the manifest."""
     view = memoryview(flat.numpy()).cast("B")[: layout.nbytes]
     with open(layout.path, "rb", buffering=0) as f:
         f.seek(layout.data_offset)
         got = 0
         while got < layout.nbytes:
-            n = f.readinto(view[got:])
+            n = f.readinto(view[got:got + CHUNK_BYTES])
             if not n:
                 raise StoreError(f"shard {layout.path} is truncated ({got} of {layout.nbytes} data bytes); "
                                  "re-run `airquant shard` on this store.")
+            if check is not None:
+                check.update(view[got:got + n])
             got += n
+    if check is not None:
+        check.finish()
 
 
 @dataclass
@@ -113,11 +139,18 @@ class LayerStreamer:
     """
 
     def __init__(self, store: Path, manifest: Manifest, plan: StreamPlan, device: torch.device,
-                 compute_dtype: torch.dtype, readahead: int = 2, ops=None, profile: bool = False):
+                 compute_dtype: torch.dtype, readahead: int = 2, ops=None, profile: bool = False,
+                 verify_reads: bool = True, skip: dict[int, set[str]] | None = None):
         self.device, self.compute_dtype, self.plan = device, compute_dtype, plan
         self.n = manifest.num_layers
         entries = [manifest.shards[f"layer.{i}"] for i in range(self.n)]
         self.layouts = [read_layout(store / e.file) for e in entries]
+        # ``skip``: per layer, tensors not moved with the layer (routed experts, engine.experts moves them).
+        whole = [(lay, lay, ((0, 0, lay.nbytes),)) for lay in self.layouts]
+        self.parts = [lay.without(skip[i]) if skip and skip.get(i) else whole[i] for i, lay in enumerate(self.layouts)]
+        # Disk-tier reads are checked every time, RAM-tier and resident layers once (their first read).
+        self.checks = ShardChecks({i: (store / e.file, e.checksum) for i, e in enumerate(entries)},
+                                  integrity_fix(store, manifest)) if verify_reads else None
         self.dense = [{k for k, m in e.tensors.items() if m.get("scheme", "dense") == "dense"} for e in entries]
         if ops is None and device.type == "cuda":
             ops = CudaOps(device, timing=profile)
@@ -126,6 +159,7 @@ class LayerStreamer:
         self.bytes_copied = 0
         self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram"]
         size = max((lay.nbytes for lay in self.layouts), default=0)
+        slot_size = max((self.parts[i][1].nbytes for i in range(self.n) if plan.tiers[i] != "vram"), default=0)
         self._host: dict[int, torch.Tensor] = {}  # RAM tier, filled once (read-ahead thread) on first use
         self._vram: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-read")
@@ -135,7 +169,7 @@ class LayerStreamer:
         self._staging = [self._host_buffer(size) for _ in range(n_staging)]
         self._staging_owner: list[int | None] = [None] * n_staging  # layer whose bytes it holds or awaits
         self._staging_free: list[object] = [None] * n_staging  # event: the copy out of it has run
-        self._slots = [ops.alloc(size) for _ in range(max(plan.slots, 1))] if ops is not None and self.streamed else []
+        self._slots = [ops.alloc(slot_size) for _ in range(max(plan.slots, 1))] if ops is not None and self.streamed else []
         self._slot_free: list[object] = [None] * len(self._slots)  # event: compute on its last layer done
         self._slot_order: deque[int] = deque(range(len(self._slots)))  # least recently used first
         self._inflight: dict[int, _InFlight] = {}
@@ -182,13 +216,17 @@ class LayerStreamer:
 
     def _read_ram(self, j: int) -> None:
         buf = self._host_buffer(self.layouts[j].nbytes)
-        read_into(self.layouts[j], buf)
+        read_into(self.layouts[j], buf, self._check(j))
         self._host[j] = buf
 
     def _read_staging(self, j: int, k: int, free_event) -> None:
         if free_event is not None:
             self.ops.host_wait(free_event)
-        read_into(self.layouts[j], self._staging[k])
+        read_into(self.layouts[j], self._staging[k], self._check(j))
+
+    def _check(self, j: int) -> PendingCheck | None:
+        lay = self.layouts[j]
+        return self.checks.begin(j, lay.data_offset, lay.nbytes) if self.checks is not None else None
 
     def _drop_oldest_read(self, keep: int) -> None:
         for j, (future, k) in list(self._reads.items()):
@@ -216,7 +254,7 @@ class LayerStreamer:
         elif self.ops is None:
             flat, k = self._host_flat(i)
             self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
-            tensors = self._cast(i, self.layouts[i].views(flat))
+            tensors = self._cast(i, self.parts[i][0].views(flat))
             if self.kv is not None:
                 self.kv.bring_in(i, 0)
         else:
@@ -229,7 +267,7 @@ class LayerStreamer:
             self.ops.wait(entry.done)
             if self._profiling:
                 self._compute_start[i] = self.ops.mark()
-            tensors = self._cast(i, self.layouts[i].views(self._slots[entry.slot]))
+            tensors = self._cast(i, self.parts[i][1].views(self._slots[entry.slot]))
         if self.kv is not None:
             self.kv.enter(i)
         self._prefetch_after(i)
@@ -268,10 +306,18 @@ class LayerStreamer:
             if k is not None:
                 self._staging_owner[k] = None
 
+    def host_bytes(self, i: int) -> torch.Tensor | None:
+        """Layer i's data section in host memory now (RAM tier, or a staging buffer in use in place on
+        CPU), or None: its bytes are on disk only."""
+        if i in self._host:
+            return self._host[i]
+        entry = self._inflight.get(i)
+        return self._staging[entry.staging] if entry is not None and entry.staging is not None else None
+
     def _resident(self, i: int) -> dict[str, torch.Tensor]:
         if i not in self._vram:
             flat = self._host_buffer(self.layouts[i].nbytes, pinned=False)
-            read_into(self.layouts[i], flat)
+            read_into(self.layouts[i], flat, self._check(i))
             self._vram[i] = self._cast(i, self.layouts[i].views(flat.to(self.device)))
         return self._vram[i]
 
@@ -312,8 +358,12 @@ class LayerStreamer:
         self._slot_order.remove(slot)
         self._slot_order.append(slot)
         flat, k = self._host_flat(i)
-        nbytes = self.layouts[i].nbytes
-        started, done = self.ops.copy(self._slots[slot][:nbytes], flat[:nbytes], self._slot_free[slot])
+        started = None
+        for n, (src, dst, nbytes) in enumerate(self.parts[i][2]):  # one run unless experts stay behind
+            first, done = self.ops.copy(self._slots[slot][dst:dst + nbytes], flat[src:src + nbytes],
+                                        self._slot_free[slot] if n == 0 else None)
+            started = first if n == 0 else started
+        nbytes = sum(run[2] for run in self.parts[i][2])
         if self.kv is not None:  # the layer's cache follows its weights; compute waits for both
             done = self.kv.bring_in(i, slot, self._slot_free[slot]) or done
         if k is not None:  # the read thread may refill this staging buffer once the copy has run
@@ -342,6 +392,8 @@ class LayerStreamer:
     def close(self) -> None:
         """Stop the read thread and unpin host memory (after the device has finished with it)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.checks is not None:
+            self.checks.close()
         if self.ops is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.memory.close()

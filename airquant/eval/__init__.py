@@ -4,7 +4,7 @@ CLI mapping (``airquant eval METRIC STORE ... --out results/NAME.json``):
 ``ppl`` -> ``run_perplexity``, ``rouge`` -> ``run_rouge``, ``niah`` -> ``run_niah``, ``perf`` -> ``run_perf``
 (or ``run_perf_sweep``), ``parity`` -> ``run_parity``, ``kvmem`` -> ``run_kv_memory``; ``write_row`` stores
 the row; ``airquant report`` -> ``build_report``. That mapping is ``airquant.eval.metrics.METRICS``, which
-``airquant.suite`` (the notebooks) runs too. ``kv_perplexity`` scores a resident HF model through the KV cache
+``airquant.pipeline.suite`` (the notebooks) runs too. ``kv_perplexity`` scores a resident HF model through the KV cache
 (``benchmarks/kv_quality.py``).
 """
 

@@ -115,8 +115,24 @@ def kv_quality(d: dict) -> list[str]:
             "", *md_table(["cache", "PPL", "bits/element", "logit cosine", "top-1"], rows)]
 
 
+def as_found(d: dict) -> list[str]:
+    """Files whose schema this module does not know yet: where they were measured, their top-level figures
+    and targets (the nested detail stays in the file)."""
+    versions = d.get("versions") if isinstance(d.get("versions"), dict) else {}
+    head = [_source(d)] + ([f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items())}."] if versions else [])
+    figures = [[k, _f(v)] for k, v in d.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+               and k not in ("device", "quick")]
+    return head + ["", *md_table(["figure", "value"], figures)] + _targets(d)
+
+
+# Speed benchmarks of the synthetic shapes first (the report's order), then quality benchmarks.
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "stream_bench.json": ("Layer streaming vs AirLLM and accelerate (benchmarks/stream_bench.py)", stream_bench),
+    "moe_bench.json": ("MoE shapes: expert streaming (benchmarks/moe_bench.py)", as_found),
+    "batch_bench.json": ("Batched decode on the synthetic shapes (benchmarks/batch_bench.py)", as_found),
+    "scale_bench.json": ("8B / 70B shapes at scale (benchmarks/scale_bench.py)", as_found),
+    "t4_profile.json": ("A 16 GB card's budget (benchmarks/t4_profile.py)", as_found),
+    "reliability.json": ("Reliability (benchmarks/reliability.py)", as_found),
     "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
     "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
     "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv),

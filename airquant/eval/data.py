@@ -46,7 +46,7 @@ LOCAL_DEFAULTS = {
 @dataclass(frozen=True)
 class TextCorpus:
     text: str
-    source: str  # "hf:..." or "<path> (sha256 <prefix>)"
+    source: str  # "hf:..." or "<file name> (sha256 <prefix>)"
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ def find_local(kind: str) -> Path | None:
 
 
 def file_source(path: Path) -> str:
+    """A data file as results record it: its name and content hash, never the machine's path to it."""
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return f"{path} (sha256 {digest[:16]})"
+    return f"{path.name} (sha256 {digest[:16]})"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The one table of metrics: name -> how to run it and which settings it takes.
 
-``airquant eval METRIC`` (the CLI's flags) and ``airquant.suite.evaluate`` (the notebooks' quick and
+``airquant eval METRIC`` (the CLI's flags) and ``airquant.pipeline.suite.evaluate`` (the notebooks' quick and
 full sizes) both run a metric through ``METRICS[name].run``; only where the settings come from differs.
 The CLI keeps its flag definitions (help, defaults) itself: importing this module imports torch, and
 ``airquant --help`` should not.
@@ -32,7 +32,7 @@ class MetricSpec:
     # (engine, *, data, kv, **settings) -> rows; a sweep gives one row per point, the others one row.
     run: Callable[..., list]
     params: tuple[str, ...]  # settings keywords ``run`` takes besides data, kv (and parity's reference)
-    sized: Callable[[Any], dict]  # settings from an ``airquant.stages.Sizes`` (quick or full)
+    sized: Callable[[Any], dict]  # settings from an ``airquant.pipeline.sizes.Sizes`` (quick or full)
     # Row fields that record the settings: the suite reuses a row only when they match.
     recorded: Callable[[dict], dict] = _same_fields
     takes_reference: bool = False  # ``run`` also takes ``reference``, an engine to compare with (or None)
@@ -50,7 +50,7 @@ def _parity_sized(s: Any) -> dict:
 
 def _rouge_sized(s: Any) -> dict:
     return dict(limit=s.rouge_samples, max_new_tokens=s.rouge_new_tokens, max_length=s.rouge_max_length,
-                batch_size=s.batch)
+                batch_size=s.rouge_batch)
 
 
 def _rouge_recorded(settings: dict) -> dict:

@@ -1,9 +1,10 @@
-"""``results/RESULTS.md``: the design's table, one column per configuration, from the row JSON files.
+"""``results/RESULTS.md`` from the row JSON files: one headline table at the reference settings first.
 
-Per model: the headline table (PPL, throughput, ROUGE-L, NiAH recall, peak VRAM), the 70B-class
-tolerances checked against the full-precision column, and, for models with measured reference
-figures (the 135M default), those figures beside the new measurements. Then parity, performance
-detail, NiAH grids, other benchmarks' JSON as found, and where every number came from.
+Order: the headline table (``eval/headline.py``: configurations × metrics at the reference settings,
+each cell with its Δ against BF16) and its provenance, the 70B-class tolerances on those rows, the
+speed benchmarks of the synthetic shapes (``benchmarks/*.py`` JSON), parity, NiAH heatmaps, KV
+memory, then the smoke run (the quick profile, and any other settings) in the per-model layout, and
+where every number came from. A table never mixes settings: rows at other settings go to the smoke run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from airquant.errors import ResultsFileError
-from airquant.eval import kvmem, plots
+from airquant.eval import headline, kvmem, plots
 from airquant.eval import references as ref
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
@@ -23,6 +24,8 @@ from airquant.eval.rows import slug, write_text_atomic
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "RESULTS.md"
+MBU_NOTE = ("MBU n/a: rows measured before resident plans counted their device-memory reads recorded no bytes "
+            "moved per decode step, so bandwidth use cannot be computed from them.")
 _TABLE_METRICS = ("ppl", "rouge", "niah", "perf")
 _QUALITY = ("ppl", "rouge", "niah")
 
@@ -89,8 +92,7 @@ def baseline(columns: list[Column], device: str | None = None) -> Column | None:
 
 
 def _mbu(row: Any) -> str:
-    # Rows measured before resident plans counted their device-memory reads recorded 0 bytes moved.
-    return "— (0 bytes counted)" if not row.bytes_per_decode_step else f"{row.mbu:.1%}"
+    return "n/a ‡" if not row.bytes_per_decode_step else f"{row.mbu:.1%}"
 
 
 def _ppl_cell(row: Any, base: Any) -> str:
@@ -178,12 +180,14 @@ def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path
     names = headings(columns)
     labels = [names[id(c)] for c in columns]
     headline = _headline_lines(columns)
-    out = [f"## {model}", ""] + md_table(["metric"] + labels, headline)
+    out = [f"### {model}", ""] + md_table(["metric"] + labels, headline)
     notes = []
     if any(c.synthetic for c in columns):
         notes.append("† synthetic: random weights of the real shapes; speed and memory only.")
     if any("¹" in x for line in headline for x in line):
         notes.append("¹ perplexity measured with other text, tokens, window or stride than the baseline column.")
+    if any("‡" in x for line in headline for x in line):
+        notes.append("‡ " + MBU_NOTE)
     out += [""] + notes if notes else []
     bases = list(dict.fromkeys(names[id(b)] for b in (baseline(columns, c.device) for c in columns) if b is not None))
     base_text = " / ".join(f"**{b}**" for b in bases) or "no full-precision column: relative checks show —"
@@ -224,10 +228,11 @@ def _perf_section(results: ResultsDir) -> list[str]:
               "—" if r.peak_vram_allocated_gb is None else f"{r.peak_vram_allocated_gb:.2f} / "
                                                             f"{r.peak_vram_reserved_gb or 0:.2f}",
               f"{r.host_rss_peak_gb:.2f}"] for r in rows]
-    return ["## Performance detail", "", f"Medians over the repeats, warm-up excluded. MBU: bytes moved per decode "
+    note = ["", "‡ " + MBU_NOTE] if any(not r.bytes_per_decode_step for r in rows) else []
+    return ["## Performance detail", "", "Medians over the repeats, warm-up excluded. MBU: bytes moved per decode "
             "step / step time / the bandwidth measured in the same run.", ""] + \
         md_table(["model", "configuration", "device", "batch", "prompt", "new", "TTFT s", "prefill tok/s",
-                  "decode tok/s", "MBU", "VRAM alloc / reserved GB", "host RAM GB"], table) + [""]
+                  "decode tok/s", "MBU", "VRAM alloc / reserved GB", "host RAM GB"], table) + note + [""]
 
 
 def _niah_section(results: ResultsDir, plot_links: dict) -> list[str]:
@@ -256,8 +261,9 @@ def _extras_section(results: ResultsDir) -> list[str]:
     other = [(p, d) for p, d in results.extras if (p, d) not in known]
     out = []
     if known:
-        out += ["## Benchmarks", "", "Headline figures of the benchmark scripts; every figure, with per-step "
-                "timings and settings, is in the JSON file named under each title.", ""]
+        out += ["## Speed benchmarks: synthetic 8B / 70B and MoE shapes, and the benchmark scripts", "",
+                "Headline figures of the benchmark scripts; every figure, with per-step timings, settings, device "
+                "and versions, is in the JSON file named under each title.", ""]
         for path, data in sorted(known, key=lambda pd: list(RENDERERS).index(pd[0].name)):
             title, render = RENDERERS[path.name]
             out += [f"### {title}", "", f"`{path.name}`", ""] + render(data) + [""]
@@ -341,19 +347,28 @@ def build_report(results_dir: str | Path = "results", *, make_plots: bool | None
         raise ResultsFileError(f"{results_dir}: no such folder; write rows there first with "
                                f"`airquant eval ... --out {results_dir}/NAME.json`.")
     results = load_results(results_dir)
-    by_model = model_columns(results)
+    top, used = headline.headline_section(results, headline.load_profiles(results_dir))
+    smoke = ResultsDir(tuple(r for r in results.rows if id(r.row) not in used), results.extras, results.skipped)
+    by_model = model_columns(smoke)
     links, notes = _make_plots(results, by_model, results_dir, make_plots)
     built = datetime.now(timezone.utc).isoformat(timespec="seconds")
     files = len({r.path for r in results.rows})
-    lines = ["# AirQuant results", "", f"Built {built} by `airquant.eval.report.build_report` from "
-             f"{len(results.rows)} rows in {files} files. Each number comes from one `airquant.eval` function; "
-             "the Provenance table says which file, device and package versions.", ""]
-    if not results.rows:
-        lines += ["No result rows were found.", ""]
-    for model, columns in by_model.items():
-        lines += _model_section(model, columns, links)
-    lines += _parity_section(results) + _perf_section(results) + _niah_section(results, links)
+    lines = ["# AirQuant results", "", f"Built {built} by `airquant report {results_dir.name}` "
+             f"(`{headline.FULL_COMMAND}` measures the headline rows and rebuilds it) from {len(results.rows)} rows in "
+             f"{files} files. Each number comes from one `airquant.eval` function; every table names its "
+             "command, device, package versions and data (sha256).", ""]
+    lines += ["No result rows were found.", ""] if not results.rows else []
+    lines += top + _extras_section(results)
+    lines += _parity_section(results) + _niah_section(results, links)
     lines += kvmem.markdown_section([r.row for r in results.of("kvmem")], md_table)
-    lines += _extras_section(results) + _provenance_section(results)
-    lines += notes
+    if by_model:
+        lines += ["## Smoke run and other settings", "", "Rows measured at other settings than the headline table: "
+                  "the quick profile (`airquant pipeline --profile quick`, a CPU in minutes: a check that "
+                  "everything runs, not a figure to quote; files `*__quick.json`) and earlier GPU runs at the "
+                  "settings their rows record (`*__cuda__short.json`: `python benchmarks/suite_rows.py --device cuda "
+                  "--sizes ...`, the sizes in its docstring). Devices, versions and data per file: Provenance.", ""]
+        for model, columns in by_model.items():
+            lines += _model_section(model, columns, links)
+        lines += _perf_section(smoke)
+    lines += _provenance_section(results) + notes
     return write_text_atomic("\n".join(lines).rstrip() + "\n", results_dir / REPORT_NAME)

@@ -1,11 +1,14 @@
-"""Batch jobs: many prompts through one streamed engine, one weight pass per decode step per batch.
+"""Batch jobs: many prompts through one streamed engine, continuously batched.
 
 Streaming costs one pass over the weights per decode step whatever the batch size, so offline work
-runs as few, large batches: as many sequences as the VRAM left for the KV cache allows (``auto``).
-Prompts are sorted by length so a batch pads little. Every finished record is appended to the
-output JSONL and fsynced; a restart skips the ids already there, so a job killed at any moment loses
-no finished output. A trailing partial line (a kill in the middle of a write) is cut off on start.
-An out-of-memory error halves the batch and retries it.
+keeps as many sequences in flight as the KV cache allows (``auto``): the engine's decode loop
+(``airquant.engine.decode``) runs them in slots, a sequence that ends frees its slot at once and the
+next prompt takes it at the next pass. Each record may carry its own ``max_new_tokens``,
+``temperature``, ``top_p``, ``seed`` and ``stop``; a record whose prompt does not fit the context gets an
+``error`` record and the others run. Every finished record is appended to the output JSONL and
+fsynced as soon as its sequence ends; a restart skips the ids already there, so a job killed at any
+moment loses no finished output. A trailing partial line (a kill in the middle of a write) is cut off
+on start. An out-of-memory error halves the slots and reruns the records not yet written.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
-from airquant.errors import AirQuantError
+from airquant.errors import AirQuantError, PromptTooLongError
 
 if TYPE_CHECKING:
     from airquant.kv import KVConfig
@@ -48,11 +51,20 @@ class BatchJob:
     kv: KVConfig | None = None  # the KV cache (airquant.kv.KVConfig); None: the plain one
 
 
+# Per-record generation settings a JSONL line may carry, and the types each accepts.
+RECORD_SETTINGS = {"max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float),
+                   "seed": (int,), "stop": (str, list)}
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: object  # str or int, as given in the input (the line number when absent)
     prompt: str | list
     key: str  # canonical JSON of the id: 1 and "1" are different ids
+    settings: dict = field(default_factory=dict)  # the record's own generation settings (RECORD_SETTINGS)
+
+    def gen(self, base: GenerateConfig) -> GenerateConfig:
+        return replace(base, **self.settings)
 
 
 @dataclass
@@ -96,8 +108,24 @@ def read_prompts(path: Path, flag: str = "--input") -> list[Prompt]:
             raise BatchJobError(f"{path} has id {pid!r} twice (lines {seen[key]} and {n}); ids identify the "
                                 "records of the output, so each must be unique.")
         seen[key] = n
-        prompts.append(Prompt(id=pid, prompt=row["prompt"], key=key))
+        prompts.append(Prompt(id=pid, prompt=row["prompt"], key=key, settings=_settings(row, path, n)))
     return prompts
+
+
+def _settings(row: dict, path: Path, n: int) -> dict:
+    out = {}
+    for name, types in RECORD_SETTINGS.items():
+        if name not in row:
+            continue
+        value = row[name]
+        ok = isinstance(value, types) and not isinstance(value, bool)
+        if name == "stop" and isinstance(value, list):
+            ok = all(isinstance(v, str) for v in value)
+        if not ok:
+            raise BatchJobError(f"{path} line {n}: {name}={value!r} must be {' or '.join(t.__name__ for t in types)}"
+                                + (" (of strings)" if name == "stop" else "") + ".")
+        out[name] = tuple([value] if isinstance(value, str) else value) if name == "stop" else value
+    return out
 
 
 def finished_ids(path: Path) -> set[str]:
@@ -184,7 +212,10 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
         return report
     tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
     lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
-    context = max(lengths) + job.gen.max_new_tokens
+    context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, todo))
+    limit = _model_context(store)
+    if limit:
+        context = min(context, limit)  # the records over it get an error record each
     size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     # Longest first: a batch that does not fit fails at the start, not after hours.
     queue = deque(p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0]))
@@ -196,11 +227,98 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     log.info("batch job: %d prompts (%d already done), batch size %d, context %d", len(todo), report.skipped,
              size, context)
     try:
-        _drain(engine, queue, size, job, report, progress)
+        if hasattr(engine, "decode_loop") and engine.loop_supported:
+            _drain_continuous(engine, list(queue), size, job, report, progress, context)
+        else:
+            _drain(engine, queue, size, job, report, progress)
     finally:
         if owned:
             engine.close()
     return report
+
+
+def _model_context(store: Path) -> int | None:
+    path = store / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+
+
+def generate_records(engine, prompts: list[Prompt], job: BatchJob, *, slots: int | None = None,
+                     context: int | None = None, on_record=None) -> list[dict]:
+    """Output records of ``prompts`` through one decode loop of ``slots`` sequences on an open ``engine``.
+
+    Records come in the order sequences finish; ``on_record(record)`` is called as each one does (the
+    job appends and fsyncs it there). A prompt over the context gets ``{"id", "prompt", "error"}``.
+    """
+    slots = slots or job.batch_size or CPU_BATCH
+    requests, records = [], []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    loop = engine.decode_loop(slots, context=context, kv=job.kv)
+    for p in prompts:
+        gen = p.gen(job.gen)
+        try:
+            seq = loop.submit(engine.request(engine.prompt_ids(p.prompt, gen.chat), gen))
+        except PromptTooLongError as exc:
+            emit({"id": p.id, "prompt": p.prompt, "error": str(exc)})
+            continue
+        seq.owner = p
+        requests.append(seq)
+    while not loop.idle:
+        for event in loop.step():
+            if event.finish_reason is not None:
+                emit(_record(engine, event.seq))
+    return records
+
+
+def _record(engine, seq) -> dict:
+    c = engine.completion(seq)
+    return {"id": seq.owner.id, "prompt": seq.owner.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
+            "new_tokens": c.new_tokens, "finish_reason": c.finish_reason,
+            "timings": {"ttft_s": c.ttft_s, "total_s": c.latency_s}}
+
+
+def _drain_continuous(engine, todo: list[Prompt], slots: int, job: BatchJob, report: BatchReport, progress: bool,
+                      context: int) -> None:
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="batch", unit="prompt", disable=not progress)
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    written: set[str] = set()
+    with open(job.output, "a", encoding="utf-8") as f:
+        def on_record(record: dict) -> None:
+            _append(f, record)
+            written.add(json.dumps(record["id"]))
+            report.done += 1
+            report.new_tokens += record.get("new_tokens", 0)
+            report.elapsed_s = time.perf_counter() - start
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}", slots=slots)
+
+        while todo:
+            try:
+                generate_records(engine, todo, job, slots=slots, context=context, on_record=on_record)
+                report.batch_sizes.append(slots)
+                todo = []
+            except torch.OutOfMemoryError:
+                if slots == 1:
+                    raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "
+                                        "raise --max-vram, or use --host-embedding / a compressed store.") from None
+                todo = [p for p in todo if p.key not in written]
+                slots //= 2
+                report.oom_halvings += 1
+                log.warning("out of GPU memory with %d slots: rerunning %d records with %d", 2 * slots, len(todo),
+                            slots)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    bar.close()
 
 
 def _drain(engine, queue: deque, size: int, job: BatchJob, report: BatchReport, progress: bool) -> None:
@@ -213,7 +331,7 @@ def _drain(engine, queue: deque, size: int, job: BatchJob, report: BatchReport, 
         while queue:
             chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
             try:
-                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
+                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)  # static
             except torch.OutOfMemoryError:
                 if len(chunk) == 1:
                     raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "

@@ -23,7 +23,7 @@ __all__ = ["KVConfig", "KVConfigError", "Schedule", "LayerStates", "make_cache",
            "cache_kwarg", "model_dims", "state_layers"]
 
 
-def model_dims(model_config) -> tuple[int, int, int]:
+def model_dims(model_config, *, turboquant: bool = True) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a decoder config; rejects layouts the cache can't hold.
 
     Hybrid stacks pass: their linear-attention / state-space / conv layers keep transformers' own fixed
@@ -40,7 +40,7 @@ def model_dims(model_config) -> tuple[int, int, int]:
     if not LayerStates.of(cfg).attention_layers:
         raise KVConfigError(f"{type(cfg).__name__} has no attention layers, so no KV cache to compress (its "
                             "state-space layers keep a fixed state): use kv backend 'none'")
-    if unsupported:
+    if unsupported and turboquant:  # a plain cache keeps sliding-window layers (the decode loop masks them)
         raise KVConfigError(
             f"{type(cfg).__name__} has {unsupported} layers; the TurboQuant KV cache supports full-attention "
             "layers (beside linear-attention / state-space ones) only: use kv backend 'none'"

@@ -30,6 +30,7 @@ import torch
 
 from airquant.kv.cache import CompressedContext
 from airquant.kv.codec import LOG_NORM_LEVELS, LOG_NORM_SPAN
+from airquant.quant.kernels import device_capability, dtype_supported, shared_per_block
 
 try:
     import triton
@@ -43,6 +44,19 @@ SPLIT_QUANTUM = 64
 TARGET_PROGRAMS = 264
 
 
+def shared_bytes(dim: int) -> int:
+    """Shared memory a split program needs at head size ``dim`` (an upper bound): the fp32 rotation matrix
+    [D, D] goes through shared memory for its tl.dot, plus the small tiles (compiled sm_75..sm_90, all tiles:
+    D 32 10240 B, 64 20480 B, 128 74240 B, 256 279552 B; tests/quant/test_kernel_compile.py checks the bound)."""
+    return 4 * dim * dim + 80 * dim
+
+
+def fits(dim: int, capability: tuple[int, int] | None) -> bool:
+    """Whether the kernel can launch for head size ``dim`` on a GPU of ``capability``: a T4 (64 KB per block)
+    takes D <= 64, Ampere and Hopper D <= 128; larger heads use the torch ops of kv.attention."""
+    return capability is not None and shared_bytes(dim) <= shared_per_block(capability)
+
+
 def applicable(query: torch.Tensor, ctx: CompressedContext) -> bool:
     dim = query.shape[-1]
     return (
@@ -51,6 +65,8 @@ def applicable(query: torch.Tensor, ctx: CompressedContext) -> bool:
         and 16 <= dim <= 256
         and dim & (dim - 1) == 0
         and ctx.history.length > 0
+        and fits(dim, device_capability(query.device))
+        and dtype_supported(query.dtype, device_capability(query.device))
     )
 
 

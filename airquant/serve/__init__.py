@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from airquant.errors import DependencyError
 
-INSTALL = "pip install 'airquant[serve]'  (or: pip install fastapi uvicorn)"
+INSTALL = "pip install 'airquant[serve]'  (or: pip install fastapi uvicorn prometheus_client)"
 
 
 def require_serve() -> None:
-    """Raise DependencyError with the pip command when fastapi or uvicorn is missing."""
+    """Raise DependencyError with the pip command when fastapi, uvicorn or prometheus_client is missing."""
     missing = []
-    for name in ("fastapi", "uvicorn"):
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
         try:
             __import__(name)
         except ImportError:
             missing.append(name)
     if missing:
-        raise DependencyError(f"airquant serve needs {' and '.join(missing)}, which are not installed: {INSTALL}")
+        raise DependencyError(f"airquant serve needs {', '.join(missing)}, which are not installed: {INSTALL}")
 
 
 def __getattr__(name: str):

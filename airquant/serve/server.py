@@ -7,21 +7,36 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 
 from airquant.config import EngineConfig
 from airquant.engine.router import StreamingNotAllowedError
 from airquant.provider import Provider, ProviderConfig, route_for
 from airquant.serve.app import create_app
+from airquant.serve.config import ServeConfig, check_bind
 
 log = logging.getLogger(__name__)
 
 
-def serve(stores: Sequence[str | Path], config: ProviderConfig, engine: EngineConfig, *,
-          host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
-    """Load the model, then serve it until interrupted (``airquant serve``)."""
+class Mount(Protocol):
+    """Something served beside the API (the UI, ``airquant.ui.UiMount``), passed in by the CLI so that
+    serve does not import the UI. It answers under ``prefix`` and checks the key itself there (a browser
+    cannot send a Bearer header with a page load)."""
+
+    prefix: str
+
+    def __call__(self, app: FastAPI, provider: Provider, config: ServeConfig) -> None: ...
+
+
+def serve(stores: Sequence[str | Path], config: ProviderConfig, engine: EngineConfig,
+          serve_config: ServeConfig | None = None, *, log_level: str = "info",
+          mount: Mount | None = None) -> int:
+    """Load the model, then serve it until interrupted (``airquant serve``); ``mount`` adds the UI."""
+    sc = serve_config or ServeConfig()
+    check_bind(sc)
     route, interactive = route_for(stores, config, engine)
     if not interactive:  # refuse before loading: every request would be refused anyway
         raise StreamingNotAllowedError(
@@ -29,10 +44,14 @@ def serve(stores: Sequence[str | Path], config: ProviderConfig, engine: EngineCo
             "by default: pass --allow-streaming to serve it streamed, or a more compressed store.\n"
             + route.describe())
     provider = Provider(stores, config=config, engine=engine, mode=config.mode)
-    log.info("serving %s (%s, %s, KV %s) on http://%s:%d", route.store, route.scheme, route.mode, route.kv,
-                host, port)
     try:
-        uvicorn.run(create_app(provider), host=host, port=port, log_level=log_level)
+        own = (mount.prefix,) if mount is not None else ()
+        app = create_app(provider, config=sc, own_auth_prefixes=own)
+        if mount is not None:
+            mount(app, provider, sc)
+        log.info("serving %s (%s, %s, KV %s) on http://%s:%d%s", route.store, route.scheme, route.mode, route.kv,
+                 sc.host, sc.port, f" (UI at {own[0]}/)" if own else "")
+        uvicorn.run(app, host=sc.host, port=sc.port, log_level=log_level)
     finally:
         provider.close()
     return 0
@@ -51,7 +70,7 @@ class BackgroundServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="auto")  # Gradio starts its queue there
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="airquant-http", daemon=True)

@@ -7,14 +7,20 @@ only source of truth for a tensor's scheme: nothing is guessed from file names.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
-from dataclasses import asdict, dataclass, field
+import shutil
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from airquant.errors import ChecksumError, StoreError
+from airquant.errors import ChecksumError, DiskSpaceError, StoreError
 from airquant.layout import group_order
+from airquant.store.integrity import ALGO, IntegrityFix, checksum_file
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -26,12 +32,15 @@ class ShardEntry:
     group: str  # embed | layer.N | norm | lm_head
     file: str
     bytes: int
-    sha256: str
+    sha256: str  # of the whole file: `airquant info --verify`
     tensors: dict[str, dict]  # name -> {"dtype", "shape", "scheme"}
     modules: dict[str, dict] = field(default_factory=dict)  # quantized module -> scheme meta
     # Mixture-of-Experts layers: {"num", "top_k", "tensors": [...], "ranges": [[[start, end], ...] per expert]},
     # byte ranges inside the shard's data section (what an expert-aware reader fetches alone).
     experts: dict = field(default_factory=dict)
+    # "xxh3_128:<hex>" of the whole file, checked as the engine reads it (store.integrity); "": an older
+    # store, recorded on its first open.
+    checksum: str = ""
 
     @property
     def is_layer(self) -> bool:
@@ -83,8 +92,21 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise StoreError(f"manifest format {version} is not {FORMAT_VERSION}; re-run `airquant shard` "
                              "into a new --store with this version of AirQuant.")
-        data["shards"] = {k: ShardEntry(**v) for k, v in data.get("shards", {}).items()}
-        return cls(**data)
+        known = {f.name for f in fields(ShardEntry)}
+        try:
+            shards = data.get("shards", {})
+            for group, entry in shards.items():
+                odd = sorted(set(entry) - known)
+                if odd or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("file"), str):
+                    raise ValueError(f"shard {group!r} has " + (f"unknown fields {odd}" if odd else
+                                                                 "no integer 'bytes' or no 'file'"))
+                if Path(entry["file"]).name != entry["file"]:
+                    raise ValueError(f"shard {group!r} names a file outside the store: {entry['file']!r}")
+            data["shards"] = {k: ShardEntry(**v) for k, v in shards.items()}
+            return cls(**data)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"the manifest does not read as one AirQuant wrote ({exc}); it was edited or damaged. "
+                             "Re-run the `airquant shard` command that made the store to rewrite it.") from exc
 
 
 def sha256_file(path: Path) -> str:
@@ -95,15 +117,50 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+TMP_MARK = ".tmp-"
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, rename, fsync the directory: a crash leaves old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write to a temp name, fsync, rename, fsync the directory: a crash leaves old or new, never half.
+
+    A full disk removes the temp file and raises ``DiskSpaceError`` with the numbers; ``path`` is untouched."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise DiskSpaceError(f"the disk of {path.parent} is full: writing {path.name} needs {len(data) / 1e6:.1f} MB, "
+                             f"{free / 1e6:.1f} MB are free. The files already written are kept; free space and "
+                             "re-run the same command to continue.") from exc
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def remove_stale_temps(store: Path) -> list[str]:
+    """Delete temp files left by a writer that was killed (its pid is gone); returns their names."""
+    removed = []
+    for p in store.glob(f".*{TMP_MARK}*"):
+        pid = p.name.rsplit(TMP_MARK, 1)[1]
+        if pid.isdigit() and not _alive(int(pid)) and p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def fsync_dir(path: Path) -> None:
@@ -143,19 +200,90 @@ def open_store(store: str | Path, *, verify: bool = False) -> Manifest:
     if not manifest.complete:
         raise StoreError(f"store {store} is incomplete (a split was interrupted); re-run the same "
                          "`airquant shard` command to finish it.")
+    fix = repair_command(store, manifest)
     for entry in manifest.shards.values():
-        check_shard(store, entry, verify=verify)
+        check_shard(store, entry, verify=verify, fix=fix)
+    check_no_extra_shards(store, manifest, fix)
+    record_checksums(store, manifest)
     return manifest
 
 
-def check_shard(store: Path, entry: ShardEntry, *, verify: bool) -> None:
+def check_shard(store: Path, entry: ShardEntry, *, verify: bool, fix: str = "airquant shard ...") -> None:
     path = store / entry.file
     if not path.is_file():
-        raise StoreError(f"shard {path} is missing; re-run `airquant shard` on this store to restore it.")
+        raise StoreError(f"shard {path} is missing ({entry.group}); `{fix}` writes it again (the others "
+                         "verify and are kept).")
     size = path.stat().st_size
     if size != entry.bytes:
-        raise StoreError(f"shard {path} has {size} bytes, the manifest says {entry.bytes} (truncated or "
-                         "replaced); re-run `airquant shard` on this store to rewrite it.")
+        raise StoreError(f"shard {path} has {size} bytes, the manifest says {entry.bytes} ({entry.group}: truncated "
+                         f"or replaced); `{fix}` rewrites just that shard.")
     if verify and sha256_file(path) != entry.sha256:
-        raise ChecksumError(f"shard {path} does not match its sha256 in the manifest (corrupted); "
-                            "re-run `airquant shard` on this store to rewrite it.")
+        raise ChecksumError(f"shard {path} does not match its sha256 in the manifest ({entry.group}: corrupted); "
+                            f"`{fix}` rewrites just that shard.")
+
+
+def check_no_extra_shards(store: Path, manifest: Manifest, fix: str) -> None:
+    """A shard file the manifest does not list was put there by hand or by another tool: refuse to guess."""
+    listed = {e.file for e in manifest.shards.values()}
+    extra = sorted(p.name for p in store.glob("*.safetensors") if p.name not in listed)
+    if extra:
+        raise StoreError(f"store {store} holds {', '.join(extra[:5])}, which its manifest does not list (copied in "
+                         "by hand, or left from another store). Move it out of the store; if the manifest is the "
+                         f"damaged part, `{fix}` rebuilds it.")
+
+
+def shard_ok(store: Path, entry: ShardEntry) -> bool:
+    """Whether a shard file is whole and unchanged (fast checksum if recorded, else sha256): a resume keeps it."""
+    path = store / entry.file
+    if not path.is_file() or path.stat().st_size != entry.bytes:
+        return False
+    if entry.checksum:
+        return checksum_file(path) == entry.checksum
+    return bool(entry.sha256) and sha256_file(path) == entry.sha256
+
+
+def record_checksums(store: Path, manifest: Manifest) -> int:
+    """Compute and record (atomically) the read checksum of shards written before it existed; returns how many.
+
+    A read-only store keeps them for this process only (its reads are still checked)."""
+    missing = [e for e in manifest.shards.values() if not e.checksum.startswith(f"{ALGO}:")]
+    if not missing:
+        return 0
+    log.warning("store %s: recording the %s read checksum of %d shards written by an older AirQuant (once)",
+                store, ALGO, len(missing))
+    for entry in missing:
+        entry.checksum = checksum_file(store / entry.file)
+    try:
+        save_manifest(store, manifest)
+    except OSError as exc:
+        log.warning("could not record the checksums in %s (%s); they are recomputed on each open", store, exc)
+    return len(missing)
+
+
+def repair_command(store: Path, manifest: Manifest) -> str:
+    """The command that rewrites a damaged shard of this store (a resume keeps every shard that verifies)."""
+    src = manifest.source
+    if manifest.synthetic and isinstance(src.get("synth"), dict):
+        s = src["synth"]
+        cmd = f"airquant synth --shape {s['shape']} --store {store}"
+        method = manifest.quant.get("method")
+        cmd += f" --dtype {method}" if method in ("nf4", "gptq") else ""
+        cmd += f" --layers {s['layers']}" if s.get("layers") else ""
+        cmd += " --dense-head" if s.get("dense_head") else ""
+        return cmd + (f" --seed {s['seed']}" if s.get("seed") else "")
+    cmd = f"airquant shard {src.get('spec')} --store {store} --dtype {manifest.dtype}"
+    q = manifest.quant
+    if q.get("method") in ("nf4", "int2", "gguf", "keep"):
+        cmd += f" --quant {q['method']}"
+        flags = {"nf4": ("blocksize", "double_quant"), "int2": ("group", "outliers", "calib", "error_feedback")}
+        for name in flags.get(q["method"], ()):
+            value = q.get(name)
+            if value is True:
+                cmd += f" --{name.replace('_', '-')}"
+            elif value not in (None, False):
+                cmd += f" --{name.replace('_', '-')} {value}"
+    return cmd
+
+
+def integrity_fix(store: Path, manifest: Manifest) -> IntegrityFix:
+    return IntegrityFix(store, repair_command(store, manifest))

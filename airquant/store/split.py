@@ -2,7 +2,8 @@
 
 Atomic and resumable: each shard is written under a temp name, fsynced and renamed, then the
 manifest is rewritten (``complete: false``) so an interrupted split resumes by skipping every
-shard whose sha256 still verifies. A store that belongs to another model or setting is refused,
+shard whose checksum still verifies (and so rewrites just a damaged one). Temp files of a killed
+split are removed on the next run. A store that belongs to another model or setting is refused,
 never overwritten.
 """
 
@@ -25,8 +26,9 @@ from airquant.errors import DiskSpaceError, StoreError
 from airquant.layout import MoEInfo
 from airquant.models import ModelSource
 from airquant.quant.schemes import canonical_name
+from airquant.store.integrity import checksum_bytes
 from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest,
-                                     save_manifest, sha256_file)
+                                     remove_stale_temps, save_manifest, shard_ok)
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +102,6 @@ def check_disk(store: Path, needed: int) -> None:
             f"{free / 1e9:.2f} GB are free. Free space or choose another --store.")
 
 
-def _verified(store: Path, entry: ShardEntry | None) -> bool:
-    if entry is None:
-        return False
-    path = store / entry.file
-    return path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
-
-
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) -> dict[str, torch.Tensor]:
     """Dense float tensors to the store dtype; packed tensors and their scales (``keep``) as they are."""
     return {k: (v.to(dtype) if v.is_floating_point() and k not in keep else v).contiguous()
@@ -115,7 +110,7 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep: set[str]) 
 
 def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modules: dict[str, dict],
                 schemes: dict[str, str], moe: MoEInfo | None = None) -> ShardEntry:
-    """Serialize, hash and atomically write one shard; returns its manifest entry."""
+    """Serialize, hash (sha256 and the read checksum) and atomically write one shard; returns its manifest entry."""
     data = st_save(tensors, metadata={"airquant_group": group})
     file = shard_file(group)
     atomic_write_bytes(store / file, data)
@@ -123,7 +118,7 @@ def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modul
                 "scheme": schemes.get(k, "dense")} for k, v in tensors.items()}
     experts = moe.record(tensors, data_offsets(data)) if moe is not None else {}
     return ShardEntry(group=group, file=file, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                      tensors=meta, modules=modules, experts=experts)
+                      tensors=meta, modules=modules, experts=experts, checksum=checksum_bytes(data))
 
 
 def data_offsets(data: bytes) -> dict[str, tuple[int, int]]:
@@ -159,10 +154,12 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     store.mkdir(parents=True, exist_ok=True)
     identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
+    if stale := remove_stale_temps(store):
+        log.info("removed %d temp files of an interrupted split: %s", len(stale), stale[:3])
     source.check_tensors()
     manifest = Manifest(source=identity, dtype=dtype, quant=quant, num_layers=source.num_layers,
                         tied_lm_head=source.tied, tool_version=__version__, layout=source.layout.to_dict())
-    keep = {g: e for g, e in (old.shards.items() if old else []) if _verified(store, e)}
+    keep = {g: e for g, e in (old.shards.items() if old else []) if shard_ok(store, e)}
     remaining = estimate_bytes(source, dtype, bytes_per_weight) - sum(e.bytes for e in keep.values())
     check_disk(store, max(remaining, 0))
     _save_side_files(store, source)

@@ -37,7 +37,8 @@ from airquant import __version__
 from airquant.errors import StoreError
 from airquant.layout import MoEInfo, decoder_stack, expert_modules, find_layout, linear_modules, meta_model, moe_counts
 from airquant.models import group_order
-from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest, save_manifest
+from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest, save_manifest,
+                                     shard_ok)
 from airquant.store.quantize import expert_params
 from airquant.store.split import check_disk, shard_file, write_shard
 
@@ -409,8 +410,7 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
         for group in order:
             manifest.shards[group] = _meta_entry(group, *groups.metas(group), model.moe_info(group))
         return _finish(store, manifest)
-    manifest.shards.update({g: e for g, e in (old.shards.items() if old else [])
-                            if (store / e.file).is_file() and (store / e.file).stat().st_size == e.bytes})
+    manifest.shards.update({g: e for g, e in (old.shards.items() if old else []) if shard_ok(store, e)})
     todo = [g for g in order if g not in manifest.shards]
     check_disk(store, sum(_meta_entry(g, *groups.metas(g)).bytes for g in todo))
     bar = tqdm(total=len(order), initial=len(order) - len(todo), desc="synth", unit="shard", disable=not progress)

@@ -18,7 +18,7 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
     assert main(["--quick", "--workdir", str(work), "--results", str(out)]) == 0
     r = json.loads((out / "moe_bench.json").read_text())
     assert r["synthetic"] and r["quick"] and r["link_pinned_gbps"] > 0
-    assert {(x["model"], x["cap_gb"], x["batch"]) for x in r["whole_layer"]} == CASES
+    assert CASES <= {(x["model"], x["cap_gb"], x["batch"]) for x in r["whole_layer"]}
     for row in r["whole_layer"]:
         assert row["error"] is None and row["step_s"] > 0 and row["effective_gbps"] > 0 and row["link_fraction"] > 0
         assert {"peak_allocated_gb", "peak_reserved_gb", "bytes_per_step", "kv_offload"} <= set(row)

@@ -100,7 +100,6 @@ def test_offloaded_cache_gives_the_same_logits(tiny_store, reference, tiers, ops
         assert [c.token_ids for c in got] == tokens
         host.append(engine.streamer.kv.host_bytes())
     assert host[0] == host[1]  # sized once for prompt + new tokens, then reused
-    assert engine.streamer.kv.cache is None  # unbound after the generation
     engine.close()
 
 

@@ -280,3 +280,61 @@ def test_plan_shows_the_experts_of_a_moe_layer(tmp_path, real_tokenizer, capsys)
 
     assert (f"experts   : layer {mb(entry.bytes)}, of which experts {mb(experts)} (4 x {mb(experts / 4)}, "
             "2 routed per token)") in out
+
+
+# -- the expert pool of a streamed MoE route (engine/experts.py sizes it; the plan prints it) ----------------
+@pytest.fixture(scope="module")
+def mixtral_store(tmp_path_factory, real_tokenizer):
+    from airquant.models import resolve
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    root = tmp_path_factory.mktemp("mixtral")
+    split(resolve(str(make_model(root / "model", real_tokenizer, "mixtral"))), root / "store", dtype="float32",
+          progress=False)
+    return root / "store"
+
+
+def _expert_slot_and_dense(entry) -> tuple[int, int]:
+    """One expert's bytes in a pool slot (each tensor 64-byte aligned), and the layer's bytes less its experts."""
+    slot = max(sum(-(-(end - start) // 64) * 64 for start, end in ranges) for ranges in entry.experts["ranges"])
+    return slot, entry.bytes - sum(end - start for ranges in entry.experts["ranges"] for start, end in ranges)
+
+
+def test_plan_sizes_the_expert_pool_when_a_moe_route_streams(mixtral_store):
+    from airquant.config import EngineConfig
+
+    candidates = load_candidates([mixtral_store])
+    slot, _ = _expert_slot_and_dense(candidates[0].manifest.shards["layer.0"])
+    streamed = route(candidates, _hw(8, 8), Workload(mode="streamed", context=64, resident_layers=0))
+    assert streamed.plan.vram_layers == []  # every MoE layer streams, so its experts go through the pool
+    # 3 layers of 4 experts, top 2: working slots for a prefill's 4 experts + a speculated batch's 4; roomy VRAM
+    # caches every expert of the other two layers (8), never more
+    assert (f"experts   : routed; pool 16 slots x {slot / 1e6:.1f} MB" in streamed.describe()
+            and "(8 working + 8 cache, LFU)" in streamed.describe())
+    fixed = streamed.describe(EngineConfig(expert_cache_gb=0.0, expert_policy="lru", expert_prefetch=False))
+    assert "pool 4 slots" in fixed and "(4 working + 0 cache, LRU)" in fixed and "prefetch off" in fixed
+    assert "routed; pool" not in streamed.describe(EngineConfig(experts="whole"))
+    cpu = route(candidates, _hw(None, 8), Workload(mode="streamed", context=64)).describe()
+    assert "(8 working + 0 cache, LFU)" in cpu  # no GPU: no VRAM left over to cache experts in
+    resident = route(candidates, _hw(8, 8), Workload(mode="resident", context=64)).describe()
+    assert "routed; pool" not in resident and "experts   : layer" in resident
+
+
+def test_plan_cli_sizes_the_expert_pool_with_the_expert_flags(mixtral_store, capsys):
+    candidates = load_candidates([mixtral_store])
+    entry = candidates[0].manifest.shards["layer.0"]
+    slot, dense = _expert_slot_and_dense(entry)
+    plan = route(candidates, _hw(8, 8), Workload(mode="streamed", context=64, resident_layers=0)).plan
+    # a GPU half a layer above what streaming needs: resident does not fit, and no layer is kept in VRAM
+    vram = plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes + entry.bytes // 2
+    spare = vram - plan.fixed_bytes - plan.slots * dense - plan.reserve_bytes  # slots carry dense parts only
+    assert 8 * slot < spare < 12 * slot  # 8 working slots + a 4-expert gather do not fit; 4 + 4 do
+    argv = ["plan", str(mixtral_store), "--device", "cpu", "--context", "64", "--max-vram", repr(vram / GIB)]
+    outs = []
+    for flags in ([], ["--no-expert-prefetch", "--expert-policy", "lru"], ["--experts", "whole"]):
+        assert main(argv + flags) == 0
+        outs.append(capsys.readouterr().out)
+    assert "streamed" in outs[0] and "(8 working + 0 cache, LFU)" in outs[0] and "does NOT fit" in outs[0]
+    assert "(4 working + " in outs[1] and "LRU" in outs[1] and "does NOT fit" not in outs[1]
+    assert "routed; pool" not in outs[2]

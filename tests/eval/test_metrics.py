@@ -6,11 +6,12 @@ import re
 
 import pytest
 
-from airquant import stages, suite
 from airquant.cli import build_parser
 from airquant.cli.eval_cmds import cmd_eval
 from airquant.errors import EvalConfigError
 from airquant.eval.metrics import METRICS, metric_spec
+from airquant.pipeline import sizes as stages
+from airquant.pipeline import suite
 
 
 def test_cli_suite_and_stages_list_the_registry_metrics(capsys):

@@ -38,7 +38,7 @@ def reference(tiny_store, tmp_path_factory):
     out = root / "out.jsonl"
     report = run_batch(tiny_store, BatchJob(_prompts(root / "in.jsonl"), out, batch_size=2, gen=GEN),
                        progress=False, engine=Engine.open(tiny_store, device="cpu"))
-    assert report.done == N_PROMPTS and report.batch_sizes == [2] * (N_PROMPTS // 2)
+    assert report.done == N_PROMPTS and report.batch_sizes == [2]  # one decode loop of 2 slots
     return {r["id"]: r["output"] for r in _records(out)}
 
 
@@ -69,26 +69,57 @@ def test_killed_job_resumes_without_loss_or_duplicates(tiny_store, reference, tm
     assert all(r["new_tokens"] > 0 and r["prompt_tokens"] > 0 and r["timings"]["total_s"] > 0 for r in records)
 
 
-def test_out_of_memory_halves_the_batch_and_loses_nothing(tiny_store, reference, tmp_path, monkeypatch):
+def test_out_of_memory_halves_the_slots_and_loses_nothing(tiny_store, reference, tmp_path, monkeypatch):
     engine = Engine.open(tiny_store, device="cpu")
     sizes = []
-    original = engine.generate_detailed
+    original = engine.decode_loop
 
-    def flaky(prompts, gen=None, **kw):
-        sizes.append(len(prompts))
-        if len(prompts) > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return original(prompts, gen, **kw)
+    def flaky(slots, **kw):
+        sizes.append(slots)
+        loop = original(slots, **kw)
+        if slots > 2:  # the first pass after two records were written runs out of memory
+            step = loop.step
 
-    monkeypatch.setattr(engine, "generate_detailed", flaky)
+            def failing():
+                if loop.stats.passes >= 6:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                return step()
+
+            loop.step = failing
+        return loop
+
+    monkeypatch.setattr(engine, "decode_loop", flaky)
     out = tmp_path / "out.jsonl"
     report = run_batch(tiny_store, BatchJob(_prompts(tmp_path / "in.jsonl"), out, batch_size=8, gen=GEN),
                        engine=engine, progress=False)
-    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) == 2  # halved twice, then kept at 2
-    assert report.oom_halvings == 2 and report.done == N_PROMPTS and set(report.batch_sizes) == {2}
+    assert sizes == [8, 4, 2] and report.oom_halvings == 2 and report.batch_sizes == [2]
     records = _records(out)
-    assert sorted(r["id"] for r in records) == sorted(reference)
+    assert len(records) == report.done == N_PROMPTS
     assert {r["id"]: r["output"] for r in records} == reference
+
+
+def test_records_carry_their_own_settings_and_a_too_long_one_fails_alone(tiny_store, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "short", "prompt": "the quick brown fox", "max_new_tokens": 2},
+            {"id": "long", "prompt": "word " * 400},
+            {"id": "free", "prompt": "the quick brown fox", "max_new_tokens": 9}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    engine = Engine.open(tiny_store, device="cpu")
+    run_batch(tiny_store, BatchJob(inp, out, batch_size=2, gen=GenerateConfig(max_new_tokens=6, ignore_eos=True)),
+              engine=engine, progress=False)
+    got = {r["id"]: r for r in _records(out)}
+    assert "exceeds the context" in got["long"]["error"] and "output" not in got["long"]
+    assert got["short"]["new_tokens"] == 2 and got["free"]["new_tokens"] == 9
+    assert got["free"]["output"].startswith(got["short"]["output"])
+    stop = got["free"]["output"][3:6]
+    inp.write_text(json.dumps({"id": "s", "prompt": "the quick brown fox", "max_new_tokens": 9, "stop": [stop]}) + "\n")
+    run_batch(tiny_store, BatchJob(inp, tmp_path / "stop.jsonl", batch_size=2,
+                                   gen=GenerateConfig(ignore_eos=True)), engine=engine, progress=False)
+    (rec,) = _records(tmp_path / "stop.jsonl")
+    assert rec["output"] == got["free"]["output"][: got["free"]["output"].index(stop)] and rec["finish_reason"] == "stop"
+    inp.write_text(json.dumps({"id": 1, "prompt": "x", "max_new_tokens": "many"}) + "\n")
+    with pytest.raises(BatchJobError, match="max_new_tokens='many' must be int"):
+        read_prompts(inp)
 
 
 def test_a_finished_output_is_not_rerun(tiny_store, tmp_path, capsys):

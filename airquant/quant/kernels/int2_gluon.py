@@ -57,6 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
 from airquant.quant.int2 import LLOYD_MAX_4
+from airquant.quant.kernels import HOPPER_MIN, device_capability
 from airquant.quant.kernels.int2_triton import outlier_read_cols
 
 # Rows per lane, warps per program, double chunks per stage, measured on the H200 (GPU us for 28672x8192 /
@@ -99,12 +100,14 @@ def _level(v):
 
 @triton.jit
 def _prep_kernel(x_ptr, tab_ptr, xs_ptr, cnt_ptr, K, NG, NP, NC, GS: tl.constexpr, PS: tl.constexpr,
-                 BP: tl.constexpr):
+                 BP: tl.constexpr, PDL: tl.constexpr):
     """Pair p (inputs 2p, 2p+1) of chunk c = p // PS, q = p % PS:
     tab[c, q // 4, e, q % 4] = level(e & 3) * x[2p] + level(e >> 2) * x[2p+1] (a lane's 4 pairs are 16 bytes
     and the 16 lanes' are contiguous); xs[g] = sum of group g's inputs; cnt[:NC] = 0 (the GEMV's arrival
-    counters). Inputs past K read as 0, so padded chunks and groups are zeros."""
-    gdc_launch_dependents()  # the GEMV (launched as a programmatic dependent) may start its weight copies
+    counters). Inputs past K read as 0, so padded chunks and groups are zeros. PDL (the TMA path, Hopper only:
+    griddepcontrol does not assemble before sm_90) lets the dependent GEMV start early."""
+    if PDL:
+        gdc_launch_dependents()  # the GEMV (launched as a programmatic dependent) may start its weight copies
     c = tl.program_id(0) * BP + tl.arange(0, BP)
     tl.store(cnt_ptr + c, tl.zeros([BP], tl.int32), mask=c < NC)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
@@ -270,7 +273,8 @@ def tma_ok(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
     least the 16 bytes a TMA box row needs), rows of scales a multiple of 16 bytes (K % (8 * group) == 0),
     16-byte aligned bases."""
     k = words.shape[1] * 16
-    return (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] >= 9 and group in (16, 32)
+    cap = device_capability(words.device) if words.is_cuda else None  # AIRQUANT_FORCE_CAPABILITY may say older
+    return (cap is not None and cap >= HOPPER_MIN and group in (16, 32)
             and k % (8 * group) == 0 and all(t.data_ptr() % 16 == 0 for t in (words, scales, zeros)))
 
 
@@ -323,7 +327,7 @@ def _int2_gemv_ldg(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     tab, xs, part = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
     bp = max(PREP_BP, group // 2)
     _prep_kernel[(triton.cdiv(npairs, bp),)](x, tab, xs, xs, k, stages * CG, npairs, 0, GS=group, PS=PS, BP=bp,
-                                             num_warps=4)  # no counters: a separate kernel sums the partials
+                                             PDL=False, num_warps=4)  # no counters: a separate kernel sums the partials
     ow, oi, ow_stride, n_cols = _outlier_args(outlier_weight, outlier_idx, n_out, scales, words)
     _gemv_kernel[(triton.cdiv(n, BN), ks + os_)](
         tab, xs, words, scales, zeros, part, x, ow, oi, n, kw, G, stages, spp, ks, n_out, n_cols, ow_stride, OSC,
@@ -518,7 +522,7 @@ def _int2_gemv_tma(x, words, scales, zeros, outlier_weight, outlier_idx, group):
     bp = max(PREP_BP, group // 2)
     cnt = torch.empty(row_blocks, dtype=torch.int32, device=x.device)
     _prep_kernel[(triton.cdiv(max(npairs, row_blocks), bp),)](x, tab, xs, cnt, k, ktiles * GT, npairs, row_blocks,
-                                                              GS=group, PS=64, BP=bp, num_warps=4)
+                                                              GS=group, PS=64, BP=bp, PDL=True, num_warps=4)
     wl = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
     tabl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     t_desc = TensorDescriptor.from_tensor(tab.view(ktiles * 32, 64), [32, 64], tabl)

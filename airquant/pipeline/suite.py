@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from airquant.eval.metrics import METRICS as METRIC_SPECS
 from airquant.eval.metrics import metric_spec
-from airquant.stages import Metric, Sizes, open_engine
+from airquant.pipeline.sizes import Metric, Sizes
+from airquant.pipeline.stores import kv_config, open_engine
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ def configurations(stores: dict[str, Path], sizes: Sizes) -> list[dict]:
 
     Without an NF4 store (no bitsandbytes) the TurboQuant column runs on the bf16 store.
     """
-    from airquant.stages import kv_config
-
     wanted = CONFIGURATIONS if "nf4" in stores else (("bf16", "none"), ("bf16", "tq"))
     return [{"name": f"{scheme} + KV {backend}", "store": stores[scheme], "kv": kv_config(backend, sizes)}
             for scheme, backend in wanted if scheme in stores]
@@ -97,13 +96,14 @@ def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes
 
 
 # -- running ----------------------------------------------------------------------------------------
-def _run(metric: Metric, engine: Any, sizes: Sizes, kv: Any, reference: Path | None, device: str) -> list:
+def _run(metric: Metric, engine: Any, sizes: Sizes, kv: Any, reference: Path | None, device: str,
+         data: Path | None) -> list:
     spec, (kw, _) = metric_spec(metric), settings(metric, sizes)
     if not spec.takes_reference:
-        return spec.run(engine, data=None, kv=kv, **kw)
+        return spec.run(engine, data=data, kv=kv, **kw)
     ref_engine = open_engine(reference, device) if reference is not None else None
     try:
-        return spec.run(engine, data=None, kv=kv, reference=ref_engine, **kw)
+        return spec.run(engine, data=data, kv=kv, reference=ref_engine, **kw)
     finally:
         if ref_engine is not None:
             ref_engine.close()
@@ -116,15 +116,17 @@ def model_context(store: Path) -> int:
 
 def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: Any = None,
              reference: str | Path | None = None, device: str = "auto", results_dir: str | Path = "results",
-             reuse: bool = False) -> list:
+             reuse: bool = False, data: dict[str, Path] | None = None, engine: Any = None) -> list:
     """Every metric of ``metrics`` on ``store`` (streamed, with ``kv``); each row written under ``results_dir``.
 
-    ``reference`` is parity's reference store (default: the same store without ``kv``).
+    ``reference`` is parity's reference store (default: the same store without ``kv``). ``data`` maps a
+    metric to its data file (default: the standard set, ``airquant.eval.data``). ``engine``, already open
+    on ``store``, is used and left open (the full profile runs several KV caches on one engine).
     """
     store = Path(store)
     reference = Path(reference) if reference is not None else None
     sizes = sizes.fit(model_context(store))
-    rows, engine = [], None
+    rows, own = [], engine is None
     try:
         for metric in metrics:
             old = find_rows(results_dir, store, metric, sizes, kv=kv, reference=reference, device=device) \
@@ -134,14 +136,14 @@ def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: 
                 rows += old
                 continue
             if engine is None:
-                engine = open_engine(store, device, batch_size=max(sizes.batch, *sizes.perf_batches))
+                engine = open_engine(store, device, batch_size=max(sizes.batch, sizes.rouge_batch, *sizes.perf_batches))
             from airquant.eval import write_row
 
-            for row in _run(metric, engine, sizes, kv, reference, device):
+            for row in _run(metric, engine, sizes, kv, reference, device, (data or {}).get(metric)):
                 write_row(row, row_path(results_dir, row, sizes.label))
                 rows.append(row)
     finally:
-        if engine is not None:
+        if own and engine is not None:
             engine.close()
     return rows
 
@@ -170,3 +172,32 @@ def summary(rows: Sequence[Any]) -> list[dict]:
     """One record per row (configuration, metric, headline) for a notebook table."""
     return [{"store": r.run.store_scheme, "kv": r.run.kv_scheme, "metric": r.metric, "batch": r.batch_size,
              "result": headline(r)} for r in rows]
+
+
+# -- notebook tables --------------------------------------------------------------------------------
+def table(records: Sequence[dict]) -> str:
+    """Markdown table of records (the keys of the first record are the columns)."""
+    from airquant.eval.results import md_table
+
+    if not records:
+        return "(nothing)"
+    columns = list(records[0])
+    return "\n".join(md_table(columns, [[r.get(c) for c in columns] for r in records]))
+
+
+def kv_memory_table(rows: Sequence[Any]) -> list[dict]:
+    """Per context: measured MB of each KV scheme, the ratio to the plain cache, and the planned largest batch."""
+    by_kv = {r.run.kv_scheme: r for r in rows}
+    plain = by_kv.get("none")
+    out = []
+    for i, ctx in enumerate(rows[0].context_lengths):
+        rec: dict[str, Any] = {"context": ctx}
+        for name, r in by_kv.items():
+            rec[f"{name} MB"] = round(r.cache_bytes[i] / 1e6, 3)
+            if plain is not None and r is not plain:
+                rec[f"{name} / none"] = round(r.cache_bytes[i] / plain.cache_bytes[i], 3)
+        for name, r in by_kv.items():
+            if r.vram_budget_gb is not None:
+                rec[f"max batch {name} ({r.vram_budget_gb:g} GiB)"] = r.planned_max_batch[i]
+        out.append(rec)
+    return out

@@ -1,9 +1,13 @@
 """``airquant pipeline``: notebooks 01-04 executed headlessly with papermill, then results/RESULTS.md.
 
-Each notebook runs on its stage's Jupyter kernel (``airquant env create STAGE``) when one is registered,
-on this interpreter otherwise. Executed notebooks are kept under ``results/notebooks/``. A failing
-notebook stops the pipeline with the notebook and cell named; rows written before it stay, and
-RESULTS.md is only ever replaced whole, by the last stage.
+A stage is one notebook. Each runs on its stage's Jupyter kernel (``airquant env create STAGE``) when
+one is registered, on this interpreter otherwise. Executed notebooks are kept under
+``results/notebooks/``. A failing notebook stops the pipeline with the notebook and cell named; rows
+written before it stay, and RESULTS.md is only ever replaced whole, by the last stage.
+
+The ``full`` profile runs in this process by default (``airquant.pipeline.full``): it measures seven
+configurations, and a kernel start plus store re-opening per notebook would cost more device time
+than the 135M model's metrics.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from airquant.envs import STAGES, find_kernel, repo_root
 from airquant.errors import DependencyError, PipelineError
+from airquant.pipeline.envs import STAGES, find_kernel, repo_root
+from airquant.pipeline.sizes import PROFILES, Profile
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +39,12 @@ PIP_PAPERMILL = "pip install papermill==2.7.0 nbformat==5.11.1 nbclient==0.11.0 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """``airquant pipeline --model --store --quick --results --device --stages --kernels --schemes --cell-timeout``."""
+    """``airquant pipeline --model --store --profile --results --device --stages --kernels --schemes --cell-timeout``
+    (and ``--only``, ``--runner``)."""
 
     model: str = "default"
     store: str = "store"
-    quick: bool = True
+    profile: Profile = "quick"
     results: str = "results"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     stages: tuple[str, ...] = STAGES
@@ -48,11 +54,24 @@ class PipelineConfig:
     cell_timeout_s: int | None = None
     notebooks: str | None = None  # folder holding the stage notebooks; None: the checkout's notebooks/
     progress: bool = False  # a progress bar over each notebook's cells (stderr)
+    # auto: the full profile in this process, the others through papermill
+    runner: Literal["auto", "papermill", "inprocess"] = "auto"
+    only: tuple[str, ...] | None = None  # full profile, in process: run these configurations only (their names)
+    report: bool = True  # in process: rebuild RESULTS.md at the end
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise PipelineError(f"profile {self.profile!r} is unknown; choose one of {', '.join(PROFILES)}.")
+
+    @property
+    def in_process(self) -> bool:
+        return self.runner == "inprocess" or (self.runner == "auto" and self.profile == "full")
 
     def parameters(self, stage: str) -> dict:
         """The ``parameters`` cell values of a stage's notebook; paths absolute, since a kernel's cwd may differ."""
         params = {"model": self.model, "store": str(Path(self.store).resolve()), "device": self.device,
-                  "quick": self.quick, "results_dir": str(Path(self.results).resolve()), "sizes": dict(self.sizes)}
+                  "profile": self.profile, "results_dir": str(Path(self.results).resolve()),
+                  "sizes": dict(self.sizes)}
         if stage == "01-setup" and self.schemes:
             params["schemes"] = list(self.schemes)
         return params
@@ -136,7 +155,11 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) 
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
-    """Run the stages in order; the report is the one stage 04 wrote."""
+    """Run the stages in order; the report is the one stage 04 wrote (in process: the one built last)."""
+    if cfg.in_process:
+        from airquant.pipeline.full import run_in_process
+
+        return run_in_process(cfg)
     unknown = [s for s in cfg.stages if s not in NOTEBOOKS]
     if unknown:
         raise PipelineError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}.")

@@ -1,0 +1,120 @@
+"""``airquant doctor [STORE]``: what this runtime gives AirQuant, measured, and what AirQuant will do with it.
+
+GPU, compute capability, VRAM, host RAM, the pinned host->GPU link (measured, under a second), the disk read
+speed of the store's folder (page cache dropped first), the compute dtype and kernel path of each scheme
+(the capability rule of airquant.engine.capability) and, given a store, the plan ``airquant plan`` would make.
+On a machine without a GPU it says so and reports the CPU side. The first cell after setup of notebook 01 runs
+it, so a Colab user sees at once what the runtime is (a T4: fp16 compute, PCIe 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+GB = 1e9
+READ_CHUNK = 16 << 20
+READ_SECONDS = 1.0  # the disk read test stops after this long (or at the end of the store's shards)
+
+
+def disk_read_speed(folder: Path, seconds: float = READ_SECONDS) -> tuple[float, int, bool]:
+    """(GB/s, bytes read, cold) reading the folder's largest files for up to ``seconds``. Each file's pages are
+    dropped from the page cache first (posix_fadvise DONTNEED: clean pages of any file one can read), so the
+    figure is the disk's, not RAM's; ``cold`` is False where the OS has no such call."""
+    files = sorted((p for p in folder.rglob("*.safetensors") if p.is_file()), key=lambda p: -p.stat().st_size)
+    cold = hasattr(os, "posix_fadvise")
+    buf, done, start = bytearray(READ_CHUNK), 0, time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if cold:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                while (n := f.readinto(buf)) and time.perf_counter() - start < seconds:
+                    done += n
+        finally:
+            os.close(fd)
+        if time.perf_counter() - start >= seconds:
+            break
+    elapsed = time.perf_counter() - start
+    return (done / elapsed / GB if done and elapsed > 0 else 0.0), done, cold
+
+
+def _head_dim(store: Path) -> int:
+    cfg = json.loads((store / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
+    """The GPU/RAM/link lines and the torch device they describe."""
+    import psutil
+    import torch
+
+    from airquant.engine.runner import resolve_device
+    from airquant.eval.perf import measure_link_bandwidth
+    from airquant.quant.kernels import FORCE_ENV, device_capability, forced_capability
+
+    dev = resolve_device(device)
+    mem = psutil.virtual_memory()
+    ram = f"host RAM  : {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB available"
+    if dev.type != "cuda":
+        why = "--device cpu" if device == "cpu" else "torch sees no CUDA GPU"
+        return [f"GPU       : none ({why}): AirQuant runs on the CPU here; the kernels and the streamed "
+                "engine's overlap need a CUDA GPU", ram], dev
+    props = torch.cuda.get_device_properties(dev)
+    cap = device_capability(dev)
+    forced = f" (forced by {FORCE_ENV}; the GPU is sm_{props.major}{props.minor})" if forced_capability() else ""
+    free, total = torch.cuda.mem_get_info(dev)
+    link = measure_link_bandwidth(dev, nbytes=128 << 20, repeats=5)
+    return [f"GPU       : {props.name}, compute capability {cap[0]}.{cap[1]}{forced}",
+            f"VRAM      : {total / GB:.1f} GB total, {free / GB:.1f} GB free",
+            ram,
+            f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev
+
+
+def store_lines(store: Path, device: str, max_vram: float | None, max_ram: float | None) -> list[str]:
+    """Disk read speed of the store's folder and the plan ``airquant plan STORE`` makes."""
+    from airquant.engine.router import Hardware, Workload, plan_route
+
+    gbps, nbytes, cold = disk_read_speed(store)
+    lines = [f"disk      : {gbps:.2f} GB/s reading {nbytes / GB:.2f} GB of {store}"
+             + ("" if cold else " (page cache not dropped: may be RAM speed)")]
+    route = plan_route([store], Hardware.detect(device, max_vram, max_ram), Workload())
+    return lines + ["plan      :"] + [f"  {line}" for line in route.describe().splitlines()]
+
+
+def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram: float | None = None,
+                max_ram: float | None = None) -> str:
+    """The whole report (what ``airquant doctor`` prints and notebook 01 shows)."""
+    from airquant.engine.capability import capability_plan
+    from airquant.quant.kernels import device_capability
+    from airquant.store.manifest import open_store
+
+    lines, dev = hardware_lines(device)
+    cap = device_capability(dev)
+    if store is None:
+        plan = capability_plan(cap, "bfloat16")
+        lines += [*plan.describe(), "store     : none given (airquant doctor STORE adds its disk speed and plan)"]
+        return "\n".join(lines)
+    store = Path(store)
+    manifest = open_store(store)
+    lines += capability_plan(cap, manifest.dtype, head_dim=_head_dim(store)).describe()
+    return "\n".join(lines + store_lines(store, device, max_vram, max_ram))
+
+
+def cmd_doctor(args) -> int:
+    print(doctor_text(args.store, args.device, args.max_vram, args.max_ram))
+    return 0
+
+
+def add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="GPU, capability, VRAM, RAM, link and disk speed; dtype and kernels; the plan")
+    p.add_argument("store", nargs="?", default=None, metavar="STORE", help="a store to measure and plan for")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="device to examine")
+    p.add_argument("--max-vram", type=float, default=None, metavar="GB",
+                   help="plan for a GPU of this size, as a smaller card would be (GiB)")
+    p.add_argument("--max-ram", type=float, default=None, metavar="GB", help="host RAM the plan may use (GiB)")
+    p.set_defaults(func=cmd_doctor)

@@ -1,0 +1,11 @@
+"""AirQuant's own decode loop: continuous batching over the streamed (or resident) model's forward.
+
+``loop`` (scheduler, sampling, timing), ``slots`` (the per-slot KV cache and the ragged attention),
+``text`` (incremental detokenization, stop strings).
+"""
+
+from airquant.engine.decode.loop import DecodeLoop, Event, LoopStats, Request, Sequence
+from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends
+
+__all__ = ["ATTN_NAME", "DecodeLoop", "Event", "LoopStats", "Request", "Segment", "Sequence", "SlotKV",
+           "attention_backends"]

@@ -1,0 +1,276 @@
+"""The decode loop: a scheduler of slots over one weight pass per step (continuous batching).
+
+Each ``step()`` is one forward of the model on a packed row: one decode token per running sequence,
+then chunks of the prompts being prefilled, within ``token_budget`` tokens. A sequence that ends
+(EOS, a stop string, its own ``max_new_tokens``) or is cancelled frees its slot at once, and the next
+waiting prompt takes it in the next pass. Per-request sampling settings, per-request timing (TTFT,
+latency) and per-pass timing come from here; nothing is attached to transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, register
+from airquant.engine.decode.text import Detokenizer
+from airquant.errors import PromptTooLongError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt (token ids) and its own settings."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Sequence:
+    """A request in the loop: where it is, what it produced, when."""
+
+    id: int
+    request: Request
+    slot: int | None = None
+    cached: int = 0  # prompt + generated tokens written to the cache
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    eos_hit: bool = False
+    detok: Detokenizer | None = None
+    generator: torch.Generator | None = None
+    owner: object = None  # whoever submitted it (the Provider's request)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.prompt_len
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one pass produced for one sequence: new token ids, new text, and the finish reason at the end."""
+
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class LoopStats:
+    passes: int = 0
+    useful_tokens: int = 0  # tokens generated (each pass gives at most one per slot)
+    prompt_tokens: int = 0
+    pass_s: list[float] = field(default_factory=list)
+    decode_pass_s: list[float] = field(default_factory=list)  # passes without prefill
+    busy_s: float = 0.0
+
+    def utilization(self, slots: int) -> float:
+        return self.useful_tokens / (slots * self.passes) if self.passes else 0.0
+
+
+class DecodeLoop:
+    """``submit`` requests, ``step`` until ``idle``; ``run`` does both for a list of requests."""
+
+    def __init__(self, model, tokenizer, *, slots: int, context: int, token_budget: int, device: torch.device,
+                 dtype: torch.dtype, eos_ids: list[int], cache_arg: str, kv=None, offload: set[int] = frozenset(),
+                 sync=lambda: None, on_error=lambda: None):
+        from airquant.kv import model_dims
+
+        register()
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
+        self.eos = set(eos_ids)
+        self.cache_arg, self.sync, self.on_error = cache_arg, sync, on_error
+        layers, kv_heads, head_dim = model_dims(model.config, turboquant=kv is not None)
+        self.kv = SlotKV(layers, slots, context, kv_heads, head_dim, device, dtype, kv=kv, offload=offload,
+                         pin=device.type == "cuda")
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.stats = LoopStats()
+        self._ids = itertools.count()
+        self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # 4D: transformers builds none
+
+    # -- requests ------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """PromptTooLongError when the prompt and its new tokens do not fit a slot."""
+        need = len(request.prompt_ids) + request.max_new_tokens
+        if not request.prompt_ids or need > self.context:
+            raise PromptTooLongError(
+                f"prompt of {len(request.prompt_ids)} tokens + {request.max_new_tokens} new tokens exceeds the "
+                f"context of {self.context} tokens per sequence; shorten the prompt or lower max_new_tokens "
+                "(or raise --context within the model's limit).")
+
+    def submit(self, request: Request) -> Sequence:
+        self.check(request)
+        seq = Sequence(next(self._ids), request, detok=Detokenizer(self.tokenizer, request.stop))
+        if request.temperature > 0:
+            seq.generator = torch.Generator()
+            seq.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence (its client went away): its slot is free for the next pass."""
+        if seq.done:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def run(self, requests: list[Request], on_event=None) -> list[Sequence]:
+        seqs = [self.submit(r) for r in requests]
+        while not self.idle:
+            for event in self.step():
+                if on_event is not None:
+                    on_event(event)
+        return seqs
+
+    # -- one pass ------------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens this pass): decodes first, then prefill chunks of admitted and new prompts."""
+        plan, budget = [], self.token_budget
+        for seq in self.running.values():
+            if not seq.prefilling:
+                plan.append((seq, 1))
+                budget -= 1
+        for seq in [s for s in self.running.values() if s.prefilling]:
+            budget -= self._chunk(plan, seq, budget)
+        free = [i for i in range(self.slots) if i not in self.running]
+        while free and self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if self.kv.tq and seq.prompt_len > budget and plan:
+                break  # a TurboQuant prompt is prefilled whole (its flush points then match one-at-a-time)
+            self.waiting.popleft()
+            seq.slot = free.pop(0)
+            self.running[seq.slot] = seq
+            budget -= self._chunk(plan, seq, budget)
+        return plan
+
+    def _chunk(self, plan: list, seq: Sequence, budget: int) -> int:
+        left = seq.prompt_len - seq.cached
+        n = left if self.kv.tq else min(left, budget)
+        if n > 0:
+            plan.append((seq, n))
+        return n
+
+    def step(self) -> list[Event]:
+        """One weight pass; the events of the sequences that produced tokens or finished."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        ids, pos, segments, emit = [], [], [], []
+        for seq, n in plan:
+            tokens = (seq.request.prompt_ids + tuple(seq.out))[seq.cached: seq.cached + n]
+            segments.append(Segment(seq.slot, seq.cached, n, len(ids)))
+            ids.extend(tokens)
+            pos.extend(range(seq.cached, seq.cached + n))
+            if seq.cached + n >= seq.prompt_len:
+                emit.append((seq, len(ids) - 1))
+        start = time.perf_counter()
+        logits = self._forward(ids, pos, segments, [i for _, i in emit])
+        for seq, n in plan:
+            self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
+            seq.cached += n
+        events = [self._advance(seq, logits[k]) for k, (seq, _) in enumerate(emit)]
+        self.sync()
+        took = time.perf_counter() - start
+        self.stats.passes += 1
+        self.stats.pass_s.append(took)
+        self.stats.busy_s += took
+        if all(n == 1 for _, n in plan):
+            self.stats.decode_pass_s.append(took)
+        return [e for e in events if e is not None]
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
+        """Logits ``[len(keep), V]`` (fp32) at the row positions ``keep``."""
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTN_NAME
+        self.kv.begin(segments)
+        row = torch.tensor([ids], device=self.device)
+        positions = torch.tensor([pos], device=self.device)
+        try:
+            with attention_backends():
+                out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
+                                 logits_to_keep=torch.tensor(keep, device=self.device),
+                                 **{self.cache_arg: self.kv})
+        except BaseException:
+            self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
+            raise
+        finally:
+            config._attn_implementation = previous
+        return out.logits[0].float()
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> Event | None:
+        if seq.done:  # cancelled while its pass ran
+            return None
+        token = self._sample(seq, logits)
+        now = time.perf_counter()
+        seq.first_token_at = seq.first_token_at or now
+        self.stats.useful_tokens += 1
+        r = seq.request
+        if token in self.eos and not r.ignore_eos:
+            seq.eos_hit = True
+            return Event(seq, [], self._finish(seq, "stop"), "stop")
+        seq.out.append(token)
+        text = seq.detok.push([token])
+        if seq.detok.stopped:
+            return Event(seq, [token], text + self._finish(seq, "stop"), "stop")
+        if len(seq.out) >= r.max_new_tokens:
+            return Event(seq, [token], text + self._finish(seq, "length"), "length")
+        return Event(seq, [token], text, None)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        r = seq.request
+        if r.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.cpu() / r.temperature, dim=-1)
+        if r.top_p < 1:
+            sorted_p, order = probs.sort(descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > r.top_p  # keep the smallest set reaching top_p
+            probs = probs.scatter(0, order[drop], 0.0)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _finish(self, seq: Sequence, reason: str) -> str:
+        seq.finish_reason = reason
+        seq.finished_at = time.perf_counter()
+        if seq.slot is not None and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            self.kv.free(seq.slot)
+        return seq.detok.flush() if reason != "cancelled" else ""

@@ -1,0 +1,250 @@
+"""The KV cache the decode loop owns: one region per slot, and attention over a ragged, packed batch.
+
+A pass runs the model's own forward on one packed row ``[1, T]``: the decode tokens of running
+sequences and chunks of prompts, each a *segment* (slot, first position, length, offset in the row).
+The cache's ``update`` (called by every attention module) writes each segment's keys/values into its
+slot; the ``airquant_ragged`` attention function registered with transformers then attends each
+segment to its own slot only.
+
+Plain cache: preallocated per-slot buffers ``[slots, Hkv, cap, D]`` per layer. Chosen over paged
+blocks because the decode attention then reads ``buf[:, :, :L]``, a view (no gather, no block
+table), and writing a step's tokens is one ``index_put``; paging would pack more short sequences in
+the same memory, which matters only when the KV cache, not the weight pass, bounds the slots (the
+TurboQuant cache below grows per sequence and already does not reserve ``cap``).
+Grouped-query attention is computed with the query heads of a KV head folded into the query rows
+(``[B, Hkv, G*L, D]``), so keys are never repeated per query head.
+
+TurboQuant cache: one ``TQLayer`` per (slot, layer), batch 1, fed exactly what one-at-a-time decoding
+feeds it (a whole prompt, then one token per step), so its flush and calibration points, and thus its
+outputs, are those of generating the sequence alone.
+
+KV offload: the offloaded layers' buffers live in (pinned) host memory; a layer's used prefix is
+copied to the device when the layer runs and its new tokens are written to both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from airquant.kv.attention import compressed_attention, keep_mask
+from airquant.kv.cache import TQLayer, context_of, tag
+from airquant.kv.config import KVConfig
+
+ATTN_NAME = "airquant_ragged"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens of one sequence in a pass: positions ``start .. start+n`` of ``slot``, at ``offset`` in the row."""
+
+    slot: int
+    start: int
+    n: int
+    offset: int
+
+
+@dataclass
+class PassContext:
+    """What the attention of one layer reads: the segments and the keys/values to attend to."""
+
+    kv: "SlotKV"
+    layer: int
+    keys: torch.Tensor | None = None  # plain: [slots, Hkv, L, D] (device), L >= every segment's end
+    values: torch.Tensor | None = None
+    tq: list | None = None  # TurboQuant: (tagged keys, values) per segment
+
+
+class SlotKV:
+    """Per-slot KV for every layer; ``begin(segments)`` before a pass, ``free(slot)`` when a sequence ends."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, slots: int, cap: int, kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype, *, kv: KVConfig | None = None, offload: set[int] | frozenset = frozenset(),
+                 pin: bool = False):
+        self.num_layers, self.slots, self.cap = num_layers, slots, cap
+        self.shape = (slots, kv_heads, cap, head_dim)
+        self.device, self.dtype, self.kv, self.offload, self.pin = device, dtype, kv, set(offload), pin
+        self.tq = kv is not None and kv.backend == "tq"
+        self._k: list[torch.Tensor | None] = [None] * num_layers
+        self._v: list[torch.Tensor | None] = [None] * num_layers
+        self._tq: dict[int, list[TQLayer]] = {}
+        self.segments: list[Segment] = []
+        self._decode: tuple[torch.Tensor, ...] | None = None
+
+    # -- the pass ------------------------------------------------------------------------------
+    def begin(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        dec = [s for s in segments if s.n == 1]
+        self._decode = None
+        if dec:
+            dev = self.device
+            self._decode = (torch.tensor([s.slot for s in dec], device=dev),
+                            torch.tensor([s.start for s in dec], device=dev),
+                            torch.tensor([s.offset for s in dec], device=dev))
+        self.span = max(s.start + s.n for s in segments)
+
+    def free(self, slot: int) -> None:
+        """A finished sequence's slot: plain buffers are overwritten by the next one; TQ layers dropped."""
+        self._tq.pop(slot, None)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from the loop (position_ids), never from the cache
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context."""
+        ctx = PassContext(self, layer_idx)
+        if self.tq:
+            ctx.tq = [self._tq_update(s, key, value, layer_idx) for s in self.segments]
+        else:
+            ctx.keys, ctx.values = self._plain_update(key, value, layer_idx)
+        return tag(key, ctx), value
+
+    def _buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k[i] is None:
+            home = torch.device("cpu") if i in self.offload else self.device
+            pin = self.pin and i in self.offload
+            self._k[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
+            self._v[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
+        return self._k[i], self._v[i]
+
+    def _plain_update(self, key, value, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_home, v_home = self._buffers(i)
+        if i in self.offload:
+            # The prefix in use goes to the device; the new tokens are written to both copies.
+            k_dev = k_home[:, :, : self.span].to(self.device, non_blocking=True)
+            v_dev = v_home[:, :, : self.span].to(self.device, non_blocking=True)
+            self._write(k_home, v_home, key.to(k_home.device), value.to(v_home.device))
+        else:
+            k_dev, v_dev = k_home[:, :, : self.span], v_home[:, :, : self.span]
+        self._write(k_dev, v_dev, key, value)
+        return k_dev, v_dev
+
+    def _write(self, k_buf, v_buf, key, value) -> None:
+        if self._decode is not None:
+            slots, starts, offsets = (t.to(k_buf.device) for t in self._decode)
+            k_buf[slots, :, starts] = key[0, :, offsets].transpose(0, 1).to(k_buf.dtype)  # [nd, Hkv, D]
+            v_buf[slots, :, starts] = value[0, :, offsets].transpose(0, 1).to(v_buf.dtype)
+        for s in self.segments:
+            if s.n > 1:
+                k_buf[s.slot, :, s.start: s.start + s.n] = key[0, :, s.offset: s.offset + s.n]
+                v_buf[s.slot, :, s.start: s.start + s.n] = value[0, :, s.offset: s.offset + s.n]
+
+    def _tq_update(self, s: Segment, key, value, i: int):
+        layers = self._tq.get(s.slot)
+        if layers is None:
+            head_dim = self.shape[-1]
+            layers = self._tq[s.slot] = [TQLayer(self.kv, j, head_dim) for j in range(self.num_layers)]
+        layer = layers[i]
+        if i in self.offload:
+            layer.prefetch()
+        assert layer.n_seen == s.start, "a TurboQuant slot is fed in order"
+        return layer.update(key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
+
+    def after_attention(self, i: int) -> None:
+        if self.tq and i in self.offload:
+            for s in self.segments:
+                self._tq[s.slot][i].offload()
+
+    def nbytes(self) -> int:
+        """Bytes of the cache's tensors (device and host)."""
+        plain = sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
+        tq = sum(t.numel() * t.element_size() for layers in self._tq.values() for layer in layers
+                 if layer.is_initialized for t in layer.tensors())
+        return plain + tq
+
+
+# -- attention ---------------------------------------------------------------------------------
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, D], None)``."""
+    ctx = context_of(key)
+    if not isinstance(ctx, PassContext):  # another cache (a reference run): transformers' sdpa
+        plain = key.as_subclass(torch.Tensor) if ctx is not None else key
+        return sdpa_attention_forward(module, query, plain, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
+    if ctx.tq is not None:
+        out = _tq_attention(query, ctx, scale)
+    else:
+        out = _plain_attention(query, ctx, scale, window)
+    ctx.kv.after_attention(ctx.layer)
+    return out.transpose(1, 2), None
+
+
+def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window: int | None) -> torch.Tensor:
+    kv = ctx.kv
+    _, hq, _, dim = query.shape
+    keys, values = ctx.keys, ctx.values  # [S, Hkv, L, D]
+    hkv = keys.shape[1]
+    g = hq // hkv
+    out = torch.empty_like(query)  # [1, Hq, T, D]
+    if kv._decode is not None:
+        slots, starts, offsets = kv._decode
+        q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
+        q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
+        length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
+        length[slots] = starts + 1
+        cols = torch.arange(keys.shape[2], device=query.device)
+        keep = cols < length[:, None]  # [S, L]
+        if window:
+            keep &= cols > (length[:, None] - 1 - window)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep[:, None, None, :], scale=scale)
+        out[0, :, offsets] = o[slots].reshape(-1, hq, dim).transpose(0, 1)
+    for s in kv.segments:
+        if s.n == 1:
+            continue
+        end = s.start + s.n
+        q = query[:, :, s.offset: s.offset + s.n].reshape(1, hkv, g * s.n, dim)  # rows g-major
+        rows = torch.arange(s.start, end, device=query.device)[:, None]
+        cols = torch.arange(end, device=query.device)[None, :]
+        keep = cols <= rows
+        if window:
+            keep &= cols > rows - window
+        keep = keep.repeat(g, 1)[None, None]  # [1, 1, G*n, end]
+        o = F.scaled_dot_product_attention(q, keys[s.slot: s.slot + 1, :, :end], values[s.slot: s.slot + 1, :, :end],
+                                           attn_mask=keep, scale=scale)
+        out[:, :, s.offset: s.offset + s.n] = o.reshape(1, hq, s.n, dim)
+    return out
+
+
+def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
+    out = torch.empty_like(query)
+    for s, (keys, values) in zip(ctx.kv.segments, ctx.tq):
+        q = query[:, :, s.offset: s.offset + s.n]
+        tq = context_of(keys)
+        plain = keys.as_subclass(torch.Tensor)
+        tq.receipt.consumed = True
+        if tq.history.length:
+            o = compressed_attention(q, plain, values, tq, None, scale).transpose(1, 2)
+        else:
+            g = q.shape[1] // plain.shape[1]
+            keep = keep_mask(None, 1, s.n, plain.shape[2], q.device)
+            o = F.scaled_dot_product_attention(q, plain.repeat_interleave(g, 1), values.repeat_interleave(g, 1),
+                                               attn_mask=keep, scale=scale)
+        out[:, :, s.offset: s.offset + s.n] = o
+    return out
+
+
+def attention_backends():
+    """Scaled-dot-product attention without its cuDNN backend, which PyTorch prefers on Hopper.
+
+    cuDNN builds an execution plan for every new sequence length, tens of milliseconds of CPU at each
+    decode step (the KV cache grows by one token). The stall holds back the next layer copies: on an
+    H200 a streamed step of 8 bf16 layers took 123 ms instead of the 64 ms its copies need.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def register() -> None:
+    """The attention function and a mask builder that builds nothing (the loop passes its own 4D mask)."""
+    AttentionInterface.register(ATTN_NAME, ragged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)

@@ -1,0 +1,61 @@
+"""Text out of a growing list of token ids: incremental, never a broken UTF-8 character, stop strings cut.
+
+A byte-level BPE token may hold part of a character; decoding such a prefix gives U+FFFD at its end.
+The text is released only up to a point where it decodes cleanly, and (when stop strings are set)
+short of any tail that could still become a stop string, so a streamed client never sees text that a
+later token turns into a stop and removes.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """``push(ids)`` -> the new text since the last call; ``stopped`` once a stop string appeared."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # the full decoded text, cut at a stop string once one appeared
+        self.sent = 0  # characters of ``text`` already released
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hit = self._find_stop(text)
+        if hit is not None:
+            self.stopped = True
+            self.text = text[:hit]
+            return self._release(len(self.text))
+        self.text = text
+        safe = len(text.rstrip(REPLACEMENT)) if text.endswith(REPLACEMENT) else len(text)
+        return self._release(safe - self._held_back(text[:safe]))
+
+    def flush(self) -> str:
+        """The rest of the text (the sequence ended): a trailing partial character stays out."""
+        text = self.text if self.stopped else self.text.rstrip(REPLACEMENT)
+        return self._release(len(text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent: upto], upto
+        return out
+
+    def _find_stop(self, text: str) -> int | None:
+        # Only the region new tokens can have completed is searched: a stop string ends after ``sent``.
+        start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
+        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that begin some stop string (not released yet)."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,332 @@
+"""Batch jobs past one GPU: Ray Data spreads the prompts over one AirQuant engine per GPU.
+
+The output rules are those of ``airquant batch`` (``airquant.jobs.batch``): a restart skips the ids already
+in OUT.jsonl, each id is written once, and every record is appended and fsynced. Only the driver writes:
+engine actors return records, the driver appends them as they stream back. A kill of the driver at any
+moment therefore loses no written record, and a record that an actor computed but the driver never wrote is
+computed again on the next run. When an actor dies, Ray restarts it (``max_restarts``) and re-runs its
+unfinished batch; a record that arrives twice is written once.
+
+The driver reads and checks the input with the single-process rules (ids default to line numbers and must be
+unique over the whole file, which no per-block reader can see) and hands Ray Data blocks of prompts, longest
+first; each actor runs its blocks through ``airquant.jobs.batch.generate_records`` (continuous batching in
+``--batch-size`` slots), the single-process job's own function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from airquant.config import EngineConfig
+from airquant.errors import AirQuantError, DependencyError, StoreError
+from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, finished_ids,
+                                 generate_records, prompt_lengths, read_prompts)
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install -r requirements-scale.txt  (or: pip install 'ray[data]')"
+MANIFEST = "manifest.json"  # the file whose bytes identify a store (airquant.store.manifest.MANIFEST)
+ACTOR_PREFIX = "airquant-engine-"
+# Prompts per actor call, in slots: the decode loop refills a slot as a sequence ends, so a call of several
+# slots' worth keeps them full until its tail; records stream back to the driver once per call.
+CALL_SLOTS = 4
+
+
+class StoreNotSharedError(AirQuantError):
+    """A node of the Ray cluster cannot read the store, or reads a different one at the same path."""
+
+
+class RayBatchError(BatchJobError):
+    """The Ray cluster cannot run the job as asked (resources, a failed batch)."""
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """``airquant batch --ray [ADDRESS] --engines N --gpus-per-engine G``."""
+
+    address: str = "local"  # "local": a new Ray on this machine; "auto" or HOST:PORT: join a running cluster
+    engines: int | None = None  # None: one per gpus_per_engine GPUs in the cluster (1 without GPUs)
+    gpus_per_engine: float | None = None  # None: 1 when the cluster has GPUs, else 0 (CPU engines)
+    max_restarts: int = 4  # times Ray restarts a dead engine actor (and retries its batch)
+
+
+def require_ray():
+    """The ``ray`` module with Ray Data, or DependencyError with the pip command."""
+    try:
+        import ray
+        import ray.data  # noqa: F401  (ray without the [data] extra lacks pyarrow)
+    except ImportError as exc:
+        raise DependencyError(f"airquant batch --ray needs Ray Data ({exc.name or 'ray'} is missing): {INSTALL}") from exc
+    return ray
+
+
+# -- records ---------------------------------------------------------------------------------------
+def engine_records(engine, prompts: list[Prompt], job: BatchJob, slots: int, context: int) -> tuple[list[dict], int]:
+    """Records of ``prompts`` on an open engine, as ``airquant batch`` writes them, and the slots that fit.
+
+    Engines that run AirQuant's decode loop go through ``generate_records`` (continuous batching, the
+    single-process job's own function); others through static batches of ``slots`` as ``run_batch`` runs
+    them. An out-of-memory error halves the slots and reruns only the records not finished yet."""
+    done: dict[str, dict] = {}
+
+    def keep(record: dict) -> None:
+        done.setdefault(json.dumps(record["id"]), record)
+
+    todo = list(prompts)
+    while todo:
+        try:
+            if hasattr(engine, "decode_loop") and engine.loop_supported:
+                generate_records(engine, todo, job, slots=slots, context=context, on_record=keep)
+            else:
+                static_records(engine, todo, job, slots, keep)
+            todo = []
+        except torch.OutOfMemoryError:
+            if slots == 1:
+                raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, raise "
+                                    "--max-vram, or use --host-embedding / a compressed store.") from None
+            slots //= 2
+            todo = [p for p in todo if p.key not in done]
+            log.warning("out of GPU memory: rerunning %d records with %d slots", len(todo), slots)
+            torch.cuda.empty_cache()
+    return list(done.values()), slots
+
+
+def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_record) -> None:
+    """``run_batch``'s static path: ``size`` prompts per ``Engine.generate_detailed`` call."""
+    for i in range(0, len(prompts), size):
+        chunk = prompts[i:i + size]
+        completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
+        timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
+        for p, c in zip(chunk, completions):
+            on_record({"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
+                       "new_tokens": c.new_tokens, "timings": timings})
+
+
+def job_context(store: Path, lengths: list[int], prompts: list[Prompt], job: BatchJob) -> int:
+    """Tokens per sequence, as ``run_batch`` sizes them: the longest prompt + its new tokens, at most the
+    model's context (a record over it gets an error record)."""
+    context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, prompts))
+    cfg = json.loads((store / "config.json").read_text()) if (store / "config.json").is_file() else {}
+    limit = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return min(context, limit) if limit else context
+
+
+# -- the store on every node -------------------------------------------------------------------
+def store_digest(store: Path) -> str:
+    """sha256 of the store's manifest: the same path on two nodes must hold the same store."""
+    path = Path(store) / MANIFEST
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise StoreNotSharedError(f"{os.uname().nodename} cannot read {path} ({exc.strerror}); every node that "
+                                  "runs an engine needs the store at this path: put it on a shared filesystem "
+                                  "or copy it to the same path on each node.") from exc
+
+
+def check_store(store: Path, digest: str) -> None:
+    """Raise StoreNotSharedError unless ``store`` here is the store the driver read."""
+    if store_digest(store) != digest:
+        raise StoreNotSharedError(f"{os.uname().nodename} has a different store at {store} (its manifest.json "
+                                  "differs from the driver's); copy the driver's store to the same path on each "
+                                  "node, or use a shared filesystem.")
+
+
+def check_store_on_nodes(ray, store: Path, digest: str, gpus: float) -> None:
+    """Check the store on each node, other than the driver's, that can host an engine (one task per node)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    need = "GPU" if gpus else "CPU"
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != here and n["Resources"].get(need, 0) > 0]
+    probe = ray.remote(num_cpus=0)(_node_check)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(str(store), digest) for n in nodes]
+    problems = [msg for msg in ray.get(refs) if msg]
+    if problems:
+        raise StoreNotSharedError(" ".join(problems))
+
+
+def _node_check(store: str, digest: str) -> str | None:
+    try:
+        check_store(Path(store), digest)
+    except StoreNotSharedError as exc:
+        return str(exc)
+    return None
+
+
+# -- the engine actor --------------------------------------------------------------------------
+class EngineActor:
+    """One AirQuant engine per Ray actor; ``__call__`` turns a batch of prompts into JSON records."""
+
+    def __init__(self, store: str, cfg: EngineConfig, job: BatchJob, digest: str):
+        from airquant.engine.runner import Engine
+
+        check_store(Path(store), digest)
+        self.job, self.slots = job, job.batch_size
+        self.engine = Engine.open(store, cfg)
+
+    def __call__(self, batch: dict) -> dict:
+        prompts = [Prompt(id=row["id"], prompt=row["prompt"], key=key, settings=_settings(row["settings"]))
+                   for key, row in zip(batch["key"], map(json.loads, batch["row"]))]
+        # An OOM halving holds for this actor's later batches, as it does for the rest of a single-process job.
+        records, self.slots = engine_records(self.engine, prompts, self.job, self.slots, self.engine.cfg.context)
+        return {"key": [json.dumps(r["id"]) for r in records],
+                "line": [json.dumps(r, ensure_ascii=False) for r in records],
+                "new_tokens": [int(r.get("new_tokens", 0)) for r in records]}
+
+
+def _settings(row: dict) -> dict:
+    # JSON has no tuples: ``stop`` comes back a list, and Prompt keeps it a tuple (batch.read_prompts).
+    return {k: tuple(v) if k == "stop" else v for k, v in row.items()}
+
+
+def _auto_size(store: str, cfg: EngineConfig, context: int, limit: int, kv) -> int:
+    return auto_batch_size(Path(store), cfg, context, limit, kv)
+
+
+# -- the driver --------------------------------------------------------------------------------
+def connect(ray, address: str) -> bool:
+    """Start or join Ray; True when this call started it (and the job should shut it down)."""
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def engine_shape(ray, scale: ScaleConfig) -> tuple[int, float]:
+    """(engines, GPUs per engine) from the flags and the cluster's resources."""
+    total = ray.cluster_resources().get("GPU", 0)
+    gpus = scale.gpus_per_engine if scale.gpus_per_engine is not None else (1.0 if total else 0.0)
+    if gpus > total:
+        raise RayBatchError(f"--gpus-per-engine {gpus:g} but the Ray cluster has {total:g} GPU(s); pass "
+                            "--gpus-per-engine 0 for CPU engines, or join a cluster with GPUs (--ray ADDRESS).")
+    engines = scale.engines or (int(total // gpus) if gpus else 1)
+    if engines < 1 or engines * gpus > total:
+        raise RayBatchError(f"--engines {engines} x --gpus-per-engine {gpus:g} needs {engines * gpus:g} GPUs; "
+                            f"the Ray cluster has {total:g}. Lower --engines or add nodes.")
+    return engines, gpus
+
+
+def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
+                  scale: ScaleConfig | None = None, *, progress: bool = True) -> BatchReport:
+    """Run every prompt of ``job.input`` not yet in ``job.output`` on engines spread by Ray Data."""
+    ray = require_ray()
+    store, cfg, scale = Path(store), cfg or EngineConfig(), scale or ScaleConfig()
+    if not (store / MANIFEST).is_file():
+        raise StoreError(f"{store} is not a store (no {MANIFEST}); pass the folder `airquant shard` or "
+                         "`airquant synth` wrote.")
+    digest = store_digest(store)
+    prompts = read_prompts(job.input)
+    done = finished_ids(job.output)
+    report = BatchReport(skipped=sum(p.key in done for p in prompts))
+    todo = [p for p in prompts if p.key not in done]
+    if not todo:
+        return report
+    from transformers import AutoTokenizer
+
+    lengths = prompt_lengths(AutoTokenizer.from_pretrained(store / "tokenizer"), todo, job.gen.chat)
+    context = job_context(store, lengths, todo, job)
+    todo = [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]  # as run_batch: longest first
+    owned = connect(ray, scale.address)
+    try:
+        engines, gpus = engine_shape(ray, scale)
+        check_store_on_nodes(ray, store, digest, gpus)
+        if gpus == 0 and cfg.device == "auto":
+            cfg = replace(cfg, device="cpu")  # an actor without a GPU must not pick up the node's
+        size = job.batch_size or ray.get(ray.remote(num_gpus=gpus)(_auto_size).remote(
+            str(store), cfg, context, job.max_batch, job.kv))
+        job = replace(job, batch_size=size)
+        ray.data.DataContext.get_current().enable_progress_bars = progress
+        log.info("ray batch job: %d prompts (%d already done), %d engine(s) x %g GPU, batch size %d, context %d",
+                 len(todo), report.skipped, engines, gpus, size, context)
+        call = min(size * CALL_SLOTS, max(size, math.ceil(len(todo) / engines)))  # every engine gets work
+        records = _engines(ray, _dataset(ray, todo, call), replace(cfg, batch_size=size, context=context), job,
+                           (str(store), digest), (engines, gpus, scale.max_restarts, call))
+        _write(ray, records, todo, job, report, progress)
+    finally:
+        if owned:
+            ray.shutdown()
+    return report
+
+
+def _dataset(ray, todo: list[Prompt], size: int):
+    """Blocks of ``size`` prompts, longest first: one block is one actor call."""
+    import pyarrow as pa
+
+    # The prompt row travels as JSON text: ids mix str and int, prompts may be chat message lists.
+    rows = [json.dumps({"id": p.id, "prompt": p.prompt, "settings": p.settings}, ensure_ascii=False) for p in todo]
+    keys = [p.key for p in todo]
+    return ray.data.from_arrow([pa.table({"key": keys[i:i + size], "row": rows[i:i + size]})
+                                for i in range(0, len(todo), size)])
+
+
+def _engines(ray, ds, cfg: EngineConfig, job: BatchJob, store: tuple[str, str], shape: tuple[int, float, int, int]):
+    """The dataset of records: ``ds`` mapped by ``engines`` EngineActors of ``gpus`` GPUs each."""
+    engines, gpus, restarts, call = shape
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates passing actor options (max_restarts, a name per actor) this way but offers no
+        # named parameter for them yet; requirements-scale.txt pins the version that accepts them.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
+        return ds.map_batches(
+            EngineActor, batch_size=call, batch_format="numpy", concurrency=engines, num_gpus=gpus,
+            num_cpus=_cpus_per_engine(ray, engines, gpus),
+            fn_constructor_kwargs={"store": store[0], "cfg": cfg, "job": job, "digest": store[1]},
+            max_restarts=restarts, max_task_retries=restarts, ray_remote_args_fn=_actor_name)
+
+
+def _cpus_per_engine(ray, engines: int, gpus: float) -> float:
+    """A GPU engine needs one core to drive it; CPU engines share the cluster's cores (Ray sets their threads)."""
+    if gpus:
+        return 1.0
+    return max(1.0, math.floor(ray.cluster_resources().get("CPU", 1) / engines))
+
+
+def _actor_name() -> dict:
+    # A name per actor makes the engines visible (`ray list actors`) and reachable with ray.get_actor.
+    return {"name": f"{ACTOR_PREFIX}{uuid.uuid4().hex[:12]}"}
+
+
+def _write(ray, records, todo: list[Prompt], job: BatchJob, report: BatchReport, progress: bool) -> None:
+    """Append each record once as it streams back; one fsync per returned batch."""
+    from tqdm.auto import tqdm
+
+    start, written = time.perf_counter(), set()
+    bar = tqdm(total=len(todo), desc="batch (ray)", unit="prompt", disable=not progress)
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.output, "a", encoding="utf-8") as f:
+        try:
+            for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
+                fresh = [i for i, key in enumerate(batch["key"]) if key not in written]
+                if not fresh:
+                    continue
+                f.write("".join(batch["line"][i] + "\n" for i in fresh))
+                f.flush()
+                os.fsync(f.fileno())
+                written.update(batch["key"][i] for i in fresh)
+                report.done += len(fresh)
+                report.new_tokens += int(sum(batch["new_tokens"][i] for i in fresh))
+                report.batch_sizes.append(len(fresh))
+                report.elapsed_s = time.perf_counter() - start
+                bar.update(len(fresh))
+                bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}")
+        except ray.exceptions.RayError as exc:
+            raise RayBatchError(f"a batch failed on the Ray cluster after {report.done} new records were written "
+                                f"to {job.output} ({type(exc).__name__}: {str(exc).splitlines()[0]}); fix the "
+                                "cause and re-run the same command: finished ids are skipped.") from exc
+        finally:
+            bar.close()
+    missing = len({p.key for p in todo} - written)
+    if missing:
+        raise RayBatchError(f"{missing} prompt(s) got no record from the Ray cluster; re-run the same command to "
+                            "run them (finished ids are skipped).")

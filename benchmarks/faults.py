@@ -1,0 +1,275 @@
+"""Fault injection: kill, fill, damage and flood AirQuant, and count what survives.
+
+Each part injects one kind of fault a number of times and checks the promise that goes with it:
+
+- ``shard_kill``: ``kill -9`` of ``airquant shard`` at random moments → the re-run completes, ``info --verify``
+  passes, no temp files are left, every shard equals a clean split's;
+- ``disk_full``: the disk fills during a split (a small tmpfs; needs root and ``mount``) → a DiskSpaceError with
+  the numbers, the shards already written untouched, a re-run completes once space is freed;
+- ``damaged``: truncated, one-bit-corrupted, missing and extra shard files, hand-edited manifests → a named error
+  (exit 2, the file named), never an answer computed from damaged weights;
+- ``batch_kill``: ``kill -9`` of ``airquant batch`` at random moments → after a re-run every id is in the output
+  exactly once, and no record finished before the kill is lost or changed;
+- ``oom``: an out-of-memory error injected mid-batch → the batch halves, every prompt is answered once;
+- ``server_load``: many concurrent clients on loopback → every request answered (200) or refused (429), the
+  server alive, its memory flat; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx, /health answers.
+
+``python -m benchmarks.faults`` prints a table and writes ``results/reliability.json`` (cases tried, survived,
+records lost). ``--quick`` uses the tiny counts of the tests; ``--part`` runs one part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import fault_tools as ft
+
+log = logging.getLogger(__name__)
+
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "reliability.json"
+PARTS = ("shard_kill", "disk_full", "damaged", "batch_kill", "oom", "server_load", "server_fuzz")
+
+
+@dataclass
+class CaseResult:
+    case: str
+    tried: int
+    survived: int
+    records_lost: int = 0
+    skipped: str = ""  # why the part did not run (e.g. mount not permitted)
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.survived == self.tried and self.records_lost == 0
+
+
+# -- the store ---------------------------------------------------------------------------------
+def shard_kill(model: str, work: Path, moments: int, seed: int = 0) -> CaseResult:
+    """kill -9 a split at ``moments`` random times inside a clean split's duration; re-run; compare."""
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    clean = work / "clean"
+    took, first = ft.timed_run(ft.cli("shard", model, "--store", clean, "--quiet"), watch=clean / "manifest.json")
+    want = ft.checksums(clean)
+    survived, notes = 0, []
+    for k in range(moments):
+        store = work / f"kill{k}"
+        at = rng.uniform(first, took)  # between the first shard written and the end
+        killed = ft.run_and_kill(ft.cli("shard", model, "--store", store, "--quiet"), at)
+        ft.run_ok(ft.cli("shard", model, "--store", store, "--quiet"))
+        ft.run_ok(ft.cli("info", "--store", store, "--verify"))
+        temps = ft.temp_files(store)
+        same = ft.checksums(store) == want
+        survived += not temps and same
+        if temps or not same:
+            notes.append(f"kill at {at:.2f}s: temps {temps[:3]}, same shards {same}")
+        shutil.rmtree(store)
+        log.info("shard kill %d at %.2fs (killed: %s)", k, at, killed)
+    return CaseResult("kill -9 airquant shard", moments, survived, detail="; ".join(notes) or
+                      f"kills in {first:.1f}-{took:.1f}s of a {took:.1f}s split")
+
+
+def disk_full(model: str, work: Path, fill_after: str = "layer.1") -> CaseResult:
+    """Fill a small tmpfs after ``fill_after`` is written: DiskSpaceError with numbers, written shards intact."""
+    work.mkdir(parents=True, exist_ok=True)
+    from airquant.errors import DiskSpaceError
+    from airquant.models import resolve
+    from airquant.store.manifest import load_manifest, open_store, shard_ok
+    from airquant.store.split import estimate_bytes, split
+
+    source = resolve(model)
+    need = estimate_bytes(source, "float32")
+    mnt = work / "tmpfs"
+    why = ft.mount_tmpfs(mnt, ft.split_room(need))
+    if why:
+        return CaseResult("disk full during a split", 0, 0, skipped=why)
+    try:
+        store, filler = mnt / "store", mnt / "filler"
+
+        def fill(group, tensors):  # another writer takes every free byte once fill_after is stored
+            if group != fill_after and (store / "manifest.json").is_file() and not filler.exists():
+                if fill_after in load_manifest(store).shards:
+                    ft.fill_disk(filler)
+            return tensors, {}
+
+        checks = []
+        try:
+            split(source, store, dtype="float32", transform=fill, progress=False)
+            checks.append(False)  # the split should not have fitted
+        except DiskSpaceError as exc:
+            msg = str(exc)
+            checks.append("MB are free" in msg and "needs" in msg)
+        m = load_manifest(store)
+        checks.append(bool(m.shards) and all(shard_ok(store, e) for e in m.shards.values()))
+        checks.append(not ft.temp_files(store))
+        filler.unlink()
+        split(source, store, dtype="float32", progress=False)
+        open_store(store, verify=True)
+        checks.append(True)
+    finally:
+        ft.unmount(mnt)
+    return CaseResult("disk full during a split", 1, int(all(checks)),
+                      detail=f"tmpfs of {ft.split_room(need) / 1e6:.0f} MB filled after {fill_after}; checks {checks}")
+
+
+def damaged(store: Path, work: Path, flips: int, seed: int = 0) -> CaseResult:
+    """Every kind of damage, run through `airquant generate`: exit 2 and the damaged file named."""
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    cases = ft.damage_cases(store, rng, flips)
+    survived, notes = 0, []
+    for name, damage, names in cases:
+        target = work / "damaged"
+        shutil.copytree(store, target)
+        damage(target)
+        rc, out, err = ft.in_process("generate", target, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2")
+        good = rc == 2 and names in err and "Traceback" not in err and "###" not in out
+        survived += good
+        if not good:
+            notes.append(f"{name}: rc {rc}, {err.strip()[-160:]!r}")
+        shutil.rmtree(target)
+    return CaseResult("damaged store files", len(cases), survived, detail="; ".join(notes))
+
+
+# -- batch jobs --------------------------------------------------------------------------------
+def batch_kill(store: Path, work: Path, moments: int, prompts: int = 24, seed: int = 0) -> CaseResult:
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    inp = work / "prompts.jsonl"
+    ft.write_prompts(inp, prompts)
+    args = ("--device", "cpu", "--batch-size", "2", "--max-new-tokens", "8", "--quiet")
+    clean_out = work / "clean.jsonl"
+    took, first = ft.timed_run(ft.cli("batch", store, "--input", inp, "--output", clean_out, *args),
+                               watch=clean_out)
+    survived, lost, notes = 0, 0, []
+    for k in range(moments):
+        out = work / f"out{k}.jsonl"
+        at = rng.uniform(first, took)
+        ft.run_and_kill(ft.cli("batch", store, "--input", inp, "--output", out, *args), at)
+        before = ft.complete_records(out)
+        ft.run_ok(ft.cli("batch", store, "--input", inp, "--output", out, *args))
+        after = ft.complete_records(out)
+        ids = [r["id"] for r in after]
+        missing = [r for r in before if r not in after]
+        lost += len(missing)
+        good = sorted(ids) == list(range(prompts)) and not missing
+        survived += good
+        if not good:
+            notes.append(f"kill at {at:.2f}s: {len(ids)} records for {prompts} ids, {len(missing)} lost")
+    return CaseResult("kill -9 airquant batch", moments, survived, records_lost=lost,
+                      detail="; ".join(notes) or f"kills in {first:.1f}-{took:.1f}s of a {took:.1f}s job")
+
+
+def oom(store: Path, work: Path, prompts: int = 12, fits: int = 2) -> CaseResult:
+    # run_batch with an open engine is the job's public API; the wrapper only adds the failure.
+    work.mkdir(parents=True, exist_ok=True)
+    """An OutOfMemoryError for any batch above ``fits`` prompts: the job halves until it fits."""
+    from airquant.engine.runner import Engine
+    from airquant.jobs.batch import BatchJob, run_batch
+
+    inp, out = work / "oom_in.jsonl", work / "oom_out.jsonl"
+    ft.write_prompts(inp, prompts)
+    engine = Engine.open(store, device="cpu")
+    flaky = ft.OOMAbove(engine, fits)
+    try:
+        report = run_batch(store, BatchJob(input=inp, output=out, batch_size=8, gen=ft.short_gen()),
+                           engine=flaky, progress=False)
+    finally:
+        engine.close()
+    ids = [r["id"] for r in ft.complete_records(out)]
+    good = (sorted(ids) == list(range(prompts)) and report.oom_halvings >= 1 and flaky.injected >= 1
+            and max(report.batch_sizes, default=0) <= fits)
+    return CaseResult("OOM injected mid-batch", 1, int(good), records_lost=prompts - len(set(ids)),
+                      detail=f"{flaky.injected} OOMs injected, {report.oom_halvings} halvings, batches "
+                             f"{sorted(set(report.batch_sizes), reverse=True)}")
+
+
+# -- the server --------------------------------------------------------------------------------
+def server_load(store: Path, clients: int, seconds: float, max_queue: int = 16) -> CaseResult:
+    with ft.ServerProcess(store, "--max-queue", str(max_queue), "--max-batch", "8") as server:
+        stats = ft.flood(server, clients, seconds)
+        alive = server.alive() and ft.health(server.url) == 200
+    rss = stats["rss_mb"]
+    # Flat: the last quarter of the run holds no more than the first quarter plus a little
+    # (allocator noise, tokenizer caches), not a growth with the number of requests.
+    flat = max(rss[-max(1, len(rss) // 4):]) <= 1.10 * max(rss[: max(1, len(rss) // 4)]) + 32
+    bad = stats["requests"] - stats["ok"] - stats["rejected"]
+    good = bad == 0 and alive and flat
+    return CaseResult(f"{clients} clients for {seconds:.0f}s", stats["requests"], stats["requests"] - bad
+                      if good else stats["requests"] - max(bad, 1),
+                      detail=f"{stats['ok']} answered, {stats['rejected']} refused (429), {bad} other, alive {alive}, "
+                             f"RSS {rss[0]:.0f}->{rss[-1]:.0f} MB (peak {max(rss):.0f}), flat {flat}")
+
+
+def server_fuzz(store: Path, examples: int, seed: int = 0) -> CaseResult:
+    with ft.ServerProcess(store) as server:
+        statuses = ft.fuzz(server.url, examples, seed)
+        alive = server.alive() and ft.health(server.url) == 200
+    bad = [s for s in statuses if not 400 <= s < 500]
+    kinds = sorted(set(statuses))
+    return CaseResult("malformed requests (hypothesis)", len(statuses), len(statuses) - len(bad) if alive else 0,
+                      detail=f"statuses {kinds}, /health after: {'200' if alive else 'DOWN'}")
+
+
+# -- the run -----------------------------------------------------------------------------------
+COUNTS = {"full": {"moments": 20, "flips": 20, "clients": 200, "seconds": 60.0, "fuzz": 1000},
+          "quick": {"moments": 2, "flips": 3, "clients": 16, "seconds": 4.0, "fuzz": 40}}
+
+
+def run_part(part: str, model: str, store: Path, work: Path, n: dict) -> CaseResult:
+    work.mkdir(parents=True, exist_ok=True)
+    if part == "shard_kill":
+        return shard_kill(model, work, n["moments"])
+    if part == "disk_full":
+        return disk_full(model, work)
+    if part == "damaged":
+        return damaged(store, work, n["flips"])
+    if part == "batch_kill":
+        return batch_kill(store, work, n["moments"])
+    if part == "oom":
+        return oom(store, work)
+    if part == "server_load":
+        return server_load(store, n["clients"], n["seconds"])
+    return server_fuzz(store, n["fuzz"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=("all",) + PARTS, default="all")
+    p.add_argument("--model", default=None, help="model to split (default: a tiny random Llama, written here)")
+    p.add_argument("--quick", action="store_true", help="the tests' tiny counts")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    n = COUNTS["quick" if args.quick else "full"]
+    parts = PARTS if args.part == "all" else (args.part,)
+    with tempfile.TemporaryDirectory(prefix="airquant-faults-") as tmp:
+        work = Path(tmp)
+        model = args.model or str(ft.tiny_model(work / "model"))
+        store = work / "store"
+        ft.run_ok(ft.cli("shard", model, "--store", store, "--dtype", "float32", "--quiet"))
+        rows = []
+        for part in parts:
+            start = time.perf_counter()
+            row = run_part(part, model, store, work / part, n)
+            rows.append({"part": part, **asdict(row), "ok": row.ok, "seconds": round(time.perf_counter() - start, 1)})
+            print(ft.table_line(rows[-1]), flush=True)
+    ft.write_results(args.out, rows, quick=args.quick, model=args.model or "tiny random llama (3 layers)")
+    failed = [r["part"] for r in rows if not r["ok"] and not r["skipped"]]
+    print(f"{sum(r['tried'] for r in rows)} cases tried, {sum(r['survived'] for r in rows)} survived, "
+          f"{sum(r['records_lost'] for r in rows)} records lost" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

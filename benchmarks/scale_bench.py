@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Ray's cost on one GPU: the same batch job through ``airquant batch --ray --engines 1`` and plain ``airquant batch``.
+
+Both runs are the CLI as a user starts it (a fresh process each: imports, engine open, generation, the
+records fsynced to OUT.jsonl), on the same prompts, batch size and store, with the store's files read into
+the page cache first so that neither pays the cold disk. The Ray run also starts a local Ray, an engine
+actor, and streams records back to the driver. ``ray_over_plain_wall`` = Ray wall / plain wall (target
+<= 1.05); useful tok/s = new tokens written / wall.
+
+Parts (results merge into ``results/scale_bench.json``):
+
+* ``store``: an 8B-shaped bf16 store (``airquant synth --shape llama3-8b --dtype bfloat16``, 16 GB, built on the
+  GPU) under ``--workdir``; skipped with ``--store PATH`` (reuse one built for another benchmark).
+* ``plain``: plain ``airquant batch``.
+* ``ray``: ``airquant batch --ray --engines 1``.
+
+``--quick`` runs the whole flow on the CPU with a tiny 2-layer store (a test of the script, not a measurement).
+
+    python benchmarks/scale_bench.py --part all            # about 3 minutes on one H200, store included
+    python benchmarks/scale_bench.py --store /path/llama3-8b-bf16 --part all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airquant.store.synth import SynthSpec, synth  # noqa: E402
+
+log = logging.getLogger("scale_bench")
+TARGET = 1.05  # ray_over_plain_wall, at most
+QUICK = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
+WORDS = ("the river carried seven boats past an old mill while the town slept and a lamp burned in one "
+         "window where someone wrote letters about the harvest the weather and the long road north").split()
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def write_prompts(path: Path, n: int) -> Path:
+    """``n`` prompts of 8 to 40 words, ids 0..n-1 (lengths vary so batches pad as real ones do)."""
+    rows = [{"id": k, "prompt": " ".join(WORDS[(k * 7 + j) % len(WORDS)] for j in range(8 + (k * 13) % 33))}
+            for k in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build_store(args: argparse.Namespace) -> Path:
+    from transformers import AutoTokenizer
+
+    path = Path(args.workdir) / ("llama3-8b-bf16-quick" if args.quick else "llama3-8b-bf16")
+    spec = SynthSpec("llama3-8b", "bfloat16", layers=2 if args.quick else None, overrides=QUICK if args.quick else ())
+    tok = AutoTokenizer.from_pretrained(args.tokenizer) if Path(args.tokenizer).is_dir() else None
+    start = time.perf_counter()
+    manifest = synth(spec, path, device="cpu" if args.quick else "cuda", tokenizer=tok, progress=False)
+    log.info("store %s: %.2f GB in %.1f s", path, manifest.total_bytes / 1e9, time.perf_counter() - start)
+    return path
+
+
+def warm(store: Path) -> float:
+    """Read every file of the store once so both runs find it in the page cache; returns GB read."""
+    total = 0
+    for path in sorted(store.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 26):
+                    total += len(chunk)
+    return total / 1e9
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) -> dict:
+    """One ``airquant batch`` process on a fresh output; its wall time, job time and tokens."""
+    work = Path(args.workdir)
+    inp, out = work / "prompts.jsonl", work / f"out-{name}.jsonl"
+    write_prompts(inp, args.prompts)
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "airquant.cli", "batch", str(store), "--input", str(inp), "--output", str(out),
+           "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens), "--quiet",
+           "--device", "cpu" if args.quick else "cuda", *extra]
+    log.info("%s: warmed %.1f GB; %s", name, warm(store), " ".join(cmd[2:]))
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{name} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert sorted(ids) == list(range(args.prompts)), f"{name}: ids missing or written twice"
+    job = re.search(r"in ([0-9.]+) s", done.stdout)
+    new = sum(r["new_tokens"] for r in records)
+    return {"wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
+            "new_tokens": new, "useful_tok_s": new / wall, "command": " ".join(["airquant", *cmd[3:]])}
+
+
+def summarize(results: dict) -> None:
+    plain, ray = results.get("plain"), results.get("ray")
+    if plain and ray:
+        results["ray_over_plain_wall"] = ray["wall_s"] / plain["wall_s"]
+        results["ray_over_plain_useful_tok_s"] = ray["useful_tok_s"] / plain["useful_tok_s"]
+        results["meets_target"] = results["ray_over_plain_wall"] <= TARGET
+
+
+def print_table(results: dict) -> None:
+    print(f"{'run':<6} {'wall s':>8} {'job s':>8} {'new tok':>8} {'useful tok/s':>13}")
+    for name in ("plain", "ray"):
+        r = results.get(name)
+        if r:
+            print(f"{name:<6} {r['wall_s']:>8.1f} {r['job_s'] or 0:>8.1f} {r['new_tokens']:>8} {r['useful_tok_s']:>13.1f}")
+    if "ray_over_plain_wall" in results:
+        print(f"ray_over_plain_wall {results['ray_over_plain_wall']:.3f} (target <= {TARGET})")
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["store", "plain", "ray", "all"], default="all")
+    p.add_argument("--store", default=None, help="reuse this 8B-shaped bf16 store (no store part)")
+    p.add_argument("--workdir", default=str(REPO / "bench-work"), help="store, prompts and outputs")
+    p.add_argument("--results", default=None, help="folder of scale_bench.json (default results/; "
+                                                   "WORKDIR/results with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny 2-layer store on the CPU: tests the script")
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.batch_size, args.max_new_tokens = min(args.prompts, 8), min(args.batch_size, 4), 4
+    if args.results is None:
+        args.results = str(Path(args.workdir) / "results") if args.quick else str(REPO / "results")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    out = Path(args.results) / "scale_bench.json"
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    import ray
+
+    gpus = torch.cuda.device_count()
+    results.update(device=torch.cuda.get_device_name(0) if gpus and not args.quick else "cpu", gpus=gpus,
+                   quick=args.quick, synthetic=True, shape="llama3-8b", dtype="bfloat16", engines=1,
+                   prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   target_ray_over_plain_wall=TARGET, versions={"ray": ray.__version__, "torch": torch.__version__})
+    store = Path(args.store) if args.store else Path(args.workdir) / (
+        "llama3-8b-bf16-quick" if args.quick else "llama3-8b-bf16")
+    if not args.store and args.part in ("store", "all"):
+        store = build_store(args)
+    if args.part in ("plain", "all"):
+        results["plain"] = run_job(args, store, "plain", [])
+    if args.part in ("ray", "all"):
+        results["ray"] = run_job(args, store, "ray", ["--ray", "--engines", "1"])
+    summarize(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

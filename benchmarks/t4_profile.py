@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""A T4's limits emulated on the H200: what a Colab T4 user would get, as a MODEL, not a T4 measurement.
+
+The profile: GPU capped to 15 GB (``set_per_process_memory_fraction``), the engine's host RAM budget 12 GB
+(``--max-ram``), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
+bf16 stores, no TMA/Gluon-Hopper paths, the TurboQuant attention kernel only where a T4's 64 KB of shared
+memory fits), the store on disk. The H200 still computes far faster than a T4 and its host's page cache is not
+capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves,
+``bytes over the link / bandwidth``, once with the link measured here and once with PCIe 3's 12.5 GB/s (a T4's
+link). That is a lower bound on a T4's step (compute and disk reads are left out).
+
+Parts (each one command; runtimes on one H200):
+
+* ``link`` (~5 s): pinned host->GPU bandwidth, 1 GiB copies.
+* ``ppl`` (~1 min): the default model (SmolLM2-135M, bf16 store) at the reference settings (WikiText-2,
+  8192 tokens, window 1024, stride 512), streamed in the profile: fp16 compute (the rule's choice under 7.5)
+  against bf16 compute (the H200's own) -> ``fp16_ppl_over_bf16`` (target <= 1.005).
+* ``70b`` (~4 min with ``--store``; + ~3 min to write the store): a Llama-3-70B-shaped NF4 store (37 GB,
+  ``airquant synth --shape llama3-70b --dtype nf4``), batch 1 and 32 decode steps in the profile -> bytes per
+  step, predicted T4 tok/s at batch 1 and 32, peak VRAM (<= 15 GB) and host RAM (<= 12 GB).
+
+    python benchmarks/t4_profile.py --part link && python benchmarks/t4_profile.py --part ppl \
+        && python benchmarks/t4_profile.py --part 70b --store /path/to/llama3-70b-nf4
+
+``--quick`` runs every part on the CPU with tiny sizes (a test of the script). Writes results/t4_profile.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airquant.engine.runner import Engine  # noqa: E402
+from airquant.quant.kernels import FORCE_ENV  # noqa: E402
+from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from benchmarks.stream_bench import GB, Bench, bench_device, cap_gpu, decode_step, open_engine, part_link, versions  # noqa: E402
+
+log = logging.getLogger("t4_profile")
+T4 = {"vram_gb": 15.0, "ram_gb": 12.0, "capability": "7.5", "pcie3_gbps": 12.5}
+TARGETS = {"fp16_ppl_over_bf16": 1.005, "t4_70b_peak_vram_gb": 15.0, "t4_70b_peak_host_ram_gb": 12.0}  # maxima
+REFERENCE = {"limit_tokens": 8192, "max_length": 1024, "stride": 512}
+QUICK_PPL = {"limit_tokens": 256, "max_length": 64, "stride": 32}
+QUICK_70B = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
+
+
+class RssPeak:
+    """Peak resident set size of this process while the block runs (pinned host buffers count: they are
+    touched pages), polled every 10 ms."""
+
+    def __init__(self):
+        self.proc, self.peak, self.stop = psutil.Process(), 0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.stop.wait(0.01)
+
+    def __enter__(self) -> "RssPeak":
+        self.peak = self.proc.memory_info().rss
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def predicted_tok_s(bytes_per_step: float, batch: int, gbps: float) -> float:
+    """A link-bound model: one decode step takes at least its streamed bytes over the link."""
+    return batch / (bytes_per_step / (gbps * GB))
+
+
+def part_ppl(b: Bench) -> None:
+    """fp16 (the rule's choice on a T4) against bf16 perplexity of the default model, streamed in the profile."""
+    from airquant.config import EngineConfig
+    from airquant.eval.perplexity import run_perplexity
+    from airquant.models import resolve
+    from airquant.store.split import split
+
+    store = Path(b.args.workdir) / "default-bfloat16"
+    if not (store / "manifest.json").is_file():
+        split(resolve("default"), store, dtype="bfloat16", progress=False)
+    settings = QUICK_PPL if b.quick else REFERENCE
+    ppl = {}
+    for name, forced in (("float16", T4["capability"]), ("bfloat16", None)):
+        os.environ.pop(FORCE_ENV, None) if forced is None else os.environ.__setitem__(FORCE_ENV, forced)
+        cuda = b.device.type == "cuda"
+        # On the GPU the fp16 run takes the rule's dtype (no --dtype); the CPU has no capability to force.
+        cfg = EngineConfig(device=b.device.type, dtype=None if cuda else name, max_vram_gb=T4["vram_gb"] if cuda
+                           else None, max_ram_gb=T4["ram_gb"])
+        engine = Engine.open(store, cfg)
+        assert str(engine.dtype) == f"torch.{name}", (engine.dtype, name)
+        ppl[name] = run_perplexity(engine, **settings).ppl
+        engine.close()
+    os.environ[FORCE_ENV] = T4["capability"]
+    b.results.update(ppl_fp16=ppl["float16"], ppl_bf16=ppl["bfloat16"],
+                     fp16_ppl_over_bf16=ppl["float16"] / ppl["bfloat16"], ppl_settings=settings)
+    log.info("ppl fp16 %.4f, bf16 %.4f", ppl["float16"], ppl["bfloat16"])
+
+
+def part_70b(b: Bench) -> None:
+    """Batch 1 and 32 decode steps of a 70B-shaped NF4 store in the profile; T4 tok/s predicted from bytes."""
+    a = b.args
+    store = Path(a.store) if a.store else Path(a.workdir) / "llama3-70b-nf4"
+    if not (store / "manifest.json").is_file():
+        spec = SynthSpec("llama3-70b", "nf4", layers=2 if b.quick else None, overrides=QUICK_70B if b.quick else ())
+        start = time.perf_counter()
+        synth(spec, store, device=b.device.type, progress=not b.quick)
+        log.info("store %s written in %.0f s", store, time.perf_counter() - start)
+    link = b.results.get("link_pinned_gbps")
+    rows = {}
+    for batch in (1, 32):
+        with RssPeak() as rss:
+            engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
+                                 max_ram_gb=T4["ram_gb"] * GB / (1 << 30), host_embedding=True, batch_size=batch,
+                                 context=a.prompt_len + a.steps + 3, verify_reads=False)
+            row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
+            row.update(dtype=str(engine.dtype).removeprefix("torch."), plan=engine.plan.describe(
+                engine.manifest.layer_bytes))
+            engine.close()
+        row["peak_host_ram_gb"] = rss.peak / GB
+        row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])
+        if link:
+            row["t4_link_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, link)
+        rows[str(batch)] = row
+    b.results.update(
+        t4_70b_bytes_per_step=rows["1"]["bytes_per_step"],
+        t4_70b_pred_tok_s_bs1_pcie3=rows["1"]["t4_pcie3_tok_s"], t4_70b_pred_tok_s_bs32_pcie3=rows["32"]["t4_pcie3_tok_s"],
+        t4_70b_pred_tok_s_bs1_link=rows["1"].get("t4_link_tok_s"), t4_70b_pred_tok_s_bs32_link=rows["32"].get("t4_link_tok_s"),
+        t4_70b_peak_vram_gb=max(r["peak_reserved_gb"] or 0 for r in rows.values()),
+        t4_70b_peak_host_ram_gb=max(r["peak_host_ram_gb"] for r in rows.values()),
+        t4_70b_dtype=rows["1"]["dtype"])
+    b.results.setdefault("details", {})["70b"] = {"store": store.name, "by_batch": rows}
+
+
+def check_targets(results: dict) -> list[str]:
+    return [f"{k} = {results[k]:.4g} > {v}" for k, v in TARGETS.items() if results.get(k) is not None
+            and results[k] > v]
+
+
+def print_table(results: dict) -> None:
+    print("T4 profile on this GPU (predictions are a link-bound model, not T4 measurements)")
+    for key in ("link_pinned_gbps", "ppl_fp16", "ppl_bf16", "fp16_ppl_over_bf16", "t4_70b_bytes_per_step",
+                "t4_70b_pred_tok_s_bs1_pcie3", "t4_70b_pred_tok_s_bs32_pcie3", "t4_70b_pred_tok_s_bs1_link",
+                "t4_70b_pred_tok_s_bs32_link", "t4_70b_peak_vram_gb", "t4_70b_peak_host_ram_gb"):
+        if results.get(key) is not None:
+            print(f"  {key:<32} {results[key]:.4g}")
+    for miss in check_targets(results):
+        print(f"  MISSED: {miss}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["link", "ppl", "70b", "all"], default="all")
+    p.add_argument("--store", default=None, help="an existing llama3-70b NF4 store to reuse (70b part)")
+    p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where stores are written")
+    p.add_argument("--out", default=None, help="results JSON (default results/t4_profile.json; --quick: WORKDIR)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU: tests the script")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--steps", type=int, default=2, help="timed decode steps per batch (after one warm-up step)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.steps = min(args.prompt_len, 16), min(args.steps, 2)
+    if args.out is None:
+        args.out = str((Path(args.workdir) / "results" if args.quick else REPO / "results") / "t4_profile.json")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    os.environ[FORCE_ENV] = T4["capability"]  # the capability rule plans as a T4 (CUDA devices only)
+    device = bench_device(args)
+    out = Path(args.out)
+    b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
+    b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", quick=args.quick,
+                     profile=T4, versions=versions(), model_note="T4 figures are predictions from bytes moved "
+                     "(link-bound lower bound on step time), not T4 measurements")
+    cap_gpu(T4["vram_gb"] if device.type == "cuda" else None)
+    for part in (["link", "ppl", "70b"] if args.part == "all" else [args.part]):
+        start = time.perf_counter()
+        {"link": part_link, "ppl": part_ppl, "70b": part_70b}[part](b)
+        log.info("part %s: %.0f s", part, time.perf_counter() - start)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(b.results, indent=1, default=float))
+        tmp.replace(out)
+    print_table(b.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

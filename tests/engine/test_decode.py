@@ -1,0 +1,128 @@
+"""The decode loop: continuous batching gives what one-at-a-time generation gives, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airquant.config import GenerateConfig
+from airquant.engine.decode import Request
+from airquant.engine.runner import Engine
+from airquant.errors import PromptTooLongError
+from airquant.kv import KVConfig, make_cache
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree".split()
+# A mixed job: prompt lengths 3..~30 tokens, each request its own max_new_tokens.
+JOB = [(" ".join(WORDS[: 2 + (k * 7) % len(WORDS)]) * (1 + k % 2), 4 + (k * 5) % 11) for k in range(7)]
+TQ = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_store):
+    e = Engine.open(tiny_store, device="cpu")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def _alone(hf, engine, prompt: str, new: int, kv: KVConfig | None) -> list[int]:
+    """transformers' generate on the resident model, batch 1: the reference."""
+    ids = torch.tensor([engine.prompt_ids(prompt)])
+    cache = {} if kv is None else {"past_key_values": make_cache(hf.config, kv)}
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=engine.tokenizer.pad_token_id, **cache)
+    if kv is not None:
+        hf.config._attn_implementation = "sdpa"
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(hf, engine):
+    return {kv: [_alone(hf, engine, p, n, None if kv == "plain" else TQ) for p, n in JOB] for kv in ("plain", "tq")}
+
+
+def _run_job(engine, order, kv, offload, budget):
+    loop = engine.decode_loop(3, context=96, kv=kv, token_budget=budget,
+                              offload=set(range(engine.config.num_hidden_layers)) if offload else set())
+    seqs = {}
+    for k in order[:2]:  # two arrive first, the rest while they decode
+        seqs[k] = loop.submit(Request(tuple(engine.prompt_ids(JOB[k][0])), JOB[k][1], ignore_eos=True))
+    loop.step()
+    for k in order[2:]:
+        seqs[k] = loop.submit(Request(tuple(engine.prompt_ids(JOB[k][0])), JOB[k][1], ignore_eos=True))
+    while not loop.idle:
+        loop.step()
+    assert loop.stats.passes < sum(n for _, n in JOB)  # sequences shared passes
+    return [seqs[k].out for k in range(len(JOB))]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "kv-offload"])
+@pytest.mark.parametrize("kv", ["plain", "tq"])
+@pytest.mark.parametrize("order", [list(range(7)), [6, 3, 5, 0, 2, 4, 1]], ids=["fifo", "shuffled"])
+def test_continuous_equals_one_at_a_time(engine, references, kv, offload, order):
+    got = _run_job(engine, order, None if kv == "plain" else TQ, offload, budget=8 if kv == "plain" else 64)
+    assert got == references[kv]
+
+
+def test_finished_sequence_frees_its_slot_for_the_next_prompt(engine):
+    loop = engine.decode_loop(2, context=64)
+    short = loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, ignore_eos=True))
+    long = loop.submit(Request(tuple(engine.prompt_ids("Hello")), 9, ignore_eos=True))
+    late = loop.submit(Request(tuple(engine.prompt_ids("A B")), 3, ignore_eos=True))
+    loop.step()  # both prefilled: one token each
+    assert late.slot is None
+    loop.step()  # short's second token: it ends and frees its slot
+    assert short.finish_reason == "length" and short.slot not in loop.running
+    loop.step()
+    assert late.slot == short.slot and long.slot in loop.running
+    while not loop.idle:
+        loop.step()
+    assert [len(s.out) for s in (short, long, late)] == [2, 9, 3]
+    assert (loop.stats.passes, loop.stats.useful_tokens) == (9, 14)  # long runs alone for its last 5
+
+
+def test_per_request_settings_and_stop_strings(engine):
+    prompts = ["The quick brown fox", "Once upon a time"]
+    free = engine.generate_detailed(prompts, max_new_tokens=12, ignore_eos=True)
+    stop = free[0].text[3:6]
+    assert stop and stop not in free[0].text[:3]
+    reqs = [engine.request(engine.prompt_ids(prompts[0]), GenerateConfig(max_new_tokens=12, stop=(stop,))),
+            engine.request(engine.prompt_ids(prompts[1]), GenerateConfig(max_new_tokens=5, ignore_eos=True))]
+    a, b = engine.generate_requests(reqs)
+    assert a.text == free[0].text[: free[0].text.index(stop)] and a.finish_reason == "stop"
+    assert b.token_ids == free[1].token_ids[:5] and b.finish_reason == "length" and b.new_tokens == 5
+    assert a.ttft_s is not None and b.latency_s >= b.ttft_s
+
+
+def test_seeded_sampling_is_per_request(engine):
+    gen = GenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+    alone = engine.generate_detailed(["Water is"], gen)[0].token_ids
+    together = engine.generate_detailed(["Tell me a story", "Water is"], gen)[1].token_ids
+    assert alone == together
+
+
+def test_request_over_the_context_is_refused_alone(engine):
+    loop = engine.decode_loop(2, context=32)
+    with pytest.raises(PromptTooLongError, match="exceeds the context of 32"):
+        loop.submit(Request(tuple(range(30)), 8))
+    ok = loop.submit(Request(tuple(engine.prompt_ids("Hi there")), 4, ignore_eos=True))
+    while not loop.idle:
+        loop.step()
+    assert len(ok.out) == 4
+
+
+def test_cancel_frees_the_slot(engine):
+    loop = engine.decode_loop(1, context=64)
+    first = loop.submit(Request(tuple(engine.prompt_ids("Hi")), 50, ignore_eos=True))
+    second = loop.submit(Request(tuple(engine.prompt_ids("Hello")), 2, ignore_eos=True))
+    loop.step()
+    loop.cancel(first)
+    loop.step()
+    assert first.finish_reason == "cancelled" and second.slot == 0

@@ -1,0 +1,182 @@
+"""Expert-aware MoE streaming (engine/experts.py): routed == whole-layer == resident, exact bytes, the cache.
+
+Tiny MoE models of four families are sharded, then run three ways on the CPU: every layer streamed whole,
+streamed with only the routed experts moved into the expert pool, and resident. The bytes the pool reports
+are checked against the byte ranges of the experts the resident transformers model routes to (captured with
+hooks, a computation that never touches the pool).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from airquant.engine.experts import ExpertsError, SlotTable, plan_experts
+from airquant.engine.runner import Engine
+from airquant.layout import expert_modules
+from airquant.models import resolve
+from airquant.quant import QuantSpec
+from airquant.store.manifest import load_manifest
+from airquant.store.quantize import make_transform
+from airquant.store.split import split
+from tests.zoo import make_model
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+
+
+def _store(tmp_path, tokenizer, model_type, method=None, seed=0, name="store"):
+    folder = make_model(tmp_path / f"model-{name}", tokenizer, model_type, seed=seed)
+    source = resolve(str(folder))
+    spec = None if method is None else (QuantSpec(method=method, group=16, outliers=0.0) if method == "int2"
+                                        else QuantSpec(method=method))
+    transform, record = make_transform(source, spec) if spec is not None else (None, None)
+    split(source, tmp_path / name, dtype="float32", quant=record, transform=transform, progress=False)
+    return folder, tmp_path / name
+
+
+def _logits(engine: Engine) -> torch.Tensor:
+    enc = engine.encode(PROMPTS)
+    return engine.forward(enc["input_ids"], enc["attention_mask"])
+
+
+def _greedy(engine: Engine, steps: int = 5) -> list[int]:
+    """Greedy tokens by full forwards (independent of the decode loop in use)."""
+    ids = engine.encode(PROMPTS[1:2])["input_ids"]
+    for _ in range(steps):
+        nxt = engine.forward(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, -steps:].tolist()
+
+
+MATRIX = [pytest.param(t, m, marks=() if (t, m) in (("mixtral", "nf4"), ("qwen3_moe", None)) else pytest.mark.slow)
+          for t in FAMILIES for m in (None, "nf4", "int2")]
+
+
+@pytest.mark.parametrize("model_type, method", MATRIX)
+def test_routed_equals_whole_layer_and_resident(tmp_path, real_tokenizer, model_type, method):
+    _, store = _store(tmp_path, real_tokenizer, model_type, method)
+    runs = {}
+    for name, kw in (("whole", dict(experts="whole")), ("routed", dict(experts="routed")),
+                     ("routed_lru_nocache", dict(experts="routed", expert_cache_gb=0.0, expert_policy="lru",
+                                                 expert_prefetch=False)),
+                     ("resident", dict(resident=True))):
+        engine = Engine.open(store, device="cpu", **kw)
+        runs[name] = (_logits(engine), _greedy(engine))
+        if name.startswith("routed"):
+            assert engine.experts is not None and engine.experts.bytes_copied > 0
+        engine.close()
+    ref_logits, ref_tokens = runs["whole"]
+    for name in ("routed", "routed_lru_nocache", "resident"):
+        logits, tokens = runs[name]
+        assert (logits - ref_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()
+        assert tokens == ref_tokens
+
+
+def _routed_by_reference(folder, tokenizer, prompt: str) -> dict[int, set[int]]:
+    """Per layer, the experts the resident transformers model routes the prompt's tokens to."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    stack = model.model.layers
+    routed: dict[int, set[int]] = {}
+    hooks = []
+    for i, block in enumerate(stack):
+        for name in expert_modules(block):
+            def grab(module, args, i=i):
+                routed.setdefault(i, set()).update(torch.unique(args[1]).tolist())
+            hooks.append(block.get_submodule(name).register_forward_pre_hook(grab))
+    with torch.no_grad():
+        model(**tokenizer(prompt, return_tensors="pt"))
+    for h in hooks:
+        h.remove()
+    return routed
+
+
+@pytest.mark.parametrize("model_type", [t if t == "mixtral" else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in FAMILIES])
+def test_bytes_moved_at_batch_one_are_the_routed_experts_ranges(tmp_path, real_tokenizer, model_type):
+    folder, store = _store(tmp_path, real_tokenizer, model_type, "nf4")
+    engine = Engine.open(store, device="cpu", experts="routed", expert_cache_gb=0.0, expert_prefetch=False)
+    prompt = "Hi"
+    ids = engine.encode([prompt])["input_ids"]
+    engine.reset_stats()
+    engine.forward(ids)
+    manifest = load_manifest(store)
+    want = 0
+    for i, experts in _routed_by_reference(folder, real_tokenizer, prompt).items():
+        ranges = manifest.shards[f"layer.{i}"].experts["ranges"]
+        want += sum(end - start for e in experts for start, end in ranges[e])
+    assert want > 0 and engine.experts.bytes_copied == want
+    engine.close()
+
+
+def test_cache_never_serves_another_stores_expert(tmp_path, real_tokenizer):
+    """Two stores of one shape, different weights, run through one pool: keys carry the shard's identity."""
+    _, store_a = _store(tmp_path, real_tokenizer, "mixtral", seed=0, name="a")
+    _, store_b = _store(tmp_path, real_tokenizer, "mixtral", seed=1, name="b")
+    first = Engine.open(store_a, device="cpu", experts="routed", expert_cache_gb=1.0)
+    _logits(first)
+    second = Engine.open(store_b, device="cpu", experts="routed", expert_cache_gb=1.0)
+    second.experts.table, second.experts.mem = first.experts.table, first.experts.mem  # the warm pool of store a
+    got = _logits(second)
+    assert second.experts.stats["hits"] == 0 or second.experts.stats["copied"] > 0
+    whole = Engine.open(store_b, device="cpu", experts="whole")
+    assert (got - _logits(whole)).abs().max().item() <= 1e-5
+    for e in (first, second, whole):
+        e.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_and_a_cache_of_one_slot(tmp_path, real_tokenizer, policy):
+    """A pool barely larger than one call: experts are evicted and copied again, outputs unchanged."""
+    _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")
+    whole = Engine.open(store, device="cpu", experts="whole")
+    tiny = Engine.open(store, device="cpu", experts="routed", expert_policy=policy,
+                       expert_cache_gb=1e-9 * tiny_slot(store))
+    assert tiny.experts.plan.cache == 1
+    assert _greedy(tiny, 6) == _greedy(whole, 6)
+    assert (_logits(tiny) - _logits(whole)).abs().max().item() <= 1e-5
+    report = tiny.experts.report()
+    assert report["copied"] > 0 and report["routed"] >= report["copied"] - report["guessed"]
+    whole.close()
+    tiny.close()
+
+
+def tiny_slot(store) -> int:
+    return plan_experts(load_manifest(store), None).slot_bytes
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_slot_table_evicts_by_policy_and_forgets_the_evicted_key(policy):
+    table = SlotTable(2, policy)
+    for key, uses in (("a", 3), ("b", 1)):
+        slot = table.victim(set())
+        table.assign(slot, key)
+        for _ in range(uses):
+            table.tick += 1
+            table.touch(slot)
+    table.tick += 1
+    table.touch(table.lookup("b"))  # b is the most recent, a the most frequent
+    victim = table.victim(set())
+    assert table.key_of[victim] == ("a" if policy == "lru" else "b")
+    table.assign(victim, "c")
+    assert table.lookup("a" if policy == "lru" else "b") is None and table.lookup("c") == victim
+    with pytest.raises(AssertionError):
+        table.victim({0, 1})
+
+
+def test_routed_is_refused_where_it_cannot_apply(tiny_store):
+    with pytest.raises(ExpertsError, match="no Mixture-of-Experts"):
+        Engine.open(tiny_store, device="cpu", experts="routed")
+
+
+def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
+    _, store = _store(tmp_path, real_tokenizer, "mixtral", "nf4")
+    manifest = load_manifest(store)
+    base = plan_experts(manifest, None, speculate=False)
+    assert (base.work, base.cache) == (4, 0) and base.gather_bytes == 4 * base.slot_bytes
+    spec = plan_experts(manifest, None)
+    assert spec.work == 4 + 4  # 8 tokens x 2 routed, capped at the 4 experts of a layer
+    roomy = plan_experts(manifest, 100 * base.slot_bytes, speculate=False)
+    assert roomy.cache == 3 * 4 - 4  # every other expert of the store, no more
+    assert "routed; pool" in roomy.describe()

@@ -1,0 +1,227 @@
+"""Every Triton/Gluon kernel compiles, without a GPU, for the GPUs AirQuant targets: T4 (sm_75), A100 (sm_80),
+consumer Ampere/Ada (sm_86/89) and Hopper (sm_90), with fp16, bf16 (where the target has it) and fp32 inputs.
+
+Triton's offline compilation (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))``) runs the
+whole pipeline down to a cubin with the ptxas bundled in the triton wheel, so an instruction a target lacks
+(griddepcontrol before sm_90, say) fails here as it would at the first launch on that GPU. Each compiled
+kernel is also checked for TF32 products (AirQuant asks for IEEE fp32 or half-precision products, never TF32)
+and against the target's shared memory per block (autotuned kernels: at least one config must fit, as the
+autotuner drops those that do not launch). Paths a target cannot take (the TMA GEMV before Hopper, bf16
+before Ampere, the TurboQuant attention kernel at head sizes whose rotation does not fit shared memory) are not
+compiled for it: the capability rule sends those calls elsewhere (tests/engine/test_capability.py), and
+test_tq_attention_shared_memory_rule checks that rule against the compiled kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from airquant.quant import kernels  # noqa: E402
+from airquant.quant.kernels import SHARED_PER_BLOCK  # noqa: E402
+from airquant.quant.kernels import int2_gluon, int2_triton, packed_triton  # noqa: E402
+from airquant.kv import triton_kernel as tq  # noqa: E402
+
+pytestmark = pytest.mark.slow  # ~300 compiles, 0.3-1 s each
+
+TARGETS = (75, 80, 86, 89, 90)
+MAX_SHARED = {cap: SHARED_PER_BLOCK[divmod(cap, 10)] for cap in TARGETS}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel to compile: its pointer types (``X`` stands for the input dtype), constexprs (may depend on
+    the input dtype), launch options, and the oldest capability whose path uses it."""
+
+    name: str
+    fn: Callable[[], object]  # the kernel object (autotune/heuristics wrappers are unwrapped)
+    pointers: dict[str, str]
+    constexprs: Callable[[str], dict] = lambda x: {}
+    options: dict = field(default_factory=lambda: {"num_warps": 4})
+    min_cap: int = 75
+    gluon: bool = False
+    configs: Callable[[], list] | None = None  # the autotune list, where the kernel is autotuned
+
+
+def _jit(obj) -> JITFunction:
+    while not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj
+
+
+def _first(configs) -> tuple[dict, dict]:
+    c = configs[0]
+    return dict(c.kwargs), {"num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+_GEMV_TILE, _GEMV_OPT = _first(int2_triton._gemv_configs())
+_GEMM_TILE, _GEMM_OPT = _first(int2_triton._gemm_configs())
+_PACKED_TILE, _PACKED_OPT = _first(packed_triton._configs())
+_SPLITK_TILE, _SPLITK_OPT = _first(packed_triton._small_m_configs())
+_INT2_PTRS = {"x_ptr": "X", "words_ptr": "i32", "scales_ptr": "fp16", "zeros_ptr": "fp16", "ow_ptr": "fp16",
+              "oi_ptr": "i32"}
+_Q = {"Q": "X", "KF": "X", "VF": "X", "KC": "u8", "VC": "u8", "KR": "fp32", "VR": "fp32", "KCent": "fp32",
+      "VCent": "fp32", "RotK": "fp32", "RotV": "fp32", "KMean": "fp32", "VMean": "fp32", "Keep": "i8",
+      "OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32"}
+_DOT = {"fp32": 0, "bf16": 1, "fp16": 2}  # triton_kernel._product's operand codes for that model dtype
+
+
+def _packed(fmt: int, split: bool, **extra) -> Kernel:
+    gguf = fmt >= packed_triton.FMT_Q4_0
+    word = "u8" if gguf else "i32"
+    tile, opt = (_SPLITK_TILE, _SPLITK_OPT) if split else (_PACKED_TILE, _PACKED_OPT)
+    name = ["gptq", "awq", "q4_0", "q4_1", "q8_0"][fmt] + ("_splitk" if split else "")
+    ts = {2: 18, 3: 20, 4: 34}.get(fmt, 0)
+    return Kernel(
+        f"packed_{name}", lambda: packed_triton._packed_gemm_kernel,
+        {"x_ptr": "X", "y_ptr": "fp32" if split else "X", "w_ptr": word, "z_ptr": word,
+         "s_ptr": "u8" if gguf else "fp16", "g_ptr": word},
+        lambda x: {"FMT": fmt, "BITS": extra.get("bits", 4), "ZERO_OFFSET": 0, "TS": ts, "IEEE": x == "fp32",
+                   **tile},
+        opt, configs=packed_triton._small_m_configs if split else packed_triton._configs)
+
+
+def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64) -> Kernel:
+    """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule)."""
+    norms = "u8" if norm8 else "fp16"
+    return Kernel(
+        f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}", lambda: tq._split_kernel,
+        {**_Q, "KN": norms, "VN": norms},
+        lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": 64,
+                   "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": False},
+        {"num_warps": 4, "num_stages": 1}, configs=lambda: tq._split_tuned.configs)
+
+
+KERNELS = [
+    Kernel("int2_gemv", lambda: int2_triton._int2_gemv_kernel, {**_INT2_PTRS, "y_ptr": "fp32"},
+           lambda x: {"GROUP": 64, "BLOCK_O": 32, "EVEN_K": True, **_GEMV_TILE}, _GEMV_OPT,
+           configs=int2_triton._gemv_configs),
+    Kernel("int2_gemm", lambda: int2_triton._int2_gemm_kernel, {**_INT2_PTRS, "y_ptr": "X"},
+           lambda x: {"GROUP": 64, "IEEE": x == "fp32", "BLOCK_O": 32, **_GEMM_TILE}, _GEMM_OPT,
+           configs=int2_triton._gemm_configs),
+    _packed(packed_triton.FMT_GPTQ, False), _packed(packed_triton.FMT_GPTQ, True, bits=8),
+    _packed(packed_triton.FMT_AWQ, False), _packed(packed_triton.FMT_Q4_0, False),
+    _packed(packed_triton.FMT_Q4_1, True), _packed(packed_triton.FMT_Q8_0, False),
+    Kernel("int2_gluon_prep", lambda: int2_gluon._prep_kernel,
+           {"x_ptr": "X", "tab_ptr": "fp32", "xs_ptr": "fp32", "cnt_ptr": "fp32"},
+           lambda x: {"GS": 32, "PS": 64, "BP": 128, "PDL": False}),
+    Kernel("int2_gluon_ldg", lambda: int2_gluon._gemv_kernel,
+           {**_INT2_PTRS, "tab_ptr": "fp32", "xs_ptr": "fp32", "part_ptr": "fp32"},
+           lambda x: {"WPG": 2, "GPS": 2, "R": int2_gluon.R, "NW": int2_gluon.NW, "D": int2_gluon.D, "EVEN": True},
+           {"num_warps": int2_gluon.NW}, gluon=True),
+    Kernel("int2_gluon_reduce", lambda: int2_gluon._reduce_kernel, {"part_ptr": "fp32", "y_ptr": "X"},
+           lambda x: {"BLOCK_N": 256, "BLOCK_S": 16}),
+    Kernel("int2_gluon_prep_pdl", lambda: int2_gluon._prep_kernel,
+           {"x_ptr": "X", "tab_ptr": "fp32", "xs_ptr": "fp32", "cnt_ptr": "i32"},
+           lambda x: {"GS": 32, "PS": 64, "BP": 128, "PDL": True}, min_cap=90),
+    Kernel("int2_gluon_tma", lambda: int2_gluon._gemv_tma_kernel, {}, options={"num_warps": int2_gluon.TNW},
+           min_cap=90, gluon=True),
+    _tq_split(4, 2, False), _tq_split(3, 3, True), _tq_split(2, 4, False),
+    Kernel("tq_merge", lambda: tq._merge_kernel, {"OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32", "Out": "X"},
+           lambda x: {"D": 128, "BLOCK_M": 16}),
+]
+
+
+def _tma_signature(x: str) -> tuple[dict, dict]:
+    """Descriptor types of the TMA GEMV as _int2_gemv_tma builds them (groups of 32)."""
+    from triton.experimental.gluon import language as gl
+
+    bn, gt = int2_gluon.TR * 16 * int2_gluon.TNW, int2_gluon.TW_ // 2
+    words = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    table = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    scales = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    types = {"t_desc": f"tensordesc<fp32[32, 64],{table!r}>", "w_desc": f"tensordesc<i32[{bn}, 16],{words!r}>",
+             "s_desc": f"tensordesc<fp16[{bn}, {gt}],{scales!r}>", "z_desc": f"tensordesc<fp16[{bn}, {gt}],{scales!r}>",
+             "xs_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": f"*{x}", "x_ptr": f"*{x}",
+             "ow_ptr": "*fp16", "oi_ptr": "*i32"}
+    return types, {"WPG": 2, "R": int2_gluon.TR, "NW": int2_gluon.TNW, "STAGES": int2_gluon.TSTAGES}
+
+
+def compile_kernel(kernel: Kernel, cap: int, x: str):
+    fn = _jit(kernel.fn())
+    if kernel.name == "int2_gluon_tma":
+        types, constexprs = _tma_signature(x)
+    else:
+        types = {k: "*" + (x if v == "X" else v) for k, v in kernel.pointers.items()}
+        constexprs = kernel.constexprs(x)
+    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"{kernel.name}: constexprs not given: {missing}"
+    # Pointers 16-byte aligned, as torch allocates them: the vectorized loads of the real launch.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if signature[p.name][0] == "*"}
+    source = (GluonASTSource if kernel.gluon else ASTSource)(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", cap, 32), options=kernel.options)
+
+
+def _matrix():
+    for kernel in KERNELS:
+        for cap in TARGETS:
+            for x in DTYPES:
+                supported = cap >= kernel.min_cap and kernels.dtype_supported(DTYPES[x], divmod(cap, 10))
+                if supported:
+                    yield pytest.param(kernel, cap, x, id=f"{kernel.name}-sm_{cap}-{x}")
+
+
+@pytest.mark.parametrize("kernel,cap,x", list(_matrix()))
+def test_kernel_compiles_for_target(kernel, cap, x):
+    compiled = compile_kernel(kernel, cap, x)
+    assert compiled.asm["cubin"], f"{kernel.name}: no cubin for sm_{cap}"
+    if kernel.configs is None:  # autotuned kernels: test_an_autotune_config_fits_every_target
+        assert compiled.metadata.shared <= MAX_SHARED[cap], (
+            f"{kernel.name} needs {compiled.metadata.shared} bytes of shared memory; sm_{cap} has {MAX_SHARED[cap]}")
+    assert "tf32" not in compiled.asm["ptx"], f"{kernel.name} asks for TF32 products on sm_{cap} ({x} inputs)"
+
+
+# The two smallest shared memories among the targets: a config that fits them fits sm_80/89/90.
+@pytest.mark.parametrize("cap", (75, 86))
+def test_an_autotune_config_fits_every_target(cap):
+    """Autotuning drops configs that exceed a GPU's shared memory; each autotuned kernel must keep at least one
+    (fp16 inputs, the T4's dtype)."""
+    tuned = {}  # one kernel per (kernel, autotune list): the formats of one kernel tile alike
+    for k in KERNELS:
+        if k.configs is not None:
+            tuned.setdefault((k.fn(), k.configs), k)
+    for base in tuned.values():
+        variants = (Kernel(base.name, base.fn, base.pointers,
+                           lambda x, c=c, base=base: {**base.constexprs(x), **c.kwargs},
+                           {"num_warps": c.num_warps, "num_stages": c.num_stages}) for c in base.configs())
+        # lazily, up to the first that fits: the large FMA tiles of sm_75 take seconds each to compile
+        assert any(compile_kernel(k, cap, "fp16").metadata.shared <= MAX_SHARED[cap] for k in variants), (
+            f"{base.name}: no autotune config fits sm_{cap}'s shared memory")
+
+
+@pytest.mark.parametrize("dim", (64, 128))
+def test_tq_attention_shared_memory_rule(dim):
+    """triton_kernel.shared_bytes bounds what the split kernel needs, and triton_kernel.fits (what
+    ``applicable`` asks) admits it exactly where that fits: D 128 is too big for a T4's 64 KB, so the T4
+    takes the torch ops there; D 64 runs everywhere."""
+    base = _tq_split(4, 2, False, dim)
+    for cap in TARGETS:
+        shared = compile_kernel(base, cap, "fp16").metadata.shared
+        assert shared <= tq.shared_bytes(dim), (dim, cap, shared)
+        assert tq.fits(dim, divmod(cap, 10)) == (tq.shared_bytes(dim) <= MAX_SHARED[cap])
+        if tq.fits(dim, divmod(cap, 10)):
+            assert shared <= MAX_SHARED[cap]
+    assert tq.fits(64, (7, 5)) and not tq.fits(128, (7, 5)) and tq.fits(128, (8, 6)) and tq.fits(128, (9, 0))
+
+
+def test_the_matrix_covers_every_kernel_and_target():
+    """The first three targets get every non-Hopper kernel in fp16 and fp32; bf16 starts at sm_80."""
+    ids = {(k.name, cap, x) for k, cap, x in (p.values for p in _matrix())}
+    for kernel in KERNELS:
+        if kernel.min_cap == 75:
+            assert {(kernel.name, cap, "fp16") for cap in TARGETS} <= ids
+            assert (kernel.name, 75, "bf16") not in ids and (kernel.name, 80, "bf16") in ids
+    assert ("int2_gluon_tma", 90, "bf16") in ids and ("int2_gluon_tma", 89, "fp16") not in ids

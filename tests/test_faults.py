@@ -1,0 +1,51 @@
+"""The fast cases of the fault-injection suite (benchmarks/faults.py runs the full counts)."""
+
+import pytest
+
+from benchmarks import faults
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+def _check(row: faults.CaseResult) -> None:
+    assert row.tried > 0, row
+    assert row.survived == row.tried and row.records_lost == 0, row.detail
+
+
+@pytest.mark.slow
+def test_kill_9_of_shard_then_rerun_completes(work, tiny_llama):
+    _check(faults.shard_kill(str(tiny_llama), work / "shard_kill", moments=2))
+
+
+def test_disk_full_during_split(work, tiny_llama):
+    row = faults.disk_full(str(tiny_llama), work / "disk_full")
+    if row.skipped:
+        pytest.skip(row.skipped)
+    _check(row)
+
+
+def test_damaged_files_give_named_errors(work, tiny_store):
+    _check(faults.damaged(tiny_store, work / "damaged", flips=3))
+
+
+@pytest.mark.slow
+def test_kill_9_of_batch_loses_nothing(work, tiny_store):
+    _check(faults.batch_kill(tiny_store, work / "batch_kill", moments=2, prompts=8))
+
+
+def test_oom_mid_batch_halves_and_loses_nothing(work, tiny_store):
+    _check(faults.oom(tiny_store, work / "oom"))
+
+
+@pytest.mark.slow
+def test_server_under_load_answers_or_refuses(tiny_store):
+    _check(faults.server_load(tiny_store, clients=16, seconds=4.0, max_queue=4))
+
+
+@pytest.mark.slow
+def test_malformed_requests_all_4xx(tiny_store):
+    pytest.importorskip("hypothesis")
+    _check(faults.server_fuzz(tiny_store, examples=40))
