@@ -15,6 +15,7 @@ webdriver = pytest.importorskip("selenium.webdriver")
 
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from airquant import Provider  # noqa: E402
@@ -76,7 +77,9 @@ def _wait_text(driver, css: str, text: str) -> str:
         found = d.find_elements(By.CSS_SELECTOR, css)
         return found[0].text if found and text in found[0].text else False
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(seen, f"{text!r} never appeared in {css}")
+    # Gradio re-renders components while a job runs: an element found one moment may be replaced the next.
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,)
+                         ).until(seen, f"{text!r} never appeared in {css}")
 
 
 def _open_tab(driver, name: str) -> None:
