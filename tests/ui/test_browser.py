@@ -83,7 +83,7 @@ def _wait_text(driver, css: str, text: str) -> str:
 
 
 def _open_tab(driver, name: str) -> None:
-    tab = WebDriverWait(driver, WAIT_S).until(lambda d: next(
+    tab = WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: next(
         (b for b in d.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text.strip() == name), False))
     tab.click()
 
@@ -94,7 +94,7 @@ def _shot(driver, name: str) -> None:
 
 
 def test_chat_streams_the_answer(browser):
-    box = WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea"))
+    box = WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: d.find_element(By.CSS_SELECTOR, "#chat-input textarea"))
     box.send_keys("What is the capital of France?", Keys.ENTER)
     _wait_text(browser, "#chat-log", "Paris")
     _wait_text(browser, "#chat-stats", "(done)")  # the stream finished and reported tokens/s
@@ -119,7 +119,7 @@ def test_batch_job_runs_to_the_end_across_a_reload(browser, tmp_path):
     _open_tab(browser, "Batch job")
     browser.find_element(By.CSS_SELECTOR, "#job-input input[type=file]").send_keys(str(source))
     # Gradio shows the uploaded name as stem and extension in separate elements.
-    WebDriverWait(browser, WAIT_S).until(lambda d: "prompts" in d.find_element(By.ID, "job-input").text.split("\n"),
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: "prompts" in d.find_element(By.ID, "job-input").text.split("\n"),
                                          "the upload never showed up")
     tokens = browser.find_element(By.CSS_SELECTOR, "#job-max-new input")
     tokens.clear()
