@@ -204,18 +204,12 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     from transformers import AutoTokenizer
 
     store, cfg = Path(store), cfg or EngineConfig()
-    prompts = read_prompts(job.input)
-    done = finished_ids(job.output)
-    report = BatchReport(skipped=sum(p.key in done for p in prompts))
-    todo = [p for p in prompts if p.key not in done]
+    report, todo = pending(job)
     if not todo:
         return report
     tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
     lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
-    context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, todo))
-    limit = _model_context(store)
-    if limit:
-        context = min(context, limit)  # the records over it get an error record each
+    context = job_context(store, lengths, todo, job)
     size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     # Longest first: a batch that does not fit fails at the start, not after hours.
     queue = deque(p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0]))
@@ -237,12 +231,22 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     return report
 
 
-def _model_context(store: Path) -> int | None:
+def pending(job: BatchJob) -> tuple[BatchReport, list[Prompt]]:
+    """The prompts of ``job.input`` not yet in ``job.output`` (the resume rule), and a report counting the rest."""
+    prompts = read_prompts(job.input)
+    done = finished_ids(job.output)
+    report = BatchReport(skipped=sum(p.key in done for p in prompts))
+    return report, [p for p in prompts if p.key not in done]
+
+
+def job_context(store: Path, lengths: list[int], prompts: list[Prompt], job: BatchJob) -> int:
+    """Tokens per sequence: the longest prompt + its new tokens, at most the model's context (a record over
+    it gets an error record)."""
+    context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, prompts))
     path = store / "config.json"
-    if not path.is_file():
-        return None
-    cfg = json.loads(path.read_text())
-    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    limit = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return min(context, limit) if limit else context
 
 
 def generate_records(engine, prompts: list[Prompt], job: BatchJob, *, slots: int | None = None,

@@ -30,8 +30,8 @@ import torch
 
 from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, DependencyError, StoreError
-from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, finished_ids,
-                                 generate_records, prompt_lengths, read_prompts)
+from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size,
+                                 generate_records, job_context, pending, prompt_lengths)
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,6 @@ def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_r
         for p, c in zip(chunk, completions):
             on_record({"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
                        "new_tokens": c.new_tokens, "timings": timings})
-
-
-def job_context(store: Path, lengths: list[int], prompts: list[Prompt], job: BatchJob) -> int:
-    """Tokens per sequence, as ``run_batch`` sizes them: the longest prompt + its new tokens, at most the
-    model's context (a record over it gets an error record)."""
-    context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, prompts))
-    cfg = json.loads((store / "config.json").read_text()) if (store / "config.json").is_file() else {}
-    limit = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
-    return min(context, limit) if limit else context
 
 
 # -- the store on every node -------------------------------------------------------------------
@@ -227,10 +218,7 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
         raise StoreError(f"{store} is not a store (no {MANIFEST}); pass the folder `airquant shard` or "
                          "`airquant synth` wrote.")
     digest = store_digest(store)
-    prompts = read_prompts(job.input)
-    done = finished_ids(job.output)
-    report = BatchReport(skipped=sum(p.key in done for p in prompts))
-    todo = [p for p in prompts if p.key not in done]
+    report, todo = pending(job)
     if not todo:
         return report
     from transformers import AutoTokenizer
