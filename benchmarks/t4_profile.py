@@ -48,7 +48,8 @@ sys.path.insert(0, str(REPO))
 from airquant.engine.runner import Engine  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
-from benchmarks.stream_bench import GB, Bench, bench_device, cap_gpu, decode_step, open_engine, part_link, versions  # noqa: E402
+from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
+                                     part_link, versions)  # noqa: E402
 
 log = logging.getLogger("t4_profile")
 T4 = {"vram_gb": 15.0, "ram_gb": 12.0, "capability": "7.5", "pcie3_gbps": 12.5}
@@ -127,13 +128,7 @@ def part_70b(b: Bench) -> None:
     rows = {}
     for batch in (1, 32):
         with RssPeak() as rss:
-            engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
-                                 max_ram_gb=T4["ram_gb"] * GB / (1 << 30), host_embedding=True, batch_size=batch,
-                                 context=a.prompt_len + a.steps + 3, verify_reads=False)
-            row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
-            row.update(dtype=str(engine.dtype).removeprefix("torch."), plan=engine.plan.describe(
-                engine.manifest.layer_bytes))
-            engine.close()
+            row = batch_row(b, store, batch)
         row["peak_host_ram_gb"] = rss.peak / GB
         row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])
         if link:
@@ -147,6 +142,34 @@ def part_70b(b: Bench) -> None:
         t4_70b_peak_host_ram_gb=max(r["peak_host_ram_gb"] for r in rows.values()),
         t4_70b_dtype=rows["1"]["dtype"])
     b.results.setdefault("details", {})["70b"] = {"store": store.name, "by_batch": rows}
+
+
+def batch_row(b: Bench, store: Path, batch: int) -> dict:
+    """One batch's decode steps in the profile. If the planner's placement (leading layers resident in VRAM)
+    runs out of memory under the cap, the OOM is recorded and the batch re-measured with every layer
+    streamed (``resident_layers=0``): a T4 user's fallback, which moves more bytes per step, so the
+    prediction stays conservative."""
+    errors = []
+    for resident in (None, 0):
+        engine = None
+        try:
+            engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
+                                 max_ram_gb=T4["ram_gb"] * GB / (1 << 30), host_embedding=True, batch_size=batch,
+                                 context=b.args.prompt_len + b.args.steps + 3, verify_reads=False,
+                                 resident_layers=resident)
+            row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
+            row.update(dtype=str(engine.dtype).removeprefix("torch."), resident_layers_forced=resident,
+                       plan=engine.plan.describe(engine.manifest.layer_bytes), errors=errors)
+            return row
+        except torch.cuda.OutOfMemoryError as err:
+            log.warning("batch %d with resident_layers=%s: CUDA OOM (%s); retrying with every layer streamed",
+                        batch, resident, str(err).splitlines()[0])
+            errors.append({"resident_layers": resident, "error": str(err).splitlines()[0][:400]})
+        finally:
+            if engine is not None:
+                engine.close()
+            free_gpu()
+    raise RuntimeError(f"batch {batch}: out of memory even with every layer streamed: {errors}")
 
 
 def check_targets(results: dict) -> list[str]:

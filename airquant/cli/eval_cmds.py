@@ -193,7 +193,8 @@ def cmd_pipeline(args) -> int:
                          device=args.device, stages=tuple(args.stages) if args.stages else PipelineConfig.stages,
                          kernels=args.kernels, schemes=tuple(args.schemes) if args.schemes else None,
                          cell_timeout_s=args.cell_timeout, progress=not args.quiet, runner=args.runner,
-                         only=tuple(args.only) if args.only else None, sizes=json.loads(args.sizes))
+                         only=tuple(args.only) if args.only else None, sizes=json.loads(args.sizes),
+                         metrics=tuple(args.metrics) if args.metrics else None, report=not args.no_report)
     result = run_pipeline(cfg)
     for run in result.stages:
         print(f"{run.stage:<14} {run.seconds:7.1f} s  {run.kernel:<22} {run.notebook}")
@@ -216,6 +217,12 @@ def add_pipeline_parser(sub) -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="full profile: these configurations only (bf16 nf4 nf4-tq nf4-mixed gguf gptq int2), "
                         "to split the run over two calls")
+    p.add_argument("--metrics", nargs="+", default=None, metavar="METRIC",
+                   help="full profile: measure only these metrics of each configuration (ppl rouge niah perf "
+                        "parity kvmem), e.g. quality metrics of several configurations in parallel processes, "
+                        "then perf alone")
+    p.add_argument("--no-report", action="store_true", help="do not rebuild RESULTS.md at the end (a later call "
+                                                               "or `airquant report` does)")
     p.add_argument("--runner", choices=["auto", "papermill", "inprocess"], default="auto",
                    help="auto: the full profile in this process, quick through papermill")
     p.add_argument("--results", default="results", metavar="DIR")

@@ -4,16 +4,20 @@
 one model, each store opened once and shared by the configurations on it (NF4 carries three KV
 caches), generation metrics batched (``Sizes.rouge_batch``, ``Sizes.batch``). What ran, where, with
 which software and data goes to ``results/profiles/<label>.json``; the report reads it as the
-headline table's provenance. ``only`` runs some configurations, so one profile can be split over two
-device calls; each call adds its configurations to the same provenance file.
+headline table's provenance. ``only`` runs some configurations and ``metrics`` some metrics, so one
+profile can be split over device calls, or over processes sharing one GPU (the quality metrics of
+several configurations at once, then the speed metrics alone); each adds to the same provenance file,
+under a lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,6 +68,10 @@ def chosen(cfg: PipelineConfig) -> list[Configuration]:
     unknown = sorted(set(cfg.only or ()) - set(NAMES))
     if unknown:
         raise PipelineError(f"--only {unknown}: not a configuration; choose from {', '.join(NAMES)}.")
+    known = {m for c in CONFIGURATIONS for m in c.metrics}
+    if cfg.metrics and set(cfg.metrics) - known:
+        raise PipelineError(f"--metrics {sorted(set(cfg.metrics) - known)}: not a metric of the full profile; "
+                            f"choose from {', '.join(sorted(known))}.")
     out = [c for c in CONFIGURATIONS if (not cfg.only or c.name in cfg.only)
            and (not cfg.schemes or c.scheme in cfg.schemes)]
     if not out:
@@ -82,9 +90,29 @@ def data_files(required: bool) -> dict[str, Path]:
     return {metric: path for metric, path in found.items() if path is not None}
 
 
+@contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock beside ``path`` while it is read, changed and rewritten: several pipeline
+    processes (``--only``/``--metrics`` split over one GPU) may add to one provenance file at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _provenance(cfg: PipelineConfig, sizes: Sizes, data: dict[str, Path], device_name: str) -> Path:
     """``results/profiles/<label>.json``, created or extended with this call."""
     path = Path(cfg.results) / PROFILES_DIR / f"{sizes.label}.json"
+    with _locked(path):
+        _write_provenance(cfg, sizes, data, device_name, path)
+    return path
+
+
+def _write_provenance(cfg: PipelineConfig, sizes: Sizes, data: dict[str, Path], device_name: str,
+                      path: Path) -> None:
     old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     record = {
         "profile": cfg.profile, "label": sizes.label, "sizes": asdict(sizes),
@@ -97,13 +125,19 @@ def _provenance(cfg: PipelineConfig, sizes: Sizes, data: dict[str, Path], device
     command = " ".join(["airquant"] + sys.argv[1:]) if Path(sys.argv[0]).name == "airquant" else " ".join(sys.argv)
     record["calls"].append({"command": command, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     write_json_atomic(record, path)
-    return path
 
 
 def _record(path: Path, name: str, seconds: float, rows: list) -> None:
-    record = json.loads(path.read_text(encoding="utf-8"))
-    record["configurations"][name] = {"seconds": round(seconds, 1), "rows": summary(rows)}
-    write_json_atomic(record, path)
+    """Add this call's rows to the configuration's; a metric measured again replaces its earlier rows."""
+    with _locked(path):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        new = summary(rows)
+        remeasured = {(r["metric"], r["batch"]) for r in new}
+        old = record["configurations"].get(name, {})
+        kept = [r for r in old.get("rows", []) if (r["metric"], r["batch"]) not in remeasured]
+        record["configurations"][name] = {"seconds": round(old.get("seconds", 0.0) + seconds, 1),
+                                          "rows": kept + new}
+        write_json_atomic(record, path)
 
 
 def _device_name(device: str) -> str:
@@ -123,7 +157,7 @@ def run_configuration(conf: Configuration, built: dict[str, Path], engine: Any, 
     kv = stores.kv_config(conf.kv, sizes, num_layers=engine.manifest.num_layers)
     reference = built[conf.parity_against] if conf.parity_against else None
     rows = []
-    for metric in conf.metrics:
+    for metric in (m for m in conf.metrics if not cfg.metrics or m in cfg.metrics):
         t0 = time.perf_counter()
         rows += evaluate(built[conf.scheme], [metric], sizes, kv=kv, reference=reference if metric == "parity"
                          else None, device=cfg.device, results_dir=cfg.results, data=data, engine=engine)

@@ -40,7 +40,7 @@ PIP_PAPERMILL = "pip install papermill==2.7.0 nbformat==5.11.1 nbclient==0.11.0 
 @dataclass(frozen=True)
 class PipelineConfig:
     """``airquant pipeline --model --store --profile --results --device --stages --kernels --schemes --cell-timeout``
-    (and ``--only``, ``--runner``)."""
+    (and ``--only``, ``--metrics``, ``--no-report``, ``--runner``)."""
 
     model: str = "default"
     store: str = "store"
@@ -57,6 +57,7 @@ class PipelineConfig:
     # auto: the full profile in this process, the others through papermill
     runner: Literal["auto", "papermill", "inprocess"] = "auto"
     only: tuple[str, ...] | None = None  # full profile, in process: run these configurations only (their names)
+    metrics: tuple[str, ...] | None = None  # full profile, in process: measure these metrics only
     report: bool = True  # in process: rebuild RESULTS.md at the end
 
     def __post_init__(self) -> None:

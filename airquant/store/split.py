@@ -129,6 +129,12 @@ def data_offsets(data: bytes) -> dict[str, tuple[int, int]]:
     return {k: tuple(v["data_offsets"]) for k, v in header.items()}
 
 
+def _finished(store: Path, manifest: Manifest) -> bool:
+    """Every shard of a complete manifest is on disk and checks out, and the side files are there."""
+    side = (store / "config.json").is_file() and (store / "tokenizer").is_dir()
+    return side and all(shard_ok(store, e) for e in manifest.shards.values())
+
+
 def _save_side_files(store: Path, source: ModelSource) -> None:
     cfg = source.clean_config()
     atomic_write_bytes(store / "config.json", json.dumps(cfg, indent=1).encode())
@@ -154,6 +160,11 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     store.mkdir(parents=True, exist_ok=True)
     identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
+    if old is not None and old.complete and _finished(store, old):
+        # Nothing is rewritten, not even the side files: a finished store may be open in another process
+        # (the pipeline's parallel configurations re-check the stores they share).
+        log.info("store %s is complete and its shards check out: nothing to do", store)
+        return old
     if stale := remove_stale_temps(store):
         log.info("removed %d temp files of an interrupted split: %s", len(stale), stale[:3])
     source.check_tensors()

@@ -141,3 +141,27 @@ def test_only_and_schemes_choose_configurations():
         chosen(PipelineConfig(profile="full", only=("fp8",)))
     with pytest.raises(PipelineError, match="profile"):
         PipelineConfig(profile="huge")
+
+
+def test_a_profile_split_by_metrics_adds_up_in_one_provenance_record(tmp_path, tiny_llama, eval_data):
+    """Quality metrics in one call and perf in another (how the device run shares one GPU between processes):
+    the record holds both, a re-measured metric replaces its rows, and an unknown metric is refused."""
+    from airquant.pipeline.full import chosen
+    from airquant.pipeline.runner import PipelineConfig, run_pipeline
+
+    sizes = {"ppl_tokens": 96, "ppl_max_length": 32, "ppl_stride": 16, "batch": 2, "perf_prompt": 8,
+             "perf_new_tokens": 3, "perf_batches": [1], "perf_repeats": 1, "label": "split"}
+
+    def run(*metrics):
+        return run_pipeline(PipelineConfig(model=str(tiny_llama), store=str(tmp_path / "store"), profile="full",
+                                           results=str(tmp_path / "res"), device="cpu", sizes=sizes,
+                                           only=("bf16",), metrics=metrics, report=False))
+
+    for metrics in (("ppl",), ("perf",), ("ppl",)):
+        run(*metrics)
+    record = json.loads((tmp_path / "res" / "profiles" / "split.json").read_text())
+    rows = record["configurations"]["bf16"]["rows"]
+    assert sorted(r["metric"] for r in rows) == ["perf", "ppl"] and len(record["calls"]) == 3
+    assert not (tmp_path / "res" / "RESULTS.md").exists()  # report=False
+    with pytest.raises(PipelineError, match="not a metric"):
+        chosen(PipelineConfig(profile="full", metrics=("bleu",)))
