@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A T4's limits emulated on the H200: what a Colab T4 user would get, as a MODEL, not a T4 measurement.
 
-The profile: GPU capped to 15 GB (``set_per_process_memory_fraction``), the engine's host RAM budget 12 GB
-(``--max-ram``), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
+The profile: GPU capped to 15 GB (``set_per_process_memory_fraction``), the whole process's host RAM kept
+under 12 GB (the RAM tier's ``--max-ram`` is what is left after the process and the host-side embeddings), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
 bf16 stores, no TMA/Gluon-Hopper paths, the TurboQuant attention kernel only where a T4's 64 KB of shared
 memory fits), the store on disk. The H200 still computes far faster than a T4 and its host's page cache is not
 capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves,
@@ -45,7 +45,9 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.engine.plan import fixed_bytes  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
+from airquant.store.manifest import load_manifest  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
@@ -144,6 +146,16 @@ def part_70b(b: Bench) -> None:
     b.results.setdefault("details", {})["70b"] = {"store": store.name, "by_batch": rows}
 
 
+def ram_tier_gib(store: Path) -> float:
+    """The RAM tier's budget (GiB, as ``--max-ram`` takes it) that keeps the whole process under a T4 host's
+    12 GB: what the process holds already (Python, torch, the CUDA context) and the host-side embedding table
+    come off first, and 0.5 GB stays for host buffers."""
+    manifest = load_manifest(store)
+    _, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, host_embedding=True)
+    free = T4["ram_gb"] * GB - psutil.Process().memory_info().rss - host_fixed - 0.5 * GB
+    return max(free, 0.0) / (1 << 30)
+
+
 def batch_row(b: Bench, store: Path, batch: int) -> dict:
     """One batch's decode steps in the profile. If the planner's placement (leading layers resident in VRAM)
     runs out of memory under the cap, the OOM is recorded and the batch re-measured with every layer
@@ -152,13 +164,15 @@ def batch_row(b: Bench, store: Path, batch: int) -> dict:
     errors = []
     for resident in (None, 0):
         engine = None
+        ram_gb = ram_tier_gib(store)
         try:
             engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
-                                 max_ram_gb=T4["ram_gb"] * GB / (1 << 30), host_embedding=True, batch_size=batch,
+                                 max_ram_gb=ram_gb, host_embedding=True, batch_size=batch,
                                  context=b.args.prompt_len + b.args.steps + 3, verify_reads=False,
                                  resident_layers=resident)
             row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
             row.update(dtype=str(engine.dtype).removeprefix("torch."), resident_layers_forced=resident,
+                       ram_tier_budget_gb=round(ram_gb * (1 << 30) / GB, 2),
                        plan=engine.plan.describe(engine.manifest.layer_bytes), errors=errors)
             return row
         except torch.cuda.OutOfMemoryError as err:
