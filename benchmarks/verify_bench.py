@@ -101,7 +101,8 @@ def build_store(args, work: Path) -> Path:
 
         cmd = ["shard", tiny_model(work / "tiny_model", layers=4), "--store", store, "--dtype", "float32"]
     else:
-        cmd = ["synth", "--shape", "llama3-8b", "--layers", args.layers, "--store", store, "--device", args.device]
+        cmd = ["synth", "--shape", "llama3-8b", "--layers", args.layers, "--store", store, "--device", args.device,
+               "--tokenizer", REPO / "tests" / "data" / "smollm2_tokenizer"]  # no default model needed
     subprocess.run([sys.executable, "-m", "airquant.cli", *map(str, cmd), "--quiet"], cwd=REPO, check=True)
     return store
 
