@@ -1,6 +1,7 @@
-"""Layers point one way: no import cycles between airquant's top-level parts, no underscore names
-imported across modules. Read from the source with ``ast`` (every import counts, also inside functions),
-as ``import_map.py`` reads it: a part is ``airquant.<first component>``, a sub-package or a module."""
+"""Layers point one way: no import cycles between airquant's top-level parts, none among the sub-packages
+and modules inside any package, no underscore names imported across modules. Read from the source with
+``ast`` (every import counts, also inside functions), as ``import_map.py`` reads it: a part is
+``airquant.<first component>``, a sub-package or a module."""
 
 from __future__ import annotations
 
@@ -17,12 +18,32 @@ def _module_name(path: Path) -> str:
     return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
 
 
-def _imports(path: Path) -> list[tuple[str, str | None]]:
-    """(module, imported name or None) of every import in the file, relative ones made absolute."""
+def _type_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (bare or ``typing.``): imports only a type checker runs."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    name = getattr(test, "id", None) or getattr(test, "attr", None)
+    return isinstance(test, (ast.Name, ast.Attribute)) and name == "TYPE_CHECKING"
+
+
+def _nodes(tree: ast.AST, runtime: bool):
+    """``ast.walk``; with ``runtime``, the bodies of ``if TYPE_CHECKING:`` left out (their ``else`` kept)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if runtime and _type_only(node):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports(path: Path, runtime: bool = False) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every import in the file, relative ones made absolute
+    (``runtime``: those a type checker alone reads left out)."""
     me = _module_name(path)
     package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
     out: list[tuple[str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in _nodes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)), runtime):
         if isinstance(node, ast.Import):
             out += [(a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -54,6 +75,45 @@ def _scan() -> tuple[dict[str, set[str]], list[str]]:
                     and module.split(".")[0] == PACKAGE.name and module != me):
                 private.append(f"{me} imports {module}.{name}")
     return edges, private
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _target(module: str, name: str | None, known: dict[str, Path]) -> str | None:
+    """The airquant module an import reaches: ``from pkg import mod`` is ``pkg.mod``; ``from mod import x``
+    (or ``import mod.x`` of a name that is no module) the longest known prefix."""
+    if name and f"{module}.{name}" in known:
+        return f"{module}.{name}"
+    bits = module.split(".")
+    while bits and ".".join(bits) not in known:
+        bits.pop()
+    return ".".join(bits) or None
+
+
+def _inner_edges() -> dict[str, dict[str, set[str]]]:
+    """package -> (child -> children it imports): a child is a sub-package or a module directly inside,
+    an import from ``a.b.x`` into ``a.c.y`` is an edge b -> c inside ``a``. A module importing its own
+    ancestor or descendant package is no edge (a package's ``__init__`` lists its children)."""
+    known = _modules()
+    inner: dict[str, dict[str, set[str]]] = {}
+    for me, path in known.items():
+        for module, name in _imports(path, runtime=True):
+            dst = _target(module, name, known) if module.split(".")[0] == PACKAGE.name else None
+            if dst is None:
+                continue
+            a, b = me.split("."), dst.split(".")
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            if i < len(a) and i < len(b):
+                inner.setdefault(".".join(a[:i]), {}).setdefault(a[i], set()).add(b[i])
+    return inner
+
+
+# Cycles still to break, each with the reason it is here; the test below fails once one is gone, so the list
+# only shrinks. pipeline.full imports runner's PipelineConfig/StageRun while runner.run_pipeline dispatches
+# `--in-process` to full.run_in_process: the dispatch belongs in the caller (cli/eval_cmds, the tests).
+KNOWN_INNER_CYCLES = {("airquant.pipeline", frozenset({"full", "runner"}))}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -111,3 +171,18 @@ def test_no_private_imports_across_modules():
     private = _scan()[1]
     assert not private, f"underscore names imported from another module (make them public or move them): {private}"
 
+
+
+def test_inner_scan_reads_packages_and_from_imports():
+    inner = _inner_edges()
+    assert "decode" in inner["airquant.engine"]["runner"], "engine.runner's import of engine.decode was not seen"
+    assert "kernels" in inner["airquant.quant"]["int2"], "from airquant.quant.kernels import ... was not seen"
+
+
+def test_no_import_cycles_inside_packages():
+    found = {(package, cycle) for package, edges in _inner_edges().items() for cycle in _cycles(edges)}
+    new = sorted(f"{package}: {' <-> '.join(sorted(c))}" for package, c in found - KNOWN_INNER_CYCLES)
+    assert not new, ("import cycles between the sub-packages/modules of one package (move what both need into a "
+                     f"module below them, or take a callable): {new}")
+    gone = KNOWN_INNER_CYCLES - found
+    assert not gone, f"these cycles are broken now: remove them from KNOWN_INNER_CYCLES: {gone}"

@@ -12,7 +12,7 @@ from airquant.config import EngineConfig
 from airquant.engine.router import GIB, Hardware, StreamingNotAllowedError, Workload, plan_route
 from airquant.engine.runner import Engine, plan_for
 from airquant.errors import PromptTooLongError
-from airquant.provider import ProviderClosedError, QueueFullError
+from airquant.jobs.provider import ProviderClosedError, QueueFullError
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi", "Tell me",
            "A B C D", "Water is"]

@@ -144,7 +144,7 @@ def add_batch_parser(sub) -> None:
 
 # -- serve and ui ------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from airquant.provider import ProviderConfig
+    from airquant.jobs.provider import ProviderConfig
     from airquant.serve import require_serve
     from airquant.serve.config import ServeConfig, api_key_from, check_bind
 

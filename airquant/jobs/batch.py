@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -212,7 +211,7 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     context = job_context(store, lengths, todo, job)
     size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     # Longest first: a batch that does not fit fails at the start, not after hours.
-    queue = deque(p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0]))
+    todo = [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
     owned = engine is None
     if owned:
         from airquant.engine.runner import Engine
@@ -221,10 +220,7 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     log.info("batch job: %d prompts (%d already done), batch size %d, context %d", len(todo), report.skipped,
              size, context)
     try:
-        if hasattr(engine, "decode_loop") and engine.loop_supported:
-            _drain_continuous(engine, list(queue), size, job, report, progress, context)
-        else:
-            _drain(engine, queue, size, job, report, progress)
+        _drain(engine, todo, size, job, report, progress, context)
     finally:
         if owned:
             engine.close()
@@ -288,73 +284,80 @@ def _record(engine, seq) -> dict:
             "timings": {"ttft_s": c.ttft_s, "total_s": c.latency_s}}
 
 
-def _drain_continuous(engine, todo: list[Prompt], slots: int, job: BatchJob, report: BatchReport, progress: bool,
-                      context: int) -> None:
+# -- on an open engine: the one out-of-memory policy of batch jobs ------------------------------------
+ONE_PROMPT_OOM = ("one prompt alone runs out of GPU memory; lower --max-new-tokens, raise --max-vram, or use "
+                  "--host-embedding / a compressed store.")
+
+
+def run_records(engine, prompts: list[Prompt], job: BatchJob, slots: int, context: int | None, on_record, *,
+                on_halve=None, on_batch=None) -> int:
+    """Run ``prompts`` on an open engine, ``on_record(record)`` as each finishes; return the slots that fit.
+
+    Engines that run AirQuant's decode loop go through ``generate_records`` (continuous batching in ``slots``),
+    others through static batches of ``slots`` (``static_records``). The out-of-memory policy of ``airquant
+    batch`` and of its Ray actors alike: halve the slots (``on_halve()``) and rerun only the records not handed
+    to ``on_record`` yet; one slot that still runs out raises BatchJobError. ``on_batch(n)``: each static
+    batch's size, or once the slots of the decode loop that finished the prompts."""
+    finished: set[str] = set()
+
+    def keep(record: dict) -> None:
+        finished.add(json.dumps(record["id"]))
+        on_record(record)
+
+    todo = list(prompts)
+    while True:
+        try:
+            if hasattr(engine, "decode_loop") and engine.loop_supported:
+                generate_records(engine, todo, job, slots=slots, context=context, on_record=keep)
+                if on_batch is not None:
+                    on_batch(slots)
+            else:
+                static_records(engine, todo, job, slots, keep, on_batch)
+            return slots
+        except torch.OutOfMemoryError:
+            if slots == 1:
+                raise BatchJobError(ONE_PROMPT_OOM) from None
+            todo = [p for p in todo if p.key not in finished]
+            slots //= 2
+            log.warning("out of GPU memory with %d slots: rerunning %d records with %d", 2 * slots, len(todo), slots)
+            if on_halve is not None:
+                on_halve()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_record, on_batch=None) -> None:
+    """Engines without the decode loop: ``size`` prompts per ``Engine.generate_detailed`` call."""
+    for i in range(0, len(prompts), size):
+        chunk = prompts[i:i + size]
+        completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
+        timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
+        for p, c in zip(chunk, completions):
+            on_record({"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
+                       "new_tokens": c.new_tokens, "timings": timings})
+        if on_batch is not None:
+            on_batch(len(chunk))
+
+
+def _drain(engine, todo: list[Prompt], slots: int, job: BatchJob, report: BatchReport, progress: bool,
+           context: int) -> None:
+    """``todo`` through ``run_records``, every record appended (and fsynced) to the output as it finishes."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="batch", unit="prompt", disable=not progress)
     job.output.parent.mkdir(parents=True, exist_ok=True)
-    written: set[str] = set()
     with open(job.output, "a", encoding="utf-8") as f:
         def on_record(record: dict) -> None:
             _append(f, record)
-            written.add(json.dumps(record["id"]))
             report.done += 1
             report.new_tokens += record.get("new_tokens", 0)
             report.elapsed_s = time.perf_counter() - start
             bar.update(1)
-            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}", slots=slots)
+            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}")
 
-        while todo:
-            try:
-                generate_records(engine, todo, job, slots=slots, context=context, on_record=on_record)
-                report.batch_sizes.append(slots)
-                todo = []
-            except torch.OutOfMemoryError:
-                if slots == 1:
-                    raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "
-                                        "raise --max-vram, or use --host-embedding / a compressed store.") from None
-                todo = [p for p in todo if p.key not in written]
-                slots //= 2
-                report.oom_halvings += 1
-                log.warning("out of GPU memory with %d slots: rerunning %d records with %d", 2 * slots, len(todo),
-                            slots)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    bar.close()
+        def on_halve() -> None:
+            report.oom_halvings += 1
 
-
-def _drain(engine, queue: deque, size: int, job: BatchJob, report: BatchReport, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
-    start = time.perf_counter()
-    bar = tqdm(total=len(queue), desc="batch", unit="prompt", disable=not progress)
-    job.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(job.output, "a", encoding="utf-8") as f:
-        while queue:
-            chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
-            try:
-                completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)  # static
-            except torch.OutOfMemoryError:
-                if len(chunk) == 1:
-                    raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, "
-                                        "raise --max-vram, or use --host-embedding / a compressed store.") from None
-                queue.extendleft(reversed(chunk))
-                size = len(chunk) // 2
-                report.oom_halvings += 1
-                log.warning("out of GPU memory with a batch of %d: retrying with %d", len(chunk), size)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
-            for p, c in zip(chunk, completions):
-                _append(f, {"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
-                            "new_tokens": c.new_tokens, "timings": timings})
-            report.done += len(chunk)
-            report.new_tokens += sum(c.new_tokens for c in completions)
-            report.batch_sizes.append(len(chunk))
-            report.elapsed_s = time.perf_counter() - start
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}", batch=len(chunk))
+        run_records(engine, todo, job, slots, context, on_record, on_halve=on_halve, on_batch=report.batch_sizes.append)
     bar.close()

@@ -26,12 +26,10 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, DependencyError, StoreError
-from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size,
-                                 generate_records, job_context, pending, prompt_lengths)
+from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, job_context,
+                                 pending, prompt_lengths, run_records)
 
 log = logging.getLogger(__name__)
 
@@ -73,44 +71,11 @@ def require_ray():
 
 # -- records ---------------------------------------------------------------------------------------
 def engine_records(engine, prompts: list[Prompt], job: BatchJob, slots: int, context: int) -> tuple[list[dict], int]:
-    """Records of ``prompts`` on an open engine, as ``airquant batch`` writes them, and the slots that fit.
-
-    Engines that run AirQuant's decode loop go through ``generate_records`` (continuous batching, the
-    single-process job's own function); others through static batches of ``slots`` as ``run_batch`` runs
-    them. An out-of-memory error halves the slots and reruns only the records not finished yet."""
+    """Records of ``prompts`` on an open engine, as ``airquant batch`` writes them, and the slots that fit:
+    ``run_records``, the single-process job's own function and out-of-memory policy (each id kept once)."""
     done: dict[str, dict] = {}
-
-    def keep(record: dict) -> None:
-        done.setdefault(json.dumps(record["id"]), record)
-
-    todo = list(prompts)
-    while todo:
-        try:
-            if hasattr(engine, "decode_loop") and engine.loop_supported:
-                generate_records(engine, todo, job, slots=slots, context=context, on_record=keep)
-            else:
-                static_records(engine, todo, job, slots, keep)
-            todo = []
-        except torch.OutOfMemoryError:
-            if slots == 1:
-                raise BatchJobError("one prompt alone runs out of GPU memory; lower --max-new-tokens, raise "
-                                    "--max-vram, or use --host-embedding / a compressed store.") from None
-            slots //= 2
-            todo = [p for p in todo if p.key not in done]
-            log.warning("out of GPU memory: rerunning %d records with %d slots", len(todo), slots)
-            torch.cuda.empty_cache()
+    slots = run_records(engine, prompts, job, slots, context, lambda r: done.setdefault(json.dumps(r["id"]), r))
     return list(done.values()), slots
-
-
-def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_record) -> None:
-    """``run_batch``'s static path: ``size`` prompts per ``Engine.generate_detailed`` call."""
-    for i in range(0, len(prompts), size):
-        chunk = prompts[i:i + size]
-        completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
-        timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
-        for p, c in zip(chunk, completions):
-            on_record({"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,
-                       "new_tokens": c.new_tokens, "timings": timings})
 
 
 # -- the store on every node -------------------------------------------------------------------

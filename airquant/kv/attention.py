@@ -15,23 +15,12 @@ from __future__ import annotations
 import torch
 
 from airquant.kv.cache import CompressedContext
+from airquant.kv.masks import keep_mask
 
 # 1024 tokens per chunk: a [B, H, 1024, D] fp32 temporary, small next to the weights being streamed.
 HISTORY_CHUNK = 1024
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def keep_mask(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """Boolean ``[B, 1|H, L, kv_len]`` (True = attend) from a bool/additive mask or None (causal)."""
-    if mask is None:
-        # Bottom-right causal: query i sits at absolute position kv_len - q_len + i.
-        rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-        cols = torch.arange(kv_len, device=device).unsqueeze(0)
-        return (cols <= rows).view(1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len)
-    if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    return mask[..., -q_len:, -kv_len:]
 
 
 def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

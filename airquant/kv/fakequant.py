@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from airquant.kv.attention import keep_mask
 from airquant.kv.cache import tag
 from airquant.kv.config import Schedule
+from airquant.kv.masks import keep_mask
 
 # fake(x [B, H, N, D], layer_idx) -> same-shape reconstruction
 FakeFn = Callable[[torch.Tensor, int], torch.Tensor]

@@ -30,6 +30,7 @@ import torch
 
 from airquant.kv.cache import CompressedContext
 from airquant.kv.codec import LOG_NORM_LEVELS, LOG_NORM_SPAN
+from airquant.kv.masks import keep_mask
 from airquant.quant.kernels import device_capability, dtype_supported, shared_per_block
 
 try:
@@ -247,8 +248,6 @@ _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's ope
 
 def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
     """``[B|1, 1|Hq, L, kv_len]`` int8 view of the mask (no copy for boolean masks)."""
-    from airquant.kv.attention import keep_mask
-
     keep = keep_mask(mask, batch, q_len, kv_len, mask.device)
     return keep.view(torch.int8)
 

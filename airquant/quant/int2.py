@@ -28,15 +28,7 @@ from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
 from airquant.quant.base import QuantLinear
-
-# Lloyd-Max (1960) optimum 4-level quantizer for N(0, 1): centroids and the midpoints between them.
-LLOYD_MAX_4 = (-1.5104, -0.4528, 0.4528, 1.5104)
-_THRESHOLDS = (-0.9816, 0.0, 0.9816)
-
-# The levels as the Triton kernels evaluate them (airquant.quant.kernels.int2_triton), exact because the
-# levels are symmetric: an odd cubic of u = code - 1.5, c = CUBIC_A*u + CUBIC_B*u^3 (fit at u = 0.5, 1.5).
-CUBIC_B = (LLOYD_MAX_4[3] - 3 * LLOYD_MAX_4[2]) / (3.375 - 3 * 0.125)
-CUBIC_A = (LLOYD_MAX_4[2] - 0.125 * CUBIC_B) / 0.5
+from airquant.quant.int2_levels import LLOYD_MAX_4, THRESHOLDS
 
 
 def n_outlier_channels(in_features: int, fraction: float) -> int:
@@ -82,7 +74,7 @@ def assign_codes(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     var = ((w * w) * mask).sum(-1, keepdim=True) / n - mean * mean
     std = var.clamp_min(0).sqrt().clamp_min(1e-12)
     # Compare against de-normalised thresholds instead of normalising every weight.
-    thresholds = torch.tensor(_THRESHOLDS, dtype=w.dtype, device=w.device)
+    thresholds = torch.tensor(THRESHOLDS, dtype=w.dtype, device=w.device)
     codes = torch.zeros(w.shape, dtype=torch.uint8, device=w.device)
     for t in thresholds:
         codes += w > mean + t * std

@@ -29,7 +29,7 @@ from airquant.engine.router import StreamingNotAllowedError
 from airquant.errors import AirQuantError
 from airquant.jobs.batch import Prompt as JobPrompt
 from airquant.jobs.batch import prompt_lengths
-from airquant.provider import Provider, ProviderClosedError, QueueFullError
+from airquant.jobs.provider import Provider, ProviderClosedError, QueueFullError
 from airquant.serve.config import ServeConfig
 from airquant.serve.metrics import ServerMetrics, StatusCounter
 from airquant.serve.security import install_security

@@ -23,7 +23,7 @@ from airquant.ui.plan_view import PlanQuery, plan_report
 
 @dataclass(frozen=True)
 class UiContext:
-    provider: object  # airquant.provider.Provider
+    provider: object  # airquant.jobs.provider.Provider
     stores: tuple[str, ...]
     base_url: str  # where the UI's chat requests go (the same server, on loopback)
     api_key: str | None

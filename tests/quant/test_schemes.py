@@ -35,3 +35,13 @@ def test_dense_module_and_workspace():
     assert type(module) is nn.Linear and module.weight.shape == (4, 8)
     assert workspace_elems({"scheme": "none"}, 100) == 0
     assert workspace_elems({"scheme": "int2"}, 100) == workspace_elems({"scheme": "hqq"}, 100) == 100
+
+
+def test_shard_quant_flag_offers_the_registry_methods():
+    # The CLI spells its choices out (importing the registry would import torch on `airquant --help`);
+    # this keeps the spelled-out list and the registry one list.
+    from airquant.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    quant = next(a for a in sub.choices["shard"]._actions if a.dest == "quant")
+    assert tuple(quant.choices) == shard_methods()

@@ -87,6 +87,17 @@ def use_triton(x: torch.Tensor) -> bool:
             and dtype_supported(x.dtype, device_capability(x.device)))
 
 
+def outlier_read_cols(ow: torch.Tensor, n_out: int) -> tuple[int, int]:
+    """(row stride, columns the kernels read) of the int2 outlier residuals ow [N, >= n_out]: n_out rounded
+    up to 16 where the rows are padded that far (stores written with ``airquant.quant.int2.outlier_cols``:
+    zeros there, which the kernels multiply by 0), so that the column mask bound is a multiple of 16 and the
+    loads vectorize (with n_out = 1003 they were 2-byte loads); n_out for unpadded rows."""
+    if not n_out:
+        return 0, 0
+    padded = -(-n_out // 16) * 16  # whatever outlier_cols stored: a padded store of any size reads padded
+    return ow.stride(0), padded if padded <= ow.stride(0) else n_out
+
+
 def int2_matmul(x, codes, scales, zeros, outlier_weight, outlier_idx, group):
     from airquant.quant.kernels.int2_triton import int2_matmul as impl
 

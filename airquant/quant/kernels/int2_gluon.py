@@ -56,9 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
-from airquant.quant.int2 import LLOYD_MAX_4
-from airquant.quant.kernels import HOPPER_MIN, device_capability
-from airquant.quant.kernels.int2_triton import outlier_read_cols
+from airquant.quant.int2_levels import LLOYD_MAX_4
+from airquant.quant.kernels import HOPPER_MIN, device_capability, outlier_read_cols
 
 # Rows per lane, warps per program, double chunks per stage, measured on the H200 (GPU us for 28672x8192 /
 # 8192x28672, +-2 us between runs): R=2, NW=1, D=4 60-62; NW=2 61-63; NW=4 72-75; R=4, D=2 68-75;

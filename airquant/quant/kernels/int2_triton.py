@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from airquant.quant.int2 import CUBIC_A, CUBIC_B
+from airquant.quant.int2_levels import CUBIC_A, CUBIC_B
+from airquant.quant.kernels import outlier_read_cols
 
 _CUBIC_A = tl.constexpr(CUBIC_A)
 _CUBIC_B = tl.constexpr(CUBIC_B)
@@ -179,17 +180,6 @@ def _int2_gemm_kernel(
             acc = tl.dot(xo, tl.trans(wo.to(xo.dtype)), acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-def outlier_read_cols(ow: torch.Tensor, n_out: int) -> tuple[int, int]:
-    """(row stride, columns the kernels read) of the outlier residuals ow [N, >= n_out]: n_out rounded up
-    to 16 where the rows are padded that far (stores written with int2.outlier_cols: zeros there, which
-    the kernels multiply by 0), so that the column mask bound is a multiple of 16 and the loads vectorize
-    (with n_out = 1003 they were 2-byte loads); n_out for unpadded rows."""
-    if not n_out:
-        return 0, 0
-    padded = -(-n_out // 16) * 16  # whatever outlier_cols stored: a padded store of any size reads padded
-    return ow.stride(0), padded if padded <= ow.stride(0) else n_out
 
 
 def gemm_bucket(m: int) -> int:
