@@ -145,8 +145,10 @@ def test_quantized_moe_streams_like_the_model_quantized_in_memory(tmp_path, real
     _check_against(engine, _fake_quantized_reference(folder, spec), real_tokenizer, 1e-4)
     resident = Engine.open(store, device="cpu", resident=True)
     enc = engine.encode(PROMPTS)
-    assert torch.equal(engine.forward(enc["input_ids"], enc["attention_mask"]),
-                       resident.forward(enc["input_ids"], enc["attention_mask"]))
+    # Streamed MoE layers run their routed experts as grouped matmuls, the resident model expert by expert:
+    # the same products, summed in another order.
+    streamed = engine.forward(enc["input_ids"], enc["attention_mask"])
+    assert _rel_err(streamed, resident.forward(enc["input_ids"], enc["attention_mask"])) <= 1e-5
 
 
 @pytest.mark.parametrize("config, says", [
