@@ -19,7 +19,7 @@ layer i's expert input to guess i+1's experts, whose copies start at once; a wro
 from __future__ import annotations
 
 import logging
-import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from airquant.engine import expert_compute
 from airquant.errors import AirQuantError
 from airquant.layout import swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
@@ -91,14 +92,29 @@ def dense_bytes(entry: ShardEntry) -> int:
     return entry.bytes - experts
 
 
+# Model types whose experts cannot be moved by routing, and why: ``auto`` streams their layers whole.
+NOT_ROUTED = {
+    "jetmoe": "its experts (the attention's query/output experts and the MLP's) are called through "
+              "map/reduce and per-expert token splits, not as an experts module given a routing index",
+}
+
+
 def use_routed(mode: ExpertsMode, manifest: Manifest, streamed: bool) -> bool:
-    """Whether a run streams experts routed: ``auto`` does for MoE stores that stream."""
+    """Whether a run streams experts routed: ``auto`` does for MoE stores that stream, but for types in
+    ``NOT_ROUTED`` (logged)."""
     moe = any(e.experts for e in manifest.shards.values() if e.is_layer)
     if mode == "routed" and not moe:
         raise ExpertsError("--experts routed was asked for, but this store has no Mixture-of-Experts layer; "
                            "use --experts auto (or whole).")
     if mode == "routed" and not streamed:
         raise ExpertsError("--experts routed needs a streamed run; drop --resident (or use --experts auto).")
+    model_type = (manifest.source or {}).get("model_type")
+    why = NOT_ROUTED.get(model_type)
+    if why and moe and streamed and mode != "whole":
+        if mode == "routed":
+            raise ExpertsError(f"--experts routed cannot run {model_type}: {why}; use --experts auto (or whole).")
+        log.info("experts   : whole layers for %s (%s)", model_type, why)
+        return False
     return moe and streamed and mode != "whole"
 
 
@@ -335,6 +351,7 @@ class ExpertPool:
         self._next_staging = 0
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
         self.current: int | None = None
+        self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
         self.stats = {"bytes_copied": 0, "copied": 0, "hits": 0, "routed": 0, "guessed": 0, "guess_used": 0,
                       "guess_bytes": 0}
 
@@ -354,30 +371,48 @@ class ExpertPool:
     # -- one call of a layer's experts -------------------------------------------------------------
     def run(self, i: int, module, forward, args: tuple, kwargs: dict) -> torch.Tensor:
         """The experts module's ``forward`` on the batch, its routed experts brought into the pool first."""
-        args, kwargs, index = _routing(args, kwargs)
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        index = _routing(args, kwargs)
+        if index is None:
+            if not expert_compute.dispatched(module):
+                raise ExpertsError("an experts module was called without a routing index; "
+                                   "use --experts whole for this model.")
+            return self._run_dispatched(i, module, forward, hidden)
         layer = self.layers[i]
         union = torch.unique(index).tolist()  # the one host sync: which experts to move
         slots = self._acquire(i, layer, union)
         packed = self._gather(layer, slots)
-        hidden = args[0] if args else next(iter(kwargs.values()))
         if self.plan.speculate and hidden.reshape(-1, hidden.shape[-1]).shape[0] <= SPECULATE_TOKENS:
             self._speculate(i + 1, hidden, keep=set(slots))
         lookup = torch.zeros(max(union) + 1, dtype=index.dtype, device=index.device)
         lookup[torch.tensor(union, device=index.device)] = torch.arange(len(union), dtype=index.dtype,
                                                                         device=index.device)
         args, kwargs = _with_index(args, kwargs, lookup[index])  # expert ids -> rows of the packed tensors
-        old = {name: swap_tensor(module, name, t) for name, t in packed.items()}
-        # The module sees U experts: grouped_mm sizes its per-expert offsets by it, one_hot its classes.
-        num = getattr(module, "num_experts", None)
-        if num is not None:
-            module.num_experts = len(union)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            for name, t in old.items():
-                swap_tensor(module, name, t)
-            if num is not None:
-                module.num_experts = num
+        grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
+            else None
+        with _packed_into(module, packed, len(union)):
+            if grouped is None:
+                return forward(*args, **kwargs)
+            return expert_compute.run_grouped(module, grouped, *args, num=len(union))
+
+    def _run_dispatched(self, i: int, module, forward, hidden: torch.Tensor) -> torch.Tensor:
+        """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""
+        layer = self.layers[i]
+        num = len(layer.ranges)
+        rows, union = expert_compute.dispatched_union(hidden, num)
+        out = torch.zeros_like(rows)
+        if not union:
+            return out.reshape(hidden.shape)
+        slots = self._acquire(i, layer, union)
+        packed = self._gather(layer, slots)
+        if self.plan.speculate and rows.shape[1] <= SPECULATE_TOKENS:
+            # Each token's rows are positive multiples of its hidden state: their sum routes like it.
+            self._speculate(i + 1, rows.sum(dim=0), keep=set(slots))
+        chosen = torch.tensor(union, device=hidden.device)
+        with _packed_into(module, packed, len(union)):
+            part = forward(rows.index_select(0, chosen).reshape(-1, hidden.shape[-1]))
+        out.index_copy_(0, chosen, part.reshape(len(union), -1, part.shape[-1]).to(out.dtype))
+        return out.reshape(hidden.shape)
 
     def _acquire(self, i: int, layer: LayerExperts, union: list[int]) -> list[int]:
         table = self.table
@@ -510,15 +545,32 @@ def _read(layer: LayerExperts, start: int, end: int) -> torch.Tensor:
     return buf
 
 
-def _routing(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
+def _routing(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The experts call's routing index: its second positional argument (every transformers 5 family),
-    or the integer tensor among its keywords."""
+    or the integer tensor among its keywords; None when it has none (Llama 4's dispatched tokens)."""
     if len(args) > 1:
-        return args, kwargs, args[1]
+        return args[1]
     for value in kwargs.values():
         if isinstance(value, torch.Tensor) and not value.is_floating_point():
-            return args, kwargs, value
-    raise ExpertsError("an experts module was called without a routing index; use --experts whole for this model.")
+            return value
+    return None
+
+
+@contextmanager
+def _packed_into(module, packed: dict[str, torch.Tensor], num: int):
+    """The module computes from the call's packed [U, ...] tensors, and sees U experts (grouped_mm sizes
+    its per-expert offsets by it, the eager loop its one_hot classes, Llama 4 its bmm batch)."""
+    old = {name: swap_tensor(module, name, t) for name, t in packed.items()}
+    count = getattr(module, "num_experts", None)
+    if count is not None:
+        module.num_experts = num
+    try:
+        yield
+    finally:
+        for name, t in old.items():
+            swap_tensor(module, name, t)
+        if count is not None:
+            module.num_experts = count
 
 
 def _with_index(args: tuple, kwargs: dict, index: torch.Tensor) -> tuple[tuple, dict]:

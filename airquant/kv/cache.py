@@ -45,6 +45,18 @@ class TaggedKeys(torch.Tensor):
     # The same opt-out nn.Parameter uses: no __torch_function__ dispatch, so no per-op overhead.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def repeat(self, *sizes):
+        """Tiled along heads, the keys keep their context and say how often: JetMoE tiles the keys the cache
+        returned over its attention experts (``keys.repeat(1, top_k, 1, 1)``, query head h reads key head
+        h mod Hkv), which an attention reading the context's keys must mirror."""
+        out = torch.Tensor.repeat(self.as_subclass(torch.Tensor), *sizes)
+        dims = sizes[0] if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
+        if getattr(self, "kv_context", None) is None or len(dims) != 4 or tuple(dims[2:]) != (1, 1) or dims[0] != 1:
+            return out
+        out = tag(out, self.kv_context)
+        out.kv_tiles = getattr(self, "kv_tiles", 1) * int(dims[1])
+        return out
+
 
 def tag(keys: torch.Tensor, context) -> TaggedKeys:
     out = keys.as_subclass(TaggedKeys)

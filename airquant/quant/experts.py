@@ -67,6 +67,17 @@ class ExpertWeights(nn.Module):
         w = linear.dequantize().to(self.compute_dtype)  # [out, in]
         return w.t() if self.transposed else w
 
+    def stacked(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Every expert's dense matrix at once, ``[E, *inner]`` in the compute dtype: one decode of the stacked
+        buffers where the scheme has one (``dequantize_stacked``: NF4), else expert by expert. Grouped expert
+        matmuls run on it (engine/experts.py) instead of decoding and multiplying one expert at a time."""
+        stop = self.num_experts if stop is None else stop
+        decode = getattr(self.one[0], "dequantize_stacked", None)
+        if decode is None:
+            return torch.stack([self[e] for e in range(start, stop)])
+        w = decode({name: getattr(self, name)[start:stop] for name in self.suffixes}).to(self.compute_dtype)
+        return w.transpose(1, 2) if self.transposed else w
+
     def __len__(self) -> int:
         return self.num_experts
 

@@ -193,7 +193,8 @@ def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_t
     resident = Engine.open(tmp_path / "real", device="cpu", resident=True)
     enc = streamed.encode(["The quick brown fox jumps over the lazy dog"])
     a, b = streamed.forward(**enc), resident.forward(**enc)
-    assert torch.isfinite(a).all() and torch.equal(a, b)
+    # Streamed experts run as grouped matmuls, resident ones expert by expert: bf16 sums in another order.
+    assert torch.isfinite(a).all() and ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= 2e-2
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "nf4"])

@@ -169,13 +169,32 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, plain, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window")
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else implicit_window(module)
+    tiles = getattr(key, "kv_tiles", 1)  # keys tiled over heads (JetMoE): query head h reads key head h mod Hkv
+    if tiles > 1:  # reorder the query heads so that the G heads of a key head are adjacent, as below
+        _, hq, t, dim = query.shape
+        query = query.view(1, tiles, hq // tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
     if ctx.tq is not None:
         out = _tq_attention(query, ctx, scale)
     else:
         out = _plain_attention(query, ctx, scale, window)
     ctx.kv.after_attention(ctx.layer)
+    if tiles > 1:  # back to the model's head order, contiguous as JetMoE views it per expert
+        out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
+        return out.transpose(1, 2).contiguous(), None
     return out.transpose(1, 2), None
+
+
+def implicit_window(module) -> int | None:
+    """The sliding window of an attention module that does not pass ``sliding_window`` to the attention
+    function: transformers then applies it through the mask alone, which the loop does not use. PhiMoE
+    masks every layer by ``config.sliding_window``; Qwen2-MoE keeps it on its sliding layers' modules."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config = getattr(module, "config", None)
+    if config is None or getattr(config, "layer_types", None):  # layer_types: the modules say which slide
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window: int | None) -> torch.Tensor:
