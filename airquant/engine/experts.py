@@ -303,8 +303,9 @@ def open_for(engine, routed: dict[int, set[str]], vram_bytes: int | None) -> "Ex
     config (``--expert-cache``, ``--expert-policy``, ``--expert-prefetch``) and the VRAM its plan leaves."""
     cfg, plan, manifest = engine.cfg, engine.plan, engine.manifest
     spare = spare_vram(manifest, plan.tiers, plan.fixed_bytes, plan.slots, plan.reserve_bytes, routed, vram_bytes)
-    sizing = plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
-                          speculate=cfg.expert_prefetch)
+    # The planner (engine/planner.py) sized the pool inside the VRAM budget; sized here only for a plan without it.
+    sizing = plan.experts or plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
+                                          speculate=cfg.expert_prefetch)
     if spare is not None and sizing.slots * sizing.slot_bytes + sizing.gather_bytes > spare:
         raise ExpertsError(f"the expert pool ({sizing.pool_bytes / 1e9:.2f} GB) and gather "
                            f"({sizing.gather_bytes / 1e9:.2f} GB) do not fit the {max(spare, 0) / 1e9:.2f} GB the "

@@ -53,6 +53,19 @@ class StreamPlan:
     host_fixed_bytes: int = 0  # embedding table kept in host memory (--host-embedding)
     kv_offload: bool = False  # streamed layers' KV cache lives in pinned host RAM, moves with the layer
     kv_host_bytes: int = 0  # pinned host RAM the offloaded cache takes at the planned batch and context
+    resident_bytes: int = 0  # the VRAM-resident layers, with their KV share when the cache is offloaded
+    ram_tier_bytes: int = 0  # host RAM the pinned tier may fill (planner.ram_tier)
+    experts: object | None = None  # experts.ExpertPlan of a routed MoE run: arena and cache (planner.plan)
+    expert_bytes: int = 0  # that pool and its gather on the device
+    experts_fit: bool = True  # False: the arena does not fit beside the floor (the engine refuses to open)
+    vram_budget_bytes: int | None = None  # the GPU budget the plan was made for (None: CPU, or not known)
+    margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
+
+    @property
+    def device_bytes(self) -> int:
+        """Everything the plan puts on the device: fixed parts, slots, reserve, resident layers, expert pool."""
+        return (self.fixed_bytes + self.slots * self.slot_bytes + self.reserve_bytes + self.resident_bytes
+                + self.expert_bytes)
 
     @property
     def vram_layers(self) -> list[int]:
@@ -82,6 +95,16 @@ class StreamPlan:
         if self.kv_offload:
             lines.append(f"KV cache                : offloaded, {self.kv_host_bytes / GB:.3f} GB in pinned host RAM; "
                          "each streamed layer's cache moves with its weights")
+        if self.experts is not None:
+            lines.append(self.experts.describe())
+            if not self.experts_fit:
+                spare = (self.vram_budget_bytes or 0) - self.margin_bytes - self.device_bytes + self.expert_bytes
+                lines.append(f"            does NOT fit the {max(spare, 0) / GB:.3f} GB the layer plan leaves: lower "
+                             "--expert-cache, raise --max-vram or use --experts whole")
+        if self.vram_budget_bytes is not None:
+            lines.append(f"device total            : {self.device_bytes / GB:.3f} GB of the "
+                         f"{self.vram_budget_bytes / GB:.3f} GB budget, {self.margin_bytes / GB:.3f} GB of it "
+                         "left to the allocator (rounding, fragmentation, cuBLAS workspace)")
         return "\n".join(lines + [f"why: {r}" for r in self.reasons])
 
 
@@ -198,13 +221,15 @@ def dequant_elems(shards: dict, config) -> int:
     return elems
 
 
-def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> StreamPlan:
-    """Place layers: as many leading layers in VRAM as the budget spares, then pinned RAM, then disk."""
+def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets,
+                stream_bytes: list[int] | None = None) -> StreamPlan:
+    """Place layers: as many leading layers in VRAM as the budget spares, then pinned RAM, then disk.
+    ``stream_bytes``: what each layer carries through a device slot (routed MoE layers: their dense part)."""
     n = len(layer_bytes)
-    slot = max(layer_bytes) if layer_bytes else 0
+    slot = max(stream_bytes or layer_bytes) if layer_bytes else 0
     reasons: list[str] = []
     tiers: list[Tier] = ["disk"] * n
-    offload = _choose_kv_offload(layer_bytes, fixed_bytes, budgets, reasons)
+    offload = _choose_kv_offload(slot, n, fixed_bytes, budgets, reasons)
     # An offloaded cache keeps each VRAM-resident layer's share on the device, and the shares of the
     # layers in flight: one per slot, plus the running layer's grown copy (DynamicLayer concatenates).
     kv_of = budgets.kv_shares(n) if offload and n else [0] * n
@@ -250,19 +275,18 @@ def plan_layers(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets) -> S
                    + ("" if in_ram == len(streamed) else "; the rest are read from disk with read-ahead"))
     slots = 0 if resident == n else budgets.slots
     return StreamPlan(tiers=tiers, slot_bytes=slot, slots=slots, fixed_bytes=fixed_bytes, reasons=reasons,
-                      reserve_bytes=reserve, kv_offload=offload, kv_host_bytes=kv_host)
+                      reserve_bytes=reserve, kv_offload=offload, kv_host_bytes=kv_host,
+                      resident_bytes=sum(layer_bytes[i] + kv_of[i] for i in range(resident)))
 
 
-def _choose_kv_offload(layer_bytes: list[int], fixed_bytes: int, budgets: Budgets, reasons: list[str]) -> bool:
+def _choose_kv_offload(slot: int, n: int, fixed_bytes: int, budgets: Budgets, reasons: list[str]) -> bool:
     """Whether the streamed layers' KV cache lives in host RAM: as asked, or (None) when only that fits."""
     if budgets.kv_offload is not None:
         if budgets.kv_offload:
             reasons.append("KV cache offloaded by request (--kv-offload)")
         return budgets.kv_offload
-    n = len(layer_bytes)
     if budgets.vram_bytes is None or not budgets.kv_bytes or not n:
         return False
-    slot = max(layer_bytes)
     on_device = fixed_bytes + budgets.slots * slot + budgets.reserve_bytes
     offloaded = on_device - budgets.kv_bytes + (budgets.slots + 1) * max(budgets.kv_shares(n))
     if on_device <= budgets.vram_bytes or offloaded > budgets.vram_bytes or budgets.kv_bytes > budgets.ram_bytes:

@@ -9,7 +9,8 @@ The router sits above the layer planner (``plan.py``): given one or more stores 
   otherwise (only where streaming is allowed: batch work, or ``allow_streaming``);
 * the KV scheme: the plain cache when it fits, else the TurboQuant cache (K4/V2); streamed, when
   neither fits in VRAM, the cache offloaded to pinned host RAM (moved with each layer's weights);
-* the layers kept resident in VRAM and the pinned-RAM tier, through ``plan_layers``;
+* the layers kept resident in VRAM, the pinned-RAM tier and a routed MoE run's expert pool, through
+  ``planner.plan`` (the function ``Engine.open`` places its layers with: the two agree);
 * the largest batch that still fits at this context.
 
 Everything is arithmetic over the manifests and ``config.json``, so a manifest-only store (no shard
@@ -24,39 +25,20 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Literal, Sequence
 
-from airquant.engine.plan import (
-    GB,
-    MLP_CHUNK_TOKENS,
-    WORKSPACE_BYTES,
-    Budgets,
-    PlanError,
-    Reserve,
-    StreamPlan,
-    dequant_elems,
-    fixed_bytes,
-    kv_bytes_per_token,
-    mlp_chunk_bytes,
-    plan_layers,
-    reserve_for,
-)
+from airquant.engine.plan import GB, MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
+from airquant.engine.planner import (DEFAULT_CONTEXT, DTYPE_BYTES, GIB, SLOTS, TQ_SETTINGS, Hardware, KVScheme, Mode,
+                                     ModelDims, Workload, compute_bytes, plan, reserve_of, stream_bytes,
+                                     tq_config, workload_for)
 from airquant.errors import AirQuantError, StoreError
-from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest, load_manifest
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
-Mode = Literal["auto", "resident", "streamed"]
-KVScheme = Literal["none", "tq"]
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SLOTS = 2  # device buffers for streamed layers (LayerStreamer double-buffers)
-STAGING = 3  # host staging buffers when layers come from disk (read-ahead 2, +1 being copied)
-DEFAULT_CONTEXT = 2048
-RAM_FRACTION = 0.7  # of the available host RAM, when --max-ram is not given
-# The TurboQuant preset the router offers (airquant.kv.KVConfig): ~5x smaller than fp16 past the window.
-TQ_SETTINGS = dict(backend="tq", bits_k=4, bits_v=2, window=128)
+# Re-exported: the budgets, the model's dimensions and the workload are the planner's (engine/planner.py).
+__all__ = ["DEFAULT_CONTEXT", "DTYPE_BYTES", "GIB", "SLOTS", "TQ_SETTINGS", "Candidate", "Hardware", "KVScheme",
+           "Mode", "ModelDims", "Route", "RouteError", "StreamingNotAllowedError", "Workload", "load_candidates",
+           "plan_route", "route", "tq_config", "workload_for"]
 
 
 class RouteError(AirQuantError):
@@ -68,66 +50,6 @@ class StreamingNotAllowedError(RouteError):
 
 
 # -- inputs ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelDims:
-    """The shape numbers the memory arithmetic needs, read from the store's ``config.json``."""
-
-    num_layers: int
-    heads: int
-    hidden: int
-    intermediate: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    max_context: int
-    states: LayerStates  # what each layer keeps between steps: KV (attention), a fixed state, nothing
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "ModelDims":
-        """From ``config.json``, read through the type's transformers config class where there is one: it
-        derives fields from the names a family uses (Nemotron-H's layer pattern, GPT-2's ``n_embd``)."""
-        text = _text_config(cfg)
-        states = LayerStates.of(text)
-        hidden = text.hidden_size
-        heads = getattr(text, "num_attention_heads", None) or 1  # a pure state-space stack has none
-        return cls(num_layers=getattr(text, "num_hidden_layers", None) or len(states.kinds), heads=heads,
-                   hidden=hidden, intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
-                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
-                   max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states)
-
-    def as_config(self) -> SimpleNamespace:
-        """The attributes ``plan.reserve_for`` reads from a transformers config."""
-        return SimpleNamespace(num_hidden_layers=self.num_layers, hidden_size=self.hidden,
-                               intermediate_size=self.intermediate, num_attention_heads=self.heads,
-                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab)
-
-    def kv_bytes(self, scheme: KVScheme, tokens: int, dtype_bytes: int) -> int:
-        """KV cache bytes for one sequence of ``tokens`` (plain, or TurboQuant past its window), attention
-        layers only (a hybrid stack's fixed state is ``states.state_bytes``)."""
-        per_token = kv_bytes_per_token(self.as_config(), dtype_bytes, self.states)
-        if scheme == "none":
-            return tokens * per_token
-        kv = tq_config()
-        exact = min(tokens, kv.window + kv.block - 1)  # the recent window stays in the compute dtype
-        packed = per_token / (8 * dtype_bytes) * kv.bits_per_element(self.head_dim)
-        return int(exact * per_token + (tokens - exact) * packed)
-
-
-def _text_config(cfg: dict):
-    """The text part of ``cfg`` as its transformers config class reads it; as given (attributes of a
-    namespace) when transformers does not know the type."""
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    try:
-        config = AutoConfig.for_model(cfg["model_type"], **fields)
-    except (KeyError, ValueError) as exc:
-        log.debug("config.json read as is (%s)", exc)
-        return SimpleNamespace(**cfg.get("text_config", cfg))
-    return config.get_text_config()
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One store of the model: its weight scheme and byte counts."""
@@ -178,61 +100,6 @@ def load_candidates(stores: Sequence[str | Path]) -> list[Candidate]:
     return sorted(found, key=lambda c: (not c.dense, -sum(c.layer_bytes)))
 
 
-@dataclass(frozen=True)
-class Hardware:
-    vram_bytes: int | None  # None: no GPU, everything lives in host RAM
-    ram_bytes: int  # host RAM the engine may use
-    vram_note: str = ""  # where the figures come from, for describe()
-    ram_note: str = ""
-
-    @classmethod
-    def detect(cls, device: str = "auto", max_vram_gb: float | None = None,
-               max_ram_gb: float | None = None) -> "Hardware":
-        """Budgets of this machine; ``max_vram_gb`` (GiB) plans for a GPU of that size even without one."""
-        import psutil
-
-        if max_ram_gb is not None:
-            ram, ram_note = int(max_ram_gb * GIB), f"--max-ram {max_ram_gb:g} GiB"
-        else:
-            avail = psutil.virtual_memory().available
-            ram, ram_note = int(avail * RAM_FRACTION), f"{RAM_FRACTION:.0%} of {avail / GB:.1f} GB available"
-        if max_vram_gb is not None:
-            return cls(int(max_vram_gb * GIB), ram, f"--max-vram {max_vram_gb:g} GiB", ram_note)
-        if device == "cpu":
-            return cls(None, ram, "--device cpu", ram_note)
-        import torch
-
-        if not torch.cuda.is_available():
-            return cls(None, ram, "torch sees no CUDA GPU", ram_note)
-        free, total = torch.cuda.mem_get_info()
-        return cls(free, ram, f"free VRAM of {torch.cuda.get_device_name()} ({total / GB:.1f} GB total)", ram_note)
-
-
-@dataclass(frozen=True)
-class Workload:
-    batch_size: int = 1
-    context: int | None = None  # prompt + new tokens per sequence; None: min(model context, 2048)
-    mode: Mode = "auto"
-    allow_streaming: bool = True  # "auto" only: may the choice be a streamed engine?
-    kv_schemes: tuple[KVScheme, ...] = ("none", "tq")
-    resident_layers: int | None = None  # override of the planned VRAM-resident count (streamed)
-    dtype: str | None = None  # compute dtype; None: the store's (fp16 computes in fp32 on CPU)
-    host_embedding: bool = False  # the untied embedding table stays in host RAM (--host-embedding)
-    kv_offload: bool | None = False  # streamed KV cache in host RAM; None: when no cache fits in VRAM
-
-
-def workload_for(engine, **fields) -> Workload:
-    """A Workload taking resident layers, dtype, host embedding and KV offload from an EngineConfig."""
-    return Workload(resident_layers=engine.resident_layers, dtype=engine.dtype,
-                    host_embedding=engine.host_embedding, kv_offload=engine.kv_offload, **fields)
-
-
-def tq_config():
-    from airquant.kv import KVConfig
-
-    return KVConfig(**TQ_SETTINGS)
-
-
 # -- arithmetic --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Costs:
@@ -242,10 +109,12 @@ class _Costs:
     fixed: int  # embeddings, final norm, lm_head on the budgeted memory
     host_fixed: int  # an embedding table kept in host RAM beside a GPU (--host-embedding)
     weights: int  # every decoder layer
-    slot: int  # the largest layer: one device slot or host staging buffer
-    one: Reserve  # what one sequence needs beside the weights (plan.reserve_for); offloaded: its device KV
+    slot: int  # what the largest streamed layer carries through a device slot (or host staging buffer)
+    one: Reserve  # what one sequence needs beside the weights (planner.reserve_of); offloaded: its device KV
     kv_host: int = 0  # an offloaded cache: one sequence's KV in host RAM (every layer)
     mlp_cap: int = 0  # MLP intermediates of a full chunk (plan.MLP_CHUNK_TOKENS tokens)
+    buffers: int = SLOTS  # device slots (GPU) or staging buffers (CPU) a streamed run holds
+    fixed_reserve: bool = False  # --reserve as given: it does not grow with the batch
 
     def reserve(self, batch: int) -> Reserve:
         # reserve_for is linear in the batch for KV, activations and logits; the MLP chunk grows with the
@@ -261,16 +130,20 @@ class _Costs:
     def weights_part(self, mode: str) -> int:
         if mode == "resident":
             return self.fixed + self.weights
-        # GPU: two device slots; CPU: layers from the RAM tier are used in place, disk ones need staging.
-        return self.fixed + (SLOTS if self.gpu else STAGING) * self.slot
+        # GPU: the device slots; CPU: layers from the RAM tier are used in place, disk ones need staging.
+        # A routed MoE run's expert arena is not counted here: planner.plan places it, and the plan says
+        # when it does not fit (the engine then refuses to open with the fix).
+        return self.fixed + self.buffers * self.slot
 
     def need(self, mode: str, batch: int) -> int:
         return self.weights_part(mode) + self.reserve(batch).total
 
-    def max_batch(self, mode: str, budget: int) -> int:
+    def max_batch(self, mode: str, budget: int, batch: int = 1) -> int:
         free = budget - self.weights_part(mode) - self.one.dequant - self.one.workspace
         if free <= 0:
             return 0
+        if self.fixed_reserve:  # --reserve as given says nothing of what one sequence takes
+            return batch
         per = max(self.per_seq, 1)
         growing = free // (per + self.one.mlp)  # batches whose MLP chunk is still below a full one
         full = max(0, (free - self.mlp_cap) // per)  # once it is a full chunk
@@ -280,7 +153,7 @@ class _Costs:
         if mode == "resident":
             weights = f"layers {self.weights / GB:.2f}"
         else:
-            weights = f"{SLOTS if self.gpu else STAGING} x {self.slot / GB:.3f} {'slots' if self.gpu else 'staging'}"
+            weights = f"{self.buffers} x {self.slot / GB:.3f} {'slots' if self.gpu else 'staging'}"
         r = self.reserve(batch)
         extra = "".join(f" + {name} {value / GB:.2f}" for name, value in
                         (("MLP chunk", r.mlp), ("dequant", r.dequant), ("workspace", r.workspace)) if value)
@@ -294,28 +167,28 @@ class _Costs:
 
 
 def _compute_bytes(c: Candidate, hw: Hardware, dtype: str | None) -> int:
-    name = dtype or c.manifest.dtype
-    if hw.vram_bytes is None and dtype is None and name == "float16":
-        return 4  # the engine computes fp16 stores in fp32 on CPU
-    return DTYPE_BYTES.get(name, 2)
+    return compute_bytes(c.manifest.dtype, dtype, hw.vram_bytes is not None)
 
 
 def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int, offload: bool = False) -> _Costs:
     width = _compute_bytes(c, hw, wl.dtype)
     gpu = hw.vram_bytes is not None
-    config = c.dims.as_config()
-    one = reserve_for(config, batch=1, context=context, dtype_bytes=width,
-                      dequant_elems=dequant_elems(c.manifest.shards, config), states=c.dims.states)
+    wl = replace(wl, context=context)
+    one = reserve_of(c.manifest, c.dims, wl, kv, width, gpu, batch=1)
     kv_bytes = c.dims.kv_bytes(kv, context, width)
     # Offloaded, the device keeps the cache of the layers in flight: one per slot, and the running one's
     # grown copy (plan.plan_layers adds each VRAM-resident layer's share). Only attention layers have one.
     attention = max(len(c.dims.states.attention_layers), 1)
-    device_kv = (SLOTS + 1) * kv_bytes // attention if offload else kv_bytes
-    one = replace(one, kv=device_kv, workspace=WORKSPACE_BYTES if gpu else 0)
+    if offload and wl.reserve_bytes is None:
+        one = replace(one, kv=(wl.slots + 1) * kv_bytes // attention)
     device, host = c.fixed_bytes(wl.host_embedding)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
-                  weights=sum(c.layer_bytes), slot=max(c.layer_bytes, default=0), one=one,
-                  kv_host=kv_bytes if offload else 0, mlp_cap=mlp_chunk_bytes(config, MLP_CHUNK_TOKENS, width))
+                  weights=sum(c.layer_bytes), slot=max(stream_bytes(c.manifest, wl) if gpu else c.layer_bytes,
+                                                       default=0),
+                  one=one, kv_host=kv_bytes if offload else 0,
+                  mlp_cap=mlp_chunk_bytes(c.dims.as_config(), MLP_CHUNK_TOKENS, width),
+                  buffers=wl.slots if gpu else wl.staging,
+                  fixed_reserve=wl.reserve_bytes is not None)
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -334,6 +207,7 @@ class Route:
     lines: tuple[str, ...]  # the arithmetic, in the order it was tried
     kv_offload: bool = False  # the streamed layers' cache lives in pinned host RAM
     dtype_bytes: int = 2  # the compute dtype's width the arithmetic used
+    workload: Workload | None = None  # what planner.plan placed a streamed route with (describe re-plans)
 
     @property
     def store(self) -> Path:
@@ -352,20 +226,23 @@ class Route:
         return tq_config() if self.kv == "tq" else None
 
     def engine_config(self, base=None):
-        """``base`` (an EngineConfig) with the mode, resident layers and RAM tier of this route."""
+        """``base`` (an EngineConfig) with this route's mode, workload and host-RAM budget: opened with it
+        (or with ``plan=route.plan``), the engine places layers through the same ``planner.plan``."""
         from airquant.config import EngineConfig
 
+        # The reserve is passed as computed unless the cache is offloaded: an offloaded cache is sized by
+        # the engine itself (a given reserve has no KV part to offload).
         base = replace(base or EngineConfig(), batch_size=self.batch_size, context=self.context,
-                       reserve_gb=self.reserve_bytes / GIB, kv_offload=self.kv_offload)
+                       reserve_gb=None if self.kv_offload else self.reserve_bytes / GIB, kv_offload=self.kv_offload)
         if self.mode == "resident":
             return replace(base, resident=True)
         gpu = self.hardware.vram_bytes is not None
         return replace(base, resident=False, resident_layers=self.resident_layers if gpu else None,
-                       max_ram_gb=self.ram_tier_bytes / GIB)
+                       max_ram_gb=self.hardware.ram_bytes / GIB)
 
     def describe(self, engine=None) -> str:
-        """What ``airquant plan`` prints; ``engine`` (an EngineConfig, None: its defaults) gives the expert
-        settings a streamed MoE route sizes its expert pool with (--experts, --expert-cache, ...)."""
+        """What ``airquant plan`` prints; ``engine`` (an EngineConfig) gives other expert settings to size a
+        streamed MoE route's expert pool with (--experts, --expert-cache, ...) than the route was planned with."""
         c, d = self.candidate, self.candidate.dims
         head = [
             f"model     : {c.manifest.source.get('name')}, {d.num_layers} layers, hidden {d.hidden}, "
@@ -380,13 +257,28 @@ class Route:
             f"choice    : {self.scheme} from {self.store}: {self.mode}, KV cache "
             f"{'TurboQuant K4/V2' if self.kv == 'tq' else 'plain'}"
             + (", offloaded to pinned host RAM (moved with each layer)" if self.kv_offload else ""),
-            self.plan.describe(c.layer_bytes),
-            *_expert_pool_lines(self, engine),
+            self._plan_for(engine).describe(c.layer_bytes),
             f"max batch : {self.max_batch} sequences of {self.context} tokens with this choice"
             + (" (larger batches keep fewer layers in VRAM)" if self.mode == "streamed" and self.resident_layers
                else ""),
         ]
         return "\n".join(head + [f"  {line}" for line in self.lines] + tail)
+
+
+    def _plan_for(self, engine) -> StreamPlan:
+        """The plan, re-placed by the planner when ``engine``'s expert settings differ from the route's."""
+        if engine is None or self.workload is None:
+            return self.plan
+        wl = replace(self.workload, experts=engine.experts, expert_cache_gb=engine.expert_cache_gb,
+                     expert_policy=engine.expert_policy, expert_prefetch=engine.expert_prefetch)
+        if wl == self.workload:
+            return self.plan
+        try:
+            return plan(self.candidate.manifest, self.candidate.dims, self.hardware, wl, kv=self.kv,
+                        dtype_bytes=self.dtype_bytes)
+        except PlanError as exc:
+            log.info("with %s the plan does not fit: %s", engine, exc)
+            return self.plan
 
 
 def _size(nbytes: float) -> str:
@@ -395,28 +287,6 @@ def _size(nbytes: float) -> str:
         return f"{nbytes / GB:.2f} GB"
     mb = nbytes / 1e6
     return f"{mb:.0f} MB" if mb >= 10 else f"{mb:.3g} MB"
-
-
-def _expert_pool_lines(route: Route, engine) -> list[str]:
-    """The expert pool a streamed MoE route opens, sized as the engine sizes it (``experts.open_for``) from the
-    VRAM this plan leaves; nothing when the route is resident, the store dense or the experts move whole."""
-    from airquant.config import EngineConfig
-    from airquant.engine import experts
-
-    cfg, manifest, plan = engine or EngineConfig(), route.candidate.manifest, route.plan
-    moe = any(e.experts for e in manifest.shards.values() if e.is_layer)
-    routed = experts.routed_layers(manifest, plan.tiers) if moe and route.mode == "streamed" else {}
-    if not routed or cfg.experts == "whole":
-        return []
-    spare = experts.spare_vram(manifest, plan.tiers, plan.fixed_bytes, plan.slots, plan.reserve_bytes, routed,
-                               route.hardware.vram_bytes)
-    sizing = experts.plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
-                                  speculate=cfg.expert_prefetch)
-    lines = [sizing.describe()]
-    if spare is not None and sizing.pool_bytes + sizing.gather_bytes > spare:  # open_for refuses this run
-        lines.append(f"            does NOT fit the {_size(max(spare, 0))} the layer plan leaves: lower "
-                     "--expert-cache, raise --max-vram or use --experts whole")
-    return lines
 
 
 def _experts_text(manifest: Manifest) -> str | None:
@@ -504,81 +374,54 @@ def _fixes(candidates: Sequence[Candidate], hw: Hardware, wl: Workload, context:
 
 def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
              lines: list[str], offload: bool = False) -> Route | None:
-    """The route for this store/mode/KV if it fits; appends the arithmetic either way."""
+    """The route for this store/mode/KV if it fits; appends the arithmetic either way. On a GPU the budget
+    is ``hw.plan_vram``: the VRAM budget less the allocator's margin (planner.allocator_margin)."""
     costs = _costs(c, kv, hw, wl, context, offload)
-    budget, where = (hw.vram_bytes, "VRAM") if costs.gpu else (hw.ram_bytes, "host RAM")
+    budget, where = (hw.plan_vram, "VRAM") if costs.gpu else (hw.ram_bytes, "host RAM")
     need = costs.need(mode, wl.batch_size)
     label = f"{c.scheme:<9} {mode:<8} KV {kv:<4}{' offloaded' if offload else ''}: " \
             f"{costs.formula(mode, wl.batch_size)}"
     if need > budget:
         lines.append(f"{label} > {where} {budget / GB:.2f} GB")
         return None
-    ram_tier = _ram_tier(costs, mode, hw, wl.batch_size)
-    if ram_tier is None:
-        lines.append(f"{label} fits {where}, but host RAM {hw.ram_bytes / GB:.2f} GB cannot hold "
-                     f"{STAGING} read-ahead buffers of {costs.slot / GB:.3f} GB")
+    try:
+        placed, planned = _placement(c, costs, mode, kv, hw, replace(wl, context=context), offload)
+    except PlanError as exc:
+        lines.append(f"{label} fits {where}, but {exc}")
         return None
-    plan = _placement(c, costs, mode, hw, wl, ram_tier)
-    if plan is None:
-        lines.append(f"{label} fits {where}, but --resident-layers {wl.resident_layers} does not")
-        return None
+    if placed is None:
+        return None  # the offloaded option whose cache fits on the device after all: the plain option covers it
     lines.append(f"{label} <= {where} {budget / GB:.2f} GB: fits")
-    reserve = plan.reserve_bytes if plan.kv_offload else costs.reserve(wl.batch_size).total
-    max_batch = costs.max_batch(mode, budget)
+    reserve = placed.reserve_bytes if placed.kv_offload else costs.reserve(wl.batch_size).total
+    max_batch = costs.max_batch(mode, budget, wl.batch_size)
     if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead buffers
-        max_batch = min(max_batch, max(0, hw.ram_bytes - costs.host_fixed - STAGING * costs.slot) // costs.kv_host)
-    return Route(candidate=c, mode=mode, kv=kv, plan=plan, hardware=hw, batch_size=wl.batch_size,
+        max_batch = min(max_batch, max(0, hw.ram_bytes - costs.host_fixed - wl.staging * max(c.layer_bytes))
+                        // costs.kv_host)
+    return Route(candidate=c, mode=mode, kv=kv, plan=placed, hardware=hw, batch_size=wl.batch_size,
                  context=context, reserve_bytes=reserve,
-                 ram_tier_bytes=ram_tier - plan.kv_host_bytes if mode == "streamed" else 0,
-                 max_batch=max_batch, lines=tuple(lines), kv_offload=plan.kv_offload,
-                 dtype_bytes=_compute_bytes(c, hw, wl.dtype))
+                 ram_tier_bytes=placed.ram_tier_bytes - placed.kv_host_bytes if mode == "streamed" else 0,
+                 max_batch=max_batch, lines=tuple(lines), kv_offload=placed.kv_offload,
+                 dtype_bytes=_compute_bytes(c, hw, wl.dtype), workload=planned)
 
 
-def _ram_tier(costs: _Costs, mode: str, hw: Hardware, batch: int) -> int | None:
-    """Host RAM left for pinned layer copies (None: not even the read-ahead buffers fit)."""
-    if mode == "resident":
-        return 0
-    ram = hw.ram_bytes - costs.host_fixed
-    if not costs.gpu:  # the fixed parts, KV cache and activations live in host RAM too
-        ram -= costs.fixed + costs.reserve(batch).total
-    # An offloaded cache is taken off this tier by plan_layers, for the layers it streams.
-    host_kv = batch * costs.kv_host
-    if costs.weights + host_kv <= ram:
-        return ram
-    if ram - host_kv < STAGING * costs.slot:
-        return None
-    return ram - STAGING * costs.slot
-
-
-def _placement(c: Candidate, costs: _Costs, mode: str, hw: Hardware, wl: Workload,
-               ram_tier: int) -> StreamPlan | None:
+def _placement(c: Candidate, costs: _Costs, mode: str, kv: KVScheme, hw: Hardware, wl: Workload,
+               offload: bool) -> tuple[StreamPlan | None, Workload | None]:
+    """The placement of this option (and the workload planner.plan placed it with): resident, every layer
+    loaded once; streamed, ``planner.plan``, the engine's own planner. None: an offloaded option whose
+    cache turned out to fit on the device. Raises PlanError when the option does not fit."""
     n = len(c.layer_bytes)
-    reserve = costs.reserve(wl.batch_size).total
     if mode == "resident":
         tier, why = ("vram", "every layer fits in VRAM: loaded once") if costs.gpu else \
             ("ram", "every layer fits in host RAM: loaded once")
         return StreamPlan(tiers=[tier] * n, slot_bytes=costs.slot, slots=0, fixed_bytes=costs.fixed,
-                          reasons=[f"resident: {why}, no streaming"], reserve_bytes=reserve,
-                          host_fixed_bytes=costs.host_fixed)
-    kv = wl.batch_size * costs.kv_host  # offloaded: plan_layers keeps the share of resident layers in VRAM
-    if kv:
-        reserve += kv - wl.batch_size * costs.one.kv  # the reserve with the whole cache on the device
-    budgets = Budgets(vram_bytes=hw.vram_bytes, ram_bytes=ram_tier, resident_layers=wl.resident_layers,
-                      slots=SLOTS, reserve_bytes=reserve if costs.gpu else 0, kv_bytes=kv,
-                      kv_offload=(True if wl.kv_offload else None) if kv else False,
-                      attention_layers=c.dims.states.attention_layers)
-    try:
-        plan = plan_layers(c.layer_bytes, costs.fixed, budgets)
-    except PlanError:
-        return None
-    if kv and not plan.kv_offload:  # the cache fits in VRAM after all: the option without offload covers it
-        return None
-    if costs.gpu and wl.resident_layers is not None:
-        free = hw.vram_bytes - costs.need("streamed", wl.batch_size)
-        if sum(c.layer_bytes[i] for i in plan.vram_layers) > free:
-            return None
-    # On CPU the reserve is host RAM, already taken off the tier.
-    return replace(plan, reserve_bytes=plan.reserve_bytes if kv else reserve, host_fixed_bytes=costs.host_fixed)
+                          reasons=[f"resident: {why}, no streaming"], reserve_bytes=costs.reserve(wl.batch_size).total,
+                          host_fixed_bytes=costs.host_fixed), None
+    # The offloaded option: asked for (--kv-offload), or (None) when the cache does not fit in VRAM.
+    planned = replace(wl, kv_offload=(True if wl.kv_offload else None) if offload else False)
+    placed = plan(c.manifest, c.dims, hw, planned, kv=kv, dtype_bytes=_compute_bytes(c, hw, wl.dtype))
+    if offload and not placed.kv_offload:
+        return None, None
+    return placed, planned
 
 
 def plan_route(stores: Sequence[str | Path], hw: Hardware, wl: Workload) -> Route:

@@ -5,24 +5,22 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import experts, skeleton
 from airquant.engine.decode import DecodeLoop, Request, Sequence, attention_backends
-from airquant.engine.plan import Budgets, Reserve, StreamPlan, dequant_elems, fixed_bytes, plan_layers, reserve_for
+from airquant.engine.plan import Reserve, StreamPlan
+from airquant.engine.planner import GIB, Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest, open_store
-from airquant.store.split import DTYPES
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -53,50 +51,38 @@ def compute_dtype(manifest: Manifest, requested: str | None, device: torch.devic
     return rule(manifest.dtype, requested, device)
 
 
+def hardware_for(cfg: EngineConfig, device: torch.device) -> Hardware:
+    """The budgets of this run by the one rule (``planner.Hardware.detect``): ``--max-vram`` or the free
+    VRAM, ``--max-ram`` or half the available RAM. A CPU run has no VRAM budget, whatever --max-vram says."""
+    cuda = device.type == "cuda"
+    return Hardware.detect(device.type, cfg.max_vram_gb if cuda else None, cfg.max_ram_gb)
+
+
 def vram_budget(cfg: EngineConfig, device: torch.device) -> int | None:
-    """Bytes the engine may use on the GPU (None on CPU): ``--max-vram`` or 95% of the card."""
-    if device.type != "cuda":
-        return None
-    if cfg.max_vram_gb:
-        return int(cfg.max_vram_gb * GIB)
-    return int(torch.cuda.get_device_properties(device).total_memory * 0.95)
+    """Bytes the plan may fill on the GPU (None on CPU): the budget less the allocator's margin."""
+    return hardware_for(cfg, device).plan_vram
 
 
 def planned_reserve(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> Reserve:
-    """What the batch needs beside the weights at the planned context (``--batch-size``, ``--context``)."""
-    context = cfg.context or min(getattr(model_config, "max_position_embeddings", None) or 2048, 2048)
-    return reserve_for(model_config, batch=cfg.batch_size, context=context, dtype_bytes=dtype.itemsize,
-                       dequant_elems=dequant_elems(manifest.shards, model_config))
+    """What the batch needs beside the weights at the planned context (``--batch-size``, ``--context``), on a GPU."""
+    return reserve_of(manifest, ModelDims.of(model_config), workload_for(cfg), "none", dtype.itemsize, gpu=True)
 
 
 def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
-             dtype: torch.dtype | None = None) -> StreamPlan:
-    """The placement of every layer for this device and these budgets (``model_config`` sizes the reserve)."""
-    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, cfg.host_embedding)
-    vram = vram_budget(cfg, device)
-    if cfg.max_ram_gb is not None:
-        ram = int(cfg.max_ram_gb * GIB)
-    else:
-        ram = int(psutil.virtual_memory().available * 0.5)
-    reserve, kv = 0, 0
-    if vram is not None:
-        if model_config is None and cfg.reserve_gb is None:
-            reserve = GIB  # no config to size it from
-        elif cfg.reserve_gb is not None:
-            reserve = int(cfg.reserve_gb * GIB)  # as given: the KV part is not known, nothing to offload by size
-        else:
-            sized = planned_reserve(manifest, cfg, model_config, dtype or DTYPES[manifest.dtype])
-            reserve, kv = sized.total, sized.kv
-    attention = LayerStates.of(model_config).attention_layers if model_config is not None else None
-    budgets = Budgets(vram_bytes=vram, ram_bytes=ram, resident_layers=cfg.resident_layers, slots=cfg.slots,
-                      reserve_bytes=reserve, kv_bytes=kv, kv_offload=cfg.kv_offload, attention_layers=attention)
-    return replace(plan_layers(manifest.layer_bytes, fixed, budgets), host_fixed_bytes=host_fixed)
+             dtype: torch.dtype | None = None, hardware: Hardware | None = None) -> StreamPlan:
+    """The placement of every layer for this device and these budgets, by ``planner.plan`` (what ``airquant
+    plan`` places a streamed route with). ``model_config`` sizes the reserve (None: 1 GiB on a GPU);
+    ``hardware``: budgets already detected (default: detected now). The engine sizes the plain KV cache."""
+    hw = hardware or hardware_for(cfg, device)
+    dims = ModelDims.of(model_config) if model_config is not None else None
+    width = dtype.itemsize if dtype is not None else compute_bytes(manifest.dtype, cfg.dtype, device.type == "cuda")
+    return plan(manifest, dims, hw, workload_for(cfg), kv="none", dtype_bytes=width)
 
 
 class Engine:
     """A store opened for inference; streamed by default, resident when asked."""
 
-    def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig):
+    def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig, plan: StreamPlan | None = None):
         from transformers import AutoTokenizer
 
         self.store, self.manifest, self.cfg = store, manifest, cfg
@@ -105,6 +91,8 @@ class Engine:
         if self.device.type == "cuda" and cfg.max_vram_gb:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_vram_gb * GIB / total), self.device)
+        # Detected before anything is loaded: the free VRAM is the budget when --max-vram is not given.
+        hardware = hardware_for(cfg, self.device) if not cfg.resident else None
         self.config = skeleton.load_config(store)
         self.tokenizer = AutoTokenizer.from_pretrained(store / "tokenizer")
         self.tokenizer.padding_side = "left"
@@ -123,14 +111,15 @@ class Engine:
             skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype,
                                           verify_reads=cfg.verify_reads)
         else:
-            self.plan = plan_for(manifest, cfg, self.device, self.config, self.dtype)
+            self.plan = plan or plan_for(manifest, cfg, self.device, self.config, self.dtype, hardware)
+            log.info("plan:\n%s", self.plan.describe(manifest.layer_bytes))
             routed = experts.routed_layers(manifest, self.plan.tiers) if routed_mode else {}
             self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype,
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
             if routed:
-                self.experts = experts.open_for(self, routed, vram_budget(cfg, self.device))
+                self.experts = experts.open_for(self, routed, hardware.plan_vram)
                 skeleton.attach_experts(self.model, self.experts)
         from airquant.engine.capability import guard_overflow
 
@@ -138,11 +127,13 @@ class Engine:
         self.last_timings: dict = {}
 
     @classmethod
-    def open(cls, store: str | Path, cfg: EngineConfig | None = None, **overrides) -> "Engine":
-        """Open a store: ``Engine.open("store/", device="cpu", resident=True)``."""
+    def open(cls, store: str | Path, cfg: EngineConfig | None = None, *, plan: StreamPlan | None = None,
+             **overrides) -> "Engine":
+        """Open a store: ``Engine.open("store/", device="cpu", resident=True)``; ``plan``: a placement
+        ``planner.plan`` made already (a route's), else the engine plans from ``cfg``."""
         cfg = cfg or EngineConfig(**overrides)
         store = Path(store)
-        return cls(store, open_store(store, verify=cfg.verify), cfg)
+        return cls(store, open_store(store, verify=cfg.verify), cfg, plan)
 
     # -- logits --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -236,8 +227,7 @@ class Engine:
     def loop_supported(self) -> bool:
         """Whether AirQuant's decode loop runs this stack: attention through transformers' AttentionInterface
         and no recurrent/conv state layers (those run batches through transformers' generate instead)."""
-        from airquant.kv.layers import LayerStates
-
+        
         # Attention sinks (a learned per-head logit, gpt-oss) are not in the loop's attention: the stack
         # keeps them as a ``sinks`` parameter of its attention modules.
         sinks = any(name.endswith(".sinks") for name, _ in self.model.named_parameters())

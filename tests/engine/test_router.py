@@ -64,31 +64,32 @@ def _hw(vram_gib, ram_gb):
 
 # 70B: embed + lm_head are 4.20 GB bf16; a layer is 1.71 GB bf16, 0.48 GB nf4. At batch 1 x 2048 the
 # plain KV cache is 0.67 GB, TurboQuant's 0.17 GB, activations 0.13 GB and the MLP chunk 0.35 GB, plus
-# 0.27 GB workspace.
+# 0.27 GB workspace. The plan fills the budget less the allocator margin (3 % or 256 MiB).
 @pytest.mark.parametrize("shape, vram, ram, workload, expected", [
     # embed + lm_head alone nearly fill a 4 GiB card: nothing fits
     ("llama3-70b", 4, 64, {}, "embeddings/norm/lm_head alone take 4.20"),
     # with the embedding table in host RAM only lm_head (2.10 GB) stays: nf4 fits at a 512-token context
-    ("llama3-70b", 4, 64, {"host_embedding": True, "context": 512}, ("nf4", "streamed", "none", 0)),
+    ("llama3-70b", 4.3, 64, {"host_embedding": True, "context": 512}, ("nf4", "streamed", "none", 0)),
     ("llama3-70b", 4, 64, {"host_embedding": True}, "a shorter context"),
-    # bf16 streamed: 4.20 + 2 x 1.71 + 1.43 = 9.05 > 8.59, but with the TQ cache 8.55 fits
-    ("llama3-70b", 8, 64, {}, ("bfloat16", "streamed", "tq", 0)),
-    # 15 GiB: bf16 streamed with the plain cache, 7.05 GB spare keep 4 layers resident
-    ("llama3-70b", 15, 64, {}, ("bfloat16", "streamed", "none", 4)),
+    # bf16 streamed: 4.20 + 2 x 1.71 + 1.43 = 9.05 > 8.65 (8.3 GiB less the margin), but with the TQ cache 8.55 fits
+    ("llama3-70b", 8.3, 64, {}, ("bfloat16", "streamed", "tq", 0)),
+    # 15 GiB: bf16 streamed with the plain cache, 7.05 GB spare less the 0.48 GB margin keep 3 layers resident
+    ("llama3-70b", 15, 64, {}, ("bfloat16", "streamed", "none", 3)),
     # batch 8 without TQ: the MLP runs 2048 tokens at a time, so bf16 streamed needs 4.20 + 3.42 + a 7.07 GB
     # reserve of 16.1: it fits, with no layer resident
     ("llama3-70b", 15, 64, {"batch_size": 8, "kv_schemes": ("none",)}, ("bfloat16", "streamed", "none", 0)),
     # 80 GiB: quality first streams bf16; interactive keeps nf4 resident (44 GB)
-    ("llama3-70b", 80, 256, {}, ("bfloat16", "streamed", "none", 44)),
+    ("llama3-70b", 80, 256, {}, ("bfloat16", "streamed", "none", 43)),
     ("llama3-70b", 80, 256, {"allow_streaming": False}, ("nf4", "resident", "none", 80)),
     ("llama3-70b", 15, 64, {"allow_streaming": False}, "fits only streamed"),
     # CPU: bf16 streams from RAM and disk; with 8 GB RAM only nf4's staging buffers fit
     ("llama3-70b", None, 64, {}, ("bfloat16", "streamed", "none", 0)),
     ("llama3-70b", None, 8, {}, ("nf4", "streamed", "none", 0)),
     ("llama3-70b", None, 4, {}, "does not fit"),
-    # 8B: 2.10 GB fixed + 2 x 0.44 GB slots + 0.78 GB reserve = 3.75 GB leave 0.54 GB of a 4 GiB card for
-    # one resident layer; 24 GiB hold it all
-    ("llama3-8b", 4, 32, {}, ("bfloat16", "streamed", "none", 1)),
+    # 8B: 2.10 GB fixed + 2 x 0.44 GB slots + 0.78 GB reserve = 3.75 GB leave 0.54 GB of a 4 GiB card, less
+    # the 0.27 GB margin: no resident layer (4.3 GiB: one); 24 GiB hold it all
+    ("llama3-8b", 4, 32, {}, ("bfloat16", "streamed", "none", 0)),
+    ("llama3-8b", 4.3, 32, {}, ("bfloat16", "streamed", "none", 1)),
     ("llama3-8b", 24, 32, {}, ("bfloat16", "resident", "none", 32)),
     ("llama3-8b", 24, 32, {"mode": "streamed"}, ("bfloat16", "streamed", "none", 32)),
 ])
@@ -115,12 +116,15 @@ def test_streaming_refusal_names_the_fix(stores):
 def test_placement_fills_vram_then_ram_then_disk(stores):
     r = route(load_candidates([stores["llama3-70b", "bfloat16"]]), _hw(15, 64), Workload())
     layer = r.candidate.layer_bytes[0]
-    assert r.plan.vram_layers == [0, 1, 2, 3]
+    assert r.plan.vram_layers == [0, 1, 2]  # 15 GiB less the allocator margin
     assert len(r.plan.ram_layers) == (64 * GB - 3 * layer) // layer  # the RAM tier less 3 read-ahead buffers
     assert r.plan.disk_layers[-1] == 79
     cfg = r.engine_config()
-    assert (cfg.resident, cfg.resident_layers) == (False, 4)
-    assert cfg.max_ram_gb * GIB == pytest.approx(r.ram_tier_bytes)
+    assert (cfg.resident, cfg.resident_layers) == (False, 3)
+    # --max-ram means the host-RAM budget in the router and the engine alike (planner.ram_tier takes the
+    # read-ahead buffers off it), so the engine gets the budget, not the tier
+    assert cfg.max_ram_gb * GIB == pytest.approx(r.hardware.ram_bytes)
+    assert r.ram_tier_bytes == 64 * GB - 3 * layer
 
 
 def test_max_batch_is_the_largest_that_fits(stores):
@@ -160,7 +164,7 @@ def test_tq_kv_is_five_times_smaller_past_the_window(stores):
 
 
 @pytest.mark.parametrize("cap, expected", [
-    ("4", "does not fit"), ("8", "choice    : bfloat16"), ("15", "layers resident in VRAM : 0-3"),
+    ("4", "does not fit"), ("8.3", "choice    : bfloat16"), ("15", "layers resident in VRAM : 0-2"),
 ])
 def test_cli_plan_70b_under_caps(stores, capsys, cap, expected):
     argv = ["plan", str(stores["llama3-70b", "bfloat16"]), str(stores["llama3-70b", "nf4"]),
@@ -322,13 +326,17 @@ def test_plan_sizes_the_expert_pool_when_a_moe_route_streams(mixtral_store):
 
 
 def test_plan_cli_sizes_the_expert_pool_with_the_expert_flags(mixtral_store, capsys):
+    from airquant.engine.planner import MARGIN_MIN_BYTES
+
     candidates = load_candidates([mixtral_store])
     entry = candidates[0].manifest.shards["layer.0"]
     slot, dense = _expert_slot_and_dense(entry)
     plan = route(candidates, _hw(8, 8), Workload(mode="streamed", context=64, resident_layers=0)).plan
     # a GPU half a layer above what streaming needs: resident does not fit, and no layer is kept in VRAM
-    vram = plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes + entry.bytes // 2
-    spare = vram - plan.fixed_bytes - plan.slots * dense - plan.reserve_bytes  # slots carry dense parts only
+    # (the slots of the route's plan carry dense parts only: whole-layer slots are entry.bytes each)
+    fill = plan.fixed_bytes + plan.slots * entry.bytes + plan.reserve_bytes + entry.bytes // 2
+    vram = fill + MARGIN_MIN_BYTES + 1  # the allocator's margin of so small a budget is its 256 MiB floor
+    spare = fill - plan.fixed_bytes - plan.slots * dense - plan.reserve_bytes  # slots carry dense parts only
     assert 8 * slot < spare < 12 * slot  # 8 working slots + a 4-expert gather do not fit; 4 + 4 do
     argv = ["plan", str(mixtral_store), "--device", "cpu", "--context", "64", "--max-vram", repr(vram / GIB)]
     outs = []

@@ -1,0 +1,308 @@
+"""The one planner: a store's manifest, the hardware budgets and the workload in, the placement out.
+
+``airquant plan`` (``router.route``, which also picks the store, mode and KV scheme) and ``Engine.open``
+(``runner.plan_for``) both place a streamed run through ``plan``: one budget rule (``Hardware.detect``,
+``allocator_margin``), one ``ModelDims``, one reserve, one RAM-tier rule, one set of constants (``SLOTS``,
+``READAHEAD``) and one expert-pool sizing. So on the same machine with the same flags they agree.
+
+Everything is arithmetic over the manifest and ``config.json``: nothing is loaded, and no GPU is touched
+when ``--max-vram`` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Literal
+
+from airquant.engine import experts
+from airquant.engine.plan import (GB, WORKSPACE_BYTES, Budgets, PlanError, Reserve, StreamPlan, dequant_elems,
+                                  fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for)
+from airquant.kv.layers import LayerStates
+from airquant.store.manifest import Manifest
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+Mode = Literal["auto", "resident", "streamed"]
+KVScheme = Literal["none", "tq"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SLOTS = 2  # device buffers for streamed layers (LayerStreamer double-buffers); EngineConfig.slots
+READAHEAD = 2  # layers read ahead from disk; EngineConfig.readahead. Staging buffers: READAHEAD + 1
+DEFAULT_CONTEXT = 2048
+RAM_FRACTION = 0.5  # of the available host RAM when --max-ram is not given: the tiers are pinned, and
+# pinning most of the machine's memory starves the page cache the disk tier reads through.
+# The CUDA caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and fragments between
+# differently sized blocks, and cuBLAS takes its workspace on first use. With --max-vram the per-process
+# fraction is exactly the budget, so a plan filling it to the byte OOMs on the first odd-sized request:
+# the plan keeps this much of the budget unplanned (the CUDA context itself is outside the fraction).
+MARGIN_FRACTION = 0.03
+MARGIN_MIN_BYTES = 256 << 20
+# The TurboQuant preset the router offers (airquant.kv.KVConfig): ~5x smaller than fp16 past the window.
+TQ_SETTINGS = dict(backend="tq", bits_k=4, bits_v=2, window=128)
+
+
+def allocator_margin(vram_bytes: int) -> int:
+    """VRAM of a budget the plan leaves to the allocator: 3 % of it or 256 MiB, whichever is larger."""
+    return max(int(vram_bytes * MARGIN_FRACTION), MARGIN_MIN_BYTES)
+
+
+def tq_config():
+    from airquant.kv import KVConfig
+
+    return KVConfig(**TQ_SETTINGS)
+
+
+# -- budgets -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    vram_bytes: int | None  # the GPU budget (None: no GPU, everything lives in host RAM)
+    ram_bytes: int  # host RAM the engine may use: the pinned tier, read-ahead buffers, an offloaded cache
+    vram_note: str = ""  # where the figures come from, for describe()
+    ram_note: str = ""
+
+    @property
+    def plan_vram(self) -> int | None:
+        """The part of the VRAM budget the plan may fill: the budget less ``allocator_margin``."""
+        if self.vram_bytes is None:
+            return None
+        return max(self.vram_bytes - allocator_margin(self.vram_bytes), 0)
+
+    @classmethod
+    def detect(cls, device: str = "auto", max_vram_gb: float | None = None,
+               max_ram_gb: float | None = None) -> "Hardware":
+        """The one budget rule. VRAM: ``max_vram_gb`` (GiB; plans for a GPU of that size even without one),
+        else the free VRAM now (what other processes and the CUDA context hold is not ours). RAM:
+        ``max_ram_gb`` (GiB), else ``RAM_FRACTION`` of the available RAM."""
+        import psutil
+
+        if max_ram_gb is not None:
+            ram, ram_note = int(max_ram_gb * GIB), f"--max-ram {max_ram_gb:g} GiB"
+        else:
+            avail = psutil.virtual_memory().available
+            ram, ram_note = int(avail * RAM_FRACTION), f"{RAM_FRACTION:.0%} of {avail / GB:.1f} GB available"
+        if max_vram_gb is not None:
+            return cls(int(max_vram_gb * GIB), ram, f"--max-vram {max_vram_gb:g} GiB", ram_note)
+        if device == "cpu":
+            return cls(None, ram, "--device cpu", ram_note)
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(None, ram, "torch sees no CUDA GPU", ram_note)
+        free, total = torch.cuda.mem_get_info()
+        return cls(free, ram, f"free VRAM of {torch.cuda.get_device_name()} ({total / GB:.1f} GB total)", ram_note)
+
+
+# -- the model ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelDims:
+    """The shape numbers the memory arithmetic needs, from ``config.json`` or a transformers config."""
+
+    num_layers: int
+    heads: int
+    hidden: int
+    intermediate: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_context: int
+    states: LayerStates  # what each layer keeps between steps: KV (attention), a fixed state, nothing
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelDims":
+        """From ``config.json``, read through the type's transformers config class where there is one: it
+        derives fields from the names a family uses (Nemotron-H's layer pattern, GPT-2's ``n_embd``)."""
+        return cls.of(_text_config(cfg))
+
+    @classmethod
+    def of(cls, config) -> "ModelDims":
+        """From a transformers config (its text part) or a namespace with the same attributes."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        states = LayerStates.of(text)
+        hidden = text.hidden_size
+        heads = getattr(text, "num_attention_heads", None) or 1  # a pure state-space stack has none
+        return cls(num_layers=getattr(text, "num_hidden_layers", None) or len(states.kinds), heads=heads,
+                   hidden=hidden, intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
+                   max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states)
+
+    def as_config(self) -> SimpleNamespace:
+        """The attributes ``plan.reserve_for`` reads from a transformers config."""
+        return SimpleNamespace(num_hidden_layers=self.num_layers, hidden_size=self.hidden,
+                               intermediate_size=self.intermediate, num_attention_heads=self.heads,
+                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab)
+
+    def kv_bytes(self, scheme: KVScheme, tokens: int, dtype_bytes: int) -> int:
+        """KV cache bytes for one sequence of ``tokens`` (plain, or TurboQuant past its window), attention
+        layers only (a hybrid stack's fixed state is ``states.state_bytes``)."""
+        per_token = kv_bytes_per_token(self.as_config(), dtype_bytes, self.states)
+        if scheme == "none":
+            return tokens * per_token
+        kv = tq_config()
+        exact = min(tokens, kv.window + kv.block - 1)  # the recent window stays in the compute dtype
+        packed = per_token / (8 * dtype_bytes) * kv.bits_per_element(self.head_dim)
+        return int(exact * per_token + (tokens - exact) * packed)
+
+    def context(self, requested: int | None) -> int:
+        return requested or min(self.max_context, DEFAULT_CONTEXT)
+
+
+def _text_config(cfg: dict):
+    """The text part of ``cfg`` as its transformers config class reads it; as given (attributes of a
+    namespace) when transformers does not know the type."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(cfg["model_type"], **fields)
+    except (KeyError, ValueError) as exc:
+        log.debug("config.json read as is (%s)", exc)
+        return SimpleNamespace(**cfg.get("text_config", cfg))
+    return config.get_text_config()
+
+
+# -- the workload ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    batch_size: int = 1
+    context: int | None = None  # prompt + new tokens per sequence; None: min(model context, 2048)
+    mode: Mode = "auto"  # the router's choice of resident/streamed (the planner places streamed runs)
+    allow_streaming: bool = True  # "auto" only: may the choice be a streamed engine?
+    kv_schemes: tuple[KVScheme, ...] = ("none", "tq")
+    resident_layers: int | None = None  # override of the planned VRAM-resident count (streamed)
+    dtype: str | None = None  # compute dtype; None: the store's (fp16 computes in fp32 on CPU)
+    host_embedding: bool = False  # the untied embedding table stays in host RAM (--host-embedding)
+    kv_offload: bool | None = False  # streamed KV cache in host RAM; None: when no cache fits in VRAM
+    reserve_bytes: int | None = None  # --reserve as given (its KV part unknown: nothing offloaded by size)
+    slots: int = SLOTS
+    readahead: int = READAHEAD
+    experts: experts.ExpertsMode = "auto"
+    expert_cache_gb: float | None = None
+    expert_policy: experts.Policy = "lfu"
+    expert_prefetch: bool = True
+
+    @property
+    def staging(self) -> int:
+        """Host staging buffers when layers come from disk (read-ahead, +1 being copied)."""
+        return max(1, self.readahead) + 1
+
+
+def workload_for(engine, **fields) -> Workload:
+    """The Workload of an EngineConfig (its flags), ``fields`` overriding (batch, context, mode, ...)."""
+    base = dict(batch_size=engine.batch_size, context=engine.context, resident_layers=engine.resident_layers,
+                dtype=engine.dtype, host_embedding=engine.host_embedding, kv_offload=engine.kv_offload,
+                reserve_bytes=None if engine.reserve_gb is None else int(engine.reserve_gb * GIB),
+                slots=engine.slots, readahead=engine.readahead, experts=engine.experts,
+                expert_cache_gb=engine.expert_cache_gb, expert_policy=engine.expert_policy,
+                expert_prefetch=engine.expert_prefetch)
+    return Workload(**{**base, **fields})
+
+
+def compute_bytes(store_dtype: str, requested: str | None, gpu: bool) -> int:
+    """The compute dtype's width: the store's (or ``requested``); fp16 stores compute in fp32 on CPU."""
+    name = requested or store_dtype
+    if not gpu and requested is None and name == "float16":
+        return 4
+    return DTYPE_BYTES.get(name, 2)
+
+
+# -- the pieces of a plan ----------------------------------------------------------------------
+def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVScheme, dtype_bytes: int,
+               gpu: bool, batch: int | None = None) -> Reserve:
+    """What ``batch`` sequences (default the workload's) need beside the weights, KV cache on the device;
+    ``--reserve`` as given when set (or 1 GiB on a GPU when no config says what a sequence takes)."""
+    if wl.reserve_bytes is not None or dims is None:
+        given = wl.reserve_bytes if wl.reserve_bytes is not None else (GIB if gpu else 0)
+        return Reserve(kv=0, activations=0, dequant=0, logits=0, workspace=given)
+    batch = wl.batch_size if batch is None else batch
+    context = dims.context(wl.context)
+    config = dims.as_config()
+    sized = reserve_for(config, batch=batch, context=context, dtype_bytes=dtype_bytes,
+                        dequant_elems=dequant_elems(manifest.shards, config), states=dims.states)
+    return replace(sized, kv=batch * dims.kv_bytes(kv, context, dtype_bytes),
+                   workspace=WORKSPACE_BYTES if gpu else 0)
+
+
+def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
+    """What each layer carries through a device slot when streamed: routed MoE layers their dense part."""
+    routed = experts.use_routed(wl.experts, manifest, streamed=True)
+    entries = [manifest.shards[f"layer.{i}"] for i in range(manifest.num_layers)]
+    return [experts.dense_bytes(e) if routed and e.experts else e.bytes for e in entries]
+
+
+def ram_tier(hw: Hardware, wl: Workload, layer_bytes: list[int], fixed: int, host_fixed: int, reserve: int,
+             host_kv: int = 0) -> int:
+    """Host RAM left for pinned layer copies: the budget less what lives in host RAM beside them (the
+    embedding table kept there; on CPU the fixed parts and the reserve; an offloaded cache) and, when not
+    every layer fits, the read-ahead staging buffers. A budget below those buffers leaves no pinned tier
+    (``--max-ram 0``: every streamed layer from disk); the buffers themselves are always allocated."""
+    ram = hw.ram_bytes - host_fixed
+    if hw.vram_bytes is None:
+        ram -= fixed + reserve
+    slot = max(layer_bytes, default=0)
+    if sum(layer_bytes) + host_kv <= ram:
+        return ram
+    return max(ram - wl.staging * slot, 0)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload, *, kv: KVScheme = "none",
+         dtype_bytes: int = 2) -> StreamPlan:
+    """The placement of a streamed run: layers in VRAM / pinned RAM / disk, device slots, reserve, KV
+    offload and, for routed MoE layers, the expert arena and cache, all inside ``hw.plan_vram``.
+
+    The expert arena (the working slots and gather of one call, plus a cache fixed by --expert-cache) is
+    taken off the budget before resident layers are placed: resident layers give way to it. A cache left
+    to the planner (--expert-cache unset) takes what the layers leave. Raises PlanError when the budgets
+    cannot hold the minimum."""
+    gpu = hw.vram_bytes is not None
+    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, wl.host_embedding)
+    reserve = reserve_of(manifest, dims, wl, kv, dtype_bytes, gpu)
+    # On CPU an offload is only ever asked for (--kv-offload: the mechanism emulated, for tests); the cache
+    # already lives in host RAM, counted in the reserve.
+    offload = wl.kv_offload if gpu else wl.kv_offload is True
+    tier = ram_tier(hw, wl, manifest.layer_bytes, fixed, host_fixed, reserve.total,
+                    reserve.kv if gpu and offload else 0)
+    budgets = Budgets(vram_bytes=hw.plan_vram, ram_bytes=tier, resident_layers=wl.resident_layers, slots=wl.slots,
+                      reserve_bytes=reserve.total, kv_bytes=reserve.kv, kv_offload=offload,
+                      attention_layers=dims.states.attention_layers if dims is not None else None)
+    streamed = stream_bytes(manifest, wl)
+    placed = _place(manifest, budgets, fixed, streamed, wl)
+    placed = replace(placed, host_fixed_bytes=host_fixed, ram_tier_bytes=tier, vram_budget_bytes=hw.vram_bytes,
+                     margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram)
+    if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
+        raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
+                        f"{placed.device_bytes / GB:.2f} GB of the {hw.plan_vram / GB:.2f} GB it may fill; "
+                        "lower --resident-layers or leave it to the planner.")
+    return placed
+
+
+def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int], wl: Workload) -> StreamPlan:
+    """Layers placed around the expert arena of a routed MoE run (none for dense stores)."""
+    layers = manifest.layer_bytes
+    whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
+    routed = experts.routed_layers(manifest, whole.tiers) if experts.use_routed(wl.experts, manifest, True) else {}
+    if not routed:  # a dense store, --experts whole, or every layer resident: no pool
+        return whole
+    sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0)
+    if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
+        return replace(whole, experts=sizing)
+    arena = sizing.pool_bytes + sizing.gather_bytes
+    try:
+        placed = plan_layers(layers, fixed, replace(budgets, vram_bytes=budgets.vram_bytes - arena),
+                             stream_bytes=streamed)
+    except PlanError:  # not even the arena fits beside the floor: say so (the engine refuses to open)
+        return replace(whole, experts=sizing, experts_fit=False, expert_bytes=arena)
+    if wl.expert_cache_gb is None:  # the cache takes what the resident layers leave
+        left = budgets.vram_bytes - placed.device_bytes
+        sizing = _size_pool(manifest, wl, left)
+        arena = sizing.pool_bytes + sizing.gather_bytes
+    placed.reasons.append(f"expert arena {sizing.work} working + {sizing.cache} cache slots and gather "
+                          f"({arena / GB:.2f} GB) planned inside the VRAM budget, before resident layers")
+    return replace(placed, experts=sizing, expert_bytes=arena)
+
+
+def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> experts.ExpertPlan:
+    return experts.plan_experts(manifest, spare, cache_gb=wl.expert_cache_gb, policy=wl.expert_policy,
+                                speculate=wl.expert_prefetch)

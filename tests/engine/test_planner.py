@@ -1,0 +1,172 @@
+"""One planner: ``airquant plan`` and the engine place a store the same way with the same flags, and a plan
+(expert pool included) never fills more than the VRAM budget less the allocator's margin."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from airquant.cli import main
+from airquant.config import EngineConfig
+from airquant.engine import skeleton
+from airquant.engine.planner import (GIB, MARGIN_MIN_BYTES, READAHEAD, SLOTS, Hardware, ModelDims, Workload,
+                                     allocator_margin, reserve_of)
+from airquant.engine.router import Candidate
+from airquant.engine.runner import Engine, plan_for
+from airquant.store.manifest import load_manifest
+
+GB = 10**9
+
+
+def test_allocator_margin_is_three_percent_or_256_mib():
+    assert allocator_margin(15 * GIB) == int(15 * GIB * 0.03)
+    assert allocator_margin(4 * GIB) == MARGIN_MIN_BYTES == 256 << 20  # 3 % of 4 GiB is only 123 MiB
+    assert Hardware(15 * GIB, GB).plan_vram == 15 * GIB - int(15 * GIB * 0.03)
+    assert Hardware(None, GB).plan_vram is None
+
+
+def test_engine_defaults_are_the_planner_constants():
+    assert (EngineConfig().slots, EngineConfig().readahead) == (SLOTS, READAHEAD)
+    assert Workload().staging == READAHEAD + 1
+
+
+def _plan_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory, real_tokenizer):
+    from airquant.models import resolve
+    from airquant.store.split import split
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("planner-cpu")
+    split(resolve(str(make_tiny_model(root / "model", real_tokenizer, layers=6))), root / "store", dtype="float32",
+          progress=False)
+    return root / "store"
+
+
+def test_plan_and_engine_agree_on_cpu(six_layers, capsys):
+    """A RAM budget that holds the read-ahead buffers and one and a half layers: resident does not fit, so
+    ``airquant plan`` streams; the engine opened with the same flags places the layers identically."""
+    tiny_store = six_layers
+    manifest = load_manifest(tiny_store)
+    dims = ModelDims.of(skeleton.load_config(tiny_store))
+    wl = Workload(batch_size=2, context=64)
+    reserve = reserve_of(manifest, dims, wl, "none", 4, gpu=False).total
+    fixed = sum(manifest.shards[g].bytes for g in ("embed", "norm", "lm_head") if g in manifest.shards)
+    layer = max(manifest.layer_bytes)
+    ram_gib = (fixed + reserve + (READAHEAD + 1) * layer + 3 * layer // 2) / GIB
+    flags = ["--device", "cpu", "--max-ram", repr(ram_gib), "--context", "64"]
+    assert main(["plan", str(tiny_store), "--kv", "none", "--batch", "2"] + flags) == 0
+    out = capsys.readouterr().out
+    engine = Engine.open(tiny_store, device="cpu", max_ram_gb=ram_gib, batch_size=2, context=64)
+    try:
+        plan = engine.plan
+        assert plan.tiers == ["ram"] + ["disk"] * (manifest.num_layers - 1)  # 1.5 layers of RAM tier: one
+        text = plan.describe(manifest.layer_bytes)
+        assert "streamed" in out and all(line in out for line in _plan_lines(text))  # the same plan, printed
+        assert plan.reserve_bytes == reserve and not plan.kv_offload
+        assert engine.generate(["Hi"], max_new_tokens=2)  # and it runs with that plan
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    from test_router import manifest_store  # tests/engine is on sys.path
+
+    return manifest_store(tmp_path_factory.mktemp("planner") / "8b", "llama3-8b", "bfloat16")
+
+
+@pytest.mark.parametrize("cap, batch, context, offload", [
+    ("6", 1, 2048, False),  # some layers resident, the rest from the RAM tier
+    ("10", 28, 2048, True),  # the plain cache does not fit beside the weights: offloaded
+    ("24", 1, 2048, False),  # streamed by request (--resident-layers unset): every layer fits in VRAM
+])
+def test_plan_and_engine_agree_under_a_mocked_gpu_budget(llama8b, capsys, cap, batch, context, offload):
+    """``airquant plan --max-vram`` (planned for that GPU without one) and the engine's plan for a capped
+    CUDA device (no GPU touched) from the same flags: same tiers, slots, reserve, KV offload."""
+    flags = ["--max-vram", cap, "--max-ram", "64", "--context", str(context), "--kv", "none"]
+    assert main(["plan", str(llama8b), "--batch", str(batch)] + flags) == 0
+    out = capsys.readouterr().out
+    cfg = EngineConfig(max_vram_gb=float(cap), max_ram_gb=64, batch_size=batch, context=context)
+    plan = plan_for(load_manifest(llama8b), cfg, torch.device("cuda"), skeleton.load_config(llama8b),
+                    torch.bfloat16)
+    assert plan.kv_offload == offload
+    if cap == "24":  # the router keeps every layer resident without streaming; the engine streams none
+        assert plan.slots == 0 and len(plan.vram_layers) == 32 and "resident" in out
+        return
+    assert all(line in out for line in _plan_lines(plan.describe(load_manifest(llama8b).layer_bytes)))
+    assert plan.device_bytes <= Hardware(int(float(cap) * GIB), 64 * GIB).plan_vram
+
+
+# -- the expert pool inside the budget --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory, real_tokenizer):
+    from airquant.models import resolve
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    root = tmp_path_factory.mktemp("planner-moe")
+    split(resolve(str(make_model(root / "model", real_tokenizer, "mixtral", layers=8))), root / "store", dtype="float32",
+          progress=False)
+    return root / "store"
+
+
+def _floor(store) -> int:
+    """The smallest budget a routed streamed plan of ``store`` needs with no resident layer and no cache."""
+    cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64)
+    plan = plan_for(load_manifest(store), cfg, torch.device("cuda"), skeleton.load_config(store), torch.float32)
+    return plan.device_bytes
+
+
+@pytest.mark.parametrize("cache_gb", [None, 0.0, 0.001])
+@pytest.mark.parametrize("extra_layers", [0, 0.5, 1, 2, 3, 10])
+def test_plan_bytes_never_exceed_the_budget(mixtral, cache_gb, extra_layers):
+    """fixed + slots + reserve + resident layers + expert arena + cache <= budget less the margin, over
+    budgets from the bare floor to everything resident; the arena comes before resident layers."""
+    manifest = load_manifest(mixtral)
+    layer = max(manifest.layer_bytes)
+    fill = _floor(mixtral) + int(extra_layers * layer) + (int(cache_gb * 1e9) if cache_gb else 0)
+    budget = fill + MARGIN_MIN_BYTES  # small budgets: the margin is its 256 MiB floor
+    cfg = EngineConfig(max_vram_gb=budget / GIB, max_ram_gb=1, context=64, expert_cache_gb=cache_gb)
+    plan = plan_for(manifest, cfg, torch.device("cuda"), skeleton.load_config(mixtral), torch.float32)
+    hw = Hardware(int(budget / GIB * GIB), GIB)
+    assert plan.experts_fit and plan.margin_bytes == allocator_margin(hw.vram_bytes)
+    streamed = [i for i, t in enumerate(plan.tiers) if t != "vram"]
+    if streamed:  # a routed run: its pool is planned, and counted
+        assert plan.experts is not None and plan.expert_bytes == plan.experts.pool_bytes + plan.experts.gather_bytes
+    assert plan.device_bytes == (plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes
+                                 + sum(manifest.layer_bytes[i] for i in plan.vram_layers) + plan.expert_bytes)
+    assert plan.device_bytes <= hw.plan_vram <= hw.vram_bytes
+    if extra_layers == 0 and not cache_gb:  # the floor itself: no layer resident, the arena got the room
+        assert plan.vram_layers == []
+    text = plan.describe(manifest.layer_bytes)
+    assert "device total" in text and ("experts   : routed" in text) == bool(streamed)
+
+
+def test_resident_layers_give_way_to_the_expert_arena(mixtral):
+    """Half a layer above the routed floor (dense slots + the arena of one call): the whole-layer plan keeps
+    a layer resident in that VRAM, the routed plan keeps none and plans its arena there instead."""
+    manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
+    fill = _floor(mixtral) + max(manifest.layer_bytes) // 2
+    cfg = EngineConfig(max_vram_gb=(fill + MARGIN_MIN_BYTES) / GIB, max_ram_gb=1, context=64)
+    whole = plan_for(manifest, replace(cfg, experts="whole"), torch.device("cuda"), config, torch.float32)
+    routed = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    assert whole.vram_layers and whole.experts is None
+    assert routed.vram_layers == [] and routed.experts is not None and routed.experts_fit
+    assert routed.expert_bytes >= routed.experts.work * routed.experts.slot_bytes + routed.experts.gather_bytes
+    assert routed.device_bytes <= fill
+
+
+def test_plan_and_engine_agree_on_a_routed_moe_store(mixtral, capsys):
+    budget = _floor(mixtral) + MARGIN_MIN_BYTES + max(load_manifest(mixtral).layer_bytes) // 2
+    flags = ["--max-vram", repr(budget / GIB), "--max-ram", "1", "--context", "64", "--kv", "none"]
+    assert main(["plan", str(mixtral), "--device", "cpu"] + flags) == 0
+    out = capsys.readouterr().out
+    cfg = EngineConfig(max_vram_gb=budget / GIB, max_ram_gb=1, context=64)
+    plan = plan_for(load_manifest(mixtral), cfg, torch.device("cuda"), skeleton.load_config(mixtral), torch.float32)
+    assert plan.experts is not None and "streamed" in out and "experts   : routed" in out
+    assert all(line in out for line in _plan_lines(plan.describe(load_manifest(mixtral).layer_bytes)))
+    assert Candidate.open(mixtral).dims == ModelDims.of(skeleton.load_config(mixtral))  # one ModelDims
