@@ -19,7 +19,9 @@ class EngineConfig:
     dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
     resident: bool = False  # load every layer once and run the plain transformers model
     max_vram_gb: float | None = None  # cap the GPU as a smaller card would (GiB)
-    max_ram_gb: float | None = None  # pinned host RAM for layer copies (GiB); None: half the free RAM
+    # host RAM the engine may use (GiB): pinned layer copies, staging buffers, host embeddings, offloaded KV;
+    # None: half the available RAM (engine/planner.py: ram_tier)
+    max_ram_gb: float | None = None
     resident_layers: int | None = None  # override the planned number of VRAM-resident layers
     reserve_gb: float | None = None  # VRAM kept free for KV cache and activations; None: from batch/context
     batch_size: int = 1  # sequences per batch the VRAM reserve is sized for (--batch-size)

@@ -163,7 +163,7 @@ def turboquant_batch(b: Bench, cand: Candidate, hw: Hardware, wl: Workload, mode
     per_token = per_token_8b * scale
     costs = _costs(cand, "none", hw, wl, b.args.context)
     costs = replace(costs, one=replace(costs.one, kv=int(per_token * b.args.context)))
-    batch = costs.max_batch(mode, hw.vram_bytes)
+    batch = costs.max_batch(mode, hw.plan_vram)  # the one planner's budget: the cap less its allocator margin
     return {"max_batch": batch, "mode": mode, "kv_bytes_per_token": per_token,
             "lines": [f"turboquant {mode} (derived): {costs.formula(mode, max(batch, 1))}"],
             "derived": f"cache_nbytes of turboquant's cache after the 8B prompt, {per_token_8b:.1f} B/token, "

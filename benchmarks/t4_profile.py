@@ -2,7 +2,8 @@
 """A T4's limits emulated on the H200: what a Colab T4 user would get, as a MODEL, not a T4 measurement.
 
 The profile: GPU capped to 15 GB (``set_per_process_memory_fraction``), the whole process's host RAM kept
-under 12 GB (the RAM tier's ``--max-ram`` is what is left after the process and the host-side embeddings), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
+under 12 GB (``--max-ram`` is what the process leaves of 12 GB; the planner fits the host embeddings, the
+staging buffers and the pinned layer tier inside it), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
 bf16 stores, no TMA/Gluon-Hopper paths, the TurboQuant attention kernel only where a T4's 64 KB of shared
 memory fits), the store on disk. The H200 still computes far faster than a T4 and its host's page cache is not
 capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves,
@@ -45,9 +46,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airquant.engine.plan import fixed_bytes  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
-from airquant.store.manifest import load_manifest  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
@@ -149,13 +148,11 @@ def part_70b(b: Bench) -> None:
     b.results.setdefault("details", {})["70b"] = {"store": store.name, "by_batch": rows}
 
 
-def ram_tier_gib(store: Path) -> float:
-    """The RAM tier's budget (GiB, as ``--max-ram`` takes it) that keeps the whole process under a T4 host's
-    12 GB: what the process holds already (Python, torch, the CUDA context) and the host-side embedding table
-    come off first, and 0.5 GB stays for host buffers."""
-    manifest = load_manifest(store)
-    _, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, host_embedding=True)
-    free = T4["ram_gb"] * GB - psutil.Process().memory_info().rss - host_fixed - 0.5 * GB
+def ram_budget_gib() -> float:
+    """``--max-ram`` (GiB) that keeps the whole process under a T4 host's 12 GB: 12 GB less what the process
+    holds already (Python, torch, the CUDA context) and 0.5 GB of slack. The planner fits the host-side
+    embedding table, the read-ahead staging buffers and the pinned layer tier inside it."""
+    free = T4["ram_gb"] * GB - psutil.Process().memory_info().rss - 0.5 * GB
     return max(free, 0.0) / (1 << 30)
 
 
@@ -167,7 +164,7 @@ def batch_row(b: Bench, store: Path, batch: int) -> dict:
     errors = []
     for resident in (None, 0):
         engine = None
-        ram_gb = ram_tier_gib(store)
+        ram_gb = ram_budget_gib()
         try:
             engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
                                  max_ram_gb=ram_gb, host_embedding=True, batch_size=batch,
@@ -175,7 +172,7 @@ def batch_row(b: Bench, store: Path, batch: int) -> dict:
                                  resident_layers=resident)
             row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
             row.update(dtype=str(engine.dtype).removeprefix("torch."), resident_layers_forced=resident,
-                       ram_tier_budget_gb=round(ram_gb * (1 << 30) / GB, 2),
+                       max_ram_gb=round(ram_gb * (1 << 30) / GB, 2),
                        plan=engine.plan.describe(engine.manifest.layer_bytes), errors=errors)
             return row
         except torch.cuda.OutOfMemoryError as err:

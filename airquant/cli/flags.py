@@ -27,7 +27,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-vram", type=float, default=None, metavar="GB",
                    help="cap GPU memory as a smaller card would (GiB)")
     g.add_argument("--max-ram", type=float, default=None, metavar="GB",
-                   help="pinned host RAM for layer copies (GiB; default: half the free RAM)")
+                   help="host RAM the engine may use (GiB): pinned layer copies, read-ahead staging buffers, "
+                        "a host-side embedding table, an offloaded KV cache (default: half the available RAM)")
     g.add_argument("--resident-layers", type=int, default=None, metavar="N",
                    help="keep the first N layers in VRAM (default: planned from --max-vram)")
     g.add_argument("--host-embedding", action="store_true",

@@ -41,6 +41,7 @@ SPECULATE_TOKENS = 8  # speculation pays at decode batch sizes; larger batches r
 ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views reinterpret as any dtype
 LFU_DECAY = 0.9  # per call of the pool: a count from 32 layers (one Mixtral step) ago weighs 0.03
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
+DECODE_EXPANSION = 8  # dense 16-bit bytes per stored byte of a quantized expert, at most (2-bit weights)
 
 
 class ExpertsError(AirQuantError):
@@ -56,6 +57,7 @@ class ExpertPlan:
     work: int  # slots a call's routed experts (and a speculation) need at once
     cache: int  # further slots holding recently/frequently used experts
     gather_bytes: int  # the [U, ...] tensors a call packs its experts into (U <= experts per layer)
+    decode_bytes: int = 0  # quantized experts decoded at once as stacked dense weights (expert_compute)
     policy: Policy = "lfu"
     speculate: bool = True
 
@@ -67,11 +69,17 @@ class ExpertPlan:
     def pool_bytes(self) -> int:
         return self.slots * self.slot_bytes
 
+    @property
+    def arena_bytes(self) -> int:
+        """Everything the routed path holds on the device beside the layers: pool, gather, stacked decode."""
+        return self.pool_bytes + self.gather_bytes + self.decode_bytes
+
     def describe(self) -> str:
         gb = 1e9
         return (f"experts   : routed; pool {self.slots} slots x {self.slot_bytes / 1e6:.1f} MB = "
                 f"{self.pool_bytes / gb:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
-                f"gather {self.gather_bytes / gb:.2f} GB, speculative prefetch "
+                f"gather {self.gather_bytes / gb:.2f} GB, stacked decode {self.decode_bytes / gb:.2f} GB, "
+                f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})")
 
 
@@ -132,16 +140,20 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
     gather = num * slot
+    # Quantized experts are decoded together into dense weights, at most GROUPED_BYTES at a time; a dense
+    # expert is at most DECODE_EXPANSION times its stored bytes (16-bit weights from 2-bit and up).
+    quantized = any(m.split(".")[-1] == "experts" or ".experts." in m for e in moe for m in e.modules)
+    decode = min(expert_compute.GROUPED_BYTES, num * slot * DECODE_EXPANSION) if quantized else 0
     total = sum(e.experts["num"] for e in moe)
     if cache_gb is not None:
         cache = int(cache_gb * 1e9) // slot
     elif spare_bytes is None:
         cache = 0
     else:
-        cache = max(int((spare_bytes - (work * slot + gather)) * CACHE_FRACTION), 0) // slot
+        cache = max(int((spare_bytes - (work * slot + gather + decode)) * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
-    return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, policy=policy,
-                      speculate=speculate)
+    return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
+                      policy=policy, speculate=speculate)
 
 
 # -- the pool's bookkeeping ------------------------------------------------------------------------
@@ -306,9 +318,10 @@ def open_for(engine, routed: dict[int, set[str]], vram_bytes: int | None) -> "Ex
     # The planner (engine/planner.py) sized the pool inside the VRAM budget; sized here only for a plan without it.
     sizing = plan.experts or plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
                                           speculate=cfg.expert_prefetch)
-    if spare is not None and sizing.slots * sizing.slot_bytes + sizing.gather_bytes > spare:
-        raise ExpertsError(f"the expert pool ({sizing.pool_bytes / 1e9:.2f} GB) and gather "
-                           f"({sizing.gather_bytes / 1e9:.2f} GB) do not fit the {max(spare, 0) / 1e9:.2f} GB the "
+    if spare is not None and sizing.arena_bytes > spare:
+        raise ExpertsError(f"the expert pool ({sizing.pool_bytes / 1e9:.2f} GB), gather "
+                           f"({sizing.gather_bytes / 1e9:.2f} GB) and stacked decode "
+                           f"({sizing.decode_bytes / 1e9:.2f} GB) do not fit the {max(spare, 0) / 1e9:.2f} GB the "
                            "layer plan leaves; lower --expert-cache, raise --max-vram or use --experts whole.")
     log.info("%s", sizing.describe())
     layers = skeleton_layers(engine.model)

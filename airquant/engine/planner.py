@@ -288,7 +288,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0)
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
         return replace(whole, experts=sizing)
-    arena = sizing.pool_bytes + sizing.gather_bytes
+    arena = sizing.arena_bytes
     try:
         placed = plan_layers(layers, fixed, replace(budgets, vram_bytes=budgets.vram_bytes - arena),
                              stream_bytes=streamed)
@@ -297,7 +297,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     if wl.expert_cache_gb is None:  # the cache takes what the resident layers leave
         left = budgets.vram_bytes - placed.device_bytes
         sizing = _size_pool(manifest, wl, left)
-        arena = sizing.pool_bytes + sizing.gather_bytes
+        arena = sizing.arena_bytes
     placed.reasons.append(f"expert arena {sizing.work} working + {sizing.cache} cache slots and gather "
                           f"({arena / GB:.2f} GB) planned inside the VRAM budget, before resident layers")
     return replace(placed, experts=sizing, expert_bytes=arena)

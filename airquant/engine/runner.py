@@ -14,6 +14,7 @@ from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import experts, skeleton
 from airquant.engine.decode import DecodeLoop, Request, Sequence, attention_backends
 from airquant.engine.plan import Reserve, StreamPlan
+from airquant.engine.prompts import render as render_prompts
 from airquant.engine.planner import GIB, Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
@@ -159,15 +160,8 @@ class Engine:
     def encode(self, prompts: list[str] | list[list[dict]], chat: bool = False) -> dict[str, torch.Tensor]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise AirQuantError("--chat was asked for but this model's tokenizer has no chat template; "
-                                    "drop --chat to send the prompt as plain text.")
-            # A prompt is a user message, or a whole conversation as a list of {"role", "content"}.
-            messages = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
-            prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                       for m in messages]
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+        texts, special = render_prompts(self.tokenizer, prompts, chat)  # engine/prompts.py, shared with jobs
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
     def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:

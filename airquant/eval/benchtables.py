@@ -115,6 +115,30 @@ def kv_quality(d: dict) -> list[str]:
             "", *md_table(["cache", "PPL", "bits/element", "logit cosine", "top-1"], rows)]
 
 
+def reliability(d: dict) -> list[str]:
+    """benchmarks/faults.py: each injected fault, how often, how often the promise held, records lost."""
+    where = (f"Run on {d.get('machine', '?')} ({d.get('cpus', '?')} CPUs), {d.get('model', '?')}, "
+             f"airquant {d.get('airquant', '?')}, Python {d.get('python', '?')}.")
+    quick = " QUICK RUN: the tests' tiny counts." if d.get("quick") else ""
+    rows = [[r.get("case", r.get("part")), _f(r.get("tried")), _f(r.get("survived")), _f(r.get("records_lost")),
+             "skipped: " + r["skipped"] if r.get("skipped") else ("ok" if r.get("ok") else "FAILED"),
+             r.get("detail", "")] for r in d.get("parts", []) if isinstance(r, dict)]
+    return [where + quick, "", *md_table(["fault", "tried", "survived", "records lost", "", "detail"], rows)]
+
+
+def verify_bench(d: dict) -> list[str]:
+    """benchmarks/verify_bench.py: streamed passes with the per-read checksum off and on."""
+    rows = [[t.get("tier"), _f(t.get("layer_gb"), "{:.2f} GB"), _f((t.get("pass_s") or {}).get("off"), "{:.3f} s"),
+             _f((t.get("pass_s") or {}).get("on"), "{:.3f} s"), _f(t.get("overhead_pct"), "{:+.2f} %"),
+             _f(t.get("first_pass_overhead_pct"), "{:+.2f} %")] for t in d.get("tiers", []) if isinstance(t, dict)]
+    quick = " QUICK RUN: a tiny store, not a measurement." if d.get("quick") else ""
+    return [f"Measured on **{d.get('gpu') or d.get('device', '?')}**, store {d.get('store')} (synthetic weights), "
+            f"median of the passes, checks off and on interleaved; xxh3-128 on one core "
+            f"{_f(d.get('xxh3_128_gbps_one_core'), '{:.1f}')} GB/s; page cache dropped before disk-tier passes: "
+            f"{d.get('cold_disk')}. Target: overhead ≤ 2 %.{quick}", "",
+            *md_table(["tier", "layers", "pass, off", "pass, on", "overhead", "fill pass"], rows)]
+
+
 def as_found(d: dict) -> list[str]:
     """Files whose schema this module does not know yet: where they were measured, their top-level figures
     and targets (the nested detail stays in the file)."""
@@ -131,8 +155,10 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "moe_bench.json": ("MoE shapes: expert streaming (benchmarks/moe_bench.py)", as_found),
     "batch_bench.json": ("Batched decode on the synthetic shapes (benchmarks/batch_bench.py)", as_found),
     "scale_bench.json": ("8B / 70B shapes at scale (benchmarks/scale_bench.py)", as_found),
-    "t4_profile.json": ("A 16 GB card's budget (benchmarks/t4_profile.py)", as_found),
-    "reliability.json": ("Reliability (benchmarks/reliability.py)", as_found),
+    "t4_profile.json": ("A Colab T4 emulated on the H200: predictions, not T4 measurements "
+                        "(benchmarks/t4_profile.py)", as_found),
+    "reliability.json": ("Reliability: injected faults (benchmarks/faults.py)", reliability),
+    "verify_bench.json": ("Reliability: checksums on every read (benchmarks/verify_bench.py)", verify_bench),
     "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
     "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
     "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine.prompts import token_counts
 from airquant.errors import AirQuantError, PromptTooLongError
 
 if TYPE_CHECKING:
@@ -160,16 +161,8 @@ def _append(f, record: dict) -> None:
 
 # -- sizing ------------------------------------------------------------------------------------
 def prompt_lengths(tokenizer, prompts: list[Prompt], chat: bool) -> list[int]:
-    """Token counts as ``Engine.encode`` makes them (chat template, or special tokens added)."""
-    out = []
-    for p in prompts:
-        if chat:
-            messages = p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            out.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
-        else:
-            out.append(len(tokenizer(p.prompt)["input_ids"]))
-    return out
+    """Token counts as ``Engine.encode`` makes them (one encoder: engine/prompts.py)."""
+    return token_counts(tokenizer, [p.prompt for p in prompts], chat)
 
 
 def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv: KVConfig | None = None) -> int:

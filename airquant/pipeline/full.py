@@ -29,7 +29,7 @@ from airquant.eval.data import file_source, find_local
 from airquant.eval.headline import PROFILES_DIR
 from airquant.eval.rows import package_versions, write_json_atomic
 from airquant.pipeline import stores
-from airquant.pipeline.runner import PipelineConfig, PipelineResult, StageRun
+from airquant.pipeline.config import PipelineConfig, PipelineResult, StageRun
 from airquant.pipeline.sizes import Metric, Sizes
 from airquant.pipeline.suite import evaluate, model_context, summary
 
