@@ -164,6 +164,9 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
         # Nothing is rewritten, not even the side files: a finished store may be open in another process
         # (the pipeline's parallel configurations re-check the stores they share).
         log.info("store %s is complete and its shards check out: nothing to do", store)
+        if old.quant != quant:  # recorded under an older name of the same scheme (`keep` for `gguf`)
+            old.quant = quant
+            save_manifest(store, old)
         return old
     if stale := remove_stale_temps(store):
         log.info("removed %d temp files of an interrupted split: %s", len(stale), stale[:3])
