@@ -1,31 +1,58 @@
 #!/usr/bin/env python
-"""Continuous batching against static batching on a streamed 70B, and the batch-1 step against the link.
+r"""Continuous batching against static batching on a streamed 70B, and the batch-1 step against the link.
 
-Parts (each one device command under 10 minutes; ``results/batch_bench.json`` is merged part by part):
+Parts, each one device command well under the 600 s limit (results merged part by part into ``--out``):
 
-* ``build``: a llama3-70b-shaped NF4 store (``airquant synth --device cuda``), ~39 GB on disk, ~4 min.
-* ``static``: today's static batching: the requests in length-sorted batches of ``--slots``; a batch
-  holds its slots until its longest sequence ends and the next batch waits for it. Only the first
-  ``--static-batches`` batches run (recorded as ``static_batches_run``): the figure is the rate of
-  those batches, never an extrapolation to the whole job.
-* ``continuous``: the same requests through one decode loop of ``--slots`` slots.
-* ``bs1_8b``: a llama3-8b-shaped bf16 store under a 4 GB cap (built here if absent, ~16 GB), batch-1
-  decode step against the pinned host->GPU link: ``bs1_link_fraction`` = (bytes per step / step) / link.
-* ``cpu_mixed``: the default model on CPU, 48 mixed prompts, 16 slots, max 256 new tokens, greedy,
-  chat: static vs continuous utilization and wall time (the README figures).
-* ``report``: the table from the JSON.
+* ``build``: a llama3-70b-shaped NF4 store written on the GPU, ~39 GB on disk.
+* ``static``: static batching (``airquant batch`` before the decode loop): the requests in batches of ``--slots``
+  through the same loop and kernels, a batch holding its slots until its longest sequence ends.
+* ``continuous``: the same requests, same order, same slots through one decode loop (continuous batching).
+* ``bs1_8b``: a llama3-8b-shaped bf16 store under a 4 GB cap (built if absent, ~16 GB), batch-1 decode step
+  against the pinned host->GPU link: ``bs1_link_fraction`` = (bytes per step / step) / link.
+* ``cpu_mixed``: the default model on CPU, 48 mixed chat prompts, 16 slots, max 256 new tokens, greedy: static vs
+  continuous utilization and wall time (the README figures). ``report``: the table from the JSON.
 
-Requests: ``--requests`` (512) with prompt lengths uniform in 128..1024 tokens and ``max_new_tokens``
-drawn (seed 0) from a geometric distribution with mean 150 (p = 1/150), clipped to 1..512: random
-weights never stop by themselves, so a request's own ``max_new_tokens`` stands in for its EOS. The
-KV cache and the slots are what the router allows under the cap (``--kv``, ``--kv-offload``, ``--slots``
-override); the slots used are recorded. ``--quick`` runs every part on CPU on a tiny random model.
+Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``max_new_tokens`` drawn (seed 0) from
+a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
+request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
+``airquant batch`` feeds either path. The KV cache and the slots are what the router allows under the cap
+(``--kv``, ``--kv-offload``, ``--slots`` override); both parts record them, and ``continuous_over_static`` is
+written only when the two parts ran with the same settings.
+
+Time budget, no extrapolation: a streamed 70B pass takes ~0.6 s, so all 512 requests (~1300 passes at 64 slots)
+do not fit one command. ``static`` and ``continuous`` each measure a window of ``--seconds`` (300) of wall time,
+after the same warm-up of a few passes: the budget is checked between passes (a pass that would end past it by the
+last pass's time is not started), and what ran is recorded: useful (generated) tokens, passes, requests admitted
+and finished, ``*_slot_utilization`` = useful tokens / (slots x passes), ``*_useful_tok_s`` = useful tokens / wall.
+These keys cover the whole window, prefill ramp included; ``*_steady_*`` count from the first pass in which every
+slot produced a token. ``continuous_over_static`` = continuous_useful_tok_s / static_useful_tok_s, the ratio of
+the two window rates (the JSON's ``method`` says so). A static window cut inside a batch overstates static (its
+utilization only falls within a batch), so the ratio errs low.
+
+On the H200 (``/tmp`` survives between commands while the machine stays warm; the repository copy does not, so
+every command writes to /tmp/results and copies the JSON back through $OUT), in this order:
+
+    # 1. build, ~150-240 s (store on the GPU; skip when /tmp/bb/llama3-70b-nf4/manifest.json exists)
+    . benchmarks/device_env.sh && python benchmarks/batch_bench.py --part build
+    # 2. static, ~360-420 s: import ~10, plan + open (70B layers pinned in RAM) ~30-70, warm-up ~5-30, window 300
+    . benchmarks/device_env.sh && python benchmarks/batch_bench.py --part static --out /tmp/results/batch_bench.json \
+        && cp /tmp/results/batch_bench.json $OUT/
+    # 3. continuous, ~360-420 s (as 2)
+    . benchmarks/device_env.sh && python benchmarks/batch_bench.py --part continuous \
+        --out /tmp/results/batch_bench.json && cp /tmp/results/batch_bench.json $OUT/
+    # 4. bs1_8b, ~120-200 s: the 70B store goes first (39 + 16 GB on a 64 GB disk); 8B build ~60-120, run ~30
+    rm -rf /tmp/bb/llama3-70b-nf4 && . benchmarks/device_env.sh && python benchmarks/batch_bench.py \
+        --part bs1_8b --out /tmp/results/batch_bench.json && cp /tmp/results/batch_bench.json $OUT/
+
+A lost machine loses /tmp: rebuild (1), and carry the last JSON back into /tmp/results before 3 or 4.
+``--quick`` runs every part on CPU on tiny random shapes (a test of the script, not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -33,6 +60,8 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
@@ -40,7 +69,9 @@ import torch  # noqa: E402
 from airquant.engine.decode import Request  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
+from benchmarks.batch_window import longest_first, run_continuous, run_static  # noqa: E402
 
+log = logging.getLogger("batch_bench")
 MEAN_NEW, MAX_NEW, PROMPT_RANGE = 150, 512, (128, 1024)
 
 
@@ -54,35 +85,6 @@ def workload(n: int, vocab: int, seed: int = 0, prompt_range=PROMPT_RANGE, mean_
     new = new.clamp(1, max_new).long().tolist()
     return [Request(tuple(torch.randint(100, vocab - 1, (p,), generator=g).tolist()), m, ignore_eos=True)
             for p, m in zip(lengths, new)]
-
-
-def run_static(engine, requests, slots, kv, max_batches):
-    """Length-sorted batches of ``slots``; each runs until its longest sequence ends."""
-    order = sorted(requests, key=lambda r: -len(r.prompt_ids))
-    batches = [order[i:i + slots] for i in range(0, len(order), slots)][:max_batches]
-    useful = passes = 0
-    start = time.perf_counter()
-    for batch in batches:
-        useful += sum(c.new_tokens for c in engine.generate_requests(batch, kv=kv))
-        passes += engine.last_timings["passes"]
-    wall = time.perf_counter() - start
-    return {"static_useful_tok_s": useful / wall, "static_wall_s": wall, "static_passes": passes,
-            "static_useful_tokens": useful, "static_batches_run": len(batches),
-            "static_batches_total": -(-len(requests) // slots),
-            "static_slot_utilization": useful / (slots * passes), "static_requests_run": sum(map(len, batches))}
-
-
-def run_continuous(engine, requests, slots, kv, context):
-    loop = engine.decode_loop(slots, context=context, kv=kv)
-    start = time.perf_counter()
-    seqs = loop.run(requests)
-    wall = time.perf_counter() - start
-    useful = sum(len(s.out) for s in seqs)
-    ttft = sorted(s.ttft_s for s in seqs)
-    return {"continuous_useful_tok_s": useful / wall, "continuous_wall_s": wall, "continuous_passes": loop.stats.passes,
-            "continuous_useful_tokens": useful, "slot_utilization": loop.stats.utilization(slots),
-            "continuous_requests_run": len(seqs), "ttft_median_s": statistics.median(ttft),
-            "decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0])}
 
 
 def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload: bool | None, limit: int):
@@ -107,27 +109,68 @@ def open_engine(store: Path, args, slots: int, context: int, offload: bool):
     return Engine.open(store, cfg)
 
 
+def warm_up(engine, slots: int, kv, vocab: int) -> float:
+    """A few passes outside the window, through a loop of ``slots`` slots: ``2 x slots`` 16-token prompts of 1..3
+    new tokens, so prefill-only, mixed and decode-only passes all run once (allocation, kernel compilation and
+    autotuning, TurboQuant's Triton kernel) before the first measured pass. Both parts make the same warm-up."""
+    start = time.perf_counter()
+    loop = engine.decode_loop(slots, context=32, kv=kv)
+    loop.run([Request(tuple(min(100 + k + i, vocab - 1) for i in range(16)), 1 + k % 3, ignore_eos=True)
+              for k in range(2 * slots)])
+    return time.perf_counter() - start
+
+
+SAME = ("slots", "kv", "kv_offload", "requests", "context", "distribution", "order")
+METHOD = ("continuous_over_static = continuous_useful_tok_s / static_useful_tok_s. Each rate is useful (generated) "
+          "tokens / wall seconds over the window its part ran (--seconds each, checked between passes), on the same "
+          "request stream in the same order (longest prompt first, as airquant batch feeds both paths) with the same "
+          "slots, after the same warm-up. The keys use the whole window (prefill ramp included); *_steady_* count "
+          "from the first pass in which every slot produced a token. slot_utilization = useful tokens / (slots x "
+          "passes) over the continuous window. Nothing is extrapolated to the requests the window did not reach; a "
+          "static window cut inside a batch overstates static (its utilization only falls within a batch), so the "
+          "ratio errs low.")
+
+
 def part_batch(args, which: str, results: dict) -> None:
     store = Path(args.store)
-    engine_probe = json.loads((store / "config.json").read_text())
-    requests = workload(args.requests, engine_probe["vocab_size"], prompt_range=args.prompt_range,
-                        mean_new=args.mean_new, max_new=args.max_new)
+    vocab = json.loads((store / "config.json").read_text())["vocab_size"]
+    requests = workload(args.requests, vocab, prompt_range=args.prompt_range, mean_new=args.mean_new,
+                        max_new=args.max_new)
     context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     slots, kv_name, offload = plan_slots(store, None if args.quick else args.cap_gb, context, args.kv,
                                          args.kv_offload, args.slots)
     kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=128) if kv_name == "tq" else None
+    settings = {"slots": slots, "kv": kv_name, "kv_offload": offload, "requests": len(requests), "context": context,
+                "distribution": f"prompt uniform {args.prompt_range}, new tokens geometric mean {args.mean_new} "
+                f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first"}
     engine = open_engine(store, args, slots, context, offload)
-    results.update({"slots": slots, "kv": kv_name, "kv_offload": offload, "requests": len(requests),
-                    "context": context, "distribution": f"prompt uniform {args.prompt_range}, new tokens geometric "
-                    f"mean {args.mean_new} clipped to 1..{args.max_new}, seed 0"})
     try:
+        warm = warm_up(engine, slots, kv, vocab)
+        order = longest_first(requests)
         if which == "static":
-            results.update(run_static(engine, requests, slots, kv, args.static_batches))
+            measured = run_static(engine, order, slots, kv, args.static_batches, args.seconds)
         else:
-            results.update(run_continuous(engine, requests, slots, kv, context))
+            measured = run_continuous(engine, order, slots, kv, context, args.seconds)
     finally:
         engine.close()
-    if "static_useful_tok_s" in results and "continuous_useful_tok_s" in results:
+    results.update({**settings, **measured, f"{which}_settings": settings, f"{which}_warmup_s": warm,
+                    "method": METHOD, "synthetic": True, "quick": args.quick,
+                    "device": "cpu" if args.quick else torch.cuda.get_device_name()})
+    compare(results)
+
+
+def compare(results: dict) -> None:
+    """``continuous_over_static`` when both parts ran with the same settings; otherwise none (and why)."""
+    a, b = results.get("static_settings"), results.get("continuous_settings")
+    results.pop("continuous_over_static", None)
+    if a is None or b is None:
+        return
+    differ = [k for k in SAME if a.get(k) != b.get(k)]
+    if differ:
+        results["continuous_over_static_missing"] = f"static and continuous ran with different {', '.join(differ)}"
+        log.warning("no continuous_over_static: %s", results["continuous_over_static_missing"])
+    elif results["static_useful_tok_s"]:
+        results.pop("continuous_over_static_missing", None)
         results["continuous_over_static"] = results["continuous_useful_tok_s"] / results["static_useful_tok_s"]
 
 
@@ -190,7 +233,7 @@ def part_cpu_mixed(args, results: dict) -> None:
     try:
         reqs = [engine.request(engine.prompt_ids(MIXED_TASKS[k % 4].format(t), True), gen)
                 for k, t in enumerate(texts)]
-        static = run_static(engine, reqs, args.mixed_slots, None, 1 << 30)
+        static = run_static(engine, longest_first(reqs), args.mixed_slots, None)
         start = time.perf_counter()
         loop = engine.decode_loop(args.mixed_slots, context=max(len(r.prompt_ids) for r in reqs) + args.mixed_new)
         seqs = loop.run(reqs)
@@ -217,15 +260,30 @@ def _mixed_texts(path, n: int) -> list[str]:
     return [" ".join(base[: 8 + (k * 7) % len(base)]) for k in range(n)]
 
 
+QUICK_SHAPE = (("hidden", 128), ("intermediate", 256), ("heads", 4), ("kv_heads", 2), ("vocab", 2048))
+
+
 def synth(store: Path, shape: str, dtype: str, quick: bool) -> None:
-    cmd = [sys.executable, "-m", "airquant.cli", "synth", "--shape", shape, "--dtype", dtype, "--store", str(store),
-           "--quiet"] + (["--layers", "2"] if quick else ["--device", "cuda"])
-    subprocess.run(cmd, check=True)
+    """A random-weight store of ``shape`` (``--quick``: 2 layers of tiny dimensions on the CPU), with the default
+    model's tokenizer from tests/data (the device has no model package)."""
+    from transformers import AutoTokenizer
+
+    from airquant.store.synth import SynthSpec, synth as write
+
+    spec = SynthSpec(shape, dtype, layers=2 if quick else None, overrides=QUICK_SHAPE if quick else ())
+    start = time.perf_counter()
+    write(spec, store, device="cpu" if quick else "cuda", progress=not quick,
+          tokenizer=AutoTokenizer.from_pretrained(REPO / "tests" / "data" / "smollm2_tokenizer"))
+    log.info("store %s written in %.0f s", store, time.perf_counter() - start)
 
 
 def report(results: dict) -> None:
-    keys = ["slots", "kv", "kv_offload", "requests", "static_batches_run", "static_useful_tok_s",
-            "continuous_useful_tok_s", "continuous_over_static", "slot_utilization", "static_slot_utilization",
+    keys = ["slots", "kv", "kv_offload", "requests", "static_batches_run", "static_batches_completed",
+            "static_requests_finished", "static_wall_s", "static_passes", "static_useful_tok_s",
+            "static_steady_useful_tok_s", "static_slot_utilization", "continuous_requests_finished",
+            "continuous_wall_s", "continuous_passes", "continuous_useful_tok_s", "continuous_steady_useful_tok_s",
+            "slot_utilization", "continuous_steady_slot_utilization", "continuous_over_static",
+            "continuous_over_static_missing",
             "bs1_8b_step_s", "link_pinned_gbps", "bs1_link_fraction", "cpu_mixed_static_utilization",
             "cpu_mixed_continuous_utilization", "cpu_mixed_static_wall_s", "cpu_mixed_continuous_wall_s"]
     for k in keys:
@@ -240,25 +298,36 @@ def parse_args(argv=None):
     p.add_argument("--store", default="/tmp/bb/llama3-70b-nf4")
     p.add_argument("--store-8b", default="/tmp/bb/llama3-8b-bf16")
     p.add_argument("--store-default", default="/tmp/bb/default")
-    p.add_argument("--requests", type=int, default=512)
-    p.add_argument("--slots", type=int, default=64, help="upper bound; the router may allow fewer under the cap")
-    p.add_argument("--static-batches", type=int, default=1, help="static batches to run (the rest are not run)")
+    p.add_argument("--requests", type=int, default=None, help="default 512 (--quick: 48)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="upper bound, default 64 (--quick: 8); the router may allow fewer under the cap")
+    p.add_argument("--seconds", type=float, default=300.0,
+                   help="static/continuous: wall-time budget of the measured window (checked between passes)")
+    p.add_argument("--static-batches", type=int, default=None,
+                   help="at most this many static batches (default: as many as --seconds allows)")
     p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap, decimal GB")
     p.add_argument("--kv", choices=["auto", "none", "tq"], default="auto")
     p.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--mixed-prompts", type=int, default=48)
-    p.add_argument("--mixed-slots", type=int, default=16)
-    p.add_argument("--mixed-new", type=int, default=256)
+    p.add_argument("--mixed-prompts", type=int, default=None, help="default 48 (--quick: 6)")
+    p.add_argument("--mixed-slots", type=int, default=None, help="default 16 (--quick: 3)")
+    p.add_argument("--mixed-new", type=int, default=None, help="default 256 (--quick: 8)")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes: a test of the script")
     p.add_argument("--out", default="results/batch_bench.json")
     args = p.parse_args(argv)
-    args.prompt_range, args.mean_new, args.max_new = PROMPT_RANGE, MEAN_NEW, MAX_NEW
-    if args.quick:
-        args.prompt_range, args.mean_new, args.max_new = (8, 24), 6, 12
+    args.prompt_range, args.mean_new, args.max_new = ((8, 24), 6, 12) if args.quick else (PROMPT_RANGE, MEAN_NEW,
+                                                                                             MAX_NEW)
+    sizes = {"requests": (512, 48), "slots": (64, 8), "mixed_prompts": (48, 6), "mixed_slots": (16, 3),
+             "mixed_new": (256, 8)}
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.seconds < 0:
+        p.error("--seconds must be >= 0 (0 measures one pass)")
     return args
 
 
 def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args = parse_args(argv)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}

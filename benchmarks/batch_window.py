@@ -1,0 +1,121 @@
+"""The measured windows of benchmarks/batch_bench.py: static and continuous batching under a wall-time budget.
+
+A ``Window`` counts every pass a run made (useful tokens, wall) and its steady state, from the first pass in which
+every slot produced a token. The budget is checked between passes, so nothing is cut inside a pass and nothing
+is extrapolated past what ran.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from airquant.engine.decode import Request
+
+
+def longest_first(requests: list[Request]) -> list[Request]:
+    """The order ``airquant batch`` feeds both its paths: longest prompt first (stable)."""
+    return sorted(requests, key=lambda r: -len(r.prompt_ids))
+
+
+@dataclass
+class Window:
+    """What a run measured within its time budget: every pass it made, and the steady state, which starts at
+    the first pass in which every one of ``slots`` slots produced a token (all slots busy)."""
+
+    slots: int
+    start: float = field(default_factory=time.perf_counter)
+    end: float | None = None
+    passes: int = 0
+    useful: int = 0
+    steady_start: float | None = None
+    steady_from_pass: int | None = None
+    steady_passes: int = 0
+    steady_useful: int = 0
+    last_pass_s: float = 0.0
+    stopped_by_budget: bool = False
+
+    def add(self, made: int, t0: float, t1: float) -> None:
+        self.passes, self.useful, self.end, self.last_pass_s = self.passes + 1, self.useful + made, t1, t1 - t0
+        if self.steady_start is None and made >= self.slots:
+            self.steady_start, self.steady_from_pass = t0, self.passes - 1
+        if self.steady_start is not None:
+            self.steady_passes, self.steady_useful = self.steady_passes + 1, self.steady_useful + made
+
+    def spent(self, deadline: float) -> bool:
+        """Whether the next pass would end past ``deadline`` (by the last pass's time); never before the first."""
+        self.stopped_by_budget = bool(self.passes) and time.perf_counter() + self.last_pass_s > deadline
+        return self.stopped_by_budget
+
+    def keys(self, prefix: str, budget: float) -> dict:
+        """``{prefix}_useful_tok_s`` etc.: the whole window (the keys), and ``{prefix}_steady_*``."""
+        wall = (self.end or self.start) - self.start
+        steady_wall = (self.end - self.steady_start) if self.steady_start is not None else 0.0
+        return {f"{prefix}_useful_tok_s": self.useful / wall if wall else 0.0, f"{prefix}_wall_s": wall,
+                f"{prefix}_passes": self.passes, f"{prefix}_useful_tokens": self.useful,
+                f"{prefix}_budget_s": budget, f"{prefix}_stopped_by_budget": self.stopped_by_budget,
+                f"{prefix}_slot_utilization": utilization(self.useful, self.slots, self.passes),
+                f"{prefix}_steady_from_pass": self.steady_from_pass, f"{prefix}_steady_passes": self.steady_passes,
+                f"{prefix}_steady_wall_s": steady_wall,
+                f"{prefix}_steady_useful_tok_s": self.steady_useful / steady_wall if steady_wall else None,
+                f"{prefix}_steady_slot_utilization": utilization(self.steady_useful, self.slots,
+                                                                 self.steady_passes)}
+
+
+def utilization(useful: int, slots: int, passes: int) -> float | None:
+    return useful / (slots * passes) if passes else None
+
+
+def step_within(loop, window: Window, deadline: float) -> bool:
+    """Step ``loop`` until it is idle (True) or the next pass would end past ``deadline`` by the last pass's time
+    (False): the budget is checked between passes, so a window overshoots by at most one pass, and a window's
+    first pass always runs (a budget of 0 measures one pass)."""
+    while not loop.idle:
+        if window.spent(deadline):
+            return False
+        before, t0 = loop.stats.passes, time.perf_counter()
+        made = loop.stats.useful_tokens
+        loop.step()  # ends with the engine's sync: the pass is over on the device
+        if loop.stats.passes == before:
+            raise RuntimeError("the decode loop scheduled nothing with requests left (a scheduler bug)")
+        window.add(loop.stats.useful_tokens - made, t0, time.perf_counter())
+    return True
+
+
+def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf):
+    """Static batching (``airquant batch`` before the loop; still its path on stacks the loop does not run):
+    ``order`` in batches of ``slots``, each one loop as ``Engine.generate_requests`` makes it (a slot per request,
+    every prompt prefilled in the first pass, nobody admitted later), so a batch holds its slots until its longest
+    sequence ends; batches start until ``seconds`` are spent. Same kernels and cache as the continuous part."""
+    batches = [order[i:i + slots] for i in range(0, len(order), slots)][:max_batches]
+    window, seqs, completed = Window(slots), [], 0
+    deadline = window.start + seconds
+    for batch in batches:
+        if window.spent(deadline):
+            break
+        loop = engine.decode_loop(len(batch), context=max(len(r.prompt_ids) + r.max_new_tokens for r in batch),
+                                  kv=kv, token_budget=sum(len(r.prompt_ids) for r in batch))
+        seqs += [loop.submit(r) for r in batch]
+        if not step_within(loop, window, deadline):
+            break
+        completed += 1
+    return {**window.keys("static", seconds), "static_batches_run": -(-len(seqs) // slots),
+            "static_batches_completed": completed, "static_batches_total": -(-len(order) // slots),
+            "static_requests_admitted": len(seqs), "static_requests_finished": sum(s.done for s in seqs)}
+
+
+def run_continuous(engine, order, slots, kv, context, seconds=math.inf):
+    """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent."""
+    window = Window(slots)  # from before the loop is made, as for each static batch
+    loop = engine.decode_loop(slots, context=context, kv=kv)
+    seqs = [loop.submit(r) for r in order]
+    step_within(loop, window, window.start + seconds)
+    ttft = [s.ttft_s for s in seqs if s.ttft_s is not None]
+    out = window.keys("continuous", seconds)
+    return {**out, "slot_utilization": out["continuous_slot_utilization"],
+            "continuous_requests_admitted": sum(s.slot is not None or s.done for s in seqs),
+            "continuous_requests_finished": sum(s.done for s in seqs),
+            "ttft_median_s": statistics.median(ttft) if ttft else None,
+            "decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0])}

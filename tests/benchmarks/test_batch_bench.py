@@ -1,0 +1,100 @@
+"""benchmarks/batch_bench.py --quick: every part on the CPU with tiny shapes, and the windows it records."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.batch_bench import workload
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "batch_bench.py"
+
+
+def bench(tmp: Path, part: str, *extra: str) -> dict:
+    out = tmp / "batch_bench.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--part", part, "--store", str(tmp / "s70"),
+                           "--store-8b", str(tmp / "s8"), "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()) if out.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("bb")
+    bench(tmp, "build")
+    assert (tmp / "s70" / "manifest.json").is_file()
+    return tmp
+
+
+def fresh(store_dir: Path, name: str) -> Path:
+    """A results folder of its own next to the shared store (the JSON merges part by part)."""
+    tmp = store_dir / name
+    tmp.mkdir()
+    (tmp / "s70").symlink_to(store_dir / "s70")
+    return tmp
+
+
+def test_whole_runs_serve_every_request_and_compare(store_dir):
+    tmp = fresh(store_dir, "whole")
+    bench(tmp, "static", "--seconds", "1e6")
+    r = bench(tmp, "continuous", "--seconds", "1e6")
+    asked = sum(q.max_new_tokens for q in workload(48, 2048, prompt_range=(8, 24), mean_new=6,
+                                                                 max_new=12))
+    assert (r["requests"], r["slots"]) == (48, 8)
+    for p in ("static", "continuous"):
+        assert r[f"{p}_stopped_by_budget"] is False
+        assert r[f"{p}_requests_finished"] == r[f"{p}_requests_admitted"] == 48
+        assert r[f"{p}_useful_tokens"] == asked  # every request made exactly its own max_new_tokens
+        assert 0 < r[f"{p}_slot_utilization"] <= 1 and r[f"{p}_useful_tok_s"] > 0
+        assert r[f"{p}_settings"]["order"] == "longest prompt first"
+    assert r["static_batches_completed"] == r["static_batches_total"] == 6
+    # a finished sequence's slot is taken at the next pass: fewer passes for the same tokens
+    assert r["continuous_passes"] < r["static_passes"]
+    assert r["slot_utilization"] == r["continuous_slot_utilization"] > r["static_slot_utilization"]
+    assert r["continuous_over_static"] == pytest.approx(r["continuous_useful_tok_s"] / r["static_useful_tok_s"])
+    assert "continuous_useful_tok_s / static_useful_tok_s" in r["method"]
+    assert r["quick"] is True and r["device"] == "cpu"
+    again = bench(tmp, "report")
+    assert again == r  # report only prints
+
+
+def test_budget_stopped_run_records_its_window(store_dir):
+    tmp = fresh(store_dir, "budget")
+    bench(tmp, "static", "--seconds", "0")  # 0 s: the window is the first pass
+    r = bench(tmp, "continuous", "--seconds", "0")
+    for p in ("static", "continuous"):
+        assert r[f"{p}_stopped_by_budget"] is True and r[f"{p}_budget_s"] == 0
+        assert r[f"{p}_passes"] == 1 and r[f"{p}_wall_s"] > 0
+        assert r[f"{p}_requests_finished"] < r["requests"]
+        assert 0 <= r[f"{p}_slot_utilization"] <= 1
+        assert r[f"{p}_useful_tokens"] <= r["slots"] * r[f"{p}_passes"]
+        steady = r[f"{p}_steady_slot_utilization"]
+        assert steady is None or 0 <= steady <= 1
+        assert (r[f"{p}_steady_from_pass"] is None) == (steady is None)
+    assert r["static_batches_completed"] == 0 and r["static_batches_run"] == 1
+    assert "continuous_over_static" in r
+
+
+def test_parts_with_different_slots_give_no_ratio(store_dir):
+    tmp = fresh(store_dir, "differ")
+    bench(tmp, "static", "--seconds", "0", "--slots", "4")
+    r = bench(tmp, "continuous", "--seconds", "0")
+    assert "continuous_over_static" not in r
+    assert "slots" in r["continuous_over_static_missing"]
+
+
+def test_bs1_8b_quick(tmp_path):
+    r = bench(tmp_path, "bs1_8b")
+    assert r["bs1_8b_step_s"] > 0 and r["bs1_8b_bytes_per_step"] > 0 and r["bs1_link_fraction"] > 0
+
+
+@pytest.mark.slow
+def test_cpu_mixed_quick(tmp_path, default_store):
+    r = bench(tmp_path, "cpu_mixed", "--store-default", str(default_store))
+    assert (r["cpu_mixed_prompts"], r["cpu_mixed_slots"]) == (6, 3)
+    for k in ("cpu_mixed_static_utilization", "cpu_mixed_continuous_utilization"):
+        assert 0 < r[k] <= 1
+    assert r["cpu_mixed_useful_tokens"] > 0
