@@ -120,10 +120,14 @@ def reliability(d: dict) -> list[str]:
     where = (f"Run on {d.get('machine', '?')} ({d.get('cpus', '?')} CPUs), {d.get('model', '?')}, "
              f"airquant {d.get('airquant', '?')}, Python {d.get('python', '?')}.")
     quick = " QUICK RUN: the tests' tiny counts." if d.get("quick") else ""
-    rows = [[r.get("case", r.get("part")), _f(r.get("tried")), _f(r.get("survived")), _f(r.get("records_lost")),
+    rows = [[r.get("case", r.get("part")), _f(r.get("tried"), "{}"), _f(r.get("survived"), "{}"),
+             _f(r.get("records_lost"), "{}"),
              "skipped: " + r["skipped"] if r.get("skipped") else ("ok" if r.get("ok") else "FAILED"),
              r.get("detail", "")] for r in d.get("parts", []) if isinstance(r, dict)]
-    return [where + quick, "", *md_table(["fault", "tried", "survived", "records lost", "", "detail"], rows)]
+    totals = d.get("totals") or {}
+    total = (f" In all: {totals.get('tried')} cases tried, {totals.get('survived')} survived, "
+             f"{totals.get('records_lost')} records lost." if totals else "")
+    return [where + quick + total, "", *md_table(["fault", "tried", "survived", "records lost", "", "detail"], rows)]
 
 
 def verify_bench(d: dict) -> list[str]:
