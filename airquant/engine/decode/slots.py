@@ -14,12 +14,14 @@ TurboQuant cache below grows per sequence and already does not reserve ``cap``).
 Grouped-query attention is computed with the query heads of a KV head folded into the query rows
 (``[B, Hkv, G*L, D]``), so keys are never repeated per query head.
 
-TurboQuant cache: one ``TQLayer`` per (slot, layer), batch 1, fed exactly what one-at-a-time decoding
-feeds it (a whole prompt, then one token per step), so its flush and calibration points, and thus its
-outputs, are those of generating the sequence alone.
+TurboQuant cache: one slot-batched ``SlotArena`` per layer (see ``tqslots``). Each slot is fed exactly
+what one-at-a-time decoding feeds a batch-1 ``TQLayer`` (a whole prompt, then one token per step), so its
+flush and calibration points, and thus its outputs, are those of generating the sequence alone; the
+decode tokens of all slots are written, attended and flushed in one batch per layer.
 
 KV offload: the offloaded layers' buffers live in (pinned) host memory; a layer's used prefix is
-copied to the device when the layer runs and its new tokens are written to both.
+copied to the device when the layer runs and its new tokens are written to both. A TurboQuant layer's
+arena moves whole to the device before its update and back after its attention.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan
 from airquant.kv.attention import compressed_attention, keep_mask
-from airquant.kv.cache import TQLayer, context_of, tag
+from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig
 
 ATTN_NAME = "airquant_ragged"
@@ -57,7 +60,8 @@ class PassContext:
     layer: int
     keys: torch.Tensor | None = None  # plain: [slots, Hkv, L, D] (device), L >= every segment's end
     values: torch.Tensor | None = None
-    tq: list | None = None  # TurboQuant: (tagged keys, values) per segment
+    tq: SlotArena | None = None  # TurboQuant: this layer's arena
+    row: tuple[torch.Tensor, torch.Tensor] | None = None  # TurboQuant: the pass's new keys/values [1, Hkv, T, D]
 
 
 class SlotKV:
@@ -74,7 +78,10 @@ class SlotKV:
         self.tq = kv is not None and kv.backend == "tq"
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
-        self._tq: dict[int, list[TQLayer]] = {}
+        self._tq: list[SlotArena | None] = [None] * num_layers
+        self._seen = [0] * slots  # tokens cached per slot (TurboQuant: checks the loop feeds them in order)
+        self.plan: DecodePlan | None = None  # TurboQuant: the pass's decode tokens
+        self._hist_need = 0
         self.segments: list[Segment] = []
         self._decode: tuple[torch.Tensor, ...] | None = None
 
@@ -89,10 +96,21 @@ class SlotKV:
                             torch.tensor([s.start for s in dec], device=dev),
                             torch.tensor([s.offset for s in dec], device=dev))
         self.span = max(s.start + s.n for s in segments)
+        if self.tq:
+            self._tq_begin(segments, dec)
+
+    def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
+        for s in segments:
+            # A TurboQuant prompt is prefilled whole (the scheduler's rule), then one token per pass.
+            assert self._seen[s.slot] == s.start and (s.n == 1 or s.start == 0), "a TurboQuant slot is fed in order"
+            self._seen[s.slot] += s.n
+        self.plan = decode_plan(self.kv, self.slots, [(s.slot, s.start, s.offset) for s in dec],
+                                self.device) if dec else None
+        self._hist_need = max(self.kv.schedule.quantized_count(s.start + s.n) for s in segments)
 
     def free(self, slot: int) -> None:
-        """A finished sequence's slot: plain buffers are overwritten by the next one; TQ layers dropped."""
-        self._tq.pop(slot, None)
+        """A finished sequence's slot: its buffers (and TurboQuant arena rows) are overwritten by the next one."""
+        self._seen[slot] = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from the loop (position_ids), never from the cache
@@ -101,7 +119,7 @@ class SlotKV:
         """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context."""
         ctx = PassContext(self, layer_idx)
         if self.tq:
-            ctx.tq = [self._tq_update(s, key, value, layer_idx) for s in self.segments]
+            ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
         else:
             ctx.keys, ctx.values = self._plain_update(key, value, layer_idx)
         return tag(key, ctx), value
@@ -136,28 +154,39 @@ class SlotKV:
                 k_buf[s.slot, :, s.start: s.start + s.n] = key[0, :, s.offset: s.offset + s.n]
                 v_buf[s.slot, :, s.start: s.start + s.n] = value[0, :, s.offset: s.offset + s.n]
 
-    def _tq_update(self, s: Segment, key, value, i: int):
-        layers = self._tq.get(s.slot)
-        if layers is None:
-            head_dim = self.shape[-1]
-            layers = self._tq[s.slot] = [TQLayer(self.kv, j, head_dim) for j in range(self.num_layers)]
-        layer = layers[i]
-        if i in self.offload:
-            layer.prefetch()
-        assert layer.n_seen == s.start, "a TurboQuant slot is fed in order"
-        return layer.update(key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
+    def _tq_update(self, key, value, i: int) -> SlotArena:
+        """Prompts into their slots, decode tokens at the ends of their windows; the flush of the decode
+        tokens' slots waits for the attention (it reads the history as it was before this token)."""
+        arena = self._tq[i]
+        if arena is None:
+            _, heads, _, head_dim = self.shape
+            arena = self._tq[i] = SlotArena(self.kv, i, self.slots, heads, head_dim, self.device, self.dtype)
+        elif i in self.offload:
+            arena.prefetch()
+        arena.reserve(self._hist_need)
+        for s in self.segments:
+            if s.n > 1:
+                arena.prefill(s.slot, key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
+        if self.plan is not None:
+            arena.write_decode(self.plan, key, value)
+        return arena
+
+    def arena(self, i: int) -> SlotArena | None:
+        """Layer ``i``'s TurboQuant arena (None before its first pass, or with the plain cache)."""
+        return self._tq[i]
 
     def after_attention(self, i: int) -> None:
-        if self.tq and i in self.offload:
-            for s in self.segments:
-                self._tq[s.slot][i].offload()
+        if not self.tq:
+            return
+        if self.plan is not None:
+            self._tq[i].flush(self.plan)
+        if i in self.offload:
+            self._tq[i].offload()
 
     def nbytes(self) -> int:
         """Bytes of the cache's tensors (device and host)."""
         plain = sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
-        tq = sum(t.numel() * t.element_size() for layers in self._tq.values() for layer in layers
-                 if layer.is_initialized for t in layer.tensors())
-        return plain + tq
+        return plain + sum(arena.nbytes() for arena in self._tq if arena is not None)
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -234,21 +263,39 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
 
 
 def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
+    """Prompts (whole, nothing cached before them) attend causally to their own exact keys; the decode
+    tokens of all slots in one call over the padded slot batch."""
     out = torch.empty_like(query)
-    for s, (keys, values) in zip(ctx.kv.segments, ctx.tq):
-        q = query[:, :, s.offset: s.offset + s.n]
-        tq = context_of(keys)
-        plain = keys.as_subclass(torch.Tensor)
-        tq.receipt.consumed = True
-        if tq.history.length:
-            o = compressed_attention(q, plain, values, tq, None, scale).transpose(1, 2)
-        else:
-            g = q.shape[1] // plain.shape[1]
-            keep = keep_mask(None, 1, s.n, plain.shape[2], q.device)
-            o = F.scaled_dot_product_attention(q, plain.repeat_interleave(g, 1), values.repeat_interleave(g, 1),
-                                               attn_mask=keep, scale=scale)
-        out[:, :, s.offset: s.offset + s.n] = o
+    key, value = ctx.row
+    g = query.shape[1] // key.shape[1]
+    for s in ctx.kv.segments:
+        if s.n == 1:
+            continue
+        rows = slice(s.offset, s.offset + s.n)
+        keep = keep_mask(None, 1, s.n, s.n, query.device)
+        out[:, :, rows] = F.scaled_dot_product_attention(
+            query[:, :, rows], key[:, :, rows].repeat_interleave(g, 1), value[:, :, rows].repeat_interleave(g, 1),
+            attn_mask=keep, scale=scale)
+    plan = ctx.kv.plan
+    if plan is not None:
+        out[0, :, plan.offsets] = decode_attention(query, ctx.tq, plan, scale)
     return out
+
+
+def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, scale: float) -> torch.Tensor:
+    """``[Hq, nd, D]``: the decode tokens of the packed row ``query`` ``[1, Hq, T, D]`` against their slots."""
+    keys, values, tq = arena.context(plan)
+    q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
+    if not plan.hist_len:  # nothing quantized yet: exact attention over the (short) windows of these slots
+        g = q.shape[1] // keys.shape[1]
+        k, v = keys[plan.slots].repeat_interleave(g, 1), values[plan.slots].repeat_interleave(g, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.keep[plan.slots], scale=scale)[:, :, 0] \
+            .transpose(0, 1)
+    # Every slot's row (idle ones all masked, output 0): the slot batch is the arena's, views, no gather.
+    q_all = q.new_zeros(keys.shape[0], *q.shape[1:])
+    q_all[plan.slots] = q
+    o = compressed_attention(q_all, keys, values, tq, plan.keep, scale)  # [S, 1, Hq, D]
+    return o[plan.slots, 0].transpose(0, 1)
 
 
 def attention_backends():

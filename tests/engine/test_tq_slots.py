@@ -1,0 +1,128 @@
+"""The decode loop's slot-batched TurboQuant cache against one batch-1 ``TQLayer`` per sequence.
+
+Ragged slots (a long prompt with history from its prefill, a short one that reaches its first flush
+while decoding, an idle slot, a late arrival, a slot freed and reused by a one-token prompt): every pass,
+the batched decode attention must give what the per-sequence path gives (one ``TQLayer.update`` and one
+attention call per segment), and the packed histories must be the same bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from airquant.engine.decode.slots import Segment, SlotKV, ragged_attention
+from airquant.engine.decode.tqslots import SlotArena
+from airquant.kv import KVConfig
+from airquant.kv.attention import compressed_attention
+from airquant.kv.cache import TQLayer, context_of
+from airquant.kv.masks import keep_mask
+
+SLOTS, HKV, HQ, DIM = 4, 2, 4, 16
+CONFIGS = {
+    "plain": KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4),
+    "mixed": KVConfig(backend="tq", bits_k=3, bits_v=2, window=8, block=4, sink=2, center_k=True, center_v=True,
+                      norm_bits=8, unbiased=True),
+}
+# pass -> {slot: prompt length}: new prompts; FREE: pass -> slots whose sequence ended before it.
+ARRIVALS = {0: {0: 20, 1: 3}, 3: {3: 9}, 8: {0: 1}}
+FREE = {8: [0]}
+PASSES = 24
+
+
+class _Module:
+    """An attention module without a sliding window (what ragged_attention asks of it)."""
+
+    config = None
+
+
+def _reference(layer: TQLayer, q, k, v, scale) -> torch.Tensor:
+    """The per-segment path: one TQLayer update and one attention call; ``[1, Hq, n, D]``."""
+    keys, values = layer.update(k, v)
+    ctx, plain = context_of(keys), keys.as_subclass(torch.Tensor)
+    ctx.receipt.consumed = True
+    if ctx.history.length:
+        return compressed_attention(q, plain, values, ctx, None, scale).transpose(1, 2)
+    g = q.shape[1] // plain.shape[1]
+    keep = keep_mask(None, 1, q.shape[2], plain.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, plain.repeat_interleave(g, 1), values.repeat_interleave(g, 1),
+                                          attn_mask=keep, scale=scale)
+
+
+def _poison(tensors) -> None:
+    for t in tensors:
+        t.fill_(float("nan") if t.is_floating_point() else 0xA5)
+
+
+def _emulated_offload(monkeypatch):
+    """KV offload on CPU: ``offload`` keeps a "host" copy aside and poisons the "device" tensors the arena
+    still points at; ``prefetch`` brings fresh copies back and poisons the host ones. A read without a
+    prefetch, or a write after the offload, changes the results."""
+    def offload(self):
+        self.host = {name: t.clone() for name, t in self.t.items()}
+        _poison(self.t.values())
+
+    def prefetch(self):
+        self.t = {name: t.clone() for name, t in self.host.items()}
+        _poison(self.host.values())
+
+    monkeypatch.setattr(SlotArena, "offload", offload)
+    monkeypatch.setattr(SlotArena, "prefetch", prefetch)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "kv-offload"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_decode_attention_equals_per_segment_path(name, offload, monkeypatch):
+    kv, layers = CONFIGS[name], 2
+    if offload:
+        _emulated_offload(monkeypatch)
+    cache = SlotKV(layers, SLOTS, 64, HKV, DIM, torch.device("cpu"), torch.float32, kv=kv,
+                   offload={1} if offload else set())
+    refs: dict[int, list[TQLayer]] = {}
+    seen: dict[int, int] = {}
+    gen = torch.Generator().manual_seed(0)
+    scale, flushed_in_decode, batched_with_history = DIM ** -0.5, 0, 0
+    for step in range(PASSES):
+        for slot in FREE.get(step, []):
+            cache.free(slot)
+            del seen[slot]
+        for slot, n in ARRIVALS.get(step, {}).items():
+            refs[slot] = [TQLayer(kv, i, DIM) for i in range(layers)]
+            seen[slot] = -n  # negative: a prompt of n tokens is due
+        segments, offset = [], 0
+        for slot in sorted(seen):
+            n = -seen[slot] if seen[slot] < 0 else 1
+            segments.append(Segment(slot, max(seen[slot], 0), n, offset))
+            offset += n
+        cache.begin(segments)
+        plan = cache.plan
+        for i in range(layers):
+            q = torch.randn(1, HQ, offset, DIM, generator=gen)
+            k, v = (torch.randn(1, HKV, offset, DIM, generator=gen) * 2 + 0.5 for _ in range(2))
+            tagged, value = cache.update(k, v, i)
+            got = ragged_attention(_Module(), q, tagged, value, None, scaling=scale)[0][0].transpose(0, 1)
+            for s in segments:
+                rows = slice(s.offset, s.offset + s.n)
+                want = _reference(refs[s.slot][i], q[:, :, rows], k[:, :, rows], v[:, :, rows], scale)[0]
+                assert (got[:, rows] - want).abs().max() <= 1e-5, f"pass {step}, layer {i}, slot {s}"
+        for s in segments:
+            seen[s.slot] = s.start + s.n
+        batched_with_history += plan is not None and plan.hist_len > 0 and len(plan.slots) > 1
+        flushed_in_decode += plan is not None and plan.flush is not None
+        _assert_same_histories(cache, refs, seen, layers)
+    assert batched_with_history and flushed_in_decode  # the scenario reached what it is about
+
+
+def _assert_same_histories(cache: SlotKV, refs, seen, layers) -> None:
+    """Each running slot's packed history (and window) in the arena equals its own TQLayer's."""
+    for i in range(layers):
+        arena = cache.arena(i)
+        held = arena.host if i in cache.offload else arena.t  # an offloaded layer: its emulated host copy
+        for slot, layer in ((s, refs[s][i]) for s in seen):
+            store = layer.store
+            for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+                if store.length:
+                    assert torch.equal(held[name][slot, :, : store.length], store.tensors[name][0, :, : store.length])
+            window = layer.keys.shape[2]
+            assert torch.equal(held["win_k"][slot, :, :window], layer.keys[0]), f"slot {slot} layer {i}"
