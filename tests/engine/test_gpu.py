@@ -58,3 +58,25 @@ def test_cuda_streams_model_types_like_resident(tmp_path, real_tokenizer, model_
     assert [c.token_ids for c in ga] == [c.token_ids for c in gb]
     assert streamed.stats()["bytes_streamed"] > 0
     streamed.close()
+
+
+def test_cuda_turboquant_loop_batches_like_one_at_a_time(tiny_store):
+    """The decode loop's slot-batched TurboQuant arena on CUDA (the Triton attention kernel over every slot
+    with a per-slot mask) gives each request the tokens it gets alone in a one-slot loop."""
+    from airquant.engine.decode import Request
+    from airquant.kv import KVConfig
+
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    engine = Engine.open(tiny_store, device="cuda")
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    job = [(" ".join(words[: 2 + (k * 5) % len(words)]), 6 + (k * 3) % 9) for k in range(6)]
+
+    def run(slots):
+        loop = engine.decode_loop(slots, context=96, kv=tq, token_budget=64)
+        seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
+        while not loop.idle:
+            loop.step()
+        return [s.out for s in seqs]
+
+    assert run(3) == run(1)
+    engine.close()
