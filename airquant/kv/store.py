@@ -30,6 +30,17 @@ class History:
     length: int
 
 
+def statistics(k_codec, v_codec, keys: torch.Tensor, values: torch.Tensor, center_k: bool,
+               center_v: bool) -> dict[str, torch.Tensor | None]:
+    """The per-head statistics a history is encoded with, from exact tokens ``[B, H, n, D]``: the means
+    (None when not centred) and the codecs' norm references. Shared by ``PackedStore`` and the decode
+    loop's slot arena (engine/decode/tqslots.py)."""
+    k_mean = keys.float().mean(dim=-2, keepdim=True) if center_k else None
+    v_mean = values.float().mean(dim=-2, keepdim=True) if center_v else None
+    return {"k_mean": k_mean, "v_mean": v_mean, "k_ref": k_codec.norm_ref(keys, k_mean),
+            "v_ref": v_codec.norm_ref(values, v_mean)}
+
+
 class PackedStore:
     """Packed K/V codes and fp16 norms, ``[B, H, capacity, ...]``, the first ``length`` in use."""
 
@@ -126,9 +137,9 @@ class PackedStore:
 
     def calibrate(self, keys: torch.Tensor, values: torch.Tensor, center_k: bool, center_v: bool) -> None:
         """Per-head statistics fixed at the first flush from the exact tokens ``[B, H, n, D]``."""
+        stats = statistics(self.k_codec, self.v_codec, keys, values, center_k, center_v)
         if center_k:
-            self.k_mean = keys.float().mean(dim=-2, keepdim=True)
+            self.k_mean = stats["k_mean"]
         if center_v:
-            self.v_mean = values.float().mean(dim=-2, keepdim=True)
-        self.k_ref = self.k_codec.norm_ref(keys, self.k_mean)
-        self.v_ref = self.v_codec.norm_ref(values, self.v_mean)
+            self.v_mean = stats["v_mean"]
+        self.k_ref, self.v_ref = stats["k_ref"], stats["v_ref"]

@@ -27,7 +27,7 @@ import torch
 from airquant.kv.cache import CompressedContext, layer_codecs
 from airquant.kv.codec import NORM_DTYPE, Encoded
 from airquant.kv.config import KVConfig
-from airquant.kv.store import CHUNK_TOKENS, History
+from airquant.kv.store import CHUNK_TOKENS, History, statistics
 
 __all__ = ["DecodePlan", "SlotArena", "decode_plan"]
 
@@ -163,11 +163,8 @@ class SlotArena:
 
     def _calibrate(self, rows, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``PackedStore.calibrate`` for the slots ``rows`` from their exact tokens ``[r, Hkv, n, D]``."""
-        k_mean = keys.float().mean(dim=-2, keepdim=True) if self.kv.center_k else None
-        v_mean = values.float().mean(dim=-2, keepdim=True) if self.kv.center_v else None
-        for name, value in (("k_mean", k_mean), ("v_mean", v_mean),
-                            ("k_ref", self.k_codec.norm_ref(keys, k_mean)),
-                            ("v_ref", self.v_codec.norm_ref(values, v_mean))):
+        stats = statistics(self.k_codec, self.v_codec, keys, values, self.kv.center_k, self.kv.center_v)
+        for name, value in stats.items():
             if value is not None:
                 self.t[name][rows] = value
 
