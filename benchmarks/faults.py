@@ -21,7 +21,6 @@ records lost). ``--quick`` uses the tiny counts of the tests; ``--part`` runs on
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import shutil

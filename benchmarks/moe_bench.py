@@ -222,24 +222,18 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
 }
 
 
-def measure_routed(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str, **kw) -> dict:
-    """One expert-aware decode step, the bytes a decode step moves (two runs' difference: the prefill's
-    bytes cancel) and the pool's hit/speculation counters."""
-    row = measure(b, store, model, cap_gb, batch, experts="routed", case=case, **kw)
-    return row
-
-
 def part_routed(b: Bench, name: str) -> None:
-    a, (shape, key) = b.args, SHAPES[name]
+    a, (shape, _) = b.args, SHAPES[name]
     store = make_store(b, shape, "nf4", a.layers)
     cap = 4.0 if name == "qwen3" else 15.0
     cases = {"nocache": ROUTED_CASES["nocache"], "lfu": ROUTED_CASES["lfu"]} if name == "qwen3" else ROUTED_CASES
     rows = []
     for case, (batch, kw) in cases.items():
-        rows.append(measure_routed(b, store, f"{shape} nf4", cap, 2 if b.quick and batch > 8 else batch, case, **kw))
+        rows.append(measure(b, store, f"{shape} nf4", cap, 2 if b.quick and batch > 8 else batch, case,
+                            experts="routed", **kw))
     if name == "mixtral" and a.max_batch:
-        rows.append(measure_routed(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
-                                   kv_offload=None))
+        rows.append(measure(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
+                            experts="routed", kv_offload=None))
     whole = [measure(b, store, f"{shape} nf4", cap, 1)]  # the bytes fraction's denominator, same run
     free_gpu()
     b.drop(store)

@@ -36,7 +36,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -47,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.engine.runner import Engine  # noqa: E402
+from airquant.eval.perf import RssSampler  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
@@ -58,29 +58,6 @@ TARGETS = {"fp16_ppl_over_bf16": 1.005, "t4_70b_peak_vram_gb": 15.0, "t4_70b_pea
 REFERENCE = {"limit_tokens": 8192, "max_length": 1024, "stride": 512}
 QUICK_PPL = {"limit_tokens": 256, "max_length": 64, "stride": 32}
 QUICK_70B = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
-
-
-class RssPeak:
-    """Peak resident set size of this process while the block runs (pinned host buffers count: they are
-    touched pages), polled every 10 ms."""
-
-    def __init__(self):
-        self.proc, self.peak, self.stop = psutil.Process(), 0, threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            self.stop.wait(0.01)
-
-    def __enter__(self) -> "RssPeak":
-        self.peak = self.proc.memory_info().rss
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def predicted_tok_s(bytes_per_step: float, batch: int, gbps: float) -> float:
@@ -131,7 +108,7 @@ def part_70b(b: Bench) -> None:
     link = b.results.get("link_pinned_gbps")
     rows = {}
     for batch in (1, 32):
-        with RssPeak() as rss:
+        with RssSampler(interval_s=0.01) as rss:
             row = batch_row(b, store, batch)
         row["peak_host_ram_gb"] = rss.peak / GB
         row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])

@@ -59,11 +59,6 @@ def hardware_for(cfg: EngineConfig, device: torch.device) -> Hardware:
     return Hardware.detect(device.type, cfg.max_vram_gb if cuda else None, cfg.max_ram_gb)
 
 
-def vram_budget(cfg: EngineConfig, device: torch.device) -> int | None:
-    """Bytes the plan may fill on the GPU (None on CPU): the budget less the allocator's margin."""
-    return hardware_for(cfg, device).plan_vram
-
-
 def planned_reserve(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> Reserve:
     """What the batch needs beside the weights at the planned context (``--batch-size``, ``--context``), on a GPU."""
     return reserve_of(manifest, ModelDims.of(model_config), workload_for(cfg), "none", dtype.itemsize, gpu=True)

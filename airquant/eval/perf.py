@@ -100,7 +100,7 @@ def measure_link_bandwidth(device: torch.device | str, *, kind: BandwidthKind = 
                                 seconds=seconds)
 
 
-class _RssSampler:
+class RssSampler:
     """Peak resident set size of this process while the block runs (polled; ru_maxrss cannot be reset)."""
 
     def __init__(self, interval_s: float = 0.005):
@@ -113,7 +113,7 @@ class _RssSampler:
             self.peak = max(self.peak, self._proc.memory_info().rss)
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "_RssSampler":
+    def __enter__(self) -> "RssSampler":
         self.peak = self._proc.memory_info().rss
         self._thread.start()
         return self
@@ -188,7 +188,7 @@ def _measure(engine: Any, prompts: list[str], kv: Any, gen: dict) -> PerfSample:
     device = torch.device(engine.device)
     engine.reset_stats()
     _sync(device)
-    with _RssSampler() as rss:
+    with RssSampler() as rss:
         t0 = time.perf_counter()
         completions = prompting.generate_detailed(engine, prompts, kv=kv, **gen)
         _sync(device)
