@@ -194,7 +194,9 @@ def part_bs1_8b(args, results: dict) -> None:
     finally:
         engine.close()
     results.update({"bs1_8b_step_s": step, "bs1_8b_bytes_per_step": moved, "link_pinned_gbps": link,
-                    "bs1_link_fraction": moved / step / 1e9 / link})
+                    "bs1_link_fraction": moved / step / 1e9 / link,
+                    "bs1_8b_device": "cpu" if args.quick else torch.cuda.get_device_name(),
+                    "bs1_8b_versions": {"torch": torch.__version__, "transformers": transformers.__version__}})
 
 
 def pinned_link_gbps(quick: bool) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -190,6 +191,11 @@ def build_table(model: str, device: str, items: list[LoadedRow], s: HeadlineSett
             cells.append(_cell(col, chosen and chosen.row, base and base.row, k == base_key, notes))
         table.cells.append(cells)
     table.footnotes = notes.texts
+    if any(k[0] == "gguf" for k in keys) and re.search(r"\.(Q\d|IQ\d|F16|BF16)", model, re.IGNORECASE):
+        # A reader seeing GGUF equal BF16 to the last digit should not have to guess why.
+        table.footnotes.append(f"{model} is itself a GGUF file: the BF16 store holds its weights dequantized, and "
+                               "the GGUF store keeps the same blocks packed, so both give the same logits; the GGUF "
+                               "row shows what keeping the blocks packed costs in speed and saves in memory.")
     return table
 
 

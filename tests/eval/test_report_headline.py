@@ -52,6 +52,24 @@ def test_committed_rows_build_a_report_whose_headline_names_its_settings(tmp_pat
     assert [text.index(h) for h in order] == sorted(text.index(h) for h in order)
 
 
+def test_the_committed_headline_has_every_scheme_and_the_reference_bf16_perplexity(tmp_path):
+    """Issue #25's done-when on the committed device rows: every configuration of the full profile in the
+    reference-settings table, each with PPL, ROUGE-L, NiAH and decode speed, and BF16 PPL within 0.5 % of 24.49."""
+    target = tmp_path / "results"
+    shutil.copytree(REPO_RESULTS, target, ignore=shutil.ignore_patterns("*.png", "notebooks", "RESULTS.md"))
+    tables = [t for t in check_tables(target) if t.settings == ref.REFERENCE and t.device != "cpu"]
+    if not tables:
+        pytest.skip("no device rows at the reference settings are committed")
+    table = tables[0]
+    assert len(table.configurations) == 7, table.configurations
+    header = table.header()
+    for label, row in zip(table.configurations, table.cells):
+        for j, cell in enumerate(row):
+            assert cell.row is not None, f"{label}: no row for {header[j + 1]}"
+    bf16 = next(row for label, row in zip(table.configurations, table.cells) if label.startswith("BF16"))
+    assert abs(float(bf16[0].text.split()[0]) / 24.49 - 1) <= 0.005
+
+
 def _run(store: str, kv: str = "none", device: str = "cuda") -> RunInfo:
     kv_config = {"layer_bits": [[0, 4, 3]]} if kv == "tq-k3v2" else None
     return RunInfo(model=SMOL, store_scheme=store, kv_scheme=kv, dtype="bfloat16", device=device,
