@@ -116,7 +116,8 @@ def part_70b(b: Bench) -> None:
             row = batch_row(b, store, batch, rss)
         row["peak_host_ram_gb"] = rss.peak / GB
         host = row["host_ram"]
-        host.update(peak_gb=rss.peak / GB, peak_parts_gb=_gb(rss.peak_parts), marks_gb={k: _gb(v) for k, v in rss.marks},
+        host.update(peak_gb=rss.peak / GB, peak_parts_gb=_gb(rss.peak_parts),
+                    marks_gb={k: _gb(v) for k, v in rss.marks},
                     unplanned_gb=rss.peak / GB - host["rss_at_budget_gb"] - host["planned_total_gb"])
         row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])
         if link:
@@ -199,7 +200,10 @@ def host_ram(engine, rss_at_budget: int) -> dict:
            "ram_budget_gb": engine.plan.ram_budget_bytes / GB}
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if engine.device.type == "cuda" and stats is not None:  # torch's pinned allocator (pin_memory=True)
-        out["pinned_allocator"] = {k: v for k, v in stats().items() if k.endswith(".current") or k.endswith("peak")}
+        try:
+            out["pinned_allocator"] = {k: v for k, v in stats().items() if k.endswith((".current", ".peak"))}
+        except RuntimeError as err:  # a torch without the allocator's statistics
+            out["pinned_allocator"] = {"error": str(err)[:200]}
     return out
 
 
