@@ -18,7 +18,11 @@ Parts (each one command; runtimes on one H200):
   against bf16 compute (the H200's own) -> ``fp16_ppl_over_bf16`` (target <= 1.005).
 * ``70b`` (~4 min with ``--store``; + ~3 min to write the store): a Llama-3-70B-shaped NF4 store (37 GB,
   ``airquant synth --shape llama3-70b --dtype nf4``), batch 1 and 32 decode steps in the profile -> bytes per
-  step, predicted T4 tok/s at batch 1 and 32, peak VRAM (<= 15 GB) and host RAM (<= 12 GB).
+  step, predicted T4 tok/s at batch 1 and 32, peak VRAM (<= 15 GB) and host RAM (<= 12 GB). A warm-up on a
+  two-layer store of the same shapes (~30 s with writing it) runs first, so the RSS the ``--max-ram`` rule reads
+  already holds the libraries a decode step loads. Each batch row has ``host_ram``: the RSS the rule read, what
+  the plan counted by part, what the engine's buffers held, the peak RSS split into anonymous / file-backed /
+  shared memory (``/proc/self/status``) and the unplanned rest.
 
     python benchmarks/t4_profile.py --part link && python benchmarks/t4_profile.py --part ppl \
         && python benchmarks/t4_profile.py --part 70b --store /path/to/llama3-70b-nf4
@@ -33,6 +37,8 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -45,12 +51,13 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.config import GenerateConfig  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
 from airquant.eval.perf import RssSampler  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
-                                     part_link, versions)  # noqa: E402
+                                     part_link, prompt_ids, versions)  # noqa: E402
 
 log = logging.getLogger("t4_profile")
 T4 = {"vram_gb": 15.0, "ram_gb": 12.0, "capability": "7.5", "pcie3_gbps": 12.5}
@@ -98,19 +105,20 @@ def part_70b(b: Bench) -> None:
     a = b.args
     store = Path(a.store) if a.store else Path(a.workdir) / "llama3-70b-nf4"
     if not (store / "manifest.json").is_file():
-        spec = SynthSpec("llama3-70b", "nf4", layers=2 if b.quick else None, overrides=QUICK_70B if b.quick else ())
         start = time.perf_counter()
-        from transformers import AutoTokenizer  # the synthetic store's tokenizer: the default model's, in tests/
-
-        synth(spec, store, device=b.device.type, progress=not b.quick,
-              tokenizer=AutoTokenizer.from_pretrained(REPO / "tests" / "data" / "smollm2_tokenizer"))
+        write_store(b, store, layers=2 if b.quick else None, overrides=QUICK_70B if b.quick else ())
         log.info("store %s written in %.0f s", store, time.perf_counter() - start)
+    warm = warm_runtime(b)
     link = b.results.get("link_pinned_gbps")
     rows = {}
     for batch in (1, 32):
         with RssSampler(interval_s=0.01) as rss:
-            row = batch_row(b, store, batch)
+            row = batch_row(b, store, batch, rss)
         row["peak_host_ram_gb"] = rss.peak / GB
+        host = row["host_ram"]
+        host.update(peak_gb=rss.peak / GB, peak_parts_gb=_gb(rss.peak_parts),
+                    marks_gb={k: _gb(v) for k, v in rss.marks},
+                    unplanned_gb=rss.peak / GB - host["rss_at_budget_gb"] - host["planned_total_gb"])
         row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])
         if link:
             row["t4_link_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, link)
@@ -122,18 +130,84 @@ def part_70b(b: Bench) -> None:
         t4_70b_peak_vram_gb=max(r["peak_reserved_gb"] or 0 for r in rows.values()),
         t4_70b_peak_host_ram_gb=max(r["peak_host_ram_gb"] for r in rows.values()),
         t4_70b_dtype=rows["1"]["dtype"])
-    b.results.setdefault("details", {})["70b"] = {"store": store.name, "by_batch": rows}
+    b.results.setdefault("details", {})["70b"] = {"store": store.name, "warmup": warm, "by_batch": rows}
 
 
-def ram_budget_gib() -> float:
+def write_store(b: Bench, store: Path, layers: int | None, overrides: tuple) -> None:
+    from transformers import AutoTokenizer  # the synthetic store's tokenizer: the default model's, in tests/
+
+    spec = SynthSpec("llama3-70b", "nf4", layers=layers, overrides=overrides)
+    synth(spec, store, device=b.device.type, progress=layers is None,
+          tokenizer=AutoTokenizer.from_pretrained(REPO / "tests" / "data" / "smollm2_tokenizer"))
+
+
+def warm_runtime(b: Bench) -> dict:
+    """Run what the 70B rows run (NF4 GEMV at batch 1, dequantize + cuBLAS at batch 32, SDPA, the chunked
+    NF4 head, a resident and a disk-streamed layer) first, on a two-layer store of the same shapes (~3.6 GB,
+    ~15 s to write on the device). The CUDA modules, cuBLAS kernels, bitsandbytes and Triton they load stay
+    in the process; loaded after ``ram_budget_gib`` read the RSS, they were RAM the budget did not leave
+    room for. Returns the RSS the warm-up added."""
+    store = Path(b.args.workdir) / "warm-llama3-70b-nf4-2l"
+    if not (store / "manifest.json").is_file():
+        write_store(b, store, layers=2, overrides=QUICK_70B if b.quick else ())
+    before = settled_rss()
+    for batch in (1, 32):
+        engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None, max_ram_gb=0.0,
+                             host_embedding=True, batch_size=batch, context=b.args.prompt_len + 4,
+                             verify_reads=False, resident_layers=1)
+        try:
+            ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
+            engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=2, ignore_eos=True))
+        finally:
+            engine.close()
+            free_gpu()
+    after = settled_rss()
+    log.info("warm-up: the runtime took %.2f GB of host RAM (RSS %.2f -> %.2f GB)", (after - before) / GB,
+             before / GB, after / GB)
+    return {"store": store.name, "rss_before_gb": before / GB, "rss_after_gb": after / GB,
+            "rss_gain_gb": (after - before) / GB}
+
+
+def settled_rss() -> int:
+    """RSS once collected garbage and the C heap's free pages are given back (what the process holds)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+    return psutil.Process().memory_info().rss
+
+
+def ram_budget_gib(rss: int) -> float:
     """``--max-ram`` (GiB) that keeps the whole process under a T4 host's 12 GB: 12 GB less what the process
-    holds already (Python, torch, the CUDA context) and 0.5 GB of slack. The planner fits the host-side
-    embedding table, the read-ahead staging buffers and the pinned layer tier inside it."""
-    free = T4["ram_gb"] * GB - psutil.Process().memory_info().rss - 0.5 * GB
+    holds already (``rss``: Python, torch, the CUDA context, the libraries the warm-up loaded) and 0.5 GB of
+    slack. The planner fits the host-side embedding table, the read-ahead staging buffers and the pinned
+    layer tier inside it."""
+    free = T4["ram_gb"] * GB - rss - 0.5 * GB
     return max(free, 0.0) / (1 << 30)
 
 
-def batch_row(b: Bench, store: Path, batch: int) -> dict:
+def _gb(parts: dict[str, int]) -> dict[str, float]:
+    return {k: round(v / GB, 4) for k, v in parts.items()}
+
+
+def host_ram(engine, rss_at_budget: int) -> dict:
+    """What the plan counted in host RAM, what the engine's buffers hold, and the pinned allocator's figures."""
+    planned = engine.plan.host_parts(engine.manifest.layer_bytes)
+    out = {"rss_at_budget_gb": rss_at_budget / GB, "planned_gb": _gb(planned),
+           "planned_total_gb": sum(planned.values()) / GB, "held_gb": _gb(engine.host_memory()),
+           "ram_budget_gb": engine.plan.ram_budget_bytes / GB}
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if engine.device.type == "cuda" and stats is not None:  # torch's pinned allocator (pin_memory=True)
+        try:
+            out["pinned_allocator"] = {k: v for k, v in stats().items() if k.endswith((".current", ".peak"))}
+        except RuntimeError as err:  # a torch without the allocator's statistics
+            out["pinned_allocator"] = {"error": str(err)[:200]}
+    return out
+
+
+def batch_row(b: Bench, store: Path, batch: int, rss: RssSampler) -> dict:
     """One batch's decode steps in the profile. If the planner's placement (leading layers resident in VRAM)
     runs out of memory under the cap, the OOM is recorded and the batch re-measured with every layer
     streamed (``resident_layers=0``): a T4 user's fallback, which moves more bytes per step, so the
@@ -141,15 +215,19 @@ def batch_row(b: Bench, store: Path, batch: int) -> dict:
     errors = []
     for resident in (None, 0):
         engine = None
-        ram_gb = ram_budget_gib()
+        rss_at_budget = settled_rss()
+        rss.mark(f"budget (resident_layers={resident})")
+        ram_gb = ram_budget_gib(rss_at_budget)
         try:
             engine = open_engine(b, store, T4["vram_gb"] if b.device.type == "cuda" else None,
                                  max_ram_gb=ram_gb, host_embedding=True, batch_size=batch,
                                  context=b.args.prompt_len + b.args.steps + 3, verify_reads=False,
                                  resident_layers=resident)
+            rss.mark("opened")
             row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
+            rss.mark("stepped")
             row.update(dtype=str(engine.dtype).removeprefix("torch."), resident_layers_forced=resident,
-                       max_ram_gb=round(ram_gb * (1 << 30) / GB, 2),
+                       max_ram_gb=round(ram_gb * (1 << 30) / GB, 2), host_ram=host_ram(engine, rss_at_budget),
                        plan=engine.plan.describe(engine.manifest.layer_bytes), errors=errors)
             return row
         except torch.cuda.OutOfMemoryError as err:
@@ -175,6 +253,14 @@ def print_table(results: dict) -> None:
                 "t4_70b_pred_tok_s_bs32_link", "t4_70b_peak_vram_gb", "t4_70b_peak_host_ram_gb"):
         if results.get(key) is not None:
             print(f"  {key:<32} {results[key]:.4g}")
+    for batch, row in results.get("details", {}).get("70b", {}).get("by_batch", {}).items():
+        h = row.get("host_ram")
+        if h and "peak_gb" in h:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in h["planned_gb"].items() if v)
+            rss = ", ".join(f"{k} {v:.2f}" for k, v in h["peak_parts_gb"].items() if k != "rss")
+            print(f"  host RAM bs{batch}: peak {h['peak_gb']:.2f} GB = RSS at budget {h['rss_at_budget_gb']:.2f} "
+                  f"+ planned {h['planned_total_gb']:.2f} ({parts}) + unplanned {h['unplanned_gb']:.2f}; "
+                  f"at the peak {rss}")
     for miss in check_targets(results):
         print(f"  MISSED: {miss}")
 

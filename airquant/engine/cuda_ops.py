@@ -26,6 +26,8 @@ class HostMemory:
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._registered: list[torch.Tensor] = []
+        # Buffers from torch's pinned allocator after a failed registration, with the rounded bytes it holds.
+        self._rounded: list[tuple[torch.Tensor, int]] = []
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
 
     def empty(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
@@ -40,8 +42,13 @@ class HostMemory:
             return buf
         if hasattr(cudart, "cudaGetLastError"):  # do not leave the error for the next kernel launch check
             cudart.cudaGetLastError()
-        log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator", nbytes, err)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        del buf
+        held = pinned_allocator_bytes(nbytes)
+        log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator, which "
+                    "holds %d bytes for it (rounded up to a power of two)", nbytes, err, held)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._rounded.append((buf, held))
+        return buf
 
     def free(self, buf: torch.Tensor) -> None:
         """Unpin a buffer from ``empty`` that is being replaced (its last copy must have run)."""
@@ -50,9 +57,25 @@ class HostMemory:
                 torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
                 del self._registered[k]
                 return
+        self._rounded = [(b, held) for b, held in self._rounded if b is not buf]
+
+    def pinned_bytes(self) -> dict[str, int]:
+        """Page-locked host memory held now: registered at its exact size, and what torch's pinned
+        allocator holds for the buffers it took over (rounded; ``rounding`` is the excess)."""
+        exact = sum(b.numel() for b in self._registered)
+        rounded = sum(held for _, held in self._rounded)
+        return {"registered": exact, "allocator": rounded,
+                "rounding": rounded - sum(b.numel() for b, _ in self._rounded)}
 
     def close(self) -> None:
+        self._rounded.clear()
         self._finalizer()
+
+
+def pinned_allocator_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator (``pin_memory=True``) holds for ``nbytes``: the next power of two
+    (CachingHostAllocator's ``PowerOf2Ceil``; pytorch/pytorch#150517)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _unregister(buffers: list[torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ printed by ``airquant plan`` before anything is loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,7 @@ from airquant.quant.schemes import workspace_elems
 
 Tier = Literal["vram", "ram", "disk"]
 GB = 1e9
+FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}  # manifest dtype names
 # cuBLAS workspaces, allocator rounding and the sampling temporaries of generate().
 WORKSPACE_BYTES = 256 << 20
 
@@ -60,12 +62,21 @@ class StreamPlan:
     experts_fit: bool = True  # False: the arena does not fit beside the floor (the engine refuses to open)
     vram_budget_bytes: int | None = None  # the GPU budget the plan was made for (None: CPU, or not known)
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
+    staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
+    ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
 
     @property
     def device_bytes(self) -> int:
         """Everything the plan puts on the device: fixed parts, slots, reserve, resident layers, expert pool."""
         return (self.fixed_bytes + self.slots * self.slot_bytes + self.reserve_bytes + self.resident_bytes
                 + self.expert_bytes)
+
+    def host_parts(self, layer_bytes: list[int]) -> dict[str, int]:
+        """Host RAM the engine's buffers take under this plan, by part (``LayerStreamer.host_held`` and the
+        host embedding table are what it then holds): the host embedding table, the staging buffers, the
+        pinned layer tier and an offloaded KV cache."""
+        return {"embedding": self.host_fixed_bytes, "staging": self.staging_bytes,
+                "ram_tier": sum(layer_bytes[i] for i in self.ram_layers), "kv_offload": self.kv_host_bytes}
 
     @property
     def vram_layers(self) -> list[int]:
@@ -92,6 +103,11 @@ class StreamPlan:
             + (f", embedding table {self.host_fixed_bytes / GB:.3f} GB in host RAM" if self.host_fixed_bytes else ""),
             f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB",
         ]
+        host = self.host_parts(layer_bytes)
+        if any(host.values()):
+            budget = f" of the {self.ram_budget_bytes / GB:.3f} GB budget" if self.ram_budget_bytes is not None else ""
+            lines.append(f"host RAM buffers        : {sum(host.values()) / GB:.3f} GB{budget} = "
+                         + " + ".join(f"{k} {v / GB:.3f}" for k, v in host.items() if v))
         if self.kv_offload:
             lines.append(f"KV cache                : offloaded, {self.kv_host_bytes / GB:.3f} GB in pinned host RAM; "
                          "each streamed layer's cache moves with its weights")
@@ -193,13 +209,28 @@ def mlp_chunk_bytes(config, tokens: int, dtype_bytes: int) -> int:
     return min(tokens, MLP_CHUNK_TOKENS) * 3 * config.intermediate_size * dtype_bytes
 
 
-def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False) -> tuple[int, int]:
+def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False,
+                dtype_bytes: int | None = None) -> tuple[int, int]:
     """(device, host) bytes of the embedding, final norm and lm_head shards.
 
-    ``host_embedding`` moves an untied embedding table to host RAM; a tied one is the lm_head too."""
+    ``host_embedding`` moves an untied embedding table to host RAM; a tied one is the lm_head too. The table
+    is held cast to the compute dtype (``dtype_bytes`` wide; None: as stored), as the engine loads it."""
     sizes = {g: shards[g].bytes for g in ("embed", "norm", "lm_head") if g in shards}
     host = sizes.pop("embed", 0) if host_embedding and not tied else 0
+    if host and dtype_bytes:
+        host = cast_bytes(shards["embed"], dtype_bytes)
     return sum(sizes.values()), host
+
+
+def cast_bytes(entry, dtype_bytes: int) -> int:
+    """A shard's bytes once its dense floating tensors are cast to a ``dtype_bytes``-wide compute dtype
+    (``skeleton.load_fixed_parts``): a bf16 table held in fp32 on CPU takes twice its file."""
+    extra = 0
+    for meta in entry.tensors.values():
+        width = FLOAT_BYTES.get(meta.get("dtype"))
+        if width and meta.get("scheme", "dense") == "dense":
+            extra += math.prod(meta["shape"]) * (dtype_bytes - width)
+    return entry.bytes + extra
 
 
 def dequant_elems(shards: dict, config) -> int:

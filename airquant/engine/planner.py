@@ -257,7 +257,7 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     to the planner (--expert-cache unset) takes what the layers leave. Raises PlanError when the budgets
     cannot hold the minimum."""
     gpu = hw.vram_bytes is not None
-    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, wl.host_embedding)
+    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, wl.host_embedding, dtype_bytes)
     reserve = reserve_of(manifest, dims, wl, kv, dtype_bytes, gpu)
     # On CPU an offload is only ever asked for (--kv-offload: the mechanism emulated, for tests); the cache
     # already lives in host RAM, counted in the reserve.
@@ -269,8 +269,11 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
                       attention_layers=dims.states.attention_layers if dims is not None else None)
     streamed = stream_bytes(manifest, wl)
     placed = _place(manifest, budgets, fixed, streamed, wl)
+    # The streamer allocates its staging buffers (each the largest layer) whenever a layer comes from disk.
+    staging = wl.staging * max(manifest.layer_bytes, default=0) if placed.disk_layers else 0
     placed = replace(placed, host_fixed_bytes=host_fixed, ram_tier_bytes=tier, vram_budget_bytes=hw.vram_bytes,
-                     margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram)
+                     margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram,
+                     staging_bytes=staging, ram_budget_bytes=hw.ram_bytes)
     if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
         raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
                         f"{placed.device_bytes / GB:.2f} GB of the {hw.plan_vram / GB:.2f} GB it may fill; "

@@ -356,6 +356,15 @@ class Engine:
             out["peak_vram_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
         return out
 
+    def host_memory(self) -> dict[str, int]:
+        """Host bytes the engine's buffers hold now, by the parts ``plan.host_parts`` plans (and what it
+        does not: other pinned buffers, pinned-allocator rounding)."""
+        from airquant.engine.embed_head import HostEmbedding
+
+        embed = self.model.get_input_embeddings()
+        table = embed.table.numel() * embed.table.element_size() if isinstance(embed, HostEmbedding) else 0
+        return {"embedding": table, **(self.streamer.host_held() if self.streamer is not None else {})}
+
     def reset_stats(self) -> None:
         if self.streamer:
             self.streamer.bytes_copied = 0

@@ -100,28 +100,64 @@ def measure_link_bandwidth(device: torch.device | str, *, kind: BandwidthKind = 
                                 seconds=seconds)
 
 
+# /proc/self/status fields of the resident set: total, anonymous (heap, pinned buffers), file-backed
+# (mapped libraries and files), shared memory.
+RSS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+
+
+def rss_parts() -> dict[str, int]:
+    """This process's resident set now (bytes): ``rss`` and, on Linux, its ``anon``, ``file`` and ``shmem``
+    parts, which tell a heap or pinned buffer from mapped libraries and files (psutil's RSS is their sum)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return {"rss": psutil.Process().memory_info().rss}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in RSS_FIELDS:
+            out[RSS_FIELDS[key]] = int(value.split()[0]) * 1024  # kB
+    return out if "rss" in out else {"rss": psutil.Process().memory_info().rss}
+
+
 class RssSampler:
-    """Peak resident set size of this process while the block runs (polled; ru_maxrss cannot be reset)."""
+    """Peak resident set size of this process while the block runs (polled; ru_maxrss cannot be reset),
+    with its parts at the peak (``peak_parts``) and at the points the caller ``mark``s."""
 
     def __init__(self, interval_s: float = 0.005):
         self.interval_s, self.peak, self._stop = interval_s, 0, threading.Event()
-        self._proc = psutil.Process()
+        self.peak_parts: dict[str, int] = {}
+        self.marks: list[tuple[str, dict[str, int]]] = []
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> dict[str, int]:
+        parts = rss_parts()
+        with self._lock:  # mark() samples from the caller's thread
+            if parts["rss"] > self.peak:
+                self.peak, self.peak_parts = parts["rss"], parts
+        return parts
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._sample()
             self._stop.wait(self.interval_s)
 
+    def mark(self, label: str) -> dict[str, int]:
+        """The resident set now, kept under ``label`` (it counts toward the peak too)."""
+        parts = self._sample()
+        self.marks.append((label, parts))
+        return parts
+
     def __enter__(self) -> "RssSampler":
-        self.peak = self._proc.memory_info().rss
+        self._sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self._sample()
 
 
 def host_maxrss_gb() -> float | None:

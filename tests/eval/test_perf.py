@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,3 +116,19 @@ def test_tiny_model_run(tiny_engine, small_text_file, tmp_path):
 def test_context_overflow_is_refused(tiny_engine, small_text_file):
     with pytest.raises(EvalConfigError, match="exceed the context"):
         run_perf(tiny_engine, data=small_text_file, prompt_length=2040, max_new_tokens=64)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="the parts come from Linux's /proc/self/status")
+def test_rss_sampler_keeps_the_parts_at_its_peak_and_marks():
+    from airquant.eval.perf import RssSampler
+
+    with RssSampler(interval_s=0.001) as rss:
+        before = rss.mark("before")
+        buf = torch.ones(64 << 20, dtype=torch.uint8)  # touched: 64 MiB of anonymous memory
+        after = rss.mark("after")
+        del buf
+    assert set(before) == {"rss", "anon", "file", "shmem"}
+    assert after["anon"] - before["anon"] >= 60 << 20
+    assert rss.peak >= after["rss"] and rss.peak_parts["rss"] == rss.peak
+    assert rss.peak_parts["anon"] + rss.peak_parts["file"] + rss.peak_parts["shmem"] == rss.peak
+    assert [label for label, _ in rss.marks] == ["before", "after"]
