@@ -60,6 +60,7 @@ class ExpertPlan:
     decode_bytes: int = 0  # quantized experts decoded at once as stacked dense weights (expert_compute)
     policy: Policy = "lfu"
     speculate: bool = True
+    staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
 
     @property
     def slots(self) -> int:
@@ -68,6 +69,11 @@ class ExpertPlan:
     @property
     def pool_bytes(self) -> int:
         return self.slots * self.slot_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host RAM of the staging buffers (a part of the host budget, ``StreamPlan.host_parts``)."""
+        return self.staging * self.slot_bytes
 
     @property
     def arena_bytes(self) -> int:
@@ -80,7 +86,8 @@ class ExpertPlan:
                 f"{self.pool_bytes / gb:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
                 f"gather {self.gather_bytes / gb:.2f} GB, stacked decode {self.decode_bytes / gb:.2f} GB, "
                 f"speculative prefetch "
-                f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})")
+                f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
+                + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
 
 
 def aligned(n: int) -> int:
@@ -285,16 +292,12 @@ def routed_layers(manifest: Manifest, tiers: list[str]) -> dict[int, set[str]]:
     return out
 
 
-def spare_vram(manifest: Manifest, tiers: list[str], fixed: int, slots: int, reserve: int,
-               routed: dict[int, set[str]], vram_bytes: int | None) -> int | None:
-    """VRAM the layer plan leaves free once the slots carry only the dense parts of routed layers."""
-    if vram_bytes is None:
-        return None
-    entries = [manifest.shards[f"layer.{i}"] for i in range(manifest.num_layers)]
-    slot = max((dense_bytes(e) if i in routed else e.bytes for i, e in enumerate(entries) if tiers[i] != "vram"),
-               default=0)
-    resident = sum(e.bytes for i, e in enumerate(entries) if tiers[i] == "vram")
-    return vram_bytes - fixed - slots * slot - reserve - resident
+def staging_buffers(plan: ExpertPlan, manifest: Manifest, tiers: list[str], gpu: bool) -> int:
+    """Host staging buffers the pool needs under ``tiers``: one per working slot on a GPU when a routed layer
+    is read from disk (its experts are read into one, then copied into the slot). A RAM-tier layer's experts
+    are copied from the tier itself, and on CPU the pool reads straight into its slots: none."""
+    on_disk = any(tiers[i] == "disk" for i in routed_layers(manifest, tiers))
+    return plan.work if gpu and on_disk else 0
 
 
 def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[str]], plan: ExpertPlan,
@@ -310,19 +313,21 @@ def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[s
     return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_bytes, routers)
 
 
-def open_for(engine, routed: dict[int, set[str]], vram_bytes: int | None) -> "ExpertPool":
-    """The pool of an ``Engine`` whose streamer leaves ``routed`` layers' experts behind, sized from its
-    config (``--expert-cache``, ``--expert-policy``, ``--expert-prefetch``) and the VRAM its plan leaves."""
-    cfg, plan, manifest = engine.cfg, engine.plan, engine.manifest
-    spare = spare_vram(manifest, plan.tiers, plan.fixed_bytes, plan.slots, plan.reserve_bytes, routed, vram_bytes)
-    # The planner (engine/planner.py) sized the pool inside the VRAM budget; sized here only for a plan without it.
-    sizing = plan.experts or plan_experts(manifest, spare, cache_gb=cfg.expert_cache_gb, policy=cfg.expert_policy,
-                                          speculate=cfg.expert_prefetch)
-    if spare is not None and sizing.arena_bytes > spare:
+def open_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
+    """The pool of an ``Engine`` whose streamer leaves ``routed`` layers' experts behind, exactly as its plan
+    sized it (``planner.plan``: the arena inside the VRAM budget, the staging inside the host budget).
+    Nothing is re-decided here: a plan without a pool, or whose arena does not fit, is refused."""
+    plan, manifest = engine.plan, engine.manifest
+    sizing = plan.experts
+    if sizing is None:
+        raise ExpertsError("this run streams experts routed, but its plan has no expert pool (it was made with "
+                           "--experts whole, or for another store); plan it with the run's own --experts flags "
+                           "(or leave the plan to Engine.open).")
+    if not plan.experts_fit:
         raise ExpertsError(f"the expert pool ({sizing.pool_bytes / 1e9:.2f} GB), gather "
                            f"({sizing.gather_bytes / 1e9:.2f} GB) and stacked decode "
-                           f"({sizing.decode_bytes / 1e9:.2f} GB) do not fit the {max(spare, 0) / 1e9:.2f} GB the "
-                           "layer plan leaves; lower --expert-cache, raise --max-vram or use --experts whole.")
+                           f"({sizing.decode_bytes / 1e9:.2f} GB) do not fit the {plan.arena_room_bytes / 1e9:.2f} GB "
+                           "the layer plan leaves; lower --expert-cache, raise --max-vram or use --experts whole.")
     log.info("%s", sizing.describe())
     layers = skeleton_layers(engine.model)
     return open_pool(engine.store, manifest, engine.streamer, routed, sizing, layers, engine.device, engine.dtype)
@@ -360,7 +365,9 @@ class ExpertPool:
                     ).view(plan.slots, plan.slot_bytes)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
-        self._staging = [memory.empty(plan.slot_bytes) for _ in range(plan.work)] if ops is not None else []
+        # Exactly the staging the plan counted in the host budget (ExpertPlan.staging: none unless a routed
+        # layer is read from disk on a GPU; on CPU disk reads go straight into the slots).
+        self._staging = [memory.empty(plan.slot_bytes) for _ in range(plan.staging)] if ops is not None else []
         self._staging_free: list[object] = [None] * len(self._staging)
         self._next_staging = 0
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
@@ -372,6 +379,10 @@ class ExpertPool:
     @property
     def bytes_copied(self) -> int:
         return self.stats["bytes_copied"]
+
+    def staging_held(self) -> int:
+        """Host bytes of the staging buffers (``Engine.host_memory``'s expert_staging)."""
+        return sum(b.numel() for b in self._staging)
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(self.stats, 0)
@@ -499,6 +510,10 @@ class ExpertPool:
             self._staging_free[k] = done
 
     def _fill_staging(self, layer: LayerExperts, e: int) -> int:
+        if not self._staging:
+            raise ExpertsError(f"layer {layer.index}'s experts are read from disk, but the plan gave the expert pool "
+                               "no host staging buffer; open the engine with a plan of this run's tiers "
+                               "(planner.plan, or leave the plan to Engine.open).")
         k = self._next_staging
         self._next_staging = (k + 1) % len(self._staging)
         if self._staging_free[k] is not None:

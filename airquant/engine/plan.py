@@ -64,6 +64,7 @@ class StreamPlan:
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
     ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
+    expert_staging_bytes: int = 0  # a routed run's host buffers for experts read from disk (ExpertPlan.staging)
 
     @property
     def device_bytes(self) -> int:
@@ -74,9 +75,15 @@ class StreamPlan:
     def host_parts(self, layer_bytes: list[int]) -> dict[str, int]:
         """Host RAM the engine's buffers take under this plan, by part (``LayerStreamer.host_held`` and the
         host embedding table are what it then holds): the host embedding table, the staging buffers, the
-        pinned layer tier and an offloaded KV cache."""
+        pinned layer tier, an offloaded KV cache and a routed MoE run's expert staging buffers."""
         return {"embedding": self.host_fixed_bytes, "staging": self.staging_bytes,
-                "ram_tier": sum(layer_bytes[i] for i in self.ram_layers), "kv_offload": self.kv_host_bytes}
+                "ram_tier": sum(layer_bytes[i] for i in self.ram_layers), "kv_offload": self.kv_host_bytes,
+                "expert_staging": self.expert_staging_bytes}
+
+    @property
+    def arena_room_bytes(self) -> int:
+        """VRAM of the budget the layer plan leaves to a routed run's expert arena (less the allocator margin)."""
+        return max((self.vram_budget_bytes or 0) - self.margin_bytes - self.device_bytes + self.expert_bytes, 0)
 
     @property
     def vram_layers(self) -> list[int]:
@@ -114,9 +121,8 @@ class StreamPlan:
         if self.experts is not None:
             lines.append(self.experts.describe())
             if not self.experts_fit:
-                spare = (self.vram_budget_bytes or 0) - self.margin_bytes - self.device_bytes + self.expert_bytes
-                lines.append(f"            does NOT fit the {max(spare, 0) / GB:.3f} GB the layer plan leaves: lower "
-                             "--expert-cache, raise --max-vram or use --experts whole")
+                lines.append(f"            does NOT fit the {self.arena_room_bytes / GB:.3f} GB the layer plan leaves: "
+                             "lower --expert-cache, raise --max-vram or use --experts whole")
         if self.vram_budget_bytes is not None:
             lines.append(f"device total            : {self.device_bytes / GB:.3f} GB of the "
                          f"{self.vram_budget_bytes / GB:.3f} GB budget, {self.margin_bytes / GB:.3f} GB of it "

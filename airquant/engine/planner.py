@@ -232,18 +232,19 @@ def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
 
 
 def ram_tier(hw: Hardware, wl: Workload, layer_bytes: list[int], fixed: int, host_fixed: int, reserve: int,
-             host_kv: int = 0) -> int:
+             host_kv: int = 0, expert_staging: int = 0) -> int:
     """Host RAM left for pinned layer copies: the budget less what lives in host RAM beside them (the
     embedding table kept there; on CPU the fixed parts and the reserve; an offloaded cache) and, when not
-    every layer fits, the read-ahead staging buffers. A budget below those buffers leaves no pinned tier
-    (``--max-ram 0``: every streamed layer from disk); the buffers themselves are always allocated."""
+    every layer fits, the read-ahead staging buffers and a routed run's expert staging (``expert_staging``
+    bytes). A budget below those buffers leaves no pinned tier (``--max-ram 0``: every streamed layer from
+    disk); the buffers themselves are always allocated."""
     ram = hw.ram_bytes - host_fixed
     if hw.vram_bytes is None:
         ram -= fixed + reserve
     slot = max(layer_bytes, default=0)
     if sum(layer_bytes) + host_kv <= ram:
         return ram
-    return max(ram - wl.staging * slot, 0)
+    return max(ram - wl.staging * slot - expert_staging, 0)
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -263,7 +264,7 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     # already lives in host RAM, counted in the reserve.
     offload = wl.kv_offload if gpu else wl.kv_offload is True
     tier = ram_tier(hw, wl, manifest.layer_bytes, fixed, host_fixed, reserve.total,
-                    reserve.kv if gpu and offload else 0)
+                    reserve.kv if gpu and offload else 0, _expert_staging(manifest, wl, gpu))
     budgets = Budgets(vram_bytes=hw.plan_vram, ram_bytes=tier, resident_layers=wl.resident_layers, slots=wl.slots,
                       reserve_bytes=reserve.total, kv_bytes=reserve.kv, kv_offload=offload,
                       attention_layers=dims.states.attention_layers if dims is not None else None)
@@ -274,6 +275,9 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     placed = replace(placed, host_fixed_bytes=host_fixed, ram_tier_bytes=tier, vram_budget_bytes=hw.vram_bytes,
                      margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram,
                      staging_bytes=staging, ram_budget_bytes=hw.ram_bytes)
+    if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
+        pool = replace(placed.experts, staging=experts.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
+        placed = replace(placed, experts=pool, expert_staging_bytes=pool.staging_bytes)
     if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
         raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
                         f"{placed.device_bytes / GB:.2f} GB of the {hw.plan_vram / GB:.2f} GB it may fill; "
@@ -304,6 +308,15 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     placed.reasons.append(f"expert arena {sizing.work} working + {sizing.cache} cache slots and gather "
                           f"({arena / GB:.2f} GB) planned inside the VRAM budget, before resident layers")
     return replace(placed, experts=sizing, expert_bytes=arena)
+
+
+def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
+    """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
+    working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
+    if not gpu or not experts.use_routed(wl.experts, manifest, streamed=True):
+        return 0
+    sizing = _size_pool(manifest, wl, None)
+    return sizing.work * sizing.slot_bytes
 
 
 def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> experts.ExpertPlan:

@@ -115,7 +115,7 @@ class Engine:
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
             if routed:
-                self.experts = experts.open_for(self, routed, hardware.plan_vram)
+                self.experts = experts.open_for(self, routed)
                 skeleton.attach_experts(self.model, self.experts)
         from airquant.engine.capability import guard_overflow
 
@@ -363,7 +363,8 @@ class Engine:
 
         embed = self.model.get_input_embeddings()
         table = embed.table.numel() * embed.table.element_size() if isinstance(embed, HostEmbedding) else 0
-        return {"embedding": table, **(self.streamer.host_held() if self.streamer is not None else {})}
+        pool = {"expert_staging": self.experts.staging_held()} if self.experts is not None else {}
+        return {"embedding": table, **(self.streamer.host_held(pool) if self.streamer is not None else pool)}
 
     def reset_stats(self) -> None:
         if self.streamer:

@@ -379,12 +379,13 @@ class LayerStreamer:
                     and v.dtype != self.compute_dtype else v) for k, v in tensors.items()}
 
     # -- reporting -------------------------------------------------------------------------
-    def host_held(self) -> dict[str, int]:
-        """Host bytes held now: the RAM tier, the staging buffers, an offloaded cache, other pinned buffers
-        (a routed run's expert staging) and what torch's pinned allocator rounded up (a failed registration)."""
+    def host_held(self, others: dict[str, int] | None = None) -> dict[str, int]:
+        """Host bytes held now: the RAM tier, the staging buffers, an offloaded cache, ``others`` (buffers
+        other owners took from this streamer's memory: a routed run's expert staging), other pinned buffers
+        and what torch's pinned allocator rounded up (a failed registration)."""
         parts = {"ram_tier": sum(b.numel() for b in self._host.values()),
                  "staging": sum(b.numel() for b in self._staging),
-                 "kv_offload": self.kv.host_bytes() if self.kv is not None else 0}
+                 "kv_offload": self.kv.host_bytes() if self.kv is not None else 0, **(others or {})}
         pinned = self.memory.pinned_bytes()
         other = pinned["registered"] + pinned["allocator"] - pinned["rounding"] - sum(parts.values())
         return {**parts, "other_pinned": max(other, 0) if self.memory.pinned else 0,
