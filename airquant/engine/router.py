@@ -71,9 +71,10 @@ class Candidate:
     def scheme(self) -> str:
         return self.manifest.scheme
 
-    def fixed_bytes(self, host_embedding: bool = False) -> tuple[int, int]:
-        """(device, host) bytes of embeddings, final norm and lm_head."""
-        return fixed_bytes(self.manifest.shards, self.manifest.tied_lm_head, host_embedding)
+    def fixed_bytes(self, host_embedding: bool = False, dtype_bytes: int | None = None) -> tuple[int, int]:
+        """(device, host) bytes of embeddings, final norm and lm_head; a host embedding table held in a
+        ``dtype_bytes``-wide compute dtype (None: as stored), as ``planner.plan`` counts it."""
+        return fixed_bytes(self.manifest.shards, self.manifest.tied_lm_head, host_embedding, dtype_bytes)
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -181,7 +182,7 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
     attention = max(len(c.dims.states.attention_layers), 1)
     if offload and wl.reserve_bytes is None:
         one = replace(one, kv=(wl.slots + 1) * kv_bytes // attention)
-    device, host = c.fixed_bytes(wl.host_embedding)
+    device, host = c.fixed_bytes(wl.host_embedding, width)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
                   weights=sum(c.layer_bytes), slot=max(stream_bytes(c.manifest, wl) if gpu else c.layer_bytes,
                                                        default=0),
@@ -394,9 +395,9 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
     lines.append(f"{label} <= {where} {budget / GB:.2f} GB: fits")
     reserve = placed.reserve_bytes if placed.kv_offload else costs.reserve(wl.batch_size).total
     max_batch = costs.max_batch(mode, budget, wl.batch_size)
-    if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead buffers
-        max_batch = min(max_batch, max(0, hw.ram_bytes - costs.host_fixed - wl.staging * max(c.layer_bytes))
-                        // costs.kv_host)
+    if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead and expert staging buffers
+        host = hw.ram_bytes - costs.host_fixed - wl.staging * max(c.layer_bytes) - placed.expert_staging_bytes
+        max_batch = min(max_batch, max(0, host) // costs.kv_host)
     return Route(candidate=c, mode=mode, kv=kv, plan=placed, hardware=hw, batch_size=wl.batch_size,
                  context=context, reserve_bytes=reserve,
                  ram_tier_bytes=placed.ram_tier_bytes - placed.kv_host_bytes if mode == "streamed" else 0,

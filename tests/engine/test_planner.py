@@ -9,9 +9,11 @@ import torch
 from airquant.cli import main
 from airquant.config import EngineConfig
 from airquant.engine import skeleton
+from airquant.engine.experts import ExpertsError
+from airquant.engine.plan import fixed_bytes
 from airquant.engine.planner import (GIB, MARGIN_MIN_BYTES, READAHEAD, SLOTS, Hardware, ModelDims, Workload,
                                      allocator_margin, reserve_of)
-from airquant.engine.router import Candidate
+from airquant.engine.router import Candidate, route
 from airquant.engine.runner import Engine, plan_for
 from airquant.store.manifest import load_manifest
 
@@ -170,3 +172,39 @@ def test_plan_and_engine_agree_on_a_routed_moe_store(mixtral, capsys):
     assert plan.experts is not None and "streamed" in out and "experts   : routed" in out
     assert all(line in out for line in _plan_lines(plan.describe(load_manifest(mixtral).layer_bytes)))
     assert Candidate.open(mixtral).dims == ModelDims.of(skeleton.load_config(mixtral))  # one ModelDims
+
+
+def test_the_engine_refuses_a_plan_whose_expert_arena_does_not_fit(mixtral):
+    """The planner decides whether the arena fits; the engine takes its figures and refuses with the fix
+    rather than re-sizing the pool against a second spare-VRAM figure of its own."""
+    manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
+    floor = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64)
+    arena = plan_for(manifest, floor, torch.device("cuda"), config, torch.float32).expert_bytes
+    budget = _floor(mixtral) - arena // 2 + MARGIN_MIN_BYTES  # the layers' floor fits, not the arena beside it
+    cfg = replace(floor, max_vram_gb=budget / GIB)
+    plan = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    assert not plan.experts_fit and "does NOT fit" in plan.describe(manifest.layer_bytes)
+    with pytest.raises(ExpertsError, match=r"do not fit the .* GB the layer plan leaves; lower --expert-cache"):
+        Engine.open(mixtral, EngineConfig(device="cpu", context=64, expert_cache_gb=0.0), plan=plan)
+
+
+def test_the_engine_refuses_a_plan_without_an_expert_pool(mixtral):
+    manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
+    cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, context=64, experts="whole")
+    whole = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    assert whole.experts is None
+    with pytest.raises(ExpertsError, match="no expert pool.*--experts"):
+        Engine.open(mixtral, EngineConfig(device="cpu", context=64, experts="routed"), plan=whole)
+
+
+def test_route_counts_the_host_embedding_in_the_compute_dtype(mixtral):
+    """--host-embedding computing in bf16 from an fp32 store: the table is held, and planned, in bf16. The
+    router's resident option and the planner's streamed one count it with the same function."""
+    manifest = load_manifest(mixtral)
+    held = fixed_bytes(manifest.shards, manifest.tied_lm_head, True, 2)[1]
+    assert held < manifest.shards["embed"].bytes  # narrower than stored
+    hw = Hardware(64 * GIB, GIB)
+    for mode in ("resident", "streamed"):
+        wl = Workload(context=64, mode=mode, host_embedding=True, dtype="bfloat16", kv_schemes=("none",))
+        found = route([Candidate.open(mixtral)], hw, wl)
+        assert found.mode == mode and found.plan.host_fixed_bytes == held
