@@ -18,7 +18,7 @@ def test_quick_70b_rows_break_host_ram_down(tmp_path, capsys):
     for batch in ("1", "32"):
         row = r["details"]["70b"]["by_batch"][batch]
         h = row["host_ram"]
-        assert set(h["planned_gb"]) == {"embedding", "staging", "ram_tier", "kv_offload"}
+        assert set(h["planned_gb"]) == {"embedding", "staging", "ram_tier", "kv_offload", "expert_staging"}
         assert h["planned_gb"]["embedding"] > 0 and h["planned_gb"]["ram_tier"] > 0  # --host-embedding, RAM tier
         for part, held in h["held_gb"].items():  # the engine holds no more than the plan counted
             assert held <= h["planned_gb"].get(part, 0.0), part
