@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -125,21 +126,53 @@ def _node_check(store: str, digest: str) -> str | None:
 class EngineActor:
     """One AirQuant engine per Ray actor; ``__call__`` turns a batch of prompts into JSON records."""
 
-    def __init__(self, store: str, cfg: EngineConfig, job: BatchJob, digest: str):
+    def __init__(self, store: str, cfg: EngineConfig, job: BatchJob, digest: str, cpus: float = 1.0,
+                 gpus: float = 0.0):
+        import torch
+
         from airquant.engine.runner import Engine
 
+        torch.set_num_threads(engine_threads(cpus, gpus))
         check_store(Path(store), digest)
         self.job, self.slots = job, job.batch_size
+        start = time.perf_counter()
         self.engine = Engine.open(store, cfg)
+        self.open_s = time.perf_counter() - start  # reported once, with the first batch
 
     def __call__(self, batch: dict) -> dict:
+        start = time.perf_counter()
         prompts = [Prompt(id=row["id"], prompt=row["prompt"], key=key, settings=_settings(row["settings"]))
                    for key, row in zip(batch["key"], map(json.loads, batch["row"]))]
         # An OOM halving holds for this actor's later batches, as it does for the rest of a single-process job.
         records, self.slots = engine_records(self.engine, prompts, self.job, self.slots, self.engine.cfg.context)
+        # The call's seconds (and the engine's open, once) shared over its rows, so that the driver's sums are
+        # exact however Ray splits or repeats blocks: it logs where the job's time went.
+        n = max(len(records), 1)
+        took, self.open_s, opened = (time.perf_counter() - start) / n, 0.0, self.open_s / n
         return {"key": [json.dumps(r["id"]) for r in records],
                 "line": [json.dumps(r, ensure_ascii=False) for r in records],
-                "new_tokens": [int(r.get("new_tokens", 0)) for r in records]}
+                "new_tokens": [int(r.get("new_tokens", 0)) for r in records],
+                "call_s": [took] * len(records), "open_s": [opened] * len(records)}
+
+
+def engine_threads(cpus: float, gpus: float) -> int:
+    """Torch threads of an engine actor: its share of the node's cores less one, at least 1.
+
+    Ray sets OMP_NUM_THREADS to the actor's num_cpus: 1 for a GPU engine, whose host-side work (loading
+    layers, host embeddings, offloaded KV) then runs on one core where a plain job has them all, so a GPU
+    engine takes its GPUs' share of the node's cores. One core stays free either way: the driver and Ray's
+    processes run beside the engine, and torch threads that spin on every core while they run slowed a CPU
+    engine 4-5x (the engine's own time for the same records, 2 cores: 2 threads 10.6-12.2 s, 1 thread 2.0-2.5 s).
+    """
+    import ray
+
+    share = cpus
+    if gpus:
+        here = ray.get_runtime_context().get_node_id()
+        node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == here), {})
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = min(cores, node.get("CPU", cores)) / max(node.get("GPU", 1), 1) * gpus
+    return max(1, int(share) - 1)
 
 
 def _settings(row: dict) -> dict:
@@ -186,13 +219,12 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
     report, todo = pending(job)
     if not todo:
         return report
-    from transformers import AutoTokenizer
-
-    lengths = prompt_lengths(AutoTokenizer.from_pretrained(store / "tokenizer"), todo, job.gen.chat)
-    context = job_context(store, lengths, todo, job)
-    todo = [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]  # as run_batch: longest first
-    owned = connect(ray, scale.address)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-prep") as pool:
+        # Starting Ray (seconds) and the driver's tokenizer pass overlap: neither needs the other.
+        prepared = pool.submit(longest_first, store, todo, job)
+        owned = connect(ray, scale.address)
     try:
+        context, todo = prepared.result()
         engines, gpus = engine_shape(ray, scale)
         check_store_on_nodes(ray, store, digest, gpus)
         if gpus == 0 and cfg.device == "auto":
@@ -213,6 +245,15 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
     return report
 
 
+def longest_first(store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
+    """The job's context and its prompts longest first, as ``run_batch`` orders them."""
+    from transformers import AutoTokenizer
+
+    lengths = prompt_lengths(AutoTokenizer.from_pretrained(store / "tokenizer"), todo, job.gen.chat)
+    context = job_context(store, lengths, todo, job)
+    return context, [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
+
+
 def _dataset(ray, todo: list[Prompt], size: int):
     """Blocks of ``size`` prompts, longest first: one block is one actor call."""
     import pyarrow as pa
@@ -227,19 +268,20 @@ def _dataset(ray, todo: list[Prompt], size: int):
 def _engines(ray, ds, cfg: EngineConfig, job: BatchJob, store: tuple[str, str], shape: tuple[int, float, int, int]):
     """The dataset of records: ``ds`` mapped by ``engines`` EngineActors of ``gpus`` GPUs each."""
     engines, gpus, restarts, call = shape
+    cpus = _cpus_per_engine(ray, engines, gpus)
     with warnings.catch_warnings():
         # Ray 2.60 deprecates passing actor options (max_restarts, a name per actor) this way but offers no
         # named parameter for them yet; requirements-scale.txt pins the version that accepts them.
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
         return ds.map_batches(
             EngineActor, batch_size=call, batch_format="numpy", concurrency=engines, num_gpus=gpus,
-            num_cpus=_cpus_per_engine(ray, engines, gpus),
-            fn_constructor_kwargs={"store": store[0], "cfg": cfg, "job": job, "digest": store[1]},
+            num_cpus=cpus, fn_constructor_kwargs={"store": store[0], "cfg": cfg, "job": job, "digest": store[1],
+                                                  "cpus": cpus, "gpus": gpus},
             max_restarts=restarts, max_task_retries=restarts, ray_remote_args_fn=_actor_name)
 
 
 def _cpus_per_engine(ray, engines: int, gpus: float) -> float:
-    """A GPU engine needs one core to drive it; CPU engines share the cluster's cores (Ray sets their threads)."""
+    """A GPU engine needs one core to drive it; CPU engines share the cluster's cores (``engine_threads``)."""
     if gpus:
         return 1.0
     return max(1.0, math.floor(ray.cluster_resources().get("CPU", 1) / engines))
@@ -254,12 +296,14 @@ def _write(ray, records, todo: list[Prompt], job: BatchJob, report: BatchReport,
     """Append each record once as it streams back; one fsync per returned batch."""
     from tqdm.auto import tqdm
 
-    start, written = time.perf_counter(), set()
+    start, written, engine_s = time.perf_counter(), set(), [0.0, 0.0]  # engine_s: opening, generating
     bar = tqdm(total=len(todo), desc="batch (ray)", unit="prompt", disable=not progress)
     job.output.parent.mkdir(parents=True, exist_ok=True)
     with open(job.output, "a", encoding="utf-8") as f:
         try:
             for batch in records.iter_batches(batch_size=None, batch_format="numpy"):
+                engine_s[0] += float(batch["open_s"].sum())
+                engine_s[1] += float(batch["call_s"].sum())
                 fresh = [i for i, key in enumerate(batch["key"]) if key not in written]
                 if not fresh:
                     continue
@@ -279,6 +323,9 @@ def _write(ray, records, todo: list[Prompt], job: BatchJob, report: BatchReport,
                                 "cause and re-run the same command: finished ids are skipped.") from exc
         finally:
             bar.close()
+    log.info("ray batch job: %.1f s from the first dispatch to the last record; the engines spent %.1f s opening "
+             "the store and %.1f s generating (summed over engines), the rest is actor start-up and transfers",
+             time.perf_counter() - start, *engine_s)
     missing = len({p.key for p in todo} - written)
     if missing:
         raise RayBatchError(f"{missing} prompt(s) got no record from the Ray cluster; re-run the same command to "
