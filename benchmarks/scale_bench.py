@@ -5,7 +5,11 @@ Both runs are the CLI as a user starts it (a fresh process each: imports, engine
 records fsynced to OUT.jsonl), on the same prompts, batch size and store, with the store's files read into
 the page cache first so that neither pays the cold disk. The Ray run also starts a local Ray, an engine
 actor, and streams records back to the driver. ``ray_over_plain_wall`` = Ray wall / plain wall (target
-<= 1.05); useful tok/s = new tokens written / wall.
+<= 1.05); useful tok/s = new tokens written / wall. Both runs log at INFO (``-v``); the Ray driver's line (dispatch
+to last record, the engines' seconds opening the store and generating) splits Ray's wall into generation
+(``ray_generation_over_plain`` = the engines' generating seconds / plain's job seconds) and a fixed cost per job
+(``ray_fixed_overhead_s``: Ray's start and stop, the actor's process and imports), and gives the plain wall from which
+a job meets the target (``plain_wall_for_target_s``).
 
 Parts (results merge into ``results/scale_bench.json``):
 
@@ -41,6 +45,8 @@ from airquant.store.synth import SynthSpec, synth  # noqa: E402
 
 log = logging.getLogger("scale_bench")
 TARGET = 1.05  # ray_over_plain_wall, at most
+RAY_SPLIT = re.compile(r"ray batch job: ([0-9.]+) s from the first dispatch.*?spent ([0-9.]+) s opening the store "
+                       r"and ([0-9.]+) s generating", re.S)
 QUICK = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
 WORDS = ("the river carried seven boats past an old mill while the town slept and a lamp burned in one "
          "window where someone wrote letters about the harvest the weather and the long road north").split()
@@ -85,7 +91,7 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     inp, out = work / "prompts.jsonl", work / f"out-{name}.jsonl"
     write_prompts(inp, args.prompts)
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "airquant.cli", "batch", str(store), "--input", str(inp), "--output", str(out),
+    cmd = [sys.executable, "-m", "airquant.cli", "-v", "batch", str(store), "--input", str(inp), "--output", str(out),
            "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens), "--quiet",
            "--device", "cpu" if args.quick else "cuda", *extra]
     log.info("%s: warmed %.1f GB; %s", name, warm(store), " ".join(cmd[2:]))
@@ -99,8 +105,13 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     assert sorted(ids) == list(range(args.prompts)), f"{name}: ids missing or written twice"
     job = re.search(r"in ([0-9.]+) s", done.stdout)
     new = sum(r["new_tokens"] for r in records)
-    return {"wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
-            "new_tokens": new, "useful_tok_s": new / wall, "command": " ".join(["airquant", *cmd[3:]])}
+    row = {"wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
+           "new_tokens": new, "useful_tok_s": new / wall, "command": " ".join(["airquant", *cmd[3:]])}
+    split = RAY_SPLIT.search(done.stderr)
+    if split:  # the Ray driver's own account: dispatch to last record, engines opening, engines generating
+        row.update(dispatch_s=float(split.group(1)), engine_open_s=float(split.group(2)),
+                   engine_generate_s=float(split.group(3)))
+    return row
 
 
 def summarize(results: dict) -> None:
@@ -109,6 +120,15 @@ def summarize(results: dict) -> None:
         results["ray_over_plain_wall"] = ray["wall_s"] / plain["wall_s"]
         results["ray_over_plain_useful_tok_s"] = ray["useful_tok_s"] / plain["useful_tok_s"]
         results["meets_target"] = results["ray_over_plain_wall"] <= TARGET
+        if ray.get("engine_generate_s") and plain.get("job_s"):
+            # Where Ray's time goes: generation through the actor against the plain job's generation, and what
+            # is left, a fixed cost per job (Ray's start and stop, the actor's process, its imports). A job whose
+            # plain wall is W costs ~ fixed + W * generation ratio through Ray, so the ratio meets the target
+            # once W >= fixed / (TARGET - generation ratio).
+            ratio = ray["engine_generate_s"] / plain["job_s"]
+            fixed = ray["wall_s"] - plain["wall_s"] - (ray["engine_generate_s"] - plain["job_s"])
+            results.update(ray_generation_over_plain=ratio, ray_fixed_overhead_s=fixed,
+                           plain_wall_for_target_s=fixed / (TARGET - ratio) if ratio < TARGET else None)
 
 
 def print_table(results: dict) -> None:
@@ -119,6 +139,11 @@ def print_table(results: dict) -> None:
             print(f"{name:<6} {r['wall_s']:>8.1f} {r['job_s'] or 0:>8.1f} {r['new_tokens']:>8} {r['useful_tok_s']:>13.1f}")
     if "ray_over_plain_wall" in results:
         print(f"ray_over_plain_wall {results['ray_over_plain_wall']:.3f} (target <= {TARGET})")
+    if "ray_fixed_overhead_s" in results:
+        need = results["plain_wall_for_target_s"]
+        print(f"ray generation / plain generation {results['ray_generation_over_plain']:.3f}; fixed cost per job "
+              f"{results['ray_fixed_overhead_s']:.1f} s; target met for jobs whose plain wall is >= "
+              + (f"{need:.0f} s" if need is not None else "never (generation itself slower)"))
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -148,13 +173,19 @@ def main(argv=None) -> int:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     out = Path(args.results) / "scale_bench.json"
     results = json.loads(out.read_text()) if out.is_file() else {}
-    import ray
+    try:  # the store and plain parts run without Ray installed
+        import ray
+        ray_version = ray.__version__
+    except ImportError:
+        if args.part in ("ray", "all"):
+            raise
+        ray_version = results.get("versions", {}).get("ray")
 
     gpus = torch.cuda.device_count()
     results.update(device=torch.cuda.get_device_name(0) if gpus and not args.quick else "cpu", gpus=gpus,
                    quick=args.quick, synthetic=True, shape="llama3-8b", dtype="bfloat16", engines=1,
                    prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   target_ray_over_plain_wall=TARGET, versions={"ray": ray.__version__, "torch": torch.__version__})
+                   target_ray_over_plain_wall=TARGET, versions={"ray": ray_version, "torch": torch.__version__})
     store = Path(args.store) if args.store else Path(args.workdir) / (
         "llama3-8b-bf16-quick" if args.quick else "llama3-8b-bf16")
     if not args.store and args.part in ("store", "all"):

@@ -323,8 +323,8 @@ def _write(ray, records, todo: list[Prompt], job: BatchJob, report: BatchReport,
                                 "cause and re-run the same command: finished ids are skipped.") from exc
         finally:
             bar.close()
-    log.info("ray batch job: %.1f s from the first dispatch to the last record; the engines spent %.1f s opening "
-             "the store and %.1f s generating (summed over engines), the rest is actor start-up and transfers",
+    log.info("ray batch job: %.3f s from the first dispatch to the last record; the engines spent %.3f s opening "
+             "the store and %.3f s generating (summed over engines), the rest is actor start-up and transfers",
              time.perf_counter() - start, *engine_s)
     missing = len({p.key for p in todo} - written)
     if missing:
