@@ -196,6 +196,11 @@ def build_table(model: str, device: str, items: list[LoadedRow], s: HeadlineSett
         table.footnotes.append(f"{model} is itself a GGUF file: the BF16 store holds its weights dequantized, and "
                                "the GGUF store keeps the same blocks packed, so both give the same logits; the GGUF "
                                "row shows what keeping the blocks packed costs in speed and saves in memory.")
+    if any(k[0] == "gptq" for k in keys):
+        table.footnotes.append("The GPTQ row's store is written by `airquant pipeline` in GPTQ's layout (4-bit, group "
+                               "128, symmetric) by round-to-nearest, without GPTQ's Hessian-based rounding: it "
+                               "measures the packed GPTQ/AWQ kernels, not GPTQ's calibration. A checkpoint "
+                               "quantized by GPTQ itself is split as it is (`airquant shard`).")
     return table
 
 
