@@ -55,3 +55,15 @@ def test_doctor_on_a_gpu_measures_the_link(tiny_store, monkeypatch):
     text = doctor_text(tiny_store, device="cuda")
     assert "compute capability 7.5 (forced by AIRQUANT_FORCE_CAPABILITY" in text
     assert "link      : pinned host->GPU" in text and "VRAM      :" in text
+
+
+def test_doctor_prints_the_plan_that_plan_prints_with_the_same_flags(tiny_store, capsys):
+    """One planner, one set of flags: `doctor STORE FLAGS` shows exactly `plan STORE FLAGS`'s placement."""
+    flags = ["--device", "cpu", "--max-ram", "4", "--batch", "3", "--context", "96", "--host-embedding"]
+    assert main(["plan", str(tiny_store), *flags]) == 0
+    planned = capsys.readouterr().out
+    assert main(["doctor", str(tiny_store), *flags]) == 0
+    doctor = capsys.readouterr().out
+    body = doctor.split("plan      :\n", 1)[1]
+    assert [line.strip() for line in body.splitlines()] == [line.strip() for line in planned.splitlines()[:-1]]
+    assert "batch 3 x 96 tokens" in body

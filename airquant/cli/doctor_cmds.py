@@ -9,10 +9,13 @@ it, so a Colab user sees at once what the runtime is (a T4: fp16 compute, PCIe 3
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 from pathlib import Path
+
+from airquant.cli.run_cmds import add_plan_flags, plan_for
 
 GB = 1e9
 READ_CHUNK = 16 << 20
@@ -75,25 +78,35 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
             f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev
 
 
-def store_lines(store: Path, device: str, max_vram: float | None, max_ram: float | None) -> list[str]:
-    """Disk read speed of the store's folder and the plan ``airquant plan STORE`` makes."""
-    from airquant.engine.router import Hardware, Workload, plan_route
+def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: float | None = None,
+              argv: list[str] | tuple[str, ...] = ()) -> argparse.Namespace:
+    """``airquant plan``'s flags with their defaults, these values and ``argv`` (more plan flags)."""
+    p = argparse.ArgumentParser(prog="airquant doctor")
+    add_plan_flags(p)
+    given = ["--device", device, *(["--max-vram", str(max_vram)] if max_vram is not None else []),
+             *(["--max-ram", str(max_ram)] if max_ram is not None else []), *argv]
+    return p.parse_args(given)
 
+
+def store_lines(store: Path, args: argparse.Namespace) -> list[str]:
+    """Disk read speed of the store's folder and the plan ``airquant plan STORE`` makes with the same flags."""
     gbps, nbytes, cold = disk_read_speed(store)
     lines = [f"disk      : {gbps:.2f} GB/s reading {nbytes / GB:.2f} GB of {store}"
              + ("" if cold else " (page cache not dropped: may be RAM speed)")]
-    route = plan_route([store], Hardware.detect(device, max_vram, max_ram), Workload())
-    return lines + ["plan      :"] + [f"  {line}" for line in route.describe().splitlines()]
+    route, engine = plan_for([store], args)
+    return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()]
 
 
 def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram: float | None = None,
-                max_ram: float | None = None) -> str:
-    """The whole report (what ``airquant doctor`` prints and notebook 01 shows)."""
+                max_ram: float | None = None, args: argparse.Namespace | None = None) -> str:
+    """The whole report (what ``airquant doctor`` prints and notebook 01 shows). ``args``: the plan's flags
+    (``plan_args``; ``airquant doctor`` passes its own), else plan's defaults with ``device``/``max_*``."""
     from airquant.engine.capability import capability_plan
     from airquant.quant.kernels import device_capability
     from airquant.store.manifest import open_store
 
-    lines, dev = hardware_lines(device)
+    args = args if args is not None else plan_args(device, max_vram, max_ram)
+    lines, dev = hardware_lines(args.device)
     cap = device_capability(dev)
     if store is None:
         plan = capability_plan(cap, "bfloat16")
@@ -102,19 +115,17 @@ def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram:
     store = Path(store)
     manifest = open_store(store)
     lines += capability_plan(cap, manifest.dtype, head_dim=_head_dim(store)).describe()
-    return "\n".join(lines + store_lines(store, device, max_vram, max_ram))
+    return "\n".join(lines + store_lines(store, args))
 
 
 def cmd_doctor(args) -> int:
-    print(doctor_text(args.store, args.device, args.max_vram, args.max_ram))
+    print(doctor_text(args.store, args=args))
     return 0
 
 
 def add_doctor_parser(sub) -> None:
     p = sub.add_parser("doctor", help="GPU, capability, VRAM, RAM, link and disk speed; dtype and kernels; the plan")
-    p.add_argument("store", nargs="?", default=None, metavar="STORE", help="a store to measure and plan for")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="device to examine")
-    p.add_argument("--max-vram", type=float, default=None, metavar="GB",
-                   help="plan for a GPU of this size, as a smaller card would be (GiB)")
-    p.add_argument("--max-ram", type=float, default=None, metavar="GB", help="host RAM the plan may use (GiB)")
+    p.add_argument("store", nargs="?", default=None, metavar="STORE",
+                   help="a store to measure and plan for (with plan's flags: the plan `airquant plan` prints)")
+    add_plan_flags(p)
     p.set_defaults(func=cmd_doctor)

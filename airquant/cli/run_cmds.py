@@ -17,8 +17,8 @@ from airquant.errors import AirQuantError
 
 
 # -- plan --------------------------------------------------------------------------------------
-def cmd_plan(args) -> int:
-    from airquant.engine.capability import compute_line
+def plan_for(stores, args):
+    """The route and engine config ``airquant plan`` prints for these flags (``airquant doctor`` prints the same)."""
     from airquant.engine.router import Hardware, plan_route, workload_for
 
     hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
@@ -26,20 +26,31 @@ def cmd_plan(args) -> int:
     workload = workload_for(engine, batch_size=args.batch, context=args.context,
                             mode="resident" if args.resident else "auto", allow_streaming=not args.interactive,
                             kv_schemes=route_kv_schemes(args.kv))
-    route = plan_route(args.stores, hardware, workload)
+    return plan_route(stores, hardware, workload), engine
+
+
+def cmd_plan(args) -> int:
+    from airquant.engine.capability import compute_line
+
+    route, engine = plan_for(args.stores, args)
     print(route.describe(engine))
     print(compute_line(route.candidate.manifest.dtype, args.dtype, args.device))
     return 0
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """What ``plan`` and ``doctor`` plan for: batch, interactive use, routing and the engine's flags."""
+    p.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per batch to plan for (default 1)")
+    p.add_argument("--interactive", action="store_true", help="plan for interactive use: never stream layers")
+    add_route_flags(p)
+    add_engine_flags(p)
 
 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="choose store, mode, KV cache and layer placement; print the arithmetic")
     p.add_argument("stores", nargs="+", metavar="STORE",
                    help="one or more stores of the same model (one weight scheme each)")
-    p.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per batch to plan for (default 1)")
-    p.add_argument("--interactive", action="store_true", help="plan for interactive use: never stream layers")
-    add_route_flags(p)
-    add_engine_flags(p)
+    add_plan_flags(p)
     p.set_defaults(func=cmd_plan)
 
 
