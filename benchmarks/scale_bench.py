@@ -105,8 +105,10 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     assert sorted(ids) == list(range(args.prompts)), f"{name}: ids missing or written twice"
     job = re.search(r"in ([0-9.]+) s", done.stdout)
     new = sum(r["new_tokens"] for r in records)
+    named = {str(store): "STORE", str(inp): "IN.jsonl", str(out): "OUT.jsonl"}  # no machine paths in results/
     row = {"wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
-           "new_tokens": new, "useful_tok_s": new / wall, "command": " ".join(["airquant", *cmd[3:]])}
+           "new_tokens": new, "useful_tok_s": new / wall,
+           "command": " ".join(["airquant", *[named.get(a, a) for a in cmd[3:]]])}
     split = RAY_SPLIT.search(done.stderr)
     if split:  # the Ray driver's own account: dispatch to last record, engines opening, engines generating
         row.update(dispatch_s=float(split.group(1)), engine_open_s=float(split.group(2)),

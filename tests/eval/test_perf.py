@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import statistics
 import time
 from pathlib import Path
@@ -124,9 +125,12 @@ def test_rss_sampler_keeps_the_parts_at_its_peak_and_marks():
 
     with RssSampler(interval_s=0.001) as rss:
         before = rss.mark("before")
-        buf = torch.ones(64 << 20, dtype=torch.uint8)  # touched: 64 MiB of anonymous memory
+        # A fresh anonymous mapping, touched: 64 MiB of new anonymous memory (a heap allocation could reuse pages
+        # an earlier test left resident and not grow RSS at all).
+        buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.write(b"\x01" * (64 << 20))
         after = rss.mark("after")
-        del buf
+        buf.close()
     assert set(before) == {"rss", "anon", "file", "shmem"}
     assert after["anon"] - before["anon"] >= 60 << 20
     assert rss.peak >= after["rss"] and rss.peak_parts["rss"] == rss.peak
