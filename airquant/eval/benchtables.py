@@ -169,7 +169,10 @@ def batch_bench(d: dict) -> list[str]:
            ["batch-1 decode step", _f(d.get("bs1_8b_step_s"), "{:.3f} s"), "", ""],
            ["bytes moved per step", _f((d.get("bs1_8b_bytes_per_step") or 0) / 1e9 or None, "{:.2f} GB"), "", ""],
            ["fraction of the link", _f(d.get("bs1_link_fraction"), "{:.3f}"), "≥ 0.9",
-            _met(d.get("bs1_link_fraction"), 0.9, "min")]]
+            _met(d.get("bs1_link_fraction"), 0.9, "min")],
+           ["with the KV cache offloaded to host RAM: step", _f(d.get("bs1_8b_kv_offload_step_s"), "{:.3f} s"), "", ""],
+           ["with the KV cache offloaded: fraction of the link", _f(d.get("bs1_8b_kv_offload_link_fraction"), "{:.3f}"),
+            "", ""]]
     cpu = [[path, _f(d.get(f"cpu_mixed_{path}_utilization"), "{:.2f}"), _f(d.get(f"cpu_mixed_{path}_wall_s"), "{:.1f} s")]
            for path in ("static", "continuous")]
     return [f"70B-shaped NF4 store under a 15 GB cap, {d.get('requests', 512)} requests "

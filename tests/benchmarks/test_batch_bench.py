@@ -89,6 +89,8 @@ def test_parts_with_different_slots_give_no_ratio(store_dir):
 def test_bs1_8b_quick(tmp_path):
     r = bench(tmp_path, "bs1_8b")
     assert r["bs1_8b_step_s"] > 0 and r["bs1_8b_bytes_per_step"] > 0 and r["bs1_link_fraction"] > 0
+    assert r["bs1_8b_kv_offload_step_s"] > 0 and r["bs1_8b_kv_offload_link_fraction"] > 0
+    assert "offloaded" not in r["bs1_8b_plan"]  # the target's case keeps the KV cache on the device
 
 
 @pytest.mark.slow
