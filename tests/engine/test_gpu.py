@@ -80,3 +80,30 @@ def test_cuda_turboquant_loop_batches_like_one_at_a_time(tiny_store):
 
     assert run(3) == run(1)
     engine.close()
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 2, 4, 0, 3, 1]], ids=["fifo", "shuffled"])
+def test_cuda_loop_with_kv_offload_equals_the_cache_on_the_device(tiny_store, order):
+    """KV offload in the decode loop on CUDA: pinned host copies, the prefix copied in per layer and the new
+    tokens sent back asynchronously (landing before the layer's next pass). Continuous batching with requests
+    arriving while others decode gives each request the tokens of the loop with its cache on the device."""
+    from airquant.engine.decode import Request
+
+    engine = Engine.open(tiny_store, device="cuda")
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    job = [(" ".join(words[: 2 + (k * 5) % len(words)]) * (1 + k % 2), 5 + (k * 3) % 9) for k in range(6)]
+
+    def run(offload):
+        loop = engine.decode_loop(3, context=96, token_budget=8,
+                                  offload=set(range(engine.config.num_hidden_layers)) if offload else set())
+        seqs = {k: loop.submit(Request(tuple(engine.prompt_ids(job[k][0])), job[k][1], ignore_eos=True))
+                for k in order[:2]}
+        loop.step()
+        seqs.update({k: loop.submit(Request(tuple(engine.prompt_ids(job[k][0])), job[k][1], ignore_eos=True))
+                     for k in order[2:]})
+        while not loop.idle:
+            loop.step()
+        return [seqs[k].out for k in range(len(job))]
+
+    assert run(True) == run(False)
+    engine.close()
