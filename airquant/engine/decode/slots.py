@@ -20,7 +20,8 @@ flush and calibration points, and thus its outputs, are those of generating the 
 decode tokens of all slots are written, attended and flushed in one batch per layer.
 
 KV offload: the offloaded layers' buffers live in (pinned) host memory; a layer's used prefix is
-copied to the device when the layer runs and its new tokens are written to both. A TurboQuant layer's
+copied to the device when the layer runs, its new tokens are written there and sent back to the host
+copy without blocking, landing in it before that layer's next pass. A TurboQuant layer's
 arena moves whole to the device before its update and back after its attention.
 """
 
