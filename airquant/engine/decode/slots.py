@@ -98,7 +98,10 @@ class SlotKV:
             self._decode = (torch.tensor([s.slot for s in dec], device=dev),
                             torch.tensor([s.start for s in dec], device=dev),
                             torch.tensor([s.offset for s in dec], device=dev))
-            self._decode_host = (torch.tensor([s.slot for s in dec]), torch.tensor([s.start for s in dec]))
+            if self.offload and dev.type != "cpu":  # where the host copies' new tokens land (``_land``)
+                self._decode_host = (torch.tensor([s.slot for s in dec]), torch.tensor([s.start for s in dec]))
+            else:
+                self._decode_host = self._decode[:2]
         self.span = max(s.start + s.n for s in segments)
         if self.tq:
             self._tq_begin(segments, dec)
@@ -138,9 +141,10 @@ class SlotKV:
 
     def _plain_update(self, key, value, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k_home, v_home = self._buffers(i)
+        rows = self._new_rows(key, value)
         if i not in self.offload:
             k_dev, v_dev = k_home[:, :, : self.span], v_home[:, :, : self.span]
-            self._write(k_dev, v_dev, key, value)
+            _scatter(k_dev, v_dev, rows, self._decode)
             return k_dev, v_dev
         # The prefix in use goes to the device and the new tokens are written there; they reach the host copy
         # asynchronously and land in it before this layer's next pass reads it. Writing them to the host here
@@ -149,22 +153,22 @@ class SlotKV:
         self._land(i)
         k_dev = k_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
         v_dev = v_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
-        self._write(k_dev, v_dev, key, value)
-        self._send_home(i, key, value)
-        return k_dev, v_dev
-
-    def _send_home(self, i: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Queue this pass's new keys/values of offloaded layer ``i`` for its host copy (non-blocking)."""
-        pieces = []  # (where: "decode" or a Segment, keys, values) in host memory, once the copies ran
-        if self._decode is not None:
-            offsets = self._decode[2]
-            pieces.append(("decode", key[0, :, offsets].transpose(0, 1), value[0, :, offsets].transpose(0, 1)))
-        for s in self.segments:
-            if s.n > 1:
-                pieces.append((s, key[0, :, s.offset: s.offset + s.n], value[0, :, s.offset: s.offset + s.n]))
-        host = [(where, self._to_host(k), self._to_host(v)) for where, k, v in pieces]
+        _scatter(k_dev, v_dev, rows, self._decode)
+        host = [(where, self._to_host(k), self._to_host(v)) for where, k, v in rows]
         event = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
         self._pending[i] = (event, host, self._decode_host)
+        return k_dev, v_dev
+
+    def _new_rows(self, key: torch.Tensor, value: torch.Tensor) -> list[tuple]:
+        """The pass's new keys/values by destination: ("decode", [nd, Hkv, D] rows at the decode slots' ends)
+        and (a prompt chunk's Segment, its [Hkv, n, D] rows)."""
+        rows = []
+        if self._decode is not None:
+            offsets = self._decode[2]
+            rows.append(("decode", key[0, :, offsets].transpose(0, 1), value[0, :, offsets].transpose(0, 1)))
+        rows += [(s, key[0, :, s.offset: s.offset + s.n], value[0, :, s.offset: s.offset + s.n])
+                 for s in self.segments if s.n > 1]
+        return rows
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         # Cast and pack on the device: a device-to-host copy_ that also converts would wait for the GPU.
@@ -180,24 +184,7 @@ class SlotKV:
         event, host, decode = pending
         if event is not None:
             event.synchronize()
-        k_home, v_home = self._k[i], self._v[i]
-        for where, k, v in host:
-            if where == "decode":
-                slots, starts = decode
-                k_home[slots, :, starts], v_home[slots, :, starts] = k, v
-            else:
-                k_home[where.slot, :, where.start: where.start + where.n] = k
-                v_home[where.slot, :, where.start: where.start + where.n] = v
-
-    def _write(self, k_buf, v_buf, key, value) -> None:
-        if self._decode is not None:
-            slots, starts, offsets = (t.to(k_buf.device) for t in self._decode)
-            k_buf[slots, :, starts] = key[0, :, offsets].transpose(0, 1).to(k_buf.dtype)  # [nd, Hkv, D]
-            v_buf[slots, :, starts] = value[0, :, offsets].transpose(0, 1).to(v_buf.dtype)
-        for s in self.segments:
-            if s.n > 1:
-                k_buf[s.slot, :, s.start: s.start + s.n] = key[0, :, s.offset: s.offset + s.n]
-                v_buf[s.slot, :, s.start: s.start + s.n] = value[0, :, s.offset: s.offset + s.n]
+        _scatter(self._k[i], self._v[i], host, decode)
 
     def _tq_update(self, key, value, i: int) -> SlotArena:
         """Prompts into their slots, decode tokens at the ends of their windows; the flush of the decode
@@ -232,6 +219,18 @@ class SlotKV:
         """Bytes of the cache's tensors (device and host)."""
         plain = sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
         return plain + sum(arena.nbytes() for arena in self._tq if arena is not None)
+
+
+def _scatter(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: list[tuple], decode) -> None:
+    """``SlotKV._new_rows``' rows into ``[slots, Hkv, L, D]`` buffers; ``decode``: the decode tokens' (slots,
+    starts) on the buffers' device."""
+    for where, k, v in rows:
+        if where == "decode":
+            slots, starts = decode[0], decode[1]
+            k_buf[slots, :, starts], v_buf[slots, :, starts] = k.to(k_buf.dtype), v.to(v_buf.dtype)
+        else:
+            k_buf[where.slot, :, where.start: where.start + where.n] = k
+            v_buf[where.slot, :, where.start: where.start + where.n] = v
 
 
 # -- attention ---------------------------------------------------------------------------------
