@@ -200,11 +200,8 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     if not todo:
         return report
     tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
-    lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
-    context = job_context(store, lengths, todo, job)
+    context, todo = longest_first(tokenizer, store, todo, job)
     size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
-    # Longest first: a batch that does not fit fails at the start, not after hours.
-    todo = [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
     owned = engine is None
     if owned:
         from airquant.engine.runner import Engine
@@ -218,6 +215,14 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
         if owned:
             engine.close()
     return report
+
+
+def longest_first(tokenizer, store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
+    """The job's context (``job_context``) and its prompts longest first: a batch that does not fit fails at
+    the start, not after hours (``run_batch`` and the Ray driver order a job this way)."""
+    lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
+    context = job_context(store, lengths, todo, job)
+    return context, [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
 
 
 def pending(job: BatchJob) -> tuple[BatchReport, list[Prompt]]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, DependencyError, StoreError
-from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, job_context,
-                                 pending, prompt_lengths, run_records)
+from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, longest_first,
+                                 pending, run_records)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
         return report
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-prep") as pool:
         # Starting Ray (seconds) and the driver's tokenizer pass overlap: neither needs the other.
-        prepared = pool.submit(longest_first, store, todo, job)
+        prepared = pool.submit(_prepare, store, todo, job)
         owned = connect(ray, scale.address)
     try:
         context, todo = prepared.result()
@@ -245,13 +245,11 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
     return report
 
 
-def longest_first(store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
-    """The job's context and its prompts longest first, as ``run_batch`` orders them."""
+def _prepare(store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
+    """``run_batch``'s order and context for the job (``longest_first``), with the store's tokenizer."""
     from transformers import AutoTokenizer
 
-    lengths = prompt_lengths(AutoTokenizer.from_pretrained(store / "tokenizer"), todo, job.gen.chat)
-    context = job_context(store, lengths, todo, job)
-    return context, [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
+    return longest_first(AutoTokenizer.from_pretrained(store / "tokenizer"), store, todo, job)
 
 
 def _dataset(ray, todo: list[Prompt], size: int):
