@@ -78,13 +78,12 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
             f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev
 
 
-def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: float | None = None,
-              argv: list[str] | tuple[str, ...] = ()) -> argparse.Namespace:
-    """``airquant plan``'s flags with their defaults, these values and ``argv`` (more plan flags)."""
+def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: float | None = None) -> argparse.Namespace:
+    """``airquant plan``'s flags with their defaults and these values (``doctor_text`` called from Python)."""
     p = argparse.ArgumentParser(prog="airquant doctor")
     add_plan_flags(p)
     given = ["--device", device, *(["--max-vram", str(max_vram)] if max_vram is not None else []),
-             *(["--max-ram", str(max_ram)] if max_ram is not None else []), *argv]
+             *(["--max-ram", str(max_ram)] if max_ram is not None else [])]
     return p.parse_args(given)
 
 

@@ -64,7 +64,11 @@ class StreamPlan:
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
     ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
-    expert_staging_bytes: int = 0  # a routed run's host buffers for experts read from disk (ExpertPlan.staging)
+
+    @property
+    def expert_staging_bytes(self) -> int:
+        """A routed run's host buffers for experts read from disk (``ExpertPlan.staging``)."""
+        return self.experts.staging_bytes if self.experts is not None else 0
 
     @property
     def device_bytes(self) -> int:

@@ -277,7 +277,7 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
                      staging_bytes=staging, ram_budget_bytes=hw.ram_bytes)
     if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
         pool = replace(placed.experts, staging=experts.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
-        placed = replace(placed, experts=pool, expert_staging_bytes=pool.staging_bytes)
+        placed = replace(placed, experts=pool)
     if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
         raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
                         f"{placed.device_bytes / GB:.2f} GB of the {hw.plan_vram / GB:.2f} GB it may fill; "

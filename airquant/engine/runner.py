@@ -216,7 +216,6 @@ class Engine:
     def loop_supported(self) -> bool:
         """Whether AirQuant's decode loop runs this stack: attention through transformers' AttentionInterface
         and no recurrent/conv state layers (those run batches through transformers' generate instead)."""
-        
         # Attention sinks (a learned per-head logit, gpt-oss) are not in the loop's attention: the stack
         # keeps them as a ``sinks`` parameter of its attention modules.
         sinks = any(name.endswith(".sinks") for name, _ in self.model.named_parameters())
