@@ -71,6 +71,18 @@ def test_continuous_equals_one_at_a_time(engine, references, kv, offload, order)
     assert got == references[kv]
 
 
+def test_a_pass_of_prefill_chunks_only_emits_nothing_and_the_prompt_goes_on(engine, hf):
+    """A prompt longer than the token budget: its first passes are prefill chunks that need no logits (an
+    empty ``logits_to_keep``; a float one failed as an index on the device) and the tokens are the reference's."""
+    prompt = " ".join(WORDS)
+    loop = engine.decode_loop(1, context=64, token_budget=4)
+    seq = loop.submit(Request(tuple(engine.prompt_ids(prompt)), 3, ignore_eos=True))
+    assert loop.step() == [] and seq.out == [] and seq.cached == 4
+    while not loop.idle:
+        loop.step()
+    assert seq.out == _alone(hf, engine, prompt, 3, None)
+
+
 def test_finished_sequence_frees_its_slot_for_the_next_prompt(engine):
     loop = engine.decode_loop(2, context=64)
     short = loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, ignore_eos=True))

@@ -228,7 +228,7 @@ class DecodeLoop:
         try:
             with attention_backends():
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, device=self.device),
+                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                                  **{self.cache_arg: self.kv})
         except BaseException:
             self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
