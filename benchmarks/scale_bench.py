@@ -106,7 +106,8 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     job = re.search(r"in ([0-9.]+) s", done.stdout)
     new = sum(r["new_tokens"] for r in records)
     named = {str(store): "STORE", str(inp): "IN.jsonl", str(out): "OUT.jsonl"}  # no machine paths in results/
-    row = {"wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
+    row = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
            "new_tokens": new, "useful_tok_s": new / wall,
            "command": " ".join(["airquant", *[named.get(a, a) for a in cmd[3:]]])}
     split = RAY_SPLIT.search(done.stderr)
@@ -116,8 +117,37 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     return row
 
 
+PAIR_WINDOW_S = 3 * 3600  # the parts run as separate commands; a pair is one device session
+
+
+def same_run(plain: dict, ray: dict) -> bool:
+    """Whether the two rows come from one device session: measured within ``PAIR_WINDOW_S`` of each other
+    (rows written before ``measured_at`` existed were always written together, as a pair)."""
+    stamps = [r.get("measured_at") for r in (plain, ray)]
+    if stamps == [None, None]:
+        return True
+    if None in stamps:
+        return False
+    t = [time.mktime(time.strptime(x, "%Y-%m-%dT%H:%M:%SZ")) for x in stamps]
+    return abs(t[0] - t[1]) <= PAIR_WINDOW_S
+
+
+DERIVED = ("ray_over_plain_wall", "ray_over_plain_useful_tok_s", "meets_target", "ray_generation_over_plain",
+           "ray_fixed_overhead_s", "plain_wall_for_target_s")
+
+
 def summarize(results: dict) -> None:
+    """The ratios of a plain and a Ray row of one session; rows of different sessions (one part re-run alone)
+    are kept but not compared: a ratio across machines would measure the machines."""
     plain, ray = results.get("plain"), results.get("ray")
+    for key in DERIVED:
+        results.pop(key, None)
+    results.pop("unpaired", None)
+    if plain and ray and not same_run(plain, ray):
+        results["unpaired"] = (f"plain measured {plain.get('measured_at', 'before measured_at was recorded')}, "
+                               f"ray {ray.get('measured_at', 'before measured_at was recorded')}: not one session, "
+                               "no ratio; run both parts again")
+        return
     if plain and ray:
         results["ray_over_plain_wall"] = ray["wall_s"] / plain["wall_s"]
         results["ray_over_plain_useful_tok_s"] = ray["useful_tok_s"] / plain["useful_tok_s"]
@@ -139,6 +169,8 @@ def print_table(results: dict) -> None:
         r = results.get(name)
         if r:
             print(f"{name:<6} {r['wall_s']:>8.1f} {r['job_s'] or 0:>8.1f} {r['new_tokens']:>8} {r['useful_tok_s']:>13.1f}")
+    if "unpaired" in results:
+        print(results["unpaired"])
     if "ray_over_plain_wall" in results:
         print(f"ray_over_plain_wall {results['ray_over_plain_wall']:.3f} (target <= {TARGET})")
     if "ray_fixed_overhead_s" in results:

@@ -194,7 +194,8 @@ def scale_bench(d: dict) -> list[str]:
             f"tokens each, {d.get('shape')} {d.get('dtype')} store, {d.get('engines')} Ray engine.", "",
             *md_table(["run", "wall", "job (engine)", "new tokens", "useful tok/s"], rows), "",
             f"Ray wall ÷ plain wall: **{_f(ratio, '{:.3f}')}** (target ≤ {_f(d.get('target_ray_over_plain_wall'))}: "
-            f"{_met(ratio, d.get('target_ray_over_plain_wall') or 1.05, 'max')})."]
+            f"{_met(ratio, d.get('target_ray_over_plain_wall') or 1.05, 'max')})."
+            + (f" {d['unpaired']}." if d.get("unpaired") else "")]
 
 
 def t4_profile(d: dict) -> list[str]:

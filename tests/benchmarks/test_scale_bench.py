@@ -24,3 +24,20 @@ def test_quick_run_splits_ray_time_into_generation_and_a_fixed_cost(tmp_path):
     assert r["ray_fixed_overhead_s"] == pytest.approx(
         ray["wall_s"] - r["plain"]["wall_s"] - (ray["engine_generate_s"] - r["plain"]["job_s"]))
     assert r["ray_over_plain_wall"] == pytest.approx(ray["wall_s"] / r["plain"]["wall_s"])
+
+
+def test_rows_of_different_sessions_are_not_compared():
+    from benchmarks.scale_bench import summarize
+
+    row = {"wall_s": 80.0, "job_s": 60.0, "useful_tok_s": 800.0}
+    both = {"plain": {**row, "measured_at": "2026-12-02T02:14:00Z"},
+            "ray": {**row, "wall_s": 100.0, "measured_at": "2026-12-02T02:16:00Z"}}
+    summarize(both)
+    assert both["ray_over_plain_wall"] == pytest.approx(1.25) and "unpaired" not in both
+    mixed = {"plain": both["plain"], "ray": {**row, "wall_s": 100.0}, "ray_over_plain_wall": 1.25,
+             "meets_target": False}
+    summarize(mixed)  # ray from an older session, plain re-run alone
+    assert "ray_over_plain_wall" not in mixed and "meets_target" not in mixed and "not one session" in mixed["unpaired"]
+    apart = {"plain": both["plain"], "ray": {**both["ray"], "measured_at": "2026-12-01T20:00:00Z"}}
+    summarize(apart)
+    assert "ray_over_plain_wall" not in apart
