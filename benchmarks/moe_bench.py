@@ -266,12 +266,35 @@ def derive_routed_keys(b: Bench) -> None:
 
 
 # -- reporting -------------------------------------------------------------------------------------
+# The expert_aware row (model, case) each target's value comes from: its error says why a target has none.
+TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", "lfu"),
+               "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", "lfu_bs256"),
+               "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", "max_batch"),
+               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", "lfu"),
+               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", "nocache"),
+               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", "nocache")}
+
+
+def unmeasured_why(results: dict, key: str) -> str | None:
+    """Why a target has no value: its row's error, AirLLM's error, or that its part has not run."""
+    if key == "airllm_over_airquant_mixtral_bs1":
+        return results.get("airllm_error") or "the airllm part has not run"
+    rows = {(x["model"], x["case"]): x for x in results.get("expert_aware", [])}
+    row = rows.get(TARGET_ROWS.get(key, (None, None)))
+    if row is None:
+        return "its case has not run" if key in TARGET_ROWS else None
+    return row.get("error")
+
+
 def check_targets(b: Bench) -> list[str]:
     lines = []
     for key, threshold in list(TARGETS.items()) + list(MAX_TARGETS.items()):
         value, kind = b.results.get(key), "max" if key in MAX_TARGETS else "min"
         if value is None:
-            lines.append(f"  {key:<38} not measured")
+            why = unmeasured_why(b.results, key)
+            lines.append(f"  {key:<38} not measured" + (f": {why[:90]}" if why else ""))
+            b.results.setdefault("targets", {})[key] = {"value": None, "target": threshold, "kind": kind,
+                                                        "met": None, "why": why}
             continue
         met = value <= threshold if kind == "max" else value >= threshold
         lines.append(f"  {key:<38} {value:8.3f}  target {'<=' if kind == 'max' else '>='} {threshold:g}: "
@@ -364,8 +387,8 @@ def main(argv=None) -> int:
     else:
         b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
                          quick=args.quick, versions=versions())
-    if "link" not in parts and parts and "link_pinned_gbps" not in b.results:
-        parts.insert(0, "link")  # every link fraction needs it measured on this machine
+    if "link" not in parts and parts and parts != ["airllm"]:
+        parts.insert(0, "link")  # every link fraction needs it measured on this machine, in this session
     run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
            "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm,
            "mixtral_routed": lambda b: part_routed(b, "mixtral"), "qwen3_routed": lambda b: part_routed(b, "qwen3")}

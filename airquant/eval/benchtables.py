@@ -24,12 +24,18 @@ def _source(data: dict) -> str:
     return f"Measured on **{data.get('device', '?')}**, {what}.{quick}"
 
 
+def _verdict(t: dict) -> str:
+    if t.get("value") is None:  # a target its run could not measure, with the reason when recorded
+        return "not measured" + (f": {t['why'].splitlines()[0][:120]}" if t.get("why") else "")
+    return "met" if t.get("met") else "MISSED"
+
+
 def _targets(data: dict) -> list[str]:
     targets = data.get("targets") or {}
     if not targets:
         return []
     rows = [[k, _f(t.get("value")), f"{'≥' if t.get('kind') == 'min' else '≤'} {_f(t.get('target'))}",
-             "met" if t.get("met") else "MISSED"] for k, t in targets.items() if isinstance(t, dict)]
+             _verdict(t)] for k, t in targets.items() if isinstance(t, dict)]
     return ["", *md_table(["target", "measured", "required", ""], rows)]
 
 

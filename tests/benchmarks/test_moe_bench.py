@@ -61,3 +61,16 @@ def test_a_rerun_replaces_its_cases_and_keeps_the_others():
     old = [row("m", 15.0, 1, 1.0), row("m", 4.0, 1, 2.0), row("q", 15.0, 1, 3.0)]
     merged = merge_rows(old, [row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)])
     assert merged == [row("m", 15.0, 1, 1.0), row("q", 15.0, 1, 3.0), row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)]
+
+
+def test_a_target_its_case_could_not_measure_says_why_in_the_results_table():
+    from airquant.eval.benchtables import _targets
+    from benchmarks.moe_bench import unmeasured_why
+
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 672.00 MiB."
+    results = {"expert_aware": [{"model": "mixtral-8x7b nf4", "case": "lfu_bs256", "error": oom}]}
+    assert unmeasured_why(results, "mixtral_nf4_bs256_tok_s") == oom
+    assert unmeasured_why(results, "qwen3_30b_nf4_bs1_tok_s") == "its case has not run"
+    table = "\n".join(_targets({"targets": {"mixtral_nf4_bs256_tok_s": {
+        "value": None, "target": 500, "kind": "min", "met": None, "why": oom}}}))
+    assert "not measured: OutOfMemoryError" in table and "MISSED" not in table
