@@ -36,7 +36,8 @@ class EngineConfig:
     verify: bool = False  # check every shard's sha256 when opening the store
     # Check each shard's xxh3_128 as it is read (store/integrity.py); off only for benchmarks (--no-verify-reads).
     verify_reads: bool = True
-    # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed for MoE stores when streaming.
+    # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed when a decode step at
+    # batch_size routes few of a layer's experts (experts.choose_experts), else whole layers.
     experts: Literal["auto", "whole", "routed"] = "auto"
     expert_cache_gb: float | None = None  # VRAM expert cache (GB); None: what the layer plan leaves free
     expert_policy: Literal["lru", "lfu"] = "lfu"  # which cached expert to evict: least recently / frequently used

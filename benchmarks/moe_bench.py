@@ -11,6 +11,9 @@ longer):
   (``resident_layers=0``, embedding in host RAM), the GPU capped to 15 GB and to 4 GB: one decode step
   (prompt 128) at batch 1, 64 and 256. A case that does not fit records its error instead of a time.
 * ``qwen3``: the same for a Qwen3-30B-A3B-shaped NF4 store (17.6 GB).
+* ``mixtral_routed`` / ``qwen3_routed``: expert-aware streaming (``ROUTED_CASES``, ``--cases``), forced with
+  ``experts="routed"``, and ``auto_bs256``: the default ``--experts auto`` at batch 256, its row recording the
+  mode the engine chose (``experts_mode``).
 * ``airllm``: a bf16 Mixtral-shaped store of ``--airllm-layers`` layers, exported as the hub's checkpoint
   (per-expert ``block_sparse_moe.experts.N.w1`` names, as Mixtral is published), run by AirLLM 4.0.0, and
   AirQuant bf16 and NF4 on the same layer count: the batch-1 decode step per layer. When AirLLM raises,
@@ -82,17 +85,20 @@ def make_store(b: Bench, shape: str, dtype: str, layers: int | None) -> Path:
 # -- measurements ----------------------------------------------------------------------------------
 def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str | None = None,
             **kw) -> dict:
-    """One streamed decode step (whole layers; ``experts="routed"`` in ``kw``: expert-aware, ``case`` names
-    the row); a case that does not fit gives its error instead."""
+    """One streamed decode step (whole layers; ``experts`` in ``kw``, "routed" or "auto": expert-aware, ``case``
+    names the row, which records the mode asked for and the one the engine chose); a case that does not fit
+    gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
     if case is not None:
-        row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"})
+        row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"])
     kw.setdefault("experts", "whole")
     engine = None
     try:
         engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
                              context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
+        if case is not None:  # what --experts auto picked for this batch (experts.choose_experts)
+            row["experts_mode"] = "routed" if engine.experts is not None else "whole"
         step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
         if engine.experts is not None:
             row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(),
@@ -153,8 +159,9 @@ def derive_keys(b: Bench) -> None:
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """Rows of earlier runs, less the cases measured again, then the new rows (a rerun replaces its cases)."""
-    case = lambda r: (r["model"], r["cap_gb"], r["batch"])  # noqa: E731
+    """Rows of earlier runs, less the cases measured again, then the new rows (a rerun replaces its cases;
+    expert-aware rows are told apart by their case too: lfu_bs256 and auto_bs256 share model, cap and batch)."""
+    case = lambda r: (r["model"], r["cap_gb"], r["batch"], r.get("case"))  # noqa: E731
     fresh = {case(r) for r in new}
     return [r for r in old if case(r) not in fresh] + new
 
@@ -216,25 +223,34 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 # -- expert-aware streaming (engine/experts.py) -----------------------------------------------------------
 ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
-    "nocache": (1, dict(expert_cache_gb=0.0, expert_prefetch=False)),
-    "lfu": (1, dict(expert_policy="lfu")), "lru": (1, dict(expert_policy="lru")),
-    "lfu_bs256": (256, dict(expert_policy="lfu")),
+    "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False)),
+    "lfu": (1, dict(experts="routed", expert_policy="lfu")), "lru": (1, dict(experts="routed", expert_policy="lru")),
+    "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
+    # What a user gets by default: --experts auto at batch 256 (the rule streams whole layers there).
+    "auto_bs256": (256, dict(experts="auto")),
 }
+QUICK_BATCH = 8  # --quick: batches over 8 run at 8 (tiny shapes, 2 of 8 experts: auto streams whole layers)
 
 
 def part_routed(b: Bench, name: str) -> None:
     a, (shape, _) = b.args, SHAPES[name]
     store = make_store(b, shape, "nf4", a.layers)
     cap = 4.0 if name == "qwen3" else 15.0
-    cases = {"nocache": ROUTED_CASES["nocache"], "lfu": ROUTED_CASES["lfu"]} if name == "qwen3" else ROUTED_CASES
+    cases = ("nocache", "lfu") if name == "qwen3" else (*ROUTED_CASES, "max_batch")
+    chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
     rows = []
-    for case, (batch, kw) in cases.items():
-        rows.append(measure(b, store, f"{shape} nf4", cap, 2 if b.quick and batch > 8 else batch, case,
-                            experts="routed", **kw))
-    if name == "mixtral" and a.max_batch:
-        rows.append(measure(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
-                            experts="routed", kv_offload=None))
-    whole = [measure(b, store, f"{shape} nf4", cap, 1)]  # the bytes fraction's denominator, same run
+    for case in chosen:
+        if case == "max_batch" and a.max_batch:
+            # The largest batch as a user runs it: --experts auto (whole layers there; routed measured 112 tok/s
+            # at batch 512 on 2026-12-02, every expert copied anyway).
+            rows.append(measure(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
+                                experts="auto", kv_offload=None))
+        elif case in ROUTED_CASES:
+            batch, kw = ROUTED_CASES[case]
+            rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch, case,
+                                **kw))
+    # the bytes fraction's denominator, same run
+    whole = [measure(b, store, f"{shape} nf4", cap, 1)] if "nocache" in chosen else []
     free_gpu()
     b.drop(store)
     b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), whole)
@@ -252,8 +268,10 @@ def derive_routed_keys(b: Bench) -> None:
         r["mixtral_nf4_bs1_bytes_fraction"] = mix["decode_bytes_per_step"] / full["bytes_per_step"]
         if link:
             r["mixtral_nf4_bs1_step_over_bytes_floor"] = mix["step_s"] / (mix["decode_bytes_per_step"] / GB / link)
-    for case, out in (("lfu", "mixtral_nf4_bs1_tok_s"), ("lfu_bs256", "mixtral_nf4_bs256_tok_s"),
-                      ("max_batch", "mixtral_nf4_max_batch_tok_s")):
+    # bs256_tok_s is what a user gets by default (--experts auto) where measured; the forced-routed row beside it.
+    bs256 = "auto_bs256" if rows.get(("mixtral-8x7b nf4", "auto_bs256"), {}).get("tok_s") else "lfu_bs256"
+    for case, out in (("lfu", "mixtral_nf4_bs1_tok_s"), (bs256, "mixtral_nf4_bs256_tok_s"),
+                      ("lfu_bs256", "mixtral_nf4_bs256_routed_tok_s"), ("max_batch", "mixtral_nf4_max_batch_tok_s")):
         row = rows.get(("mixtral-8x7b nf4", case))
         if row and row.get("tok_s"):
             r[out] = row["tok_s"]
@@ -280,6 +298,8 @@ def unmeasured_why(results: dict, key: str) -> str | None:
     if key == "airllm_over_airquant_mixtral_bs1":
         return results.get("airllm_error") or "the airllm part has not run"
     rows = {(x["model"], x["case"]): x for x in results.get("expert_aware", [])}
+    if key == "mixtral_nf4_bs256_tok_s" and ("mixtral-8x7b nf4", "auto_bs256") in rows:  # as derive_routed_keys
+        return rows[("mixtral-8x7b nf4", "auto_bs256")].get("error")
     row = rows.get(TARGET_ROWS.get(key, (None, None)))
     if row is None:
         return "its case has not run" if key in TARGET_ROWS else None
@@ -318,9 +338,11 @@ def print_table(b: Bench) -> None:
         print(line + (f"  {row['error'][:70]}" if row.get("error") else ""))
     for row in r.get("expert_aware", []):
         ex = row.get("experts") or {}
-        print(f"  routed {row['model']:<19}{row['cap_gb']:>5g}{row['batch']:>5} {row['case']:<10}"
+        moved = row.get("decode_bytes_per_step") or row.get("bytes_per_step")  # routed: measured; whole: the layers
+        print(f"  {row.get('experts_mode', 'routed'):<6} {row['model']:<19}{row['cap_gb']:>5g}{row['batch']:>5} "
+              f"{row['case']:<10}"
               f"{fmt(row.get('step_s'), '{:.4f}'):>8}s {fmt(row.get('tok_s'), '{:.1f}'):>7} tok/s "
-              f"{fmt(row.get('decode_bytes_per_step') and row['decode_bytes_per_step'] / GB, '{:.3f}'):>7} GB/step "
+              f"{fmt(moved and moved / GB, '{:.3f}'):>7} GB/step "
               f"hit {fmt(ex.get('hit_rate'), '{:.2f}')} spec {fmt(ex.get('speculation_recall'), '{:.2f}')}"
               + (f"  {row['error'][:60]}" if row.get("error") else ""))
     air = r.get("details", {}).get("airllm")
@@ -358,6 +380,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
     p.add_argument("--max-batch", type=int, default=512,
                    help="batch of the expert-aware max-batch row (Mixtral, 15 GB, KV offload when needed; 0: skip)")
+    p.add_argument("--cases", default=None,
+                   help="expert-aware parts: only these comma-separated cases (" + ",".join(ROUTED_CASES)
+                        + ",max_batch; default all; the whole-layer batch-1 row comes with nocache)")
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")

@@ -43,7 +43,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
     g.add_argument("--experts", choices=["auto", "whole", "routed"], default="auto",
                    help="MoE stores streamed: routed moves only the experts a batch routes to, whole moves whole "
-                        "layers (default auto: routed for MoE stores when streaming)")
+                        "layers (default auto: routed while a decode step of the run's batch routes few of a layer's "
+                        "experts, else whole; airquant plan says which and why)")
     g.add_argument("--expert-cache", type=float, default=None, metavar="GB",
                    help="VRAM kept for recently/frequently used experts (GB; default: what the plan leaves free)")
     g.add_argument("--expert-policy", choices=["lru", "lfu"], default="lfu",

@@ -114,23 +114,89 @@ NOT_ROUTED = {
 }
 
 
-def use_routed(mode: ExpertsMode, manifest: Manifest, streamed: bool) -> bool:
-    """Whether a run streams experts routed: ``auto`` does for MoE stores that stream, but for types in
-    ``NOT_ROUTED`` (logged)."""
-    moe = any(e.experts for e in manifest.shards.values() if e.is_layer)
+# ``auto`` streams experts routed while one decode step is expected to route fewer than this share of a
+# layer's experts, whole layers from it on. Why 0.6: on the H200 (results/moe_bench.json, Mixtral-8x7B NF4,
+# GPU capped to 15 GB) a whole-layer step took 0.475 s at 0.99 of the link, a routed step at batch 1 0.31 s
+# for 25 % of the experts (no cache). Those bytes (with the dense part, ~27 % of a layer) take ~0.13 s at the
+# link, so routed pays ~0.13-0.18 s a step of its own (less what wrongly speculated experts moved): the host
+# sync on each layer's routing, the gather, the copy launches. That cost hardly grows with the experts moved
+# (a call's copies are issued as one batch), so routed breaks even near 60-70 % of a layer's experts (near
+# 40 % were it to grow in proportion). 0.6 streams Mixtral routed up to batch 3 and Qwen3-30B-A3B up to
+# batch 14; at batch 256 routed moves every expert anyway (at 512: 26.1 GB a step, 4.56 s) and is slower.
+ROUTED_BELOW = 0.6
+
+
+@dataclass(frozen=True)
+class ExpertsChoice:
+    """How a run streams its experts, and why (the plan's ``why:`` line; empty when there is nothing to say)."""
+
+    routed: bool
+    why: str = ""
+
+
+def routed_share(top_k: int, num: int, batch: int) -> float:
+    """The expected share of a layer's ``num`` experts that ``batch`` sequences (one token each, ``top_k``
+    experts each) route to in a decode step, routing near-uniform: 1 - (1 - k/E)^B. Mixtral (2 of 8): batch
+    1 0.25, 8 0.90; Qwen3-30B-A3B (8 of 128): batch 1 0.0625, 16 0.64. A skewed router routes fewer."""
+    return 1.0 - (1.0 - min(top_k, num) / num) ** max(batch, 0)
+
+
+def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> ExpertsChoice:
+    """The one rule of how a streamed MoE store moves its experts (planner, ``Engine.open``, ``airquant plan``):
+    ``whole`` moves whole layers; ``routed`` only the experts a call routes to (forced, whatever the batch);
+    ``auto`` routed while ``batch`` sequences route fewer than ``ROUTED_BELOW`` of a layer's experts a decode
+    step (``batch`` None, not known: routed), and never for types in ``NOT_ROUTED``. The batch is the one the
+    run is opened for: a decode loop whose slots fill and drain keeps the mode chosen then."""
+    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if mode == "routed" and not moe:
         raise ExpertsError("--experts routed was asked for, but this store has no Mixture-of-Experts layer; "
                            "use --experts auto (or whole).")
     if mode == "routed" and not streamed:
         raise ExpertsError("--experts routed needs a streamed run; drop --resident (or use --experts auto).")
+    if not moe or not streamed:
+        return ExpertsChoice(False)
+    if mode == "whole":
+        return ExpertsChoice(False, "experts whole layers (--experts whole)")
     model_type = (manifest.source or {}).get("model_type")
-    why = NOT_ROUTED.get(model_type)
-    if why and moe and streamed and mode != "whole":
+    if (why := NOT_ROUTED.get(model_type)) is not None:
         if mode == "routed":
             raise ExpertsError(f"--experts routed cannot run {model_type}: {why}; use --experts auto (or whole).")
         log.info("experts   : whole layers for %s (%s)", model_type, why)
-        return False
-    return moe and streamed and mode != "whole"
+        return ExpertsChoice(False, f"experts whole layers for {model_type}: {why}")
+    rule = f"auto streams routed below {ROUTED_BELOW * 100:.0f} %"
+    if batch is None:
+        return ExpertsChoice(True, f"experts routed: the batch is not known ({rule} of a layer's experts a step)")
+    top = max(moe, key=lambda e: routed_share(e.experts["top_k"], e.experts["num"], batch)).experts
+    share = routed_share(top["top_k"], top["num"], batch)
+    routes = (f"batch {batch} routes ~{share * 100:.0f} % of {top['num']} experts per step "
+              f"(top-{top['top_k']} per token)")
+    if mode == "routed":
+        return ExpertsChoice(True, f"experts routed (--experts routed): {routes}"
+                             + ("" if share < ROUTED_BELOW else f"; {rule}, so auto would stream whole layers"))
+    routed = share < ROUTED_BELOW
+    return ExpertsChoice(routed, f"experts {'routed' if routed else 'whole layers'}: {routes}; {rule}")
+
+
+def use_routed(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> bool:
+    """Whether a run streams experts routed (``choose_experts``)."""
+    return choose_experts(mode, manifest, streamed, batch).routed
+
+
+def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
+    """The smallest batch from which ``mode`` streams this store's layers whole where a batch of one streams
+    them routed (``auto``), None where the batch changes nothing. The router sizes its largest batch with it."""
+    if mode != "auto" or not use_routed(mode, manifest, True, 1):
+        return None
+    batch = 2
+    while use_routed(mode, manifest, True, batch):  # the share grows with the batch: double, then bisect
+        if batch >= 1 << 16:  # a share that never reaches the threshold (one expert of a huge pool)
+            return None
+        batch *= 2
+    low = batch // 2  # routed at low, whole at batch
+    while batch - low > 1:
+        mid = (low + batch) // 2
+        low, batch = (mid, batch) if use_routed(mode, manifest, True, mid) else (low, mid)
+    return batch
 
 
 def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float | None = None,

@@ -226,7 +226,7 @@ def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVS
 
 def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
     """What each layer carries through a device slot when streamed: routed MoE layers their dense part."""
-    routed = experts.use_routed(wl.experts, manifest, streamed=True)
+    routed = experts.use_routed(wl.experts, manifest, True, wl.batch_size)
     entries = [manifest.shards[f"layer.{i}"] for i in range(manifest.num_layers)]
     return [experts.dense_bytes(e) if routed and e.experts else e.bytes for e in entries]
 
@@ -286,11 +286,15 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
 
 
 def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int], wl: Workload) -> StreamPlan:
-    """Layers placed around the expert arena of a routed MoE run (none for dense stores)."""
+    """Layers placed around the expert arena of a routed MoE run (none for dense stores); the experts rule's
+    choice (``experts.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
     layers = manifest.layer_bytes
     whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
-    routed = experts.routed_layers(manifest, whole.tiers) if experts.use_routed(wl.experts, manifest, True) else {}
-    if not routed:  # a dense store, --experts whole, or every layer resident: no pool
+    choice = experts.choose_experts(wl.experts, manifest, True, wl.batch_size)
+    routed = experts.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
+    if routed and choice.why:
+        whole.reasons.append(choice.why)
+    if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
         return whole
     sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0)
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
@@ -305,6 +309,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
         left = budgets.vram_bytes - placed.device_bytes
         sizing = _size_pool(manifest, wl, left)
         arena = sizing.arena_bytes
+    placed.reasons.append(choice.why)
     placed.reasons.append(f"expert arena {sizing.work} working + {sizing.cache} cache slots and gather "
                           f"({arena / GB:.2f} GB) planned inside the VRAM budget, before resident layers")
     return replace(placed, experts=sizing, expert_bytes=arena)
@@ -313,7 +318,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
 def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
     working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
-    if not gpu or not experts.use_routed(wl.experts, manifest, streamed=True):
+    if not gpu or not experts.use_routed(wl.experts, manifest, True, wl.batch_size):
         return 0
     sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
+from airquant.engine.experts import first_whole_batch
 from airquant.engine.plan import GB, MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
 from airquant.engine.planner import (DEFAULT_CONTEXT, DTYPE_BYTES, GIB, SLOTS, TQ_SETTINGS, Hardware, KVScheme, Mode,
                                      ModelDims, Workload, compute_bytes, plan, reserve_of, stream_bytes,
@@ -394,7 +395,7 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
         return None  # the offloaded option whose cache fits on the device after all: the plain option covers it
     lines.append(f"{label} <= {where} {budget / GB:.2f} GB: fits")
     reserve = placed.reserve_bytes if placed.kv_offload else costs.reserve(wl.batch_size).total
-    max_batch = costs.max_batch(mode, budget, wl.batch_size)
+    max_batch = _max_batch(c, costs, mode, kv, hw, wl, context, offload, budget)
     if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead and expert staging buffers
         host = hw.ram_bytes - costs.host_fixed - wl.staging * max(c.layer_bytes) - placed.expert_staging_bytes
         max_batch = min(max_batch, max(0, host) // costs.kv_host)
@@ -403,6 +404,18 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
                  ram_tier_bytes=placed.ram_tier_bytes - placed.kv_host_bytes if mode == "streamed" else 0,
                  max_batch=max_batch, lines=tuple(lines), kv_offload=placed.kv_offload,
                  dtype_bytes=_compute_bytes(c, hw, wl.dtype), workload=planned)
+
+
+def _max_batch(c: Candidate, costs: _Costs, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
+               offload: bool, budget: int) -> int:
+    """The largest batch, counted with the slots of the experts mode the rule picks at that batch: a MoE store
+    streamed routed at the planned batch streams whole layers (larger slots) from ``first_whole_batch`` on."""
+    largest = costs.max_batch(mode, budget, wl.batch_size)
+    flip = first_whole_batch(wl.experts, c.manifest) if mode == "streamed" and costs.gpu else None
+    if flip is None or wl.batch_size >= flip or largest < flip:
+        return largest
+    whole = _costs(c, kv, hw, replace(wl, batch_size=flip), context, offload).max_batch(mode, budget, flip)
+    return whole if whole >= flip else flip - 1
 
 
 def _placement(c: Candidate, costs: _Costs, mode: str, kv: KVScheme, hw: Hardware, wl: Workload,

@@ -102,7 +102,9 @@ class Engine:
         self.streamer: LayerStreamer | None = None
         self.plan: StreamPlan | None = None
         self.experts: experts.ExpertPool | None = None  # routed MoE experts (engine/experts.py)
-        routed_mode = experts.use_routed(cfg.experts, manifest, streamed=not cfg.resident)
+        # The experts rule sees the batch the engine is opened for (--batch-size; a batch job's size): a
+        # decode loop whose slots fill and drain, or halve after running out of memory, keeps this mode.
+        routed_mode = experts.use_routed(cfg.experts, manifest, not cfg.resident, cfg.batch_size)
         if cfg.resident:
             skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype,
                                           verify_reads=cfg.verify_reads)
@@ -229,7 +231,9 @@ class Engine:
     def decode_loop(self, slots: int, *, context: int | None = None, kv=None,
                     token_budget: int | None = None, offload: set[int] | None = None) -> DecodeLoop:
         """A decode loop of ``slots`` sequences of up to ``context`` tokens each (default: the planned one);
-        ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads)."""
+        ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads).
+        A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``experts.choose_experts``),
+        whatever ``slots`` is and however many sequences each pass holds."""
         from airquant.engine.plan import token_budget as planned_budget
         from airquant.kv import cache_kwarg
 

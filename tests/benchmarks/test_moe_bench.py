@@ -29,6 +29,10 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
                      tokenizer=real_tokenizer, progress=False)
         moved = {x["bytes_per_step"] for x in r["whole_layer"] if x["model"] == f"{shape} nf4"}
         assert moved == {sum(twin.layer_bytes)}
+    modes = {x["case"]: (x["experts_asked"], x["experts_mode"]) for x in r["expert_aware"]
+             if x["model"] == "mixtral-8x7b nf4"}
+    # forced routed stays routed at a large batch; the default (auto) streams whole layers there (2 of 8 at batch 8)
+    assert modes["lfu_bs256"] == ("routed", "routed") and modes["auto_bs256"] == ("auto", "whole")
     air = r["details"]["airllm"]
     assert air["layers"] == 2 and air["airquant_bf16"]["per_layer_s"] > 0 and air["airquant_nf4"]["per_layer_s"] > 0
     # AirLLM gives a time (and a ratio) or the error it stopped with, never neither
@@ -61,6 +65,9 @@ def test_a_rerun_replaces_its_cases_and_keeps_the_others():
     old = [row("m", 15.0, 1, 1.0), row("m", 4.0, 1, 2.0), row("q", 15.0, 1, 3.0)]
     merged = merge_rows(old, [row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)])
     assert merged == [row("m", 15.0, 1, 1.0), row("q", 15.0, 1, 3.0), row("m", 4.0, 1, 0.5), row("m", 4.0, 64, 0.7)]
+    cases = [{**row("m", 15.0, 256, 1.0), "case": "lfu_bs256"}, {**row("m", 15.0, 256, 2.0), "case": "auto_bs256"}]
+    rerun = {**row("m", 15.0, 256, 3.0), "case": "auto_bs256"}
+    assert merge_rows(cases, [rerun]) == [cases[0], rerun]  # same model, cap and batch, another case: kept
 
 
 def test_a_target_its_case_could_not_measure_says_why_in_the_results_table():
