@@ -1,0 +1,121 @@
+"""The decode loop's work per decoder layer, counted with a dispatch mode (deterministic, unlike timings).
+
+A batch pass of an 8B model on an H200 is bound by the host queueing kernels, not by the GPU: every op
+inside a decoder layer is a launch per layer per pass, and a host sync inside one stops the host from
+queueing ahead. These tests pin what the cache on the device costs per layer: no op that reads device data
+on the host (``.item()``, ``nonzero``, ``bool(t)``) and no tensor made from host data (``torch.tensor``: a
+host-to-device copy on a GPU) inside any layer, in prefill and decode passes alike; a decode pass writes its
+new keys and values with one gather and one scatter each. On CPU the same aten ops dispatch as on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from airquant.engine import skeleton
+from airquant.engine.decode import Request
+from airquant.engine.runner import Engine
+
+# Ops that read a tensor's data on the host (a device sync on a GPU), and those that make a tensor of host data.
+SYNCS = {"_local_scalar_dense", "nonzero", "is_nonzero", "item", "masked_select", "unique_consecutive",
+         "_unique2", "equal"}
+HOST_DATA = {"lift_fresh", "lift_fresh_copy"}
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree".split()
+
+
+class OpCounter(TorchDispatchMode):
+    """Aten ops by where they ran ("outside", "layer", "kv_write") and whether they are kernels: an in-place
+    op, or one whose output is new memory (views and no-op conversions return an input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = "outside"
+        self.ops: Counter = Counter()  # (where, op)
+        self.kernels: Counter = Counter()  # (where, op)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops[(self.where, name)] += 1
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name.endswith("_") or any(t.untyped_storage().data_ptr() not in inputs for t in outputs):
+            self.kernels[(self.where, name)] += 1
+        return out
+
+    def at(self, where: str, counter: Counter | None = None) -> Counter:
+        return Counter({op: n for (w, op), n in (counter or self.ops).items() if w == where})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_store):
+    e = Engine.open(tiny_store, device="cpu")
+    yield e
+    e.close()
+
+
+def _counted_passes(engine, slots: int = 3) -> list[tuple[list, OpCounter]]:
+    """Every pass of a mixed job (prompts arriving while others decode) with its op counts; per pass the
+    segments it ran (``(n, ...)``: n > 1 a prompt chunk, 1 a decode token)."""
+    loop = engine.decode_loop(slots, context=96, token_budget=8, offload=set())
+    layers = skeleton.decoder_layers(engine.model)
+    state: dict = {"mode": None}
+
+    def enter(where):
+        def hook(*_):
+            if state["mode"] is not None:
+                state["mode"].where = where
+        return hook
+
+    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(enter("layer")),
+                                               layer.register_forward_hook(enter("outside")))]
+    update = loop.kv.update
+
+    def counted_update(*args, **kwargs):  # the cache's write, called by every attention module
+        mode, prev = state["mode"], state["mode"].where
+        mode.where = "kv_write"
+        try:
+            return update(*args, **kwargs)
+        finally:
+            mode.where = prev
+
+    loop.kv.update = counted_update
+    for k in range(5):
+        loop.submit(Request(tuple(engine.prompt_ids(" ".join(WORDS[: 3 + 4 * k]))), 4 + k, ignore_eos=True))
+    passes = []
+    try:
+        while not loop.idle:
+            state["mode"] = OpCounter()
+            with state["mode"]:
+                loop.step()
+            passes.append(([s.n for s in loop.kv.segments], state["mode"]))
+    finally:
+        for h in handles:
+            h.remove()
+    return passes
+
+
+def test_no_host_sync_or_host_data_inside_a_layer(engine):
+    passes = _counted_passes(engine)
+    assert any(max(n) > 1 for n, _ in passes) and any(max(n) == 1 for n, _ in passes)  # prefill and decode passes
+    for segments, mode in passes:
+        for where in ("layer", "kv_write"):
+            ops = mode.at(where)
+            assert sum(ops.values()) > 0, where
+            assert not {op for op in ops if op in SYNCS | HOST_DATA}, (segments, where, ops)
+
+
+def test_a_decode_pass_writes_its_kv_with_one_gather_and_one_scatter_each(engine):
+    """Per layer on a decode-only pass: keys and values gathered from the packed row (``index``) and scattered
+    into the slots (``index_put_``), nothing else launched; views and no-op casts launch nothing."""
+    passes = [(n, mode) for n, mode in _counted_passes(engine) if max(n) == 1]
+    assert passes
+    layers = engine.config.num_hidden_layers
+    for segments, mode in passes:
+        kernels = mode.at("kv_write", mode.kernels)
+        assert kernels == Counter({"index": 2 * layers, "index_put_": 2 * layers}), (segments, kernels)
