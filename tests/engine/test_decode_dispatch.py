@@ -119,3 +119,14 @@ def test_a_decode_pass_writes_its_kv_with_one_gather_and_one_scatter_each(engine
     for segments, mode in passes:
         kernels = mode.at("kv_write", mode.kernels)
         assert kernels == Counter({"index": 2 * layers, "index_put_": 2 * layers}), (segments, kernels)
+
+
+def test_greedy_tokens_of_a_pass_are_read_in_one_go_not_one_sync_per_sequence(engine):
+    """Sampling outside the layers: a greedy decode pass of several sequences reads its tokens with one
+    argmax over the rows (``tolist``, no per-sequence ``_local_scalar_dense``: one GPU sync each)."""
+    passes = [(n, mode) for n, mode in _counted_passes(engine) if max(n) == 1 and len(n) > 1]
+    assert passes
+    for segments, mode in passes:
+        outside = mode.at("outside")
+        assert outside["_local_scalar_dense"] == 0, (segments, outside)
+        assert outside["argmax"] == 1, (segments, outside)

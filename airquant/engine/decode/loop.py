@@ -206,7 +206,10 @@ class DecodeLoop:
         for seq, n in plan:
             self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
             seq.cached += n
-        events = [self._advance(seq, logits[k]) for k, (seq, _) in enumerate(emit)]
+        # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
+        greedy = [k for k, (seq, _) in enumerate(emit) if seq.request.temperature <= 0]
+        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        events = [self._advance(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
         self.sync()
         took = time.perf_counter() - start
         self.stats.passes += 1
@@ -237,10 +240,10 @@ class DecodeLoop:
             config._attn_implementation = previous
         return out.logits[0].float()
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> Event | None:
+    def _advance(self, seq: Sequence, logits: torch.Tensor, token: int | None = None) -> Event | None:
         if seq.done:  # cancelled while its pass ran
             return None
-        token = self._sample(seq, logits)
+        token = self._sample(seq, logits) if token is None else token
         now = time.perf_counter()
         seq.first_token_at = seq.first_token_at or now
         self.stats.useful_tokens += 1
