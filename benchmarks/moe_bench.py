@@ -100,6 +100,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         if case is not None:  # what --experts auto picked for this batch (experts.choose_experts)
             row["experts_mode"] = "routed" if engine.experts is not None else "whole"
         step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
+        if case is not None and case in (a.trace or "").split(","):
+            row["trace"] = trace_steps(b, engine, batch)
         if engine.experts is not None:
             row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(),
                        decode_bytes_per_step=routed_step_bytes(b, engine, batch))
@@ -119,6 +121,34 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         if engine is not None:
             engine.close()
     return row
+
+
+def trace_steps(b: Bench, engine, batch: int, new: int = 3, top: int = 20) -> dict:
+    """Where a decode step's time goes (``--trace CASE``): ``new`` tokens after the prefill under torch's
+    profiler, the ops with the most device time and the most host time, and the device's busy time by kind
+    (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
+    here whether the device computed, copied or waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from airquant.config import GenerateConfig
+
+    ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
+    wall = time.perf_counter() - start
+    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    events = prof.key_averages()
+    busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
+    for e in events:
+        name, ms = e.key.lower(), device_us(e) / 1e3
+        kind = ("memcpy_htod_ms" if "htod" in name else "memcpy_other_ms") if "memcpy" in name else "kernel_ms"
+        busy[kind] += ms
+    rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
+                       "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
+    return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
+            "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
 
 
 def routed_step_bytes(b: Bench, engine, batch: int) -> float:
@@ -380,6 +410,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
     p.add_argument("--max-batch", type=int, default=512,
                    help="batch of the expert-aware max-batch row (Mixtral, 15 GB, KV offload when needed; 0: skip)")
+    p.add_argument("--trace", default=None, metavar="CASES",
+                   help="expert-aware cases (comma-separated) to also run under torch's profiler: the row gets "
+                        "'trace' (device time by kind, top ops by device and host time)")
     p.add_argument("--cases", default=None,
                    help="expert-aware parts: only these comma-separated cases (" + ",".join(ROUTED_CASES)
                         + ",max_batch; default all; the whole-layer batch-1 row comes with nocache)")
