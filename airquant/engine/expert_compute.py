@@ -1,4 +1,5 @@
-"""How the expert pool runs a call's routed experts once they are packed as ``[U, ...]`` tensors.
+"""How the expert pool runs a call's routed experts once they are packed as ``[U, ...]`` tensors, and the
+device memory that takes (``ExpertPlan.decode_bytes`` / ``compute_bytes`` are sized by the functions here).
 
 Grouped: transformers 5's fused experts modules (``@use_experts_implementation``) have a grouped-matmul
 forward (``grouped_mm``: ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where present, a
@@ -6,6 +7,11 @@ per-expert loop inside transformers otherwise). Quantized experts are first deco
 stacked dense weights (``ExpertWeights.stacked``), in chunks of at most ``GROUPED_BYTES``, instead of the
 eager loop's one decode and two small matmuls per expert: at batch 64, Qwen3-30B-A3B routes all 128
 experts of a layer and the per-expert launches, not the math, set the step time.
+
+Memory: a chunk's stacked weights (``GROUPED_BYTES``), the temporaries of decoding them (at most
+``DECODE_TEMP_BYTES``: larger decodes go in slices of experts) and the intermediates of one grouped call
+(gate/up outputs, activations, the hidden rows of every routed (token, expert) pair: at most
+``COMPUTE_BYTES``, a long prefill runs in token chunks). Each is bounded whatever the batch.
 
 Dispatched: Llama 4's experts module takes its tokens already spread over every expert, ``[E * T, H]``,
 each row scaled by its routing score, which is exactly 0 for an expert the token was not routed to; a
@@ -15,6 +21,9 @@ bias-free GLU expert maps a zero row to a zero row, so only experts with a non-z
 from __future__ import annotations
 
 import logging
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +32,90 @@ from airquant.quant.experts import ExpertWeights
 
 log = logging.getLogger(__name__)
 GROUPED_BYTES = 1 << 30  # stacked dense expert weights decoded at once; more experts run in further chunks
+DECODE_TEMP_BYTES = 128 << 20  # decode temporaries beside them, at most (one expert's where that is more)
+COMPUTE_BYTES = 128 << 20  # intermediates of one grouped call, at most (one token's where that is more)
+# Temporaries a stacked NF4 decode allocates per dense element beside its output (quant/nf4.py): on CUDA
+# bitsandbytes writes the compute dtype directly and only the absmax is decoded in torch (double quant:
+# int64 codes and three fp32 copies, 16 B per 64-element block); on CPU the torch decode holds int64 nibble
+# indices (8 B), fp32 values (4 B) and the absmax repeated per element (4 B). An expert-by-expert decode
+# (other schemes) is given the same allowance for its own temporaries.
+DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
+# Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
+# the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
+ROW_INDEX_BYTES = 48
+
+
+@dataclass(frozen=True)
+class ExpertMatrices:
+    """One expert's matrices (``(out, in)`` each, or a dense tensor's two dims: the count is symmetric) and
+    which of them are quantized, decoded stacked (``dequantize_stacked``) or expert by expert."""
+
+    shapes: tuple[tuple[int, int], ...]
+    top_k: int
+    quantized: tuple[bool, ...]
+    stacks: tuple[bool, ...]
+
+    def row_elems(self) -> int:
+        """Elements one routed (token, expert) row of transformers' grouped forward holds at most: its input
+        row, the gate/up output, the activation and product (``H + 2I + 2I`` for a gated expert); later, the
+        down output and its weighted, reordered and summed copies (``4H``); one hidden row more of slack.
+        H is the dim every matrix shares; without one, twice the sum of all dims."""
+        common = set(self.shapes[0]).intersection(*map(set, self.shapes[1:])) if self.shapes else set()
+        if len(self.shapes) < 2 or len(common) != 1:
+            return 2 * sum(a + b for a, b in self.shapes)
+        hidden = common.pop()
+        others = [b if a == hidden else a for a, b in self.shapes]
+        return max(hidden + sum(others) + min(others), 4 * hidden) + hidden
+
+    def token_bytes(self, width: int) -> int:
+        """Device bytes of one token's ``top_k`` rows in a grouped call."""
+        return self.top_k * (self.row_elems() * width + ROW_INDEX_BYTES)
+
+    def call_tokens(self, width: int, cap: int | None = None) -> int:
+        """Tokens one grouped call takes: its intermediates within ``COMPUTE_BYTES``, and no more than ``cap``
+        (the tokens a call of the experts module ever gets, where that is bounded)."""
+        tokens = max(1, COMPUTE_BYTES // self.token_bytes(width))
+        return tokens if cap is None else max(1, min(tokens, cap))
+
+    def compute_bytes(self, width: int, cap: int | None = None) -> int:
+        return self.call_tokens(width, cap) * self.token_bytes(width)
+
+    def chunk_experts(self, width: int) -> int:
+        """Experts whose stacked dense weights are decoded at once (``GROUPED_BYTES``)."""
+        per = sum(a * b for (a, b), q in zip(self.shapes, self.quantized) if q) * width
+        return max(1, GROUPED_BYTES // max(per, 1))
+
+    def decode_bytes(self, num: int, width: int, device: str) -> int:
+        """Device bytes of decoding ``num`` experts' quantized matrices: the largest chunk's stacked weights,
+        and beside them the largest decode's temporaries."""
+        n = min(num, self.chunk_experts(width))
+        out = sum(n * a * b * width for (a, b), q in zip(self.shapes, self.quantized) if q)
+        temps = [decode_temp(a * b, n, width, s, device) for (a, b), q, s in zip(self.shapes, self.quantized,
+                                                                               self.stacks) if q]
+        return out + max(temps, default=0)
+
+
+def decode_slice(elems: int, n: int, width: int, stacks: bool, device: str) -> int:
+    """Experts of ``n`` decoded per call into their stacked tensor: all at once where the decode's temporaries
+    fit ``DECODE_TEMP_BYTES``, else slices (each decoded, then copied in) whose temporaries do (one expert at
+    least; an expert-by-expert scheme always slices)."""
+    per_elem = DECODE_TEMP_PER_ELEM.get(device, DECODE_TEMP_PER_ELEM["cpu"])
+    step = max(1, min(n, int(DECODE_TEMP_BYTES // ((per_elem + 2 * width) * elems))))
+    # A slice's output is a temporary too (copied in after): slicing pays only where it lowers the peak.
+    if stacks and per_elem * n * elems <= max(DECODE_TEMP_BYTES, (per_elem + 2 * width) * step * elems):
+        return n
+    return step
+
+
+def decode_temp(elems: int, n: int, width: int, stacks: bool, device: str) -> int:
+    """Temporaries of decoding ``n`` experts' ``elems``-element matrix beside their stacked output: the
+    decode's own, and where sliced, each slice's output before its copy (twice: an expert-by-expert decode
+    stacks its list)."""
+    per_elem = DECODE_TEMP_PER_ELEM.get(device, DECODE_TEMP_PER_ELEM["cpu"])
+    s = decode_slice(elems, n, width, stacks, device)
+    if s == n and stacks:
+        return math.ceil(per_elem * n * elems)
+    return math.ceil(s * elems * (per_elem + 2 * width))
 
 
 def grouped_forward(module):
@@ -43,36 +136,93 @@ def quantized_children(module) -> dict[str, ExpertWeights]:
     return {name: child for name, child in module.named_children() if isinstance(child, ExpertWeights)}
 
 
-def run_grouped(module, fn, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                num: int) -> torch.Tensor:
-    """The experts module on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] (rows of the ``num``
-    packed experts), its quantized weights decoded as stacked dense tensors chunk by chunk."""
+def matrices_of(module, num: int, top_k: int) -> ExpertMatrices:
+    """The ``ExpertMatrices`` of a (packed) experts module: quantized children and dense [num, a, b] tensors."""
     quantized = quantized_children(module)
-    if not quantized:
-        return fn(module, hidden, index, weights)
-    per_expert = sum(c.out_features * c.in_features for c in quantized.values()) * hidden.element_size()
-    chunk = max(1, GROUPED_BYTES // max(per_expert, 1))
+    shapes, flags, stacks = [], [], []
+    for child in quantized.values():
+        shapes.append((child.out_features, child.in_features))
+        flags.append(True)
+        stacks.append(hasattr(child.one[0], "dequantize_stacked"))
+    for _, t in module.named_parameters(recurse=False):
+        if t.dim() == 3 and t.shape[0] == num:
+            shapes.append((int(t.shape[1]), int(t.shape[2])))
+            flags.append(False)
+            stacks.append(False)
+    return ExpertMatrices(tuple(shapes), top_k, tuple(flags), tuple(stacks))
+
+
+def run_grouped(module, fn, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                num: int, tokens: int | None = None) -> torch.Tensor:
+    """The experts module on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] (rows of the ``num``
+    packed experts), its quantized weights decoded as stacked dense tensors chunk by chunk, its tokens run
+    at most ``tokens`` (the plan's ``call_tokens``) at a time, and within ``COMPUTE_BYTES``."""
+    quantized = quantized_children(module)
+    shape = matrices_of(module, num, index.shape[-1])
+    width = hidden.element_size()
+    tokens = shape.call_tokens(width, tokens)
+    chunk = shape.chunk_experts(width) if quantized else num
     if chunk >= num:
-        return _chunk(module, fn, quantized, hidden, index, weights, 0, num, num)
+        with _decoded(module, quantized, 0, num, num):
+            return _by_tokens(module, fn, hidden, index, weights, tokens)
     out = torch.zeros_like(hidden)
     for start in range(0, num, chunk):
         stop = min(start + chunk, num)
-        inside = (index >= start) & (index < stop)
+        inside = (index >= start) & (index < stop)  # [T, k]
         rows = inside.any(dim=-1).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        # Rows routed partly outside the chunk: those slots point at its first expert with weight 0.
-        local = torch.where(inside[rows], index[rows] - start, torch.zeros_like(index[rows]))
-        part = _chunk(module, fn, quantized, hidden[rows], local, weights[rows] * inside[rows], start, stop, num)
-        out.index_add_(0, rows, part.to(out.dtype))
+        with _decoded(module, quantized, start, stop, num):
+            for a in range(0, rows.numel(), tokens):
+                part_rows = rows[a:a + tokens]
+                mask = inside[part_rows]
+                # Rows routed partly outside the chunk: those slots point at its first expert with weight 0.
+                local = torch.where(mask, index[part_rows] - start, torch.zeros_like(index[part_rows]))
+                part = fn(module, hidden[part_rows], local, weights[part_rows] * mask)
+                out.index_add_(0, part_rows, part.to(out.dtype))
     return out
 
 
-def _chunk(module, fn, quantized: dict[str, ExpertWeights], hidden, index, weights, start: int, stop: int,
-           total: int):
+def _by_tokens(module, fn, hidden, index, weights, tokens: int) -> torch.Tensor:
+    """``fn`` over at most ``tokens`` tokens at a time: an expert's output row depends on its token only."""
+    total = hidden.shape[0]
+    if total <= tokens:
+        return fn(module, hidden, index, weights)
+    out = None
+    for a in range(0, total, tokens):
+        part = fn(module, hidden[a:a + tokens], index[a:a + tokens], weights[a:a + tokens])
+        if out is None:
+            out = part.new_empty((total, *part.shape[1:]))
+        out[a:a + tokens] = part
+    return out
+
+
+def decode_stacked(child: ExpertWeights, start: int, stop: int) -> torch.Tensor:
+    """Experts ``start .. stop`` of ``child`` as one stacked dense tensor, decoded in slices whose temporaries
+    stay within ``DECODE_TEMP_BYTES`` (``decode_slice``)."""
+    n, width = stop - start, torch.empty((), dtype=child.compute_dtype).element_size()
+    device = getattr(child, child.suffixes[0]).device.type
+    stacks = hasattr(child.one[0], "dequantize_stacked")
+    step = decode_slice(child.out_features * child.in_features, n, width, stacks, device)
+    if step >= n:
+        return child.stacked(start, stop)
+    first = child.stacked(start, start + step)
+    out = first.new_empty((n, *first.shape[1:]))
+    out[:step] = first
+    del first
+    for a in range(start + step, stop, step):
+        out[a - start:min(a + step, stop) - start] = child.stacked(a, min(a + step, stop))
+    return out
+
+
+@contextmanager
+def _decoded(module, quantized: dict[str, ExpertWeights], start: int, stop: int, total: int):
     """Experts ``start .. stop`` of the ``total`` packed ones: quantized weights decoded, the dense packed
-    tensors (biases: gpt-oss) sliced to them, so that ``index`` counts from ``start``."""
-    dense = {name: child.stacked(start, stop) for name, child in quantized.items()}
+    tensors (biases: gpt-oss) sliced to them, so that an index counts from ``start``."""
+    if not quantized:
+        yield
+        return
+    dense = {name: decode_stacked(child, start, stop) for name, child in quantized.items()}
     sliced = {}
     if stop - start < total:
         tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
@@ -85,7 +235,7 @@ def _chunk(module, fn, quantized: dict[str, ExpertWeights], hidden, index, weigh
     if num is not None:
         module.num_experts = stop - start
     try:
-        return fn(module, hidden, index, weights)
+        yield
     finally:
         for name, child in quantized.items():
             delattr(module, name)

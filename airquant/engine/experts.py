@@ -41,7 +41,6 @@ SPECULATE_TOKENS = 8  # speculation pays at decode batch sizes; larger batches r
 ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views reinterpret as any dtype
 LFU_DECAY = 0.9  # per call of the pool: a count from 32 layers (one Mixtral step) ago weighs 0.03
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
-DECODE_EXPANSION = 8  # dense 16-bit bytes per stored byte of a quantized expert, at most (2-bit weights)
 
 
 class ExpertsError(AirQuantError):
@@ -57,7 +56,9 @@ class ExpertPlan:
     work: int  # slots a call's routed experts (and a speculation) need at once
     cache: int  # further slots holding recently/frequently used experts
     gather_bytes: int  # the [U, ...] tensors a call packs its experts into (U <= experts per layer)
-    decode_bytes: int = 0  # quantized experts decoded at once as stacked dense weights (expert_compute)
+    decode_bytes: int = 0  # quantized experts decoded at once as stacked dense weights, and the decode's temporaries
+    compute_bytes: int = 0  # intermediates of one grouped call (``call_tokens`` tokens; expert_compute)
+    call_tokens: int = 0  # tokens a grouped call takes at most: a longer prefill runs in chunks of this many
     policy: Policy = "lfu"
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
@@ -77,14 +78,16 @@ class ExpertPlan:
 
     @property
     def arena_bytes(self) -> int:
-        """Everything the routed path holds on the device beside the layers: pool, gather, stacked decode."""
-        return self.pool_bytes + self.gather_bytes + self.decode_bytes
+        """Everything the routed path holds on the device beside the layers: pool, gather, stacked decode
+        with its temporaries, and the grouped call's intermediates."""
+        return self.pool_bytes + self.gather_bytes + self.decode_bytes + self.compute_bytes
 
     def describe(self) -> str:
         gb = 1e9
         return (f"experts   : routed; pool {self.slots} slots x {self.slot_bytes / 1e6:.1f} MB = "
                 f"{self.pool_bytes / gb:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
                 f"gather {self.gather_bytes / gb:.2f} GB, stacked decode {self.decode_bytes / gb:.2f} GB, "
+                f"expert compute {self.compute_bytes / gb:.2f} GB ({self.call_tokens} tokens a call), "
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
@@ -200,10 +203,13 @@ def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
 
 
 def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float | None = None,
-                 policy: Policy = "lfu", speculate: bool = True) -> ExpertPlan:
+                 policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
+                 tokens: int | None = None) -> ExpertPlan:
     """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
     routes them, plus one speculated batch), and ``cache`` slots from ``cache_gb`` or, when None, from
-    the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache)."""
+    the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
+    terms are for a ``width``-byte compute dtype on a ``device`` (``expert_compute.DECODE_TEMP_PER_ELEM``), and
+    calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get)."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if not moe:
         raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
@@ -213,20 +219,56 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
     gather = num * slot
-    # Quantized experts are decoded together into dense weights, at most GROUPED_BYTES at a time; a dense
-    # expert is at most DECODE_EXPANSION times its stored bytes (16-bit weights from 2-bit and up).
-    quantized = any(m.split(".")[-1] == "experts" or ".experts." in m for e in moe for m in e.modules)
-    decode = min(expert_compute.GROUPED_BYTES, num * slot * DECODE_EXPANSION) if quantized else 0
+    shapes = [expert_matrices(e) for e in moe]
+    # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
+    # and the intermediates of one grouped call of at most call_tokens tokens.
+    decode = max(m.decode_bytes(e.experts["num"], width, device) for m, e in zip(shapes, moe))
+    caps = [min(c, tokens) if c and tokens else c or tokens for c in map(call_cap, moe)]
+    compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
+    tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
     total = sum(e.experts["num"] for e in moe)
     if cache_gb is not None:
         cache = int(cache_gb * 1e9) // slot
     elif spare_bytes is None:
         cache = 0
     else:
-        cache = max(int((spare_bytes - (work * slot + gather + decode)) * CACHE_FRACTION), 0) // slot
+        cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
     return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
-                      policy=policy, speculate=speculate)
+                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate)
+
+
+def call_cap(entry: ShardEntry) -> int | None:
+    """The most tokens one call of the layer's experts module gets: a module inside the block's ``mlp`` runs
+    ``MLP_CHUNK_TOKENS`` at a time (skeleton.chunk_mlp); elsewhere a call may get the whole prefill."""
+    from airquant.engine.plan import MLP_CHUNK_TOKENS
+
+    return MLP_CHUNK_TOKENS if _common_module(tuple(entry.experts["tensors"])).startswith("mlp.") else None
+
+
+def expert_matrices(entry: ShardEntry) -> expert_compute.ExpertMatrices:
+    """One expert's matrices of a MoE layer, from its manifest entry: quantized modules (their dense
+    ``shape``, and whether their scheme decodes stacked) and dense [E, a, b] expert tensors."""
+    from airquant.quant import make_linear
+
+    module = _common_module(tuple(entry.experts["tensors"]))
+    shapes, quantized, stacks = [], [], []
+    for name, meta in entry.modules.items():
+        if "experts" in meta and name.startswith(f"{module}."):
+            out_f, in_f = meta["shape"]
+            with torch.device("meta"):
+                one = make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16)
+            shapes.append((out_f, in_f))
+            quantized.append(True)
+            stacks.append(hasattr(one, "dequantize_stacked"))
+    for name in entry.experts["tensors"]:
+        meta = entry.tensors[name]
+        if meta.get("scheme", "dense") == "dense" and "float" in meta.get("dtype", "") and len(meta["shape"]) == 3:
+            shapes.append(tuple(meta["shape"][1:]))
+            quantized.append(False)
+            stacks.append(False)
+    return expert_compute.ExpertMatrices(tuple(shapes), int(entry.experts["top_k"]), tuple(quantized),
+                                         tuple(stacks))
 
 
 # -- the pool's bookkeeping ------------------------------------------------------------------------
@@ -391,8 +433,9 @@ def open_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
                            "(or leave the plan to Engine.open).")
     if not plan.experts_fit:
         raise ExpertsError(f"the expert pool ({sizing.pool_bytes / 1e9:.2f} GB), gather "
-                           f"({sizing.gather_bytes / 1e9:.2f} GB) and stacked decode "
-                           f"({sizing.decode_bytes / 1e9:.2f} GB) do not fit the {plan.arena_room_bytes / 1e9:.2f} GB "
+                           f"({sizing.gather_bytes / 1e9:.2f} GB), stacked decode ({sizing.decode_bytes / 1e9:.2f} GB) "
+                           f"and expert compute ({sizing.compute_bytes / 1e9:.2f} GB) do not fit the "
+                           f"{plan.arena_room_bytes / 1e9:.2f} GB "
                            "the layer plan leaves; lower --expert-cache, raise --max-vram or use --experts whole.")
     log.info("%s", sizing.describe())
     layers = skeleton_layers(engine.model)
@@ -484,7 +527,8 @@ class ExpertPool:
         with _packed_into(module, packed, len(union)):
             if grouped is None:
                 return forward(*args, **kwargs)
-            return expert_compute.run_grouped(module, grouped, *args, num=len(union))
+            return expert_compute.run_grouped(module, grouped, *args, num=len(union),
+                                               tokens=self.plan.call_tokens or None)
 
     def _run_dispatched(self, i: int, module, forward, hidden: torch.Tensor) -> torch.Tensor:
         """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""

@@ -326,4 +326,4 @@ def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
 
 def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> experts.ExpertPlan:
     return experts.plan_experts(manifest, spare, cache_gb=wl.expert_cache_gb, policy=wl.expert_policy,
-                                speculate=wl.expert_prefetch)
+                                speculate=wl.expert_prefetch, tokens=wl.batch_size * (wl.context or 2048))

@@ -75,7 +75,7 @@ class ExpertWeights(nn.Module):
         decode = getattr(self.one[0], "dequantize_stacked", None)
         if decode is None:
             return torch.stack([self[e] for e in range(start, stop)])
-        w = decode({name: getattr(self, name)[start:stop] for name in self.suffixes}).to(self.compute_dtype)
+        w = decode({name: getattr(self, name)[start:stop] for name in self.suffixes}, self.compute_dtype)
         return w.transpose(1, 2) if self.transposed else w
 
     def __len__(self) -> int:

@@ -128,11 +128,12 @@ class NF4Linear(QuantLinear):
         values = self.quant_map[nibbles[:numel].long()] * absmax.float().repeat_interleave(self.blocksize)[:numel]
         return values.reshape(self.out_features, self.in_features).to(self.compute_dtype)
 
-    def dequantize_stacked(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[E, out, in] fp32 weights of E matrices of this shape whose buffers are stacked on a leading dim
+    def dequantize_stacked(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[E, out, in] ``dtype`` weights of E matrices of this shape whose buffers are stacked on a leading dim
         (quantized experts): one pass of batched ops instead of E decodes. The nested absmax is decoded in
         torch (each expert has its own nested state); on CUDA one bitsandbytes decode then covers every
-        expert when no NF4 block straddles two of them."""
+        expert when no NF4 block straddles two of them, written in ``dtype`` directly (no fp32 copy of the
+        experts beside it: engine/expert_compute.py plans the decode's device memory on that)."""
         packed, absmax = tensors["weight_packed"], tensors["absmax"]
         num, numel = packed.shape[0], self.in_features * self.out_features
         if self.double_quant:
@@ -144,14 +145,14 @@ class NF4Linear(QuantLinear):
             functional = _bnb().functional
             state = functional.QuantState(absmax=absmax.reshape(-1), shape=torch.Size((num * numel,)),
                                           code=tensors["quant_map"][0].float(), blocksize=self.blocksize,
-                                          quant_type="nf4", dtype=torch.float32)
+                                          quant_type="nf4", dtype=dtype)
             return functional.dequantize_4bit(packed.reshape(-1), state).reshape(num, self.out_features,
                                                                                   self.in_features)
         flat = packed.reshape(num, -1)
         nibbles = torch.stack([flat >> 4, flat & 0x0F], dim=2).reshape(num, -1)[:, :numel].long()
         values = torch.gather(tensors["quant_map"].float(), 1, nibbles)
         values *= absmax.repeat_interleave(self.blocksize, dim=1)[:, :numel]
-        return values.reshape(num, self.out_features, self.in_features)
+        return values.reshape(num, self.out_features, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -177,6 +177,6 @@ def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
     assert (base.work, base.cache) == (4, 0) and base.gather_bytes == 4 * base.slot_bytes
     spec = plan_experts(manifest, None)
     assert spec.work == 4 + 4  # 8 tokens x 2 routed, capped at the 4 experts of a layer
-    roomy = plan_experts(manifest, 100 * base.slot_bytes, speculate=False)
+    roomy = plan_experts(manifest, 100 * base.slot_bytes + base.compute_bytes + base.decode_bytes, speculate=False)
     assert roomy.cache == 3 * 4 - 4  # every other expert of the store, no more
     assert "routed; pool" in roomy.describe()

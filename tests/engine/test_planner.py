@@ -138,7 +138,7 @@ def test_plan_bytes_never_exceed_the_budget(mixtral, cache_gb, extra_layers):
     assert plan.experts_fit and plan.margin_bytes == allocator_margin(hw.vram_bytes)
     streamed = [i for i, t in enumerate(plan.tiers) if t != "vram"]
     if streamed:  # a routed run: its pool is planned, and counted
-        assert plan.experts is not None and plan.expert_bytes == plan.experts.pool_bytes + plan.experts.gather_bytes
+        assert plan.experts is not None and plan.expert_bytes == plan.experts.arena_bytes
     assert plan.device_bytes == (plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes
                                  + sum(manifest.layer_bytes[i] for i in plan.vram_layers) + plan.expert_bytes)
     assert plan.device_bytes <= hw.plan_vram <= hw.vram_bytes
