@@ -17,11 +17,20 @@ Parts (results merge into ``results/scale_bench.json``):
   GPU) under ``--workdir``; skipped with ``--store PATH`` (reuse one built for another benchmark).
 * ``plain``: plain ``airquant batch``.
 * ``ray``: ``airquant batch --ray --engines 1``.
+* ``multi`` (issue 23, a machine of several GPUs; not in ``all``): the same job through ``--ray --engines 1`` and
+  ``--engines N`` (``--engines``, default every GPU), one GPU per engine, each a fresh CLI process. Under
+  ``results["multi"]``: each run's wall, job seconds, useful tok/s and the driver's split, ``scaling_efficiency`` =
+  tok/s with N / (N x tok/s with 1) against its target (>= 0.9), ``generation_scaling_efficiency`` (tokens per
+  engine-second of generation, N against 1: do engines slow each other?), the host RAM N engines' plans pin
+  against the machine's (planned, not measured) and the pinned link per GPU with every GPU copying at once
+  (``benchmarks/scale_machine.py``).
 
-``--quick`` runs the whole flow on the CPU with a tiny 2-layer store (a test of the script, not a measurement).
+``--quick`` runs the whole flow on the CPU with a tiny 2-layer store (a test of the script, not a measurement;
+``multi`` then runs 2 CPU engines).
 
     python benchmarks/scale_bench.py --part all            # about 3 minutes on one H200, store included
     python benchmarks/scale_bench.py --store /path/llama3-8b-bf16 --part all
+    python benchmarks/scale_bench.py --part store multi    # about 5 minutes on 2 H200s (nvidia-h200-x2)
 """
 
 from __future__ import annotations
@@ -45,8 +54,10 @@ from airquant.store.synth import SynthSpec, synth  # noqa: E402
 
 log = logging.getLogger("scale_bench")
 TARGET = 1.05  # ray_over_plain_wall, at most
+TARGET_EFFICIENCY = 0.9  # scaling_efficiency with N engines, at least (issue 23)
 RAY_SPLIT = re.compile(r"ray batch job: ([0-9.]+) s from the first dispatch.*?spent ([0-9.]+) s opening the store "
                        r"and ([0-9.]+) s generating", re.S)
+JOB_LINE = re.compile(r"([0-9]+) tokens in ([0-9.]+) s \(([0-9.]+) tok/s\)")  # cli.run_cmds.cmd_batch's last line
 QUICK = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
 WORDS = ("the river carried seven boats past an old mill while the town slept and a lamp burned in one "
          "window where someone wrote letters about the harvest the weather and the long road north").split()
@@ -103,11 +114,11 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
     records = [json.loads(line) for line in out.read_text().splitlines()]
     ids = [r["id"] for r in records]
     assert sorted(ids) == list(range(args.prompts)), f"{name}: ids missing or written twice"
-    job = re.search(r"in ([0-9.]+) s", done.stdout)
+    job = JOB_LINE.search(done.stdout)
     new = sum(r["new_tokens"] for r in records)
     named = {str(store): "STORE", str(inp): "IN.jsonl", str(out): "OUT.jsonl"}  # no machine paths in results/
     row = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "wall_s": wall, "job_s": float(job.group(1)) if job else None, "records": len(records),
+           "wall_s": wall, "job_s": job_seconds(job), "records": len(records),
            "new_tokens": new, "useful_tok_s": new / wall,
            "command": " ".join(["airquant", *[named.get(a, a) for a in cmd[3:]]])}
     split = RAY_SPLIT.search(done.stderr)
@@ -115,6 +126,15 @@ def run_job(args: argparse.Namespace, store: Path, name: str, extra: list[str]) 
         row.update(dispatch_s=float(split.group(1)), engine_open_s=float(split.group(2)),
                    engine_generate_s=float(split.group(3)))
     return row
+
+
+def job_seconds(line: re.Match | None) -> float | None:
+    """The CLI's job seconds; from its tokens and tok/s when both are there: the seconds print to 0.1 s, which
+    rounds a tiny --quick job to 0.0."""
+    if line is None:
+        return None
+    tokens, seconds, rate = int(line.group(1)), float(line.group(2)), float(line.group(3))
+    return tokens / rate if tokens and rate else seconds
 
 
 PAIR_WINDOW_S = 3 * 3600  # the parts run as separate commands; a pair is one device session
@@ -163,6 +183,82 @@ def summarize(results: dict) -> None:
                            plain_wall_for_target_s=fixed / (TARGET - ratio) if ratio < TARGET else None)
 
 
+# -- several GPUs (issue 23) ---------------------------------------------------------------------
+def multi_engines(args: argparse.Namespace) -> int:
+    """N of the multi part: ``--engines``, else every GPU (2 CPU engines with --quick); at least 2."""
+    gpus = torch.cuda.device_count()
+    n = args.engines or (2 if args.quick else gpus)
+    if n < 2:
+        raise SystemExit(f"--part multi compares 1 engine with N >= 2, and this machine has {gpus} GPU(s): run it on "
+                         "a machine of several GPUs (nvidia-h200-x2 or larger), or pass --engines N with --quick.")
+    return n
+
+
+def part_multi(args: argparse.Namespace, store: Path, n: int) -> dict:
+    """The same job through 1 and ``n`` Ray engines, then the host RAM n engines pin and the link per GPU."""
+    from benchmarks.scale_machine import link_part, planned_host_ram
+
+    gpus = torch.cuda.device_count()
+    per_engine = ["--gpus-per-engine", "0"] if args.quick else ["--gpus-per-engine", "1"]
+    runs = {str(k): {"engines": k, **run_job(args, store, f"multi-{k}", ["--ray", "--engines", str(k), *per_engine])}
+            for k in (1, n)}
+    device = "cpu" if args.quick else "cuda"
+    multi = {"quick": args.quick, "device": torch.cuda.get_device_name(0) if gpus and not args.quick else "cpu",
+             "gpus": gpus, "engines": n, "gpus_per_engine": 0 if args.quick else 1, "prompts": args.prompts,
+             "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "shape": "llama3-8b",
+             "dtype": "bfloat16", "target_scaling_efficiency": TARGET_EFFICIENCY, "runs": runs,
+             # After the runs: the plan reads this machine's free VRAM and RAM, and the link fills every GPU.
+             "host_ram": planned_host_ram(store, Path(args.workdir) / "prompts.jsonl", args.batch_size,
+                                          args.max_new_tokens, device, n),
+             "link": link_part(args.quick)}
+    if args.quick:
+        multi["note"] = "quick: CPU engines on a tiny store sharing this machine's cores; not a measurement"
+    return multi
+
+
+MULTI_DERIVED = ("scaling_efficiency", "meets_target", "generation_scaling_efficiency", "unpaired")
+
+
+def summarize_multi(multi: dict) -> None:
+    """``scaling_efficiency`` (the issue's figure, from wall time: start-up included) and, from the drivers'
+    split, ``generation_scaling_efficiency``: tokens per engine-second of generation with N engines against
+    1; below 1 when engines slow each other (a shared link, host cores), whatever the fixed cost per job."""
+    for key in MULTI_DERIVED:
+        multi.pop(key, None)
+    n = multi.get("engines")
+    one, many = (multi.get("runs") or {}).get("1"), (multi.get("runs") or {}).get(str(n))
+    if not (one and many):
+        return
+    if not same_run(one, many):
+        multi["unpaired"] = f"1 engine measured {one.get('measured_at')}, {n} {many.get('measured_at')}: run again"
+        return
+    multi["scaling_efficiency"] = many["useful_tok_s"] / (n * one["useful_tok_s"])
+    multi["meets_target"] = None if multi.get("quick") else multi["scaling_efficiency"] >= TARGET_EFFICIENCY
+    if one.get("engine_generate_s") and many.get("engine_generate_s"):
+        multi["generation_scaling_efficiency"] = ((many["new_tokens"] / many["engine_generate_s"])
+                                                  / (one["new_tokens"] / one["engine_generate_s"]))
+
+
+def print_multi(multi: dict) -> None:
+    print(f"{'engines':<8} {'wall s':>8} {'job s':>8} {'new tok':>8} {'useful tok/s':>13} {'gen s (sum)':>12}")
+    for key, r in multi.get("runs", {}).items():
+        print(f"{key:<8} {r['wall_s']:>8.1f} {r['job_s'] or 0:>8.1f} {r['new_tokens']:>8} {r['useful_tok_s']:>13.1f} "
+              f"{r.get('engine_generate_s') or 0:>12.1f}")
+    if "scaling_efficiency" in multi:
+        print(f"scaling_efficiency {multi['scaling_efficiency']:.3f} (target >= {TARGET_EFFICIENCY}"
+              + ("; quick: not a measurement)" if multi.get("quick") else ")")
+              + (f", generation {multi['generation_scaling_efficiency']:.3f}"
+                 if "generation_scaling_efficiency" in multi else ""))
+    ram = multi.get("host_ram") or {}
+    if ram:
+        print(f"host RAM: {ram['engines']} x {ram['per_engine_bytes'] / 1e9:.2f} GB planned per engine of "
+              f"{ram['machine_available_bytes'] / 1e9:.1f} GB available: {ram['verdict']} (planned, not measured)")
+    link = multi.get("link") or {}
+    print(f"link: {link['skipped']}" if "skipped" in link else "link per GPU: " + ", ".join(
+        f"{d} {r['alone_gbps']:.1f} alone / {r['together_gbps']:.1f} together GB/s"
+        for d, r in link.get("per_device", {}).items()))
+
+
 def print_table(results: dict) -> None:
     print(f"{'run':<6} {'wall s':>8} {'job s':>8} {'new tok':>8} {'useful tok/s':>13}")
     for name in ("plain", "ray"):
@@ -183,7 +279,8 @@ def print_table(results: dict) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["store", "plain", "ray", "all"], default="all")
+    p.add_argument("--part", nargs="+", choices=["store", "plain", "ray", "multi", "all"], default=["all"],
+                   help="parts to run, in this order (all: store, plain, ray; multi needs several GPUs)")
     p.add_argument("--store", default=None, help="reuse this 8B-shaped bf16 store (no store part)")
     p.add_argument("--workdir", default=str(REPO / "bench-work"), help="store, prompts and outputs")
     p.add_argument("--results", default=None, help="folder of scale_bench.json (default results/; "
@@ -192,6 +289,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--engines", type=int, default=None, help="N of the multi part (default: every GPU; 2 with --quick)")
     p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"))
     args = p.parse_args(argv)
     if args.quick:
@@ -204,6 +302,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    parts = set(args.part) - {"all"} | ({"store", "plain", "ray"} if "all" in args.part else set())
+    engines = multi_engines(args) if "multi" in parts else 1  # refused before anything runs
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     out = Path(args.results) / "scale_bench.json"
     results = json.loads(out.read_text()) if out.is_file() else {}
@@ -211,27 +311,34 @@ def main(argv=None) -> int:
         import ray
         ray_version = ray.__version__
     except ImportError:
-        if args.part in ("ray", "all"):
+        if parts & {"ray", "multi"}:
             raise
         ray_version = results.get("versions", {}).get("ray")
 
-    gpus = torch.cuda.device_count()
-    results.update(device=torch.cuda.get_device_name(0) if gpus and not args.quick else "cpu", gpus=gpus,
-                   quick=args.quick, synthetic=True, shape="llama3-8b", dtype="bfloat16", engines=1,
-                   prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   target_ray_over_plain_wall=TARGET, versions={"ray": ray_version, "torch": torch.__version__})
+    versions = {"ray": ray_version, "torch": torch.__version__}
+    if parts & {"plain", "ray"}:  # the one-GPU comparison's settings; the multi part keeps its own
+        gpus = torch.cuda.device_count()
+        results.update(device=torch.cuda.get_device_name(0) if gpus and not args.quick else "cpu", gpus=gpus,
+                       quick=args.quick, synthetic=True, shape="llama3-8b", dtype="bfloat16", engines=1,
+                       prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                       target_ray_over_plain_wall=TARGET, versions=versions)
     store = Path(args.store) if args.store else Path(args.workdir) / (
         "llama3-8b-bf16-quick" if args.quick else "llama3-8b-bf16")
-    if not args.store and args.part in ("store", "all"):
+    if not args.store and "store" in parts:
         store = build_store(args)
-    if args.part in ("plain", "all"):
+    if "plain" in parts:
         results["plain"] = run_job(args, store, "plain", [])
-    if args.part in ("ray", "all"):
+    if "ray" in parts:
         results["ray"] = run_job(args, store, "ray", ["--ray", "--engines", "1"])
+    if "multi" in parts:
+        results["multi"] = {**part_multi(args, store, engines), "versions": versions}
+        summarize_multi(results["multi"])
     summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
+    if "multi" in results:
+        print_multi(results["multi"])
     return 0
 
 

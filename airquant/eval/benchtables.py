@@ -201,7 +201,36 @@ def scale_bench(d: dict) -> list[str]:
             *md_table(["run", "wall", "job (engine)", "new tokens", "useful tok/s"], rows), "",
             f"Ray wall ÷ plain wall: **{_f(ratio, '{:.3f}')}** (target ≤ {_f(d.get('target_ray_over_plain_wall'))}: "
             f"{_met(ratio, d.get('target_ray_over_plain_wall') or 1.05, 'max')})."
-            + (f" {d['unpaired']}." if d.get("unpaired") else "")]
+            + (f" {d['unpaired']}." if d.get("unpaired") else ""), "", *_scale_multi(d.get("multi"))]
+
+
+def _scale_multi(m: dict | None) -> list[str]:
+    """scale_bench's multi part: the same job on 1 and N engines, one GPU each (issue 23)."""
+    if not m:
+        return ["Across GPUs (`--part multi`): not run: needs a machine of several GPUs."]
+    rows = [[k, _f(r.get("wall_s"), "{:.1f} s"), _f(r.get("job_s"), "{:.1f} s"), _f(r.get("new_tokens"), "{}"),
+             _f(r.get("useful_tok_s"), "{:.1f}"), _f(r.get("engine_generate_s"), "{:.1f} s")]
+            for k, r in (m.get("runs") or {}).items()]
+    eff, target = m.get("scaling_efficiency"), m.get("target_scaling_efficiency") or 0.9
+    ram, link = m.get("host_ram") or {}, m.get("link") or {}
+    quick = " QUICK RUN: CPU engines on a tiny store, not a measurement." if m.get("quick") else ""
+    lines = [f"Across GPUs (`--part multi`): measured on **{m.get('device', '?')}** ({m.get('gpus')} GPUs), the same "
+             f"job on 1 and {m.get('engines')} Ray engines, {m.get('gpus_per_engine')} GPU each.{quick}", "",
+             *md_table(["engines", "wall", "job (driver)", "new tokens", "useful tok/s", "generating (engines)"], rows),
+             "", f"Scaling efficiency, tok/s with N ÷ (N × tok/s with 1): **{_f(eff, '{:.3f}')}** (target ≥ "
+             f"{_f(target)}: {'quick run' if m.get('quick') else _met(eff, target, 'min')}); per engine-second of "
+             f"generation {_f(m.get('generation_scaling_efficiency'), '{:.3f}')}."
+             + (f" {m['unpaired']}." if m.get("unpaired") else "")]
+    if ram:
+        lines += ["", f"Host RAM: {_f(ram.get('per_engine_bytes', 0) / 1e9, '{:.2f}')} GB per engine × "
+                  f"{ram.get('engines')} of {_f(ram.get('machine_available_bytes', 0) / 1e9, '{:.1f}')} GB available: "
+                  f"**{ram.get('verdict')}** (planned, not measured; each engine pins its own tier)."]
+    per = link.get("per_device") or {}
+    lines += ["", "Pinned link per GPU, all copying at once: " + (f"not measured ({link['skipped']})."
+              if "skipped" in link else ", ".join(f"{d} {_f(r.get('together_gbps'), '{:.1f}')} GB/s (alone "
+                                                  f"{_f(r.get('alone_gbps'), '{:.1f}')})" for d, r in per.items())
+              + ".")]
+    return lines
 
 
 def t4_profile(d: dict) -> list[str]:
@@ -229,7 +258,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "stream_bench.json": ("Layer streaming vs AirLLM and accelerate (benchmarks/stream_bench.py)", stream_bench),
     "moe_bench.json": ("MoE shapes: expert streaming (benchmarks/moe_bench.py)", as_found),
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
-    "scale_bench.json": ("Ray Data against plain `airquant batch` on one GPU (benchmarks/scale_bench.py)", scale_bench),
+    "scale_bench.json": ("Ray Data: against plain `airquant batch` on one GPU, and across GPUs "
+                         "(benchmarks/scale_bench.py)", scale_bench),
     "t4_profile.json": ("A Colab T4 emulated on the H200: predictions, not T4 measurements "
                         "(benchmarks/t4_profile.py)", t4_profile),
     "reliability.json": ("Reliability: injected faults (benchmarks/faults.py)", reliability),
