@@ -41,6 +41,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -48,6 +49,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.engine import expert_compute  # noqa: E402
 from airquant.engine.plan import PlanError  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
@@ -91,7 +93,9 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
     if case is not None:
-        row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"])
+        row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
+                   gemv_tokens=expert_compute.GEMV_TOKENS)
+    kw.pop("gemv_tokens", None)  # not an engine setting: part_routed sets the module constant around the case
     kw.setdefault("experts", "whole")
     engine = None
     try:
@@ -255,6 +259,9 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
     "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False)),
     "lfu": (1, dict(experts="routed", expert_policy="lfu")), "lru": (1, dict(experts="routed", expert_policy="lru")),
+    # A/B of lfu: few-row experts decoded to stacked dense weights instead of bitsandbytes' 4-bit matmul
+    # (expert_compute.GEMV_TOKENS = 0 for the case; its row's settings and gemv_tokens say so).
+    "lfu_stacked": (1, dict(experts="routed", expert_policy="lfu", gemv_tokens=0)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     # What a user gets by default: --experts auto at batch 256 (the rule streams whole layers there).
     "auto_bs256": (256, dict(experts="auto")),
@@ -266,7 +273,7 @@ def part_routed(b: Bench, name: str) -> None:
     a, (shape, _) = b.args, SHAPES[name]
     store = make_store(b, shape, "nf4", a.layers)
     cap = 4.0 if name == "qwen3" else 15.0
-    cases = ("nocache", "lfu") if name == "qwen3" else (*ROUTED_CASES, "max_batch")
+    cases = ("nocache", "lfu", "lfu_stacked") if name == "qwen3" else (*ROUTED_CASES, "max_batch")
     chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
     rows = []
     for case in chosen:
@@ -277,8 +284,9 @@ def part_routed(b: Bench, name: str) -> None:
                                 experts="auto", kv_offload=None))
         elif case in ROUTED_CASES:
             batch, kw = ROUTED_CASES[case]
-            rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch, case,
-                                **kw))
+            with gemv_tokens(kw.get("gemv_tokens")):
+                rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch,
+                                    case, **kw))
     # the bytes fraction's denominator, same run
     whole = [measure(b, store, f"{shape} nf4", cap, 1)] if "nocache" in chosen else []
     free_gpu()
@@ -286,6 +294,17 @@ def part_routed(b: Bench, name: str) -> None:
     b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), whole)
     b.results["expert_aware"] = merge_rows(b.results.get("expert_aware", []), rows)
     derive_routed_keys(b)
+
+
+@contextmanager
+def gemv_tokens(n: int | None):
+    """``expert_compute.GEMV_TOKENS`` set to ``n`` (None: left as it is) for one case."""
+    old = expert_compute.GEMV_TOKENS
+    expert_compute.GEMV_TOKENS = old if n is None else n
+    try:
+        yield
+    finally:
+        expert_compute.GEMV_TOKENS = old
 
 
 def derive_routed_keys(b: Bench) -> None:
@@ -370,7 +389,7 @@ def print_table(b: Bench) -> None:
         ex = row.get("experts") or {}
         moved = row.get("decode_bytes_per_step") or row.get("bytes_per_step")  # routed: measured; whole: the layers
         print(f"  {row.get('experts_mode', 'routed'):<6} {row['model']:<19}{row['cap_gb']:>5g}{row['batch']:>5} "
-              f"{row['case']:<10}"
+              f"{row['case']:<12}"
               f"{fmt(row.get('step_s'), '{:.4f}'):>8}s {fmt(row.get('tok_s'), '{:.1f}'):>7} tok/s "
               f"{fmt(moved and moved / GB, '{:.3f}'):>7} GB/step "
               f"hit {fmt(ex.get('hit_rate'), '{:.2f}')} spec {fmt(ex.get('speculation_recall'), '{:.2f}')}"

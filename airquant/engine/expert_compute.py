@@ -8,6 +8,13 @@ stacked dense weights (``ExpertWeights.stacked``), in chunks of at most ``GROUPE
 eager loop's one decode and two small matmuls per expert: at batch 64, Qwen3-30B-A3B routes all 128
 experts of a layer and the per-expert launches, not the math, set the step time.
 
+Few rows (``run_gemv``): when no routed expert of a call has more than ``GEMV_TOKENS`` rows (decode at small
+batch: Mixtral at batch 1 multiplies one token by each of 2 experts), decoding them to dense weights writes
+and reads back 2 B per weight (Mixtral: 704 MB a layer) to multiply a row or two. Each expert's projections
+instead run ``bitsandbytes.matmul_4bit`` on its packed NF4 bytes (``ExpertWeights.matmul``), then the
+module's gating and the routing weights, as transformers' grouped forward applies them. Nothing is decoded,
+so the plan's decode bytes are an upper bound the path never allocates.
+
 Memory: a chunk's stacked weights (``GROUPED_BYTES``), the temporaries of decoding them (at most
 ``DECODE_TEMP_BYTES``: larger decodes go in slices of experts) and the intermediates of one grouped call
 (gate/up outputs, activations, the hidden rows of every routed (token, expert) pair: at most
@@ -40,6 +47,11 @@ COMPUTE_BYTES = 128 << 20  # intermediates of one grouped call, at most (one tok
 # indices (8 B), fp32 values (4 B) and the absmax repeated per element (4 B). An expert-by-expert decode
 # (other schemes) is given the same allowance for its own temporaries.
 DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
+# Rows an expert may have for the call to run by ``run_gemv``. Why 4: bitsandbytes 0.50's CUDA ``gemm_4bit``
+# always runs its fused 4-bit kernel up to 4 rows (``_GEMM_4BIT_CUSTOM_FLOOR_M``; older releases: the GEMV
+# kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
+# ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
+GEMV_TOKENS = 4
 # Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
 # the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
 ROW_INDEX_BYTES = 48
@@ -157,6 +169,9 @@ def run_grouped(module, fn, hidden: torch.Tensor, index: torch.Tensor, weights: 
     """The experts module on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] (rows of the ``num``
     packed experts), its quantized weights decoded as stacked dense tensors chunk by chunk, its tokens run
     at most ``tokens`` (the plan's ``call_tokens``) at a time, and within ``COMPUTE_BYTES``."""
+    out = run_gemv(module, hidden, index, weights, num)
+    if out is not None:
+        return out
     quantized = quantized_children(module)
     shape = matrices_of(module, num, index.shape[-1])
     width = hidden.element_size()
@@ -181,6 +196,70 @@ def run_grouped(module, fn, hidden: torch.Tensor, index: torch.Tensor, weights: 
                 part = fn(module, hidden[part_rows], local, weights[part_rows] * mask)
                 out.index_add_(0, part_rows, part.to(out.dtype))
     return out
+
+
+def gemv_projections(module) -> tuple[ExpertWeights, ExpertWeights] | None:
+    """The (up or gate/up, down) experts of a module ``run_gemv`` reproduces transformers' grouped forward for:
+    no bias, post-expert norm or expert parallelism, exactly those two quantized matrices and no dense expert
+    tensor, each multiplied from its packed bytes (``ExpertWeights.multiplies_packed``); else None."""
+    if GEMV_TOKENS <= 0 or any(getattr(module, flag, False) for flag in
+                               ("has_bias", "has_post_expert_norm", "_is_expert_parallel")):
+        return None
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    quantized = quantized_children(module)
+    if set(quantized) != {first, "down_proj"} or next(module.parameters(recurse=False), None) is not None:
+        return None
+    if not all(child.multiplies_packed() for child in quantized.values()):
+        return None
+    return quantized[first], quantized["down_proj"]
+
+
+def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+             num: int) -> torch.Tensor | None:
+    """transformers' grouped experts forward on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] to the
+    ``num`` packed experts, each expert's projections by ``ExpertWeights.matmul`` on its packed bytes; None
+    (nothing computed) where a routed expert has more than ``GEMV_TOKENS`` rows or the module does not qualify
+    (``gemv_projections``)."""
+    if hidden.dim() != 2 or index.dim() != 2 or weights.shape != index.shape:
+        return None
+    if index.numel() > GEMV_TOKENS * num:  # some expert has more rows: no need to look (no host sync)
+        return None
+    projections = gemv_projections(module)
+    if projections is None:
+        return None
+    ids = index.reshape(-1).tolist()  # [S = T * k]; small: at most GEMV_TOKENS * num
+    counts = [ids.count(e) for e in range(num)]
+    if max(counts) > GEMV_TOKENS or sum(counts) != len(ids):  # the latter: an id outside the packed experts
+        return None
+    up, down = projections
+    gate = getattr(module, "_apply_gate", None)
+    order = sorted(range(len(ids)), key=ids.__getitem__)  # rows grouped by expert, as the grouped forward sorts
+    inverse = [0] * len(order)
+    for at, s in enumerate(order):
+        inverse[s] = at
+    perm, inv = torch.tensor(order + inverse, device=hidden.device).split(len(order))
+    rows = hidden[perm // index.shape[1]]  # [S, H] in expert order
+    outs, at = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = up.matmul(e, rows[at:at + n])  # [n, 2I] or [n, I]
+        if getattr(module, "has_gate", True):
+            h = gate(h) if gate is not None else _default_gate(module, h)
+        else:
+            h = module.act_fn(h)
+        outs.append(down.matmul(e, h))  # [n, H]
+        at += n
+    weighted = torch.cat(outs) * weights.reshape(-1)[perm].unsqueeze(-1)  # [S, H]
+    # The grouped forward's order and sum: back to (token, slot) order, then the k slots of a token summed.
+    total = weighted[inv].view(hidden.shape[0], index.shape[1], -1).sum(dim=1)
+    return total.to(hidden.dtype)
+
+
+def _default_gate(module, h: torch.Tensor) -> torch.Tensor:
+    """transformers' default gating where the module has no ``_apply_gate`` (releases before it existed)."""
+    gate, up = h.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
 
 
 def _by_tokens(module, fn, hidden, index, weights, tokens: int) -> torch.Tensor:

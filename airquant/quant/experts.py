@@ -67,6 +67,21 @@ class ExpertWeights(nn.Module):
         w = linear.dequantize().to(self.compute_dtype)  # [out, in]
         return w.t() if self.transposed else w
 
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [n, in] times expert e's matrix: [n, out], by the scheme's own ``forward`` on expert e's slices
+        (NF4: bitsandbytes' ``matmul_4bit``, whose CUDA kernel reads the 4-bit bytes and writes no dense weight
+        for a few rows). A transposed expert is stored [in, out] but quantized as [out, in]: same product."""
+        linear = self.one[0]
+        for name in self.suffixes:
+            linear._buffers[name] = getattr(self, name)[e]
+        return linear(x)
+
+    def multiplies_packed(self) -> bool:
+        """Whether ``matmul`` multiplies from the packed bytes without decoding first (``multiplies_packed`` of
+        the scheme's linear; schemes without one: no)."""
+        check = getattr(self.one[0], "multiplies_packed", None)
+        return bool(check is not None and check())
+
     def stacked(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Every expert's dense matrix at once, ``[E, *inner]`` in the compute dtype: one decode of the stacked
         buffers where the scheme has one (``dequantize_stacked``: NF4), else expert by expert. Grouped expert

@@ -100,6 +100,13 @@ class NF4Linear(QuantLinear):
             state2=state2,
         )
 
+    def multiplies_packed(self) -> bool:
+        """Whether ``forward`` runs bitsandbytes' ``matmul_4bit`` on the packed bytes on every device: no NF4 block
+        straddles two rows (``in_features % blocksize == 0``). Else the CPU path decodes the weight first and
+        bitsandbytes' CUDA kernel falls back to a dequantize (with a warning). Routed experts with few rows are
+        multiplied this way instead of decoded (engine/expert_compute.py: ``run_gemv``)."""
+        return self.in_features % self.blocksize == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bnb = _bnb()
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)

@@ -8,6 +8,7 @@ from safetensors import safe_open
 from airquant.engine.runner import Engine
 from airquant.store.synth import SynthSpec, synth
 from airquant.store.export import export_hf
+from airquant.engine.expert_compute import GEMV_TOKENS
 from benchmarks.moe_bench import QUICK, main, merge_rows
 
 CASES = {(f"{m} nf4", 4.0, n) for m in ("mixtral-8x7b", "qwen3-30b-a3b") for n in (1, 2)}  # --quick: one cap
@@ -33,6 +34,11 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
              if x["model"] == "mixtral-8x7b nf4"}
     # forced routed stays routed at a large batch; the default (auto) streams whole layers there (2 of 8 at batch 8)
     assert modes["lfu_bs256"] == ("routed", "routed") and modes["auto_bs256"] == ("auto", "whole")
+    # the A/B of the few-row path: lfu_stacked is lfu with expert_compute.GEMV_TOKENS = 0, both models
+    ab = {(x["model"], x["case"]): x for x in r["expert_aware"] if x["case"] in ("lfu", "lfu_stacked")}
+    assert len(ab) == 4 and all(x["error"] is None and x["step_s"] > 0 for x in ab.values())
+    assert {(c, x["gemv_tokens"], x["settings"].get("gemv_tokens")) for (_, c), x in ab.items()} == {
+        ("lfu", GEMV_TOKENS, None), ("lfu_stacked", 0, 0)}
     traced = [x for x in r["expert_aware"] if x.get("trace")]  # --trace nocache: that case only, both models
     assert {x["case"] for x in traced} == {"nocache"} and all(x["trace"]["top_host"] for x in traced)
     air = r["details"]["airllm"]
