@@ -130,3 +130,13 @@ def test_greedy_tokens_of_a_pass_are_read_in_one_go_not_one_sync_per_sequence(en
         outside = mode.at("outside")
         assert outside["_local_scalar_dense"] == 0, (segments, outside)
         assert outside["argmax"] == 1, (segments, outside)
+
+
+def test_a_decode_pass_builds_its_attention_mask_once_not_per_layer(engine):
+    """The decode rows' [slots, L] mask is the same for every layer of a pass (one span, one window): the
+    first layer builds it (one ``arange``, one ``lt``), the others reuse it."""
+    passes = [(n, mode) for n, mode in _counted_passes(engine) if max(n) == 1]
+    assert passes and engine.config.num_hidden_layers > 1
+    for segments, mode in passes:
+        layer = mode.at("layer")
+        assert (layer["arange"], layer["lt"]) == (1, 1), (segments, layer)

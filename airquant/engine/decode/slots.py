@@ -84,6 +84,7 @@ class SlotKV:
         self.plan: DecodePlan | None = None  # TurboQuant: the pass's decode tokens
         self._hist_need = 0
         self.segments: list[Segment] = []
+        self.decode_masks: dict[tuple, torch.Tensor] = {}
         self._decode: tuple[torch.Tensor, ...] | None = None
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
@@ -91,6 +92,7 @@ class SlotKV:
     # -- the pass ------------------------------------------------------------------------------
     def begin(self, segments: list[Segment]) -> None:
         self.segments = segments
+        self.decode_masks = {}  # (span, window) -> the pass's [S, L] decode mask, built by the first layer
         dec = [s for s in segments if s.n == 1]
         self._decode = self._decode_host = None
         if dec:
@@ -281,12 +283,15 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
         slots, starts, offsets = kv._decode
         q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
         q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
-        length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
-        length[slots] = starts + 1
-        cols = torch.arange(keys.shape[2], device=query.device)
-        keep = cols < length[:, None]  # [S, L]
-        if window:
-            keep &= cols > (length[:, None] - 1 - window)
+        keep = kv.decode_masks.get((keys.shape[2], window))
+        if keep is None:  # built once per pass: every layer of a window reads the same columns
+            length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
+            length[slots] = starts + 1
+            cols = torch.arange(keys.shape[2], device=query.device)
+            keep = cols < length[:, None]  # [S, L]
+            if window:
+                keep &= cols > (length[:, None] - 1 - window)
+            kv.decode_masks[(keys.shape[2], window)] = keep
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep[:, None, None, :], scale=scale)
         out[0, :, offsets] = o[slots].reshape(-1, hq, dim).transpose(0, 1)
     for s in kv.segments:
