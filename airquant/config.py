@@ -37,7 +37,7 @@ class EngineConfig:
     # Check each shard's xxh3_128 as it is read (store/integrity.py); off only for benchmarks (--no-verify-reads).
     verify_reads: bool = True
     # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed when a decode step at
-    # batch_size routes few of a layer's experts (experts.choose_experts), else whole layers.
+    # batch_size routes few of a layer's experts (expert_plan.choose_experts), else whole layers.
     experts: Literal["auto", "whole", "routed"] = "auto"
     expert_cache_gb: float | None = None  # VRAM expert cache (GB); None: what the layer plan leaves free
     expert_policy: Literal["lru", "lfu"] = "lfu"  # which cached expert to evict: least recently / frequently used

@@ -101,7 +101,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     try:
         engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
                              context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
-        if case is not None:  # what --experts auto picked for this batch (experts.choose_experts)
+        if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
             row["experts_mode"] = "routed" if engine.experts is not None else "whole"
         step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
         if case is not None and case in (a.trace or "").split(","):

@@ -1,4 +1,5 @@
-"""Expert-aware streaming for Mixture-of-Experts layers: route first, then move only the routed experts.
+"""Expert-aware streaming for Mixture-of-Experts layers at run time: route first, then move only the routed
+experts (how big the pool is, and whether a run streams routed at all, ``engine.expert_plan`` decides).
 
 A MoE layer's dense part (attention, norms, router, shared experts) goes through the streamer's slots as
 before; its experts stay in host memory. When the block calls its experts module, the routing of the batch
@@ -22,253 +23,18 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors import safe_open
 
 from airquant.engine import expert_compute
-from airquant.errors import AirQuantError
+from airquant.engine.expert_plan import (POLICY_CHOICES, SPECULATE_TOKENS, ExpertPlan, ExpertsError, Policy, aligned,
+                                         experts_module)
 from airquant.layout import swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
-ExpertsMode = Literal["auto", "whole", "routed"]
-Policy = Literal["lru", "lfu"]
-EXPERTS_CHOICES = ("auto", "whole", "routed")
-POLICY_CHOICES = ("lru", "lfu")
-SPECULATE_TOKENS = 8  # speculation pays at decode batch sizes; larger batches route nearly every expert
-ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views reinterpret as any dtype
 LFU_DECAY = 0.9  # per call of the pool: a count from 32 layers (one Mixtral step) ago weighs 0.03
-CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
-
-
-class ExpertsError(AirQuantError):
-    """An expert-streaming option that cannot apply to this store or run."""
-
-
-# -- sizing (pure) -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertPlan:
-    """The expert pool of a routed run: ``work`` slots any one call may need, ``cache`` more kept warm."""
-
-    slot_bytes: int  # one expert's tensors, each aligned
-    work: int  # slots a call's routed experts (and a speculation) need at once
-    cache: int  # further slots holding recently/frequently used experts
-    gather_bytes: int  # the [U, ...] tensors a call packs its experts into (U <= experts per layer)
-    decode_bytes: int = 0  # quantized experts decoded at once as stacked dense weights, and the decode's temporaries
-    compute_bytes: int = 0  # intermediates of one grouped call (``call_tokens`` tokens; expert_compute)
-    call_tokens: int = 0  # tokens a grouped call takes at most: a longer prefill runs in chunks of this many
-    policy: Policy = "lfu"
-    speculate: bool = True
-    staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
-
-    @property
-    def slots(self) -> int:
-        return self.work + self.cache
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.slots * self.slot_bytes
-
-    @property
-    def staging_bytes(self) -> int:
-        """Host RAM of the staging buffers (a part of the host budget, ``StreamPlan.host_parts``)."""
-        return self.staging * self.slot_bytes
-
-    @property
-    def arena_bytes(self) -> int:
-        """Everything the routed path holds on the device beside the layers: pool, gather, stacked decode
-        with its temporaries, and the grouped call's intermediates."""
-        return self.pool_bytes + self.gather_bytes + self.decode_bytes + self.compute_bytes
-
-    def describe(self) -> str:
-        gb = 1e9
-        return (f"experts   : routed; pool {self.slots} slots x {self.slot_bytes / 1e6:.1f} MB = "
-                f"{self.pool_bytes / gb:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
-                f"gather {self.gather_bytes / gb:.2f} GB, stacked decode {self.decode_bytes / gb:.2f} GB, "
-                f"expert compute {self.compute_bytes / gb:.2f} GB ({self.call_tokens} tokens a call), "
-                f"speculative prefetch "
-                f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
-                + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def expert_slot_bytes(entry: ShardEntry) -> int:
-    """Bytes of one expert of a MoE layer in a pool slot (its tensor slices, each aligned)."""
-    if not entry.experts:
-        return 0
-    return max(sum(aligned(end - start) for start, end in ranges) for ranges in entry.experts["ranges"])
-
-
-def dense_bytes(entry: ShardEntry) -> int:
-    """A layer's bytes less its experts: what the streamer's slot carries in routed mode."""
-    experts = sum(end - start for ranges in entry.experts.get("ranges", []) for start, end in ranges)
-    return entry.bytes - experts
-
-
-# Model types whose experts cannot be moved by routing, and why: ``auto`` streams their layers whole.
-NOT_ROUTED = {
-    "jetmoe": "its experts (the attention's query/output experts and the MLP's) are called through "
-              "map/reduce and per-expert token splits, not as an experts module given a routing index",
-}
-
-
-# ``auto`` streams experts routed while one decode step is expected to route fewer than this share of a
-# layer's experts, whole layers from it on. Why 0.6: on the H200 (results/moe_bench.json, Mixtral-8x7B NF4,
-# GPU capped to 15 GB) a whole-layer step took 0.475 s at 0.99 of the link, a routed step at batch 1 0.31 s
-# for 25 % of the experts (no cache). Those bytes (with the dense part, ~27 % of a layer) take ~0.13 s at the
-# link, so routed pays ~0.13-0.18 s a step of its own (less what wrongly speculated experts moved): the host
-# sync on each layer's routing, the gather, the copy launches. That cost hardly grows with the experts moved
-# (a call's copies are issued as one batch), so routed breaks even near 60-70 % of a layer's experts (near
-# 40 % were it to grow in proportion). 0.6 streams Mixtral routed up to batch 3 and Qwen3-30B-A3B up to
-# batch 14; at batch 256 routed moves every expert anyway (at 512: 26.1 GB a step, 4.56 s) and is slower.
-ROUTED_BELOW = 0.6
-
-
-@dataclass(frozen=True)
-class ExpertsChoice:
-    """How a run streams its experts, and why (the plan's ``why:`` line; empty when there is nothing to say)."""
-
-    routed: bool
-    why: str = ""
-
-
-def routed_share(top_k: int, num: int, batch: int) -> float:
-    """The expected share of a layer's ``num`` experts that ``batch`` sequences (one token each, ``top_k``
-    experts each) route to in a decode step, routing near-uniform: 1 - (1 - k/E)^B. Mixtral (2 of 8): batch
-    1 0.25, 8 0.90; Qwen3-30B-A3B (8 of 128): batch 1 0.0625, 16 0.64. A skewed router routes fewer."""
-    return 1.0 - (1.0 - min(top_k, num) / num) ** max(batch, 0)
-
-
-def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> ExpertsChoice:
-    """The one rule of how a streamed MoE store moves its experts (planner, ``Engine.open``, ``airquant plan``):
-    ``whole`` moves whole layers; ``routed`` only the experts a call routes to (forced, whatever the batch);
-    ``auto`` routed while ``batch`` sequences route fewer than ``ROUTED_BELOW`` of a layer's experts a decode
-    step (``batch`` None, not known: routed), and never for types in ``NOT_ROUTED``. The batch is the one the
-    run is opened for: a decode loop whose slots fill and drain keeps the mode chosen then."""
-    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
-    if mode == "routed" and not moe:
-        raise ExpertsError("--experts routed was asked for, but this store has no Mixture-of-Experts layer; "
-                           "use --experts auto (or whole).")
-    if mode == "routed" and not streamed:
-        raise ExpertsError("--experts routed needs a streamed run; drop --resident (or use --experts auto).")
-    if not moe or not streamed:
-        return ExpertsChoice(False)
-    if mode == "whole":
-        return ExpertsChoice(False, "experts whole layers (--experts whole)")
-    model_type = (manifest.source or {}).get("model_type")
-    if (why := NOT_ROUTED.get(model_type)) is not None:
-        if mode == "routed":
-            raise ExpertsError(f"--experts routed cannot run {model_type}: {why}; use --experts auto (or whole).")
-        log.info("experts   : whole layers for %s (%s)", model_type, why)
-        return ExpertsChoice(False, f"experts whole layers for {model_type}: {why}")
-    rule = f"auto streams routed below {ROUTED_BELOW * 100:.0f} %"
-    if batch is None:
-        return ExpertsChoice(True, f"experts routed: the batch is not known ({rule} of a layer's experts a step)")
-    top = max(moe, key=lambda e: routed_share(e.experts["top_k"], e.experts["num"], batch)).experts
-    share = routed_share(top["top_k"], top["num"], batch)
-    routes = (f"batch {batch} routes ~{share * 100:.0f} % of {top['num']} experts per step "
-              f"(top-{top['top_k']} per token)")
-    if mode == "routed":
-        return ExpertsChoice(True, f"experts routed (--experts routed): {routes}"
-                             + ("" if share < ROUTED_BELOW else f"; {rule}, so auto would stream whole layers"))
-    routed = share < ROUTED_BELOW
-    return ExpertsChoice(routed, f"experts {'routed' if routed else 'whole layers'}: {routes}; {rule}")
-
-
-def use_routed(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> bool:
-    """Whether a run streams experts routed (``choose_experts``)."""
-    return choose_experts(mode, manifest, streamed, batch).routed
-
-
-def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
-    """The smallest batch from which ``mode`` streams this store's layers whole where a batch of one streams
-    them routed (``auto``), None where the batch changes nothing. The router sizes its largest batch with it."""
-    if mode != "auto" or not use_routed(mode, manifest, True, 1):
-        return None
-    batch = 2
-    while use_routed(mode, manifest, True, batch):  # the share grows with the batch: double, then bisect
-        if batch >= 1 << 16:  # a share that never reaches the threshold (one expert of a huge pool)
-            return None
-        batch *= 2
-    low = batch // 2  # routed at low, whole at batch
-    while batch - low > 1:
-        mid = (low + batch) // 2
-        low, batch = (mid, batch) if use_routed(mode, manifest, True, mid) else (low, mid)
-    return batch
-
-
-def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float | None = None,
-                 policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
-                 tokens: int | None = None) -> ExpertPlan:
-    """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
-    routes them, plus one speculated batch), and ``cache`` slots from ``cache_gb`` or, when None, from
-    the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
-    terms are for a ``width``-byte compute dtype on a ``device`` (``expert_compute.DECODE_TEMP_PER_ELEM``), and
-    calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get)."""
-    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
-    if not moe:
-        raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
-    slot = max(expert_slot_bytes(e) for e in moe)
-    num = max(e.experts["num"] for e in moe)
-    top_k = max(e.experts["top_k"] for e in moe)
-    guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
-    work = num + guess
-    gather = num * slot
-    shapes = [expert_matrices(e) for e in moe]
-    # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
-    # and the intermediates of one grouped call of at most call_tokens tokens.
-    decode = max(m.decode_bytes(e.experts["num"], width, device) for m, e in zip(shapes, moe))
-    caps = [min(c, tokens) if c and tokens else c or tokens for c in map(call_cap, moe)]
-    compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
-    tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
-    total = sum(e.experts["num"] for e in moe)
-    if cache_gb is not None:
-        cache = int(cache_gb * 1e9) // slot
-    elif spare_bytes is None:
-        cache = 0
-    else:
-        cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
-    cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
-    return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
-                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate)
-
-
-def call_cap(entry: ShardEntry) -> int | None:
-    """The most tokens one call of the layer's experts module gets: a module inside the block's ``mlp`` runs
-    ``MLP_CHUNK_TOKENS`` at a time (skeleton.chunk_mlp); elsewhere a call may get the whole prefill."""
-    from airquant.engine.plan import MLP_CHUNK_TOKENS
-
-    return MLP_CHUNK_TOKENS if _common_module(tuple(entry.experts["tensors"])).startswith("mlp.") else None
-
-
-def expert_matrices(entry: ShardEntry) -> expert_compute.ExpertMatrices:
-    """One expert's matrices of a MoE layer, from its manifest entry: quantized modules (their dense
-    ``shape``, and whether their scheme decodes stacked) and dense [E, a, b] expert tensors."""
-    from airquant.quant import make_linear
-
-    module = _common_module(tuple(entry.experts["tensors"]))
-    shapes, quantized, stacks = [], [], []
-    for name, meta in entry.modules.items():
-        if "experts" in meta and name.startswith(f"{module}."):
-            out_f, in_f = meta["shape"]
-            with torch.device("meta"):
-                one = make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16)
-            shapes.append((out_f, in_f))
-            quantized.append(True)
-            stacks.append(hasattr(one, "dequantize_stacked"))
-    for name in entry.experts["tensors"]:
-        meta = entry.tensors[name]
-        if meta.get("scheme", "dense") == "dense" and "float" in meta.get("dtype", "") and len(meta["shape"]) == 3:
-            shapes.append(tuple(meta["shape"][1:]))
-            quantized.append(False)
-            stacks.append(False)
-    return expert_compute.ExpertMatrices(tuple(shapes), int(entry.experts["top_k"]), tuple(quantized),
-                                         tuple(stacks))
 
 
 # -- the pool's bookkeeping ------------------------------------------------------------------------
@@ -342,7 +108,7 @@ class LayerExperts:
     @classmethod
     def of(cls, index: int, entry: ShardEntry, layout, store: Path) -> "LayerExperts":
         full = tuple(entry.experts["tensors"])
-        module = _common_module(full)
+        module = experts_module(full)
         specs = {name: (dtype, shape) for name, dtype, shape, _, _ in layout.tensors}
         offsets, at = [], 0
         for start, end in entry.experts["ranges"][0]:
@@ -364,15 +130,6 @@ class LayerExperts:
         return sum(end - start for start, end in self.ranges[e])
 
 
-def _common_module(names: tuple[str, ...]) -> str:
-    """The experts module the stacked tensors belong to (``mlp.experts.gate_up_proj`` -> ``mlp.experts``)."""
-    parents = {n.split(".experts.")[0] + ".experts" if ".experts." in n else n.rpartition(".")[0] for n in names}
-    if len(parents) != 1 or any(n.split(".")[len(next(iter(parents)).split(".")):][0].isdigit() for n in names):
-        raise ExpertsError(f"experts stored as {sorted(names)[:3]}... are not one fused experts module; "
-                           "expert-aware streaming needs transformers 5's fused layout (use --experts whole).")
-    return parents.pop()
-
-
 def router_weights(block, entry: ShardEntry, module: str) -> str | None:
     """The name of the router's [E, H] weight beside the experts module (None: not found, no speculation)."""
     parent = module.rpartition(".")[0]
@@ -390,24 +147,6 @@ def load_router(entry: ShardEntry, store: Path, name: str, device: torch.device,
 
 
 # -- wiring ---------------------------------------------------------------------------------------
-def routed_layers(manifest: Manifest, tiers: list[str]) -> dict[int, set[str]]:
-    """The streamed MoE layers and their expert tensors: what the streamer leaves for the pool to move."""
-    out = {}
-    for i in range(manifest.num_layers):
-        entry = manifest.shards[f"layer.{i}"]
-        if entry.experts and tiers[i] != "vram":
-            out[i] = set(entry.experts["tensors"])
-    return out
-
-
-def staging_buffers(plan: ExpertPlan, manifest: Manifest, tiers: list[str], gpu: bool) -> int:
-    """Host staging buffers the pool needs under ``tiers``: one per working slot on a GPU when a routed layer
-    is read from disk (its experts are read into one, then copied into the slot). A RAM-tier layer's experts
-    are copied from the tier itself, and on CPU the pool reads straight into its slots: none."""
-    on_disk = any(tiers[i] == "disk" for i in routed_layers(manifest, tiers))
-    return plan.work if gpu and on_disk else 0
-
-
 def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[str]], plan: ExpertPlan,
               model_layers, device: torch.device, dtype: torch.dtype) -> "ExpertPool":
     """The pool of a routed run over ``streamer``'s host tiers and copy stream, routers loaded to speculate."""

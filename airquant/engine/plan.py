@@ -57,7 +57,7 @@ class StreamPlan:
     kv_host_bytes: int = 0  # pinned host RAM the offloaded cache takes at the planned batch and context
     resident_bytes: int = 0  # the VRAM-resident layers, with their KV share when the cache is offloaded
     ram_tier_bytes: int = 0  # host RAM the pinned tier may fill (planner.ram_tier)
-    experts: object | None = None  # experts.ExpertPlan of a routed MoE run: arena and cache (planner.plan)
+    experts: object | None = None  # expert_plan.ExpertPlan of a routed MoE run: arena and cache (planner.plan)
     expert_bytes: int = 0  # that pool and its gather on the device
     experts_fit: bool = True  # False: the arena does not fit beside the floor (the engine refuses to open)
     vram_budget_bytes: int | None = None  # the GPU budget the plan was made for (None: CPU, or not known)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Literal
 
-from airquant.engine import experts
+from airquant.engine import expert_plan
 from airquant.engine.plan import (GB, WORKSPACE_BYTES, Budgets, PlanError, Reserve, StreamPlan, dequant_elems,
                                   fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for)
 from airquant.kv.layers import LayerStates
@@ -177,9 +177,9 @@ class Workload:
     reserve_bytes: int | None = None  # --reserve as given (its KV part unknown: nothing offloaded by size)
     slots: int = SLOTS
     readahead: int = READAHEAD
-    experts: experts.ExpertsMode = "auto"
+    experts: expert_plan.ExpertsMode = "auto"
     expert_cache_gb: float | None = None
-    expert_policy: experts.Policy = "lfu"
+    expert_policy: expert_plan.Policy = "lfu"
     expert_prefetch: bool = True
 
     @property
@@ -226,9 +226,9 @@ def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVS
 
 def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
     """What each layer carries through a device slot when streamed: routed MoE layers their dense part."""
-    routed = experts.use_routed(wl.experts, manifest, True, wl.batch_size)
+    routed = expert_plan.use_routed(wl.experts, manifest, True, wl.batch_size)
     entries = [manifest.shards[f"layer.{i}"] for i in range(manifest.num_layers)]
-    return [experts.dense_bytes(e) if routed and e.experts else e.bytes for e in entries]
+    return [expert_plan.dense_bytes(e) if routed and e.experts else e.bytes for e in entries]
 
 
 def ram_tier(hw: Hardware, wl: Workload, layer_bytes: list[int], fixed: int, host_fixed: int, reserve: int,
@@ -276,7 +276,7 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
                      margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram,
                      staging_bytes=staging, ram_budget_bytes=hw.ram_bytes)
     if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
-        pool = replace(placed.experts, staging=experts.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
+        pool = replace(placed.experts, staging=expert_plan.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
         placed = replace(placed, experts=pool)
     if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
         raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
@@ -287,11 +287,11 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
 
 def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int], wl: Workload) -> StreamPlan:
     """Layers placed around the expert arena of a routed MoE run (none for dense stores); the experts rule's
-    choice (``experts.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
+    choice (``expert_plan.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
     layers = manifest.layer_bytes
     whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
-    choice = experts.choose_experts(wl.experts, manifest, True, wl.batch_size)
-    routed = experts.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
+    choice = expert_plan.choose_experts(wl.experts, manifest, True, wl.batch_size)
+    routed = expert_plan.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
     if routed and choice.why:
         whole.reasons.append(choice.why)
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
@@ -318,12 +318,12 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
 def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
     working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
-    if not gpu or not experts.use_routed(wl.experts, manifest, True, wl.batch_size):
+    if not gpu or not expert_plan.use_routed(wl.experts, manifest, True, wl.batch_size):
         return 0
     sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes
 
 
-def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> experts.ExpertPlan:
-    return experts.plan_experts(manifest, spare, cache_gb=wl.expert_cache_gb, policy=wl.expert_policy,
+def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> expert_plan.ExpertPlan:
+    return expert_plan.plan_experts(manifest, spare, cache_gb=wl.expert_cache_gb, policy=wl.expert_policy,
                                 speculate=wl.expert_prefetch, tokens=wl.batch_size * (wl.context or 2048))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
-from airquant.engine import experts, skeleton
+from airquant.engine import expert_plan, experts, skeleton
 from airquant.engine.decode import DecodeLoop, Request, Sequence, attention_backends
 from airquant.engine.plan import Reserve, StreamPlan
 from airquant.engine.prompts import render as render_prompts
@@ -104,14 +104,14 @@ class Engine:
         self.experts: experts.ExpertPool | None = None  # routed MoE experts (engine/experts.py)
         # The experts rule sees the batch the engine is opened for (--batch-size; a batch job's size): a
         # decode loop whose slots fill and drain, or halve after running out of memory, keeps this mode.
-        routed_mode = experts.use_routed(cfg.experts, manifest, not cfg.resident, cfg.batch_size)
+        routed_mode = expert_plan.use_routed(cfg.experts, manifest, not cfg.resident, cfg.batch_size)
         if cfg.resident:
             skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype,
                                           verify_reads=cfg.verify_reads)
         else:
             self.plan = plan or plan_for(manifest, cfg, self.device, self.config, self.dtype, hardware)
             log.info("plan:\n%s", self.plan.describe(manifest.layer_bytes))
-            routed = experts.routed_layers(manifest, self.plan.tiers) if routed_mode else {}
+            routed = expert_plan.routed_layers(manifest, self.plan.tiers) if routed_mode else {}
             self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype,
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
@@ -232,7 +232,7 @@ class Engine:
                     token_budget: int | None = None, offload: set[int] | None = None) -> DecodeLoop:
         """A decode loop of ``slots`` sequences of up to ``context`` tokens each (default: the planned one);
         ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads).
-        A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``experts.choose_experts``),
+        A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``expert_plan.choose_experts``),
         whatever ``slots`` is and however many sequences each pass holds."""
         from airquant.engine.plan import token_budget as planned_budget
         from airquant.kv import cache_kwarg

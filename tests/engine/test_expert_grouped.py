@@ -14,7 +14,7 @@ import torch
 
 from airquant.engine import expert_compute
 from airquant.engine.decode import Request
-from airquant.engine.experts import ExpertsError
+from airquant.engine.expert_plan import ExpertsError
 from airquant.engine.runner import Engine
 from airquant.kv.config import KVConfig
 from airquant.quant import QuantSpec
@@ -104,7 +104,7 @@ def test_llama4_dispatched_experts_move_only_routed_ones(tmp_path, real_tokenize
 
 def test_a_type_that_cannot_route_streams_whole_under_auto(tmp_path, real_tokenizer, caplog):
     _, store = _store(tmp_path, real_tokenizer, "jetmoe")
-    with caplog.at_level(logging.INFO, logger="airquant.engine.experts"):
+    with caplog.at_level(logging.INFO, logger="airquant.engine.expert_plan"):
         engine = Engine.open(store, device="cpu")
     assert engine.experts is None and "whole layers for jetmoe" in caplog.text
     engine.close()

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from airquant.config import GenerateConfig
 from airquant.engine import expert_compute
-from airquant.engine.experts import expert_matrices, plan_experts
+from airquant.engine.expert_plan import expert_matrices, plan_experts
 from airquant.engine.plan import mlp_chunk_bytes
 from airquant.engine.runner import Engine
 from airquant.models import resolve

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from airquant.engine.experts import ExpertsError, SlotTable, plan_experts
+from airquant.engine.expert_plan import ExpertsError, plan_experts
+from airquant.engine.experts import SlotTable
 from airquant.engine.runner import Engine
 from airquant.layout import expert_modules
 from airquant.models import resolve

@@ -1,5 +1,5 @@
 """``--experts auto``: routed streaming while a decode step routes few of a layer's experts, whole layers once
-it routes most of them (engine/experts.py ``choose_experts``), one rule for the planner, the engine, ``airquant
+it routes most of them (engine/expert_plan.py ``choose_experts``), one rule for the planner, the engine, ``airquant
 plan`` and batch jobs; ``--experts routed`` and ``whole`` force a mode whatever the batch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from airquant.cli import main
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import skeleton
-from airquant.engine.experts import ROUTED_BELOW, choose_experts, first_whole_batch, routed_share, use_routed
+from airquant.engine.expert_plan import ROUTED_BELOW, choose_experts, first_whole_batch, routed_share, use_routed
 from airquant.engine.planner import GIB, MARGIN_MIN_BYTES
 from airquant.engine.runner import Engine, plan_for
 from airquant.jobs import batch as batch_jobs

@@ -9,7 +9,7 @@ import torch
 from airquant.cli import main
 from airquant.config import EngineConfig
 from airquant.engine import skeleton
-from airquant.engine.experts import ExpertsError
+from airquant.engine.expert_plan import ExpertsError
 from airquant.engine.plan import fixed_bytes
 from airquant.engine.planner import (GIB, MARGIN_MIN_BYTES, READAHEAD, SLOTS, Hardware, ModelDims, Workload,
                                      allocator_margin, reserve_of)

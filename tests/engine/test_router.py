@@ -286,7 +286,7 @@ def test_plan_shows_the_experts_of_a_moe_layer(tmp_path, real_tokenizer, capsys)
             "2 routed per token)") in out
 
 
-# -- the expert pool of a streamed MoE route (engine/experts.py sizes it; the plan prints it) ----------------
+# -- the expert pool of a streamed MoE route (engine/expert_plan.py sizes it; the plan prints it) ----------------
 @pytest.fixture(scope="module")
 def mixtral_store(tmp_path_factory, real_tokenizer):
     from airquant.models import resolve
