@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import torch
+
+from airquant.eval.perf import copy_seconds as link_copy_seconds
+from airquant.eval.perf import link_buffers
 
 log = logging.getLogger("scale_bench")
 GB = 1e9
@@ -74,25 +76,6 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
 
 
 # -- the pinned link, every GPU at once ----------------------------------------------------------
-def _buffers(device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # A constant non-zero fill (as airquant.eval.perf does): the pages must really be touched, by this thread.
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(0xA5)
-    return src, torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
-    if dst.device.type != "cuda":
-        start = time.perf_counter()
-        dst.copy_(src)
-        return time.perf_counter() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3
-
-
 def copy_seconds(devices: list[str], nbytes: int, repeats: int) -> dict[str, list[float]]:
     """Each repeat's host-to-device copy time per device, every device copying at once: one thread per
     device, a barrier before each repeat (one device: that device alone). CPU devices copy RAM to RAM (a
@@ -104,13 +87,8 @@ def copy_seconds(devices: list[str], nbytes: int, repeats: int) -> dict[str, lis
             device = torch.device(name)
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # this thread's events and copies on this GPU's stream
-            src, dst = _buffers(device, nbytes)
-            _timed_copy(dst, src)  # warm-up: the first copy maps the buffers
-            out = []
-            for _ in range(repeats):
-                barrier.wait()
-                out.append(_timed_copy(dst, src))
-            times[name] = out
+            src, dst = link_buffers(device, "h2d_pinned" if device.type == "cuda" else "cpu_memcpy", nbytes)
+            times[name] = link_copy_seconds(dst, src, repeats, before=barrier.wait)
         except Exception as exc:  # re-raised below, in the caller's thread, once every thread has stopped
             errors.append(exc)
             barrier.abort()

@@ -31,8 +31,8 @@ from airquant.eval.rows import GB, RunInfo, collect_run_info, register_row, writ
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BandwidthMeasurement", "PerfRow", "PerfSample", "measure_link_bandwidth", "run_perf", "run_perf_sweep",
-           "write_row"]
+__all__ = ["BandwidthMeasurement", "PerfRow", "PerfSample", "copy_seconds", "link_buffers", "measure_link_bandwidth",
+           "run_perf", "run_perf_sweep", "write_row"]
 
 BandwidthKind = Literal["auto", "h2d_pinned", "d2d", "cpu_memcpy"]
 
@@ -51,28 +51,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cuda_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> list[float]:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src, non_blocking=True)  # warm-up: first copy pays for lazy allocation and mapping
-    torch.cuda.synchronize(dst.device)
+def copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, before=None) -> list[float]:
+    """Seconds of each of ``repeats`` copies of ``src`` into ``dst`` after one warm-up copy (the first pays for
+    lazy allocation and mapping): CUDA events on a GPU, the wall clock on the CPU. ``before``: called before
+    each timed copy (a barrier that starts copies on several GPUs at once)."""
+    cuda = dst.device.type == "cuda"
+    dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize(dst.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if before is not None:
+            before()
+        if cuda:
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
     return times
 
 
-def _cpu_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> list[float]:
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return times
+def link_buffers(device: torch.device, kind: str, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) of a ``kind`` copy of ``nbytes`` to ``device``: a pinned host source for
+    ``h2d_pinned``, else one on the device. A constant non-zero fill: copy engines do not compress, but the
+    pages must really be touched."""
+    if kind == "h2d_pinned":
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(0xA5)
+    else:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0xA5)
+    return src, torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def measure_link_bandwidth(device: torch.device | str, *, kind: BandwidthKind = "auto", nbytes: int = 256 << 20,
@@ -87,14 +100,8 @@ def measure_link_bandwidth(device: torch.device | str, *, kind: BandwidthKind = 
         kind = "h2d_pinned" if device.type == "cuda" else "cpu_memcpy"
     if (kind == "cpu_memcpy") != (device.type == "cpu"):
         raise EvalConfigError(f"bandwidth kind {kind!r} does not apply to device {device}; use kind='auto'.")
-    # A constant non-zero fill: copy engines do not compress, but the pages must really be touched.
-    if kind == "h2d_pinned":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(0xA5)
-    else:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0xA5)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    copy = _cpu_copy_seconds if kind == "cpu_memcpy" else _cuda_copy_seconds
-    seconds = statistics.median(copy(dst, src, repeats))
+    src, dst = link_buffers(device, kind, nbytes)
+    seconds = statistics.median(copy_seconds(dst, src, repeats))
     traffic = nbytes if kind == "h2d_pinned" else 2 * nbytes
     return BandwidthMeasurement(device=str(device), kind=kind, gb_per_s=traffic / seconds / GB, nbytes=nbytes,
                                 seconds=seconds)
