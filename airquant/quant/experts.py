@@ -56,25 +56,24 @@ class ExpertWeights(nn.Module):
             self.register_buffer(name, torch.empty((self.num_experts, *buf.shape), dtype=buf.dtype,
                                                    device=buf.device))
 
-    def __getitem__(self, index) -> torch.Tensor:
-        e = int(index)
-        # The one-expert template gets expert e's slices as its buffers and decodes them. Plain assignment,
-        # not functional_call: this runs once per routed expert and tensor in every step, and the
-        # reparametrization machinery cost ~0.1 ms of CPU each (Qwen3-30B: 16 calls per layer at batch 1).
+    def _expert(self, e: int):
+        """The one-expert template with expert e's slices as its buffers. Plain assignment, not
+        functional_call: this runs once per routed expert and tensor in every step, and the reparametrization
+        machinery cost ~0.1 ms of CPU each (Qwen3-30B: 16 calls per layer at batch 1)."""
         linear = self.one[0]
         for name in self.suffixes:
             linear._buffers[name] = getattr(self, name)[e]
-        w = linear.dequantize().to(self.compute_dtype)  # [out, in]
+        return linear
+
+    def __getitem__(self, index) -> torch.Tensor:
+        w = self._expert(int(index)).dequantize().to(self.compute_dtype)  # [out, in]
         return w.t() if self.transposed else w
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` [n, in] times expert e's matrix: [n, out], by the scheme's own ``forward`` on expert e's slices
         (NF4: bitsandbytes' ``matmul_4bit``, whose CUDA kernel reads the 4-bit bytes and writes no dense weight
         for a few rows). A transposed expert is stored [in, out] but quantized as [out, in]: same product."""
-        linear = self.one[0]
-        for name in self.suffixes:
-            linear._buffers[name] = getattr(self, name)[e]
-        return linear(x)
+        return self._expert(e)(x)
 
     def multiplies_packed(self) -> bool:
         """Whether ``matmul`` multiplies from the packed bytes without decoding first (``multiplies_packed`` of
