@@ -311,21 +311,16 @@ def derive_routed_keys(b: Bench) -> None:
     r, link = b.results, b.results.get("link_pinned_gbps")
     rows = {(x["model"], x["case"]): x for x in r.get("expert_aware", [])}
     whole = {(x["model"], x["cap_gb"], x["batch"]): x for x in r.get("whole_layer", [])}
-    mix, qwen = rows.get(("mixtral-8x7b nf4", "nocache")), rows.get(("qwen3-30b-a3b nf4", "lfu"))
+    mix = rows.get(("mixtral-8x7b nf4", "nocache"))
     full = whole.get(("mixtral-8x7b nf4", 15.0, 1))
     if mix and mix.get("step_s") and full and full.get("bytes_per_step"):
         r["mixtral_nf4_bs1_bytes_fraction"] = mix["decode_bytes_per_step"] / full["bytes_per_step"]
         if link:
             r["mixtral_nf4_bs1_step_over_bytes_floor"] = mix["step_s"] / (mix["decode_bytes_per_step"] / GB / link)
-    # bs256_tok_s is what a user gets by default (--experts auto) where measured; the forced-routed row beside it.
-    bs256 = "auto_bs256" if rows.get(("mixtral-8x7b nf4", "auto_bs256"), {}).get("tok_s") else "lfu_bs256"
-    for case, out in (("lfu", "mixtral_nf4_bs1_tok_s"), (bs256, "mixtral_nf4_bs256_tok_s"),
-                      ("lfu_bs256", "mixtral_nf4_bs256_routed_tok_s"), ("max_batch", "mixtral_nf4_max_batch_tok_s")):
-        row = rows.get(("mixtral-8x7b nf4", case))
+    for key in TOK_S_KEYS:
+        row = target_row(rows, key)
         if row and row.get("tok_s"):
-            r[out] = row["tok_s"]
-    if qwen and qwen.get("tok_s"):
-        r["qwen3_30b_nf4_bs1_tok_s"] = qwen["tok_s"]
+            r[key] = row["tok_s"]
     air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
@@ -333,26 +328,34 @@ def derive_routed_keys(b: Bench) -> None:
 
 
 # -- reporting -------------------------------------------------------------------------------------
-# The expert_aware row (model, case) each target's value comes from: its error says why a target has none.
-TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", "lfu"),
-               "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", "lfu_bs256"),
-               "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", "max_batch"),
-               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", "lfu"),
-               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", "nocache"),
-               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", "nocache")}
+# The expert_aware rows (model, cases in order of preference) each key's value comes from; a key without a value
+# says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
+# where measured, the forced-routed row beside it otherwise.
+TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
+               "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
+               "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
+               "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", ("max_batch",)),
+               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
+               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache",)),
+               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache",))}
+TOK_S_KEYS = [k for k in TARGET_ROWS if k.endswith("_tok_s")]
+
+
+def target_row(rows: dict, key: str) -> dict | None:
+    """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed, else the first that ran."""
+    model, cases = TARGET_ROWS[key]
+    found = [rows[(model, c)] for c in cases if (model, c) in rows]
+    return next((row for row in found if row.get("tok_s")), found[0] if found else None)
 
 
 def unmeasured_why(results: dict, key: str) -> str | None:
     """Why a target has no value: its row's error, AirLLM's error, or that its part has not run."""
     if key == "airllm_over_airquant_mixtral_bs1":
         return results.get("airllm_error") or "the airllm part has not run"
-    rows = {(x["model"], x["case"]): x for x in results.get("expert_aware", [])}
-    if key == "mixtral_nf4_bs256_tok_s" and ("mixtral-8x7b nf4", "auto_bs256") in rows:  # as derive_routed_keys
-        return rows[("mixtral-8x7b nf4", "auto_bs256")].get("error")
-    row = rows.get(TARGET_ROWS.get(key, (None, None)))
-    if row is None:
-        return "its case has not run" if key in TARGET_ROWS else None
-    return row.get("error")
+    if key not in TARGET_ROWS:
+        return None
+    row = target_row({(x["model"], x["case"]): x for x in results.get("expert_aware", [])}, key)
+    return "its case has not run" if row is None else row.get("error")
 
 
 def check_targets(b: Bench) -> list[str]:
