@@ -37,8 +37,10 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -105,7 +107,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
             row["experts_mode"] = "routed" if engine.experts is not None else "whole"
         step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
         if case is not None and case in (a.trace or "").split(","):
-            row["trace"] = trace_steps(b, engine, batch)
+            row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
         if engine.experts is not None:
             row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(),
                        decode_bytes_per_step=routed_step_bytes(b, engine, batch))
@@ -127,7 +129,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     return row
 
 
-def trace_steps(b: Bench, engine, batch: int, new: int = 3, top: int = 20) -> dict:
+def trace_steps(b: Bench, engine, batch: int, name: str, new: int = 3, top: int = 20) -> dict:
     """Where a decode step's time goes (``--trace CASE``): ``new`` tokens after the prefill under torch's
     profiler, the ops with the most device time and the most host time, and the device's busy time by kind
     (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
@@ -142,6 +144,13 @@ def trace_steps(b: Bench, engine, batch: int, new: int = 3, top: int = 20) -> di
     with profile(activities=acts) as prof:
         engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
     wall = time.perf_counter() - start
+    if b.args.trace_dir:  # the timeline itself (chrome://tracing, Perfetto): gaps show what waited on what
+        os.makedirs(b.args.trace_dir, exist_ok=True)
+        path = os.path.join(b.args.trace_dir, f"{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
     device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
     events = prof.key_averages()
     busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
@@ -432,6 +441,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
     p.add_argument("--max-batch", type=int, default=512,
                    help="batch of the expert-aware max-batch row (Mixtral, 15 GB, KV offload when needed; 0: skip)")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="also write each traced case's timeline there (gzipped chrome trace, for Perfetto)")
     p.add_argument("--trace", default=None, metavar="CASES",
                    help="expert-aware cases (comma-separated) to also run under torch's profiler: the row gets "
                         "'trace' (device time by kind, top ops by device and host time)")

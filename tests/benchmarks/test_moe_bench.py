@@ -16,7 +16,8 @@ CASES = {(f"{m} nf4", 4.0, n) for m in ("mixtral-8x7b", "qwen3-30b-a3b") for n i
 
 def test_quick_run_records_every_case(tmp_path, real_tokenizer):
     work, out = tmp_path / "work", tmp_path / "results"
-    assert main(["--quick", "--workdir", str(work), "--results", str(out), "--trace", "nocache"]) == 0
+    assert main(["--quick", "--workdir", str(work), "--results", str(out), "--trace", "nocache",
+                 "--trace-dir", str(tmp_path / "traces")]) == 0
     r = json.loads((out / "moe_bench.json").read_text())
     assert r["synthetic"] and r["quick"] and r["link_pinned_gbps"] > 0
     assert CASES <= {(x["model"], x["cap_gb"], x["batch"]) for x in r["whole_layer"]}
@@ -41,6 +42,7 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
         ("lfu", GEMV_TOKENS, None), ("lfu_stacked", 0, 0)}
     traced = [x for x in r["expert_aware"] if x.get("trace")]  # --trace nocache: that case only, both models
     assert {x["case"] for x in traced} == {"nocache"} and all(x["trace"]["top_host"] for x in traced)
+    assert len(list((tmp_path / "traces").glob("*nocache.json.gz"))) == len(traced)  # one timeline per traced case
     air = r["details"]["airllm"]
     assert air["layers"] == 2 and air["airquant_bf16"]["per_layer_s"] > 0 and air["airquant_nf4"]["per_layer_s"] > 0
     # AirLLM gives a time (and a ratio) or the error it stopped with, never neither
