@@ -165,11 +165,12 @@ def matrices_of(module, num: int, top_k: int) -> ExpertMatrices:
 
 
 def run_grouped(module, fn, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                num: int, tokens: int | None = None) -> torch.Tensor:
+                num: int, tokens: int | None = None, ids: list[int] | None = None) -> torch.Tensor:
     """The experts module on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] (rows of the ``num``
     packed experts), its quantized weights decoded as stacked dense tensors chunk by chunk, its tokens run
-    at most ``tokens`` (the plan's ``call_tokens``) at a time, and within ``COMPUTE_BYTES``."""
-    out = run_gemv(module, hidden, index, weights, num)
+    at most ``tokens`` (the plan's ``call_tokens``) at a time, and within ``COMPUTE_BYTES``. ``ids``: the
+    caller's host copy of ``index`` (flat), so that ``run_gemv`` need not read it again."""
+    out = run_gemv(module, hidden, index, weights, num, ids=ids)
     if out is not None:
         return out
     quantized = quantized_children(module)
@@ -215,11 +216,11 @@ def gemv_projections(module) -> tuple[ExpertWeights, ExpertWeights] | None:
 
 
 def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-             num: int) -> torch.Tensor | None:
+             num: int, ids: list[int] | None = None) -> torch.Tensor | None:
     """transformers' grouped experts forward on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k] to the
     ``num`` packed experts, each expert's projections by ``ExpertWeights.matmul`` on its packed bytes; None
     (nothing computed) where a routed expert has more than ``GEMV_TOKENS`` rows or the module does not qualify
-    (``gemv_projections``)."""
+    (``gemv_projections``). ``ids``: ``index`` flat, already on the host (read here otherwise)."""
     if hidden.dim() != 2 or index.dim() != 2 or weights.shape != index.shape:
         return None
     if index.numel() > GEMV_TOKENS * num:  # some expert has more rows: no need to look (no host sync)
@@ -227,17 +228,17 @@ def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     projections = gemv_projections(module)
     if projections is None:
         return None
-    ids = index.reshape(-1).tolist()  # [S = T * k]; small: at most GEMV_TOKENS * num
+    if ids is None:
+        ids = index.reshape(-1).tolist()  # [S = T * k]; small: at most GEMV_TOKENS * num
     counts = [ids.count(e) for e in range(num)]
     if max(counts) > GEMV_TOKENS or sum(counts) != len(ids):  # the latter: an id outside the packed experts
         return None
     up, down = projections
     gate = getattr(module, "_apply_gate", None)
-    order = sorted(range(len(ids)), key=ids.__getitem__)  # rows grouped by expert, as the grouped forward sorts
-    inverse = [0] * len(order)
-    for at, s in enumerate(order):
-        inverse[s] = at
-    perm, inv = torch.tensor(order + inverse, device=hidden.device).split(len(order))
+    # Rows grouped by expert, as the grouped forward sorts (stable, like the host's counts): sorted on the
+    # device, since a tensor made from a host list is a blocking copy on a GPU.
+    perm = torch.argsort(index.reshape(-1), stable=True)
+    inv = torch.argsort(perm)
     rows = hidden[perm // index.shape[1]]  # [S, H] in expert order
     outs, at = [], 0
     for e, n in enumerate(counts):

@@ -252,22 +252,23 @@ class ExpertPool:
                                    "use --experts whole for this model.")
             return self._run_dispatched(i, module, forward, hidden)
         layer = self.layers[i]
-        union = torch.unique(index).tolist()  # the one host sync: which experts to move
+        guess = self._guess(i + 1, hidden) if self.plan.speculate else None
+        ids, guessed = _host_read(index, guess)  # the one host sync of the call: routing (and guess) at once
+        union = sorted(set(ids))
         slots = self._acquire(i, layer, union)
+        if guessed is not None:  # queued behind this layer's copies, before its gather waits on them
+            self._speculate(i + 1, guessed, keep=set(slots))
         packed = self._gather(layer, slots)
-        if self.plan.speculate and hidden.reshape(-1, hidden.shape[-1]).shape[0] <= SPECULATE_TOKENS:
-            self._speculate(i + 1, hidden, keep=set(slots))
-        lookup = torch.zeros(max(union) + 1, dtype=index.dtype, device=index.device)
-        lookup[torch.tensor(union, device=index.device)] = torch.arange(len(union), dtype=index.dtype,
-                                                                        device=index.device)
-        args, kwargs = _with_index(args, kwargs, lookup[index])  # expert ids -> rows of the packed tensors
+        row = {e: n for n, e in enumerate(union)}
+        local = [row[e] for e in ids]  # expert ids -> rows of the packed tensors, on the host and the device
+        args, kwargs = _with_index(args, kwargs, _packed_rows(index, len(layer.ranges)))
         grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
             else None
         with _packed_into(module, packed, len(union)):
             if grouped is None:
                 return forward(*args, **kwargs)
             return expert_compute.run_grouped(module, grouped, *args, num=len(union),
-                                               tokens=self.plan.call_tokens or None)
+                                               tokens=self.plan.call_tokens or None, ids=local)
 
     def _run_dispatched(self, i: int, module, forward, hidden: torch.Tensor) -> torch.Tensor:
         """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""
@@ -278,10 +279,11 @@ class ExpertPool:
         if not union:
             return out.reshape(hidden.shape)
         slots = self._acquire(i, layer, union)
+        # Each token's rows are positive multiples of its hidden state: their sum routes like it.
+        guess = self._guess(i + 1, rows.sum(dim=0)) if self.plan.speculate else None
+        if guess is not None:
+            self._speculate(i + 1, guess.reshape(-1).tolist(), keep=set(slots))
         packed = self._gather(layer, slots)
-        if self.plan.speculate and rows.shape[1] <= SPECULATE_TOKENS:
-            # Each token's rows are positive multiples of its hidden state: their sum routes like it.
-            self._speculate(i + 1, rows.sum(dim=0), keep=set(slots))
         chosen = torch.tensor(union, device=hidden.device)
         with _packed_into(module, packed, len(union)):
             part = forward(rows.index_select(0, chosen).reshape(-1, hidden.shape[-1]))
@@ -377,7 +379,9 @@ class ExpertPool:
         if self.ops is not None:
             for event in {id(self.ready[s]): self.ready[s] for s in slots if self.ready[s] is not None}.values():
                 self.ops.wait(event)
-        rows = self.mem.index_select(0, torch.tensor(slots, device=self.mem.device))  # [U, slot_bytes]
+        # [U, slot_bytes] by one stack of the slots' rows: an index tensor made from the host list would be a
+        # blocking host-to-device copy.
+        rows = torch.stack([self.mem[s] for s in slots])
         if self.ops is not None:
             mark = self.ops.mark()
             for s in slots:
@@ -389,14 +393,20 @@ class ExpertPool:
             out[name] = t.to(self.compute_dtype) if dense and dtype != self.compute_dtype else t
         return out
 
-    def _speculate(self, j: int, hidden: torch.Tensor, keep: set[int]) -> None:
-        """Guess layer j's experts with its router on this layer's expert input; start their copies."""
+    def _guess(self, j: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Layer j's experts as its router picks them on this layer's expert input ([T, k], on the device),
+        or None: too many tokens, not a routed MoE layer, or its bytes are not in host memory yet (no
+        blocking read)."""
         router, layer = self.routers.get(j), self.layers.get(j)
-        if router is None or layer is None or self.host_bytes(j) is None:
-            return  # not a routed MoE layer, or its bytes are not in host memory yet (no blocking read)
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(router.dtype)
-        top_k = min(len(layer.ranges), layer.top_k)
-        guess = torch.unique((flat @ router.t()).topk(top_k, dim=-1).indices).tolist()  # [T, k] -> ids
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.shape[0] > SPECULATE_TOKENS or router is None or layer is None or self.host_bytes(j) is None:
+            return None
+        return (flat.to(router.dtype) @ router.t()).topk(min(len(layer.ranges), layer.top_k), dim=-1).indices
+
+    def _speculate(self, j: int, guessed: list[int], keep: set[int]) -> None:
+        """Start the copies of layer j's guessed experts (``_guess``, read to the host)."""
+        layer = self.layers[j]
+        guess = sorted(set(guessed))
         missing = [e for e in guess if self.table.lookup((layer.key, j, e)) is None]
         self.guessed[j] = set(guess)
         self.stats["guessed"] += len(guess)
@@ -421,6 +431,23 @@ def _read(layer: LayerExperts, start: int, end: int) -> torch.Tensor:
                 raise ExpertsError(f"shard {layer.path} is truncated; re-run `airquant shard` on this store.")
             got += n
     return buf
+
+
+def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[int], list[int] | None]:
+    """The call's routing ids (flat, in [T, k] order) and the speculated ids, read to the host in one copy:
+    every read of device data stops the host until the compute queued before it has run."""
+    flat = index.reshape(-1)
+    if guess is None:
+        return flat.tolist(), None
+    both = torch.cat((flat, guess.reshape(-1).to(flat.dtype))).tolist()
+    return both[:flat.numel()], both[flat.numel():]
+
+
+def _packed_rows(index: torch.Tensor, num: int) -> torch.Tensor:
+    """``index``'s expert ids as rows of the packed tensors (their rank among the routed experts, which the
+    pool packs in id order), computed on the device: no tensor is made from host data (a blocking copy)."""
+    present = torch.zeros(num, dtype=index.dtype, device=index.device).index_fill_(0, index.reshape(-1), 1)
+    return (present.cumsum(0) - 1)[index]
 
 
 def _routing(args: tuple, kwargs: dict) -> torch.Tensor | None:

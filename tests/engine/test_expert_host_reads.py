@@ -1,0 +1,109 @@
+"""Host syncs of a routed MoE layer at batch-1 decode, counted on the CPU (deterministic, unlike timings).
+
+On a GPU every read of device data on the host (``tolist``, ``item``, ``bool(t)``, ``unique``/``nonzero``,
+whose output size the host must know) stops the host until the compute queued before it has run, and so
+does a tensor made from a host list (``torch.tensor(list, device=...)``: a blocking host-to-device copy). At
+batch 1 the routed path is bound by such stalls, one MoE layer after another: a call of the experts reads
+its routing (and the speculated experts of the next layer) to the host exactly once, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+from airquant.config import GenerateConfig
+from airquant.engine import experts
+from airquant.engine.runner import Engine
+from airquant.models import resolve
+from airquant.quant import QuantSpec
+from airquant.store.quantize import make_transform
+from airquant.store.split import split
+from tests.zoo import tiny_config
+
+# Aten ops that read device data on the host, and those that make a tensor of host data (as in
+# test_decode_dispatch.py); Tensor methods that read it to Python.
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "item", "masked_select", "unique_consecutive",
+            "_unique2", "unique_dim", "equal", "lift_fresh", "lift_fresh_copy"}
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
+PROMPT = [17, 254, 1033, 88, 512, 731, 42]
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, real_tokenizer):
+    """A 3-layer Mixtral of 8 NF4 experts (every in_features a multiple of 64: the 4-bit GEMV path runs)."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral", real_tokenizer, hidden_size=64,
+                                                         intermediate_size=128), dtype=torch.float32)
+    model.save_pretrained(folder / "model")
+    real_tokenizer.save_pretrained(folder / "model")
+    source = resolve(str(folder / "model"))
+    transform, record = make_transform(source, QuantSpec(method="nf4"))
+    split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    return folder / "store"
+
+
+def _decode_calls(engine: Engine, monkeypatch) -> list[tuple[Counter, Counter]]:
+    """Per one-token call of a routed experts module in a batch-1 decode: host reads by Tensor method, and
+    sync / host-data aten ops."""
+    calls, active = [], []
+    for method in HOST_READS:
+        real = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _real=real, _name=method, **kwargs):
+            if active:
+                active[-1][0][_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    run = experts.ExpertPool.run
+
+    def counted_run(pool, i, module, forward, args, kwargs):
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        reads, mode = Counter(), SyncCounter()
+        active.append((reads, mode))
+        try:
+            with mode:
+                return run(pool, i, module, forward, args, kwargs)
+        finally:
+            active.pop()
+            if hidden.reshape(-1, hidden.shape[-1]).shape[0] == 1:
+                calls.append((reads, mode.ops))
+
+    monkeypatch.setattr(experts.ExpertPool, "run", counted_run)
+    ids = torch.tensor([PROMPT])
+    engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=4, ignore_eos=True))
+    return calls
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_routed_layer_reads_the_device_once_per_decode_step(store, monkeypatch, prefetch):
+    engine = Engine.open(store, device="cpu", experts="routed", expert_prefetch=prefetch)
+    try:
+        calls = _decode_calls(engine, monkeypatch)
+        layers = len(engine.experts.layers)
+        assert layers == 3 and len(calls) == 3 * layers  # 3 one-token steps after the prefill
+        if prefetch:
+            assert engine.experts.stats["guessed"] > 0  # speculation ran, its read folded into the routing's
+        for reads, ops in calls:
+            assert reads == Counter(tolist=1), reads
+            assert not ops, ops
+    finally:
+        engine.close()
