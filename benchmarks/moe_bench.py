@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from airquant.engine import expert_compute  # noqa: E402
 from airquant.engine.plan import PlanError  # noqa: E402
+from airquant.engine.planner import GIB  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
@@ -278,6 +279,28 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
 QUICK_BATCH = 8  # --quick: batches over 8 run at 8 (tiny shapes, 2 of 8 experts: auto streams whole layers)
 
 
+def router_batch(b: Bench, store: Path, cap_gb: float, context: int) -> tuple[int, bool]:
+    """The largest batch ``airquant plan`` allows for this store under ``cap_gb`` (streamed as measure opens
+    it, --experts auto, plain KV), with the cache on the device or offloaded to host RAM, whichever allows
+    more; and whether that one is offloaded."""
+    from airquant.config import EngineConfig
+    from airquant.engine.router import Hardware, RouteError, plan_route, workload_for
+
+    hw = Hardware.detect(b.device.type, cap_gb * GB / GIB, None)
+    best = (0, False)
+    for offload in (False, True):
+        cfg = EngineConfig(experts="auto", resident_layers=0, host_embedding=True, kv_offload=offload)
+        try:
+            route = plan_route([store], hw, workload_for(cfg, batch_size=1, context=context, mode="streamed",
+                                                          kv_schemes=("none",)))
+        except RouteError:
+            continue
+        best = max(best, (route.max_batch, route.kv_offload))
+    if best[0] < 1:
+        raise PlanError(f"{store}: no batch fits {cap_gb:g} GB")
+    return best
+
+
 def part_routed(b: Bench, name: str) -> None:
     a, (shape, _) = b.args, SHAPES[name]
     store = make_store(b, shape, "nf4", a.layers)
@@ -287,10 +310,17 @@ def part_routed(b: Bench, name: str) -> None:
     rows = []
     for case in chosen:
         if case == "max_batch" and a.max_batch:
-            # The largest batch as a user runs it: --experts auto (whole layers there; routed measured 112 tok/s
-            # at batch 512 on 2026-12-02, every expert copied anyway).
-            rows.append(measure(b, store, f"{shape} nf4", cap, 4 if b.quick else a.max_batch, "max_batch",
-                                experts="auto", kv_offload=None))
+            # The largest batch the router allows under the cap, as a user runs it (--experts auto, the KV
+            # cache offloaded when it helps), at most --max-batch.
+            largest, offload = router_batch(b, store, cap, a.prompt_len + a.steps + 3)
+            batch, failed = (4 if b.quick else min(largest, a.max_batch)), []
+            while True:  # as a batch job does: an out-of-memory batch is halved (twice at most), and said
+                row = measure(b, store, f"{shape} nf4", cap, batch, "max_batch", experts="auto", kv_offload=offload)
+                if "OutOfMemoryError" not in str(row["error"]) or len(failed) == 2:
+                    break
+                failed.append({"batch": batch, "error": row["error"][:300]})
+                batch //= 2
+            rows.append({**row, "router_max_batch": largest, "out_of_memory_at": failed})
         elif case in ROUTED_CASES:
             batch, kw = ROUTED_CASES[case]
             with gemv_tokens(kw.get("gemv_tokens")):
@@ -439,8 +469,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--caps", default="15,4", help="GPU caps (GB) of the whole-layer parts")
     p.add_argument("--layers", type=int, default=None,
                    help="keep the first N layers of both MoE shapes (default: all; Mixtral 32, Qwen3-30B 48)")
-    p.add_argument("--max-batch", type=int, default=512,
-                   help="batch of the expert-aware max-batch row (Mixtral, 15 GB, KV offload when needed; 0: skip)")
+    p.add_argument("--max-batch", type=int, default=1024,
+                   help="at most this batch for the max-batch row (Mixtral, 15 GB: the largest batch the router "
+                        "allows, KV offloaded when that allows more; 0: skip)")
     p.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="also write each traced case's timeline there (gzipped chrome trace, for Perfetto)")
     p.add_argument("--trace", default=None, metavar="CASES",

@@ -12,6 +12,8 @@ Stored tensors are the per-expert outputs of ``quantize_linear`` stacked on dim 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -55,25 +57,36 @@ class ExpertWeights(nn.Module):
         for name, buf in one.named_buffers():
             self.register_buffer(name, torch.empty((self.num_experts, *buf.shape), dtype=buf.dtype,
                                                    device=buf.device))
+        for name in self.suffixes:  # the template's own (one expert's) buffers: never read, not kept
+            one._buffers[name] = None
 
+    @contextmanager
     def _expert(self, e: int):
-        """The one-expert template with expert e's slices as its buffers. Plain assignment, not
-        functional_call: this runs once per routed expert and tensor in every step, and the reparametrization
-        machinery cost ~0.1 ms of CPU each (Qwen3-30B: 16 calls per layer at batch 1)."""
+        """The one-expert template with expert e's slices as its buffers, for the time of the block. Plain
+        assignment, not functional_call: this runs once per routed expert and tensor in every step, and the
+        reparametrization machinery cost ~0.1 ms of CPU each (Qwen3-30B: 16 calls per layer at batch 1).
+        The slices are dropped after the block: a template left pointing at them kept alive the tensors they
+        view (in a routed run, each layer's packed gather of the call: 32 x 198 MB on a Mixtral-8x7B NF4)."""
         linear = self.one[0]
         for name in self.suffixes:
             linear._buffers[name] = getattr(self, name)[e]
-        return linear
+        try:
+            yield linear
+        finally:
+            for name in self.suffixes:
+                linear._buffers[name] = None
 
     def __getitem__(self, index) -> torch.Tensor:
-        w = self._expert(int(index)).dequantize().to(self.compute_dtype)  # [out, in]
+        with self._expert(int(index)) as linear:
+            w = linear.dequantize().to(self.compute_dtype)  # [out, in]
         return w.t() if self.transposed else w
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` [n, in] times expert e's matrix: [n, out], by the scheme's own ``forward`` on expert e's slices
         (NF4: bitsandbytes' ``matmul_4bit``, whose CUDA kernel reads the 4-bit bytes and writes no dense weight
         for a few rows). A transposed expert is stored [in, out] but quantized as [out, in]: same product."""
-        return self._expert(e)(x)
+        with self._expert(e) as linear:
+            return linear(x)
 
     def multiplies_packed(self) -> bool:
         """Whether ``matmul`` multiplies from the packed bytes without decoding first (``multiplies_packed`` of

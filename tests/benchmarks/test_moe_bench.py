@@ -35,6 +35,8 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
              if x["model"] == "mixtral-8x7b nf4"}
     # forced routed stays routed at a large batch; the default (auto) streams whole layers there (2 of 8 at batch 8)
     assert modes["lfu_bs256"] == ("routed", "routed") and modes["auto_bs256"] == ("auto", "whole")
+    top = next(x for x in r["expert_aware"] if x["case"] == "max_batch")  # the router's largest batch, planned
+    assert top["error"] is None and top["router_max_batch"] >= 1 and top["experts_asked"] == "auto"
     # the A/B of the few-row path: lfu_stacked is lfu with expert_compute.GEMV_TOKENS = 0, both models
     ab = {(x["model"], x["case"]): x for x in r["expert_aware"] if x["case"] in ("lfu", "lfu_stacked")}
     assert len(ab) == 4 and all(x["error"] is None and x["step_s"] > 0 for x in ab.values())

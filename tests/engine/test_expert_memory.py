@@ -188,3 +188,27 @@ def test_cuda_stacked_decode_writes_the_compute_dtype_within_its_temporaries():
     elems = 4 * 512 * 256
     assert torch.cuda.max_memory_allocated() - base <= elems * (2 + expert_compute.DECODE_TEMP_PER_ELEM["cuda"])
     assert stacked.dtype == torch.bfloat16 and torch.equal(stacked, one_by_one)
+
+
+@pytest.mark.parametrize("model_type", list(SHAPES))
+def test_a_routed_call_leaves_only_its_output_alive(stores, model_type):
+    """After an experts call, nothing it made is still alive but its output: no gather, decode or view of one
+    kept by a module (batch-1 decode runs by ``run_gemv``; the prefill by the stacked decode)."""
+    engine = Engine.open(stores[model_type], device="cpu", experts="routed", expert_cache_gb=0.0,
+                         expert_prefetch=False)
+    mode, left = LiveBytes(), []
+    run = engine.experts.run
+
+    def tracked(i, module, forward, args, kwargs):
+        base = mode.mark()
+        out = run(i, module, forward, args, kwargs)
+        left.append((args[0].shape[0], mode.live - base - out.untyped_storage().nbytes()))
+        return out
+
+    engine.experts.run = tracked
+    ids = torch.randint(100, 1000, (1, 24))
+    with mode:
+        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=4, ignore_eos=True))
+    assert {t for t, _ in left} == {24, 1}  # prefill and one-token decode calls
+    assert all(extra == 0 for _, extra in left), left
+    engine.close()
