@@ -332,6 +332,7 @@ def part_routed(b: Bench, name: str) -> None:
     b.drop(store)
     b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), whole)
     b.results["expert_aware"] = merge_rows(b.results.get("expert_aware", []), rows)
+    derive_keys(b)  # the whole-layer batch-1 row came again with nocache: its link-fraction key follows it
     derive_routed_keys(b)
 
 
