@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from airquant.engine.expert_plan import ExpertsError, plan_experts
-from airquant.engine.experts import SlotTable
+from airquant.engine.expert_layout import SlotTable
 from airquant.engine.runner import Engine
 from airquant.layout import expert_modules
 from airquant.models import resolve
