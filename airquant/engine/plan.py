@@ -205,9 +205,11 @@ def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_e
     states = states or LayerStates.of(config)
     h = config.hidden_size
     # Prefill holds the residual, the normed input and q/k/v/attention output (<= 4 x H) for every token
-    # at once; the MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its gate, up and
-    # their product (3 x I) exist for one chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
-    activations = batch * context * 4 * h * dtype_bytes
+    # at once, and an RMSNorm computes in fp32: its upcast and square of the whole pass (2 x 4 bytes a value)
+    # beside its input, 5 x H in a 16-bit dtype (measured on the CPU in bf16: tests/engine/test_prefill_memory.py).
+    # The MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its intermediates exist for one
+    # chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
+    activations = batch * context * h * max(4 * dtype_bytes, dtype_bytes + 2 * 4)
     return Reserve(kv=kv_bytes_per_token(config, dtype_bytes, states) * batch * context, activations=activations,
                    dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2,
                    mlp=mlp_chunk_bytes(config, batch * context, dtype_bytes),
@@ -215,8 +217,32 @@ def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_e
 
 
 def mlp_chunk_bytes(config, tokens: int, dtype_bytes: int) -> int:
-    """Gate, up and their product (3 x I) for the MLP chunk that ``tokens`` tokens of prefill run in."""
-    return min(tokens, MLP_CHUNK_TOKENS) * 3 * config.intermediate_size * dtype_bytes
+    """The intermediates of the MLP chunk that ``tokens`` tokens of prefill run in: gate, up and their product
+    (3 x I); a Mixture-of-Experts block's are per routed row (top-k rows a token): the fused gate/up output,
+    the activation and product (4 x the expert width), and the weighted rows summed in fp32."""
+    n = min(tokens, MLP_CHUNK_TOKENS)
+    dense = n * 3 * config.intermediate_size * dtype_bytes
+    k = top_k_of(config)
+    if not k:
+        return dense
+    rows = n * k
+    moe = rows * 4 * expert_intermediate_of(config) * dtype_bytes + rows * config.hidden_size * 2 * 4 \
+        + n * config.hidden_size * 4
+    return max(dense, moe)
+
+
+def top_k_of(config) -> int:
+    """Experts a token routes to (0: a dense stack)."""
+    for name in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def expert_intermediate_of(config) -> int:
+    """One expert's intermediate width (Qwen/DeepSeek name it; Mixtral's experts are the MLP width)."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
 
 def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False,

@@ -18,7 +18,8 @@ from typing import Literal
 
 from airquant.engine import expert_plan
 from airquant.engine.plan import (GB, WORKSPACE_BYTES, Budgets, PlanError, Reserve, StreamPlan, dequant_elems,
-                                  fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for)
+                                  expert_intermediate_of, fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for,
+                                  top_k_of)
 from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest
 
@@ -107,6 +108,8 @@ class ModelDims:
     vocab: int
     max_context: int
     states: LayerStates  # what each layer keeps between steps: KV (attention), a fixed state, nothing
+    top_k: int = 0  # a Mixture-of-Experts stack: experts each token routes to (0: dense MLPs)
+    expert_intermediate: int = 0  # and one expert's intermediate width
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelDims":
@@ -125,13 +128,15 @@ class ModelDims:
                    hidden=hidden, intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
-                   max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states)
+                   max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states,
+                   top_k=top_k_of(text), expert_intermediate=expert_intermediate_of(text))
 
     def as_config(self) -> SimpleNamespace:
         """The attributes ``plan.reserve_for`` reads from a transformers config."""
         return SimpleNamespace(num_hidden_layers=self.num_layers, hidden_size=self.hidden,
                                intermediate_size=self.intermediate, num_attention_heads=self.heads,
-                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab)
+                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab,
+                               num_experts_per_tok=self.top_k, moe_intermediate_size=self.expert_intermediate)
 
     def kv_bytes(self, scheme: KVScheme, tokens: int, dtype_bytes: int) -> int:
         """KV cache bytes for one sequence of ``tokens`` (plain, or TurboQuant past its window), attention

@@ -58,7 +58,7 @@ def shapes(tmp_path_factory, real_tokenizer):
     ("nf4", 4, False, 1, 136, "cannot hold"),  # embed + lm_head 2.69 + slots 0.96 + reserve 0.82 > 4
     # lm_head 0.59 + slots 0.96 + reserve 0.82 leave 1.63 GB, less the allocator margin 0.27: 2 layers
     ("nf4", 4, True, 1, 136, 2),
-    ("nf4", 15, True, 1, 2048, 23),
+    ("nf4", 15, True, 1, 2048, 22),  # 2048 tokens' activations with the RMSNorm's fp32 temporaries: 0.17 GB
     ("nf4", 15, False, 1, 2048, 18),  # the embedding on the GPU costs five layers (the margin 0.48 one less)
     ("nf4", 15, True, 64, 136, 17),  # the batch's KV cache and activations cost six
     ("nf4", 15, True, 32, 1024, "cannot hold"),
@@ -145,7 +145,9 @@ def test_mlp_chunk_is_a_constant_part_of_the_reserve():
                           num_hidden_layers=80, vocab_size=128256)
     one, eight = (reserve_for(cfg, batch=b, context=8192, dtype_bytes=2) for b in (1, 8))
     assert one.mlp == eight.mlp == MLP_CHUNK_TOKENS * 3 * 28672 * 2
-    assert eight.activations == 8 * one.activations == 8 * 8192 * 4 * 8192 * 2
+    # residual, normed input, q/k/v/attention output (4 x H) or, larger in bf16, the input and an RMSNorm's
+    # fp32 upcast and square (2 + 2 x 4 bytes a value)
+    assert eight.activations == 8 * one.activations == 8 * 8192 * 8192 * (2 + 2 * 4)
     assert "MLP chunk 0.35" in one.describe()
 
 
@@ -280,3 +282,19 @@ def test_dequant_workspace_counts_a_whole_quantized_expert():
     assert dequant_elems({"layer.0": layer}, config) == 28672 * 4096
     dense_only = ShardEntry(group="layer.0", file="x", bytes=1, sha256="", tensors={}, modules={"self_attn.q_proj": nf4})
     assert dequant_elems({"layer.0": dense_only}, config) == 4096 * 14336
+
+
+def test_a_moe_block_chunk_counts_its_routed_rows():
+    """Mixtral-8x7B: 2048 tokens x top-2 rows of the fused gate/up, activation and product (4 x 14336 wide,
+    bf16) and the weighted rows in fp32; a dense stack of the same widths: gate, up, product of 2048 tokens."""
+    from types import SimpleNamespace
+
+    from airquant.engine.plan import MLP_CHUNK_TOKENS, mlp_chunk_bytes
+
+    dense = SimpleNamespace(hidden_size=4096, intermediate_size=14336)
+    moe = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_experts_per_tok=2)
+    rows = MLP_CHUNK_TOKENS * 2
+    assert mlp_chunk_bytes(dense, 10**6, 2) == MLP_CHUNK_TOKENS * 3 * 14336 * 2
+    assert mlp_chunk_bytes(moe, 10**6, 2) == rows * 4 * 14336 * 2 + rows * 4096 * 8 + MLP_CHUNK_TOKENS * 4096 * 4
+    qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts_per_tok=8)
+    assert mlp_chunk_bytes(qwen3, 100, 2) == 100 * 8 * (4 * 768 * 2 + 2048 * 8) + 100 * 2048 * 4
