@@ -35,8 +35,12 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
              if x["model"] == "mixtral-8x7b nf4"}
     # forced routed stays routed at a large batch; the default (auto) streams whole layers there (2 of 8 at batch 8)
     assert modes["lfu_bs256"] == ("routed", "routed") and modes["auto_bs256"] == ("auto", "whole")
-    top = next(x for x in r["expert_aware"] if x["case"] == "max_batch")  # the router's largest batch, planned
-    assert top["error"] is None and top["router_max_batch"] >= 1 and top["experts_asked"] == "auto"
+    # the router's largest batches, planned: of all (the cache offloaded where that allows more), on the device
+    top = {x["case"]: x for x in r["expert_aware"] if x["case"] in ("max_batch", "max_batch_device")}
+    assert all(x["error"] is None and x["router_max_batch"] >= 1 and x["experts_asked"] == "auto" for x in top.values())
+    assert top["max_batch"]["router_max_batch"] >= top["max_batch_device"]["router_max_batch"]
+    assert top["max_batch_device"]["kv_offload"] is False
+    assert r["mixtral_nf4_max_batch_tok_s"] == max(x["tok_s"] for x in top.values())  # the faster of the two
     # the A/B of the few-row path: lfu_stacked is lfu with expert_compute.GEMV_TOKENS = 0, both models
     ab = {(x["model"], x["case"]): x for x in r["expert_aware"] if x["case"] in ("lfu", "lfu_stacked")}
     assert len(ab) == 4 and all(x["error"] is None and x["step_s"] > 0 for x in ab.values())
