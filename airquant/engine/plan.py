@@ -222,18 +222,18 @@ def mlp_chunk_bytes(config, tokens: int, dtype_bytes: int) -> int:
     the activation and product (4 x the expert width), and the weighted rows summed in fp32."""
     n = min(tokens, MLP_CHUNK_TOKENS)
     dense = n * 3 * config.intermediate_size * dtype_bytes
-    k = top_k_of(config)
-    if not k:
+    k, width = top_k_of(config), expert_intermediate_of(config)
+    if not k or not width:
         return dense
     rows = n * k
-    moe = rows * 4 * expert_intermediate_of(config) * dtype_bytes + rows * config.hidden_size * 2 * 4 \
+    moe = rows * 4 * width * dtype_bytes + rows * config.hidden_size * 2 * 4 \
         + n * config.hidden_size * 4
     return max(dense, moe)
 
 
 def top_k_of(config) -> int:
-    """Experts a token routes to (0: a dense stack)."""
-    for name in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+    """Experts a token routes to (0: a dense stack). Not a plain ``top_k``: older configs carry sampling's."""
+    for name in ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -242,7 +242,7 @@ def top_k_of(config) -> int:
 
 def expert_intermediate_of(config) -> int:
     """One expert's intermediate width (Qwen/DeepSeek name it; Mixtral's experts are the MLP width)."""
-    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 0
 
 
 def fixed_bytes(shards: dict, tied: bool, host_embedding: bool = False,

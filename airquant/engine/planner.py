@@ -129,7 +129,7 @@ class ModelDims:
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
                    max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states,
-                   top_k=top_k_of(text), expert_intermediate=expert_intermediate_of(text))
+                   top_k=top_k_of(text), expert_intermediate=expert_intermediate_of(text) if top_k_of(text) else 0)
 
     def as_config(self) -> SimpleNamespace:
         """The attributes ``plan.reserve_for`` reads from a transformers config."""
