@@ -298,3 +298,14 @@ def test_a_moe_block_chunk_counts_its_routed_rows():
     assert mlp_chunk_bytes(moe, 10**6, 2) == rows * 4 * 14336 * 2 + rows * 4096 * 8 + MLP_CHUNK_TOKENS * 4096 * 4
     qwen3 = SimpleNamespace(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts_per_tok=8)
     assert mlp_chunk_bytes(qwen3, 100, 2) == 100 * 8 * (4 * 768 * 2 + 2048 * 8) + 100 * 2048 * 4
+
+
+def test_a_sampling_top_k_is_not_a_moe_top_k():
+    """An older config's ``top_k`` (sampling's) leaves a dense stack's MLP term dense."""
+    from types import SimpleNamespace
+
+    from airquant.engine.plan import mlp_chunk_bytes, top_k_of
+
+    old = SimpleNamespace(hidden_size=4096, intermediate_size=11008, top_k=50)
+    assert top_k_of(old) == 0 and mlp_chunk_bytes(old, 100, 2) == 100 * 3 * 11008 * 2
+    assert top_k_of(SimpleNamespace(num_experts_per_tok=2)) == 2
