@@ -159,14 +159,17 @@ class ExpertPool:
             return self._run_dispatched(i, module, forward, hidden)
         layer = self.layers[i]
         guess = self._guess(i + 1, hidden) if self.plan.speculate else None
-        ids, guessed = _host_read(index, guess)  # the one host sync of the call: routing (and guess) at once
+        # The one host read of a few-row call: its routing (and guess) at once; run_gemv takes the routing.
+        # A larger call reads only its distinct experts (a long prefill's every id would be a long host list).
+        few = index.numel() <= expert_compute.GEMV_TOKENS * len(layer.ranges)
+        ids, guessed = _host_read(index if few else torch.unique(index), guess)
         union = sorted(set(ids))
         slots = self._acquire(i, layer, union)
         if guessed is not None:  # queued behind this layer's copies, before its gather waits on them
             self._speculate(i + 1, guessed, keep=set(slots))
         packed = self._gather(layer, slots)
         row = {e: n for n, e in enumerate(union)}
-        local = [row[e] for e in ids]  # expert ids -> rows of the packed tensors, on the host and the device
+        local = [row[e] for e in ids] if few else None  # expert ids -> rows of the packed tensors, host side
         args, kwargs = _with_index(args, kwargs, _packed_rows(index, len(layer.ranges)))
         grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
             else None

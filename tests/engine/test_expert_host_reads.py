@@ -107,3 +107,36 @@ def test_a_routed_layer_reads_the_device_once_per_decode_step(store, monkeypatch
             assert not ops, ops
     finally:
         engine.close()
+
+
+def test_a_long_prefill_reads_only_its_distinct_experts(store, monkeypatch):
+    """A call of more rows than the few-row path takes reads its distinct experts, not every routing id
+    (a long prompt's ids would make a host list of tokens x top-k a layer): at most the layer's experts."""
+    engine = Engine.open(store, device="cpu", experts="routed", expert_prefetch=False)
+    lengths, real = [], torch.Tensor.tolist
+
+    def tolist(self):
+        out = real(self)
+        lengths.append(len(out) if isinstance(out, list) else 1)
+        return out
+
+    run = experts.ExpertPool.run
+
+    def counted_run(pool, i, module, forward, args, kwargs):
+        lengths.clear()
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        try:
+            return run(pool, i, module, forward, args, kwargs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", real)
+            reads.append(list(lengths))
+
+    reads: list[list[int]] = []
+    monkeypatch.setattr(experts.ExpertPool, "run", counted_run)
+    try:
+        engine.forward(torch.randint(100, 1000, (1, 64)))  # 64 tokens x top-2 ids per layer
+        num = len(next(iter(engine.experts.layers.values())).ranges)
+        assert len(reads) == len(engine.experts.layers)
+        assert all(r and max(r) <= num for r in reads), reads
+    finally:
+        engine.close()
