@@ -333,7 +333,27 @@ def dispatched(module) -> bool:
     return hasattr(module, "gate_up_proj") and not any("bias" in n for n in names)
 
 
-def dispatched_union(hidden: torch.Tensor, num: int) -> tuple[torch.Tensor, list[int]]:
-    """``hidden`` [E * T, H] as [E, T, H] and the experts with a non-zero row (the one host sync)."""
+def run_dispatched(module, forward, hidden: torch.Tensor) -> torch.Tensor:
+    """A dispatched experts module (Llama 4: ``hidden`` [E * T, H], every token spread over its E experts)
+    whose experts are quantized: decoded as stacked dense tensors ``chunk_experts`` at a time, each chunk's
+    rows through the module's own forward (which multiplies stacked tensors: torch.bmm); without quantized
+    experts, the forward as is. E is ``num_experts`` (the routed pool sets it to the packed count)."""
+    quantized = quantized_children(module)
+    if not quantized:
+        return forward(hidden)
+    num = getattr(module, "num_experts", None) or next(iter(quantized.values())).num_experts
     rows = hidden.reshape(num, -1, hidden.shape[-1])
-    return rows, rows.ne(0).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    chunk = matrices_of(module, num, 1).chunk_experts(hidden.element_size())
+    parts = []
+    for start in range(0, num, chunk):
+        stop = min(start + chunk, num)
+        with _decoded(module, quantized, start, stop, num):
+            parts.append(forward(rows[start:stop].reshape(-1, hidden.shape[-1])))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def dispatched_rows(hidden: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` [E * T, H] as [E, T, H], and which experts have a non-zero row ([E] bool, on the device:
+    the caller reads it to the host with whatever else it needs, in one copy)."""
+    rows = hidden.reshape(num, -1, hidden.shape[-1])
+    return rows, rows.ne(0).flatten(1).any(dim=1)

@@ -183,17 +183,20 @@ class ExpertPool:
         """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""
         layer = self.layers[i]
         num = len(layer.ranges)
-        rows, union = expert_compute.dispatched_union(hidden, num)
+        rows, routed = expert_compute.dispatched_rows(hidden, num)
+        # Each token's rows are positive multiples of its hidden state: their sum routes like it.
+        guess = self._guess(i + 1, rows.sum(dim=0)) if self.plan.speculate else None
+        flags, guessed = _host_read(routed, guess)  # the one host sync of the call
+        union = [e for e, hit in enumerate(flags) if hit]
         out = torch.zeros_like(rows)
         if not union:
             return out.reshape(hidden.shape)
         slots = self._acquire(i, layer, union)
-        # Each token's rows are positive multiples of its hidden state: their sum routes like it.
-        guess = self._guess(i + 1, rows.sum(dim=0)) if self.plan.speculate else None
-        if guess is not None:
-            self._speculate(i + 1, guess.reshape(-1).tolist(), keep=set(slots))
+        if guessed is not None:
+            self._speculate(i + 1, guessed, keep=set(slots))
         packed = self._gather(layer, slots)
-        chosen = torch.tensor(union, device=hidden.device)
+        # The routed experts' ids in order, on the device without host data: True flags sort first (stable).
+        chosen = torch.argsort((~routed).to(torch.uint8), stable=True)[:len(union)]
         with _packed_into(module, packed, len(union)):
             part = forward(rows.index_select(0, chosen).reshape(-1, hidden.shape[-1]))
         out.index_copy_(0, chosen, part.reshape(len(union), -1, part.shape[-1]).to(out.dtype))
@@ -330,10 +333,10 @@ class ExpertPool:
 def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[int], list[int] | None]:
     """The call's routing ids (flat, in [T, k] order) and the speculated ids, read to the host in one copy:
     every read of device data stops the host until the compute queued before it has run."""
-    flat = index.reshape(-1)
+    flat = index.reshape(-1).long()
     if guess is None:
         return flat.tolist(), None
-    both = torch.cat((flat, guess.reshape(-1).to(flat.dtype))).tolist()
+    both = torch.cat((flat, guess.reshape(-1).long())).tolist()
     return both[:flat.numel()], both[flat.numel():]
 
 

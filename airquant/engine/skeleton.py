@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from airquant.engine import expert_compute
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.store.integrity import check_file
@@ -83,6 +84,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.get_submodule(find_layout(model).stack)
 
 
+class DecodedExperts:
+    """An experts module called without a routing index (Llama 4: its tokens spread over every expert)
+    whose experts are quantized: ``expert_compute.run_dispatched`` decodes them a chunk at a time for its
+    stacked matmuls. A call with a routing index runs the module's own forward."""
+
+    def __init__(self, module: nn.Module, forward):
+        self.module, self.forward = module, forward
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs:
+            return expert_compute.run_dispatched(self.module, self.forward, args[0])
+        return self.forward(*args, **kwargs)
+
+
 def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: torch.dtype) -> None:
     """Replace the layer's quantized linears (and fused expert weights) by the modules their scheme
     (from the manifest) computes with."""
@@ -97,7 +112,12 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
         with torch.device("meta"):
             if "experts" in meta:
                 # Quantized experts are read one expert at a time: transformers' eager experts loop does that.
-                parent.config._experts_implementation = "eager"
+                # A module without a config (Llama 4's) multiplies stacked tensors: decoded ones, by chunks.
+                config = getattr(parent, "config", None)
+                if config is not None:
+                    config._experts_implementation = "eager"
+                elif not isinstance(parent.forward, DecodedExperts):
+                    parent.forward = DecodedExperts(parent, parent.forward)
                 new = ExpertWeights(meta, compute_dtype=compute_dtype)
                 del parent._parameters[child]
             else:

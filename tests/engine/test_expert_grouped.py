@@ -102,6 +102,26 @@ def test_llama4_dispatched_experts_move_only_routed_ones(tmp_path, real_tokenize
     routed.close()
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-decode", "chunk-per-expert"])
+@pytest.mark.parametrize("method", ["nf4", "int2"])
+def test_llama4_quantized_experts_run_decoded(tmp_path, real_tokenizer, monkeypatch, method, chunked):
+    """Llama 4's experts multiply stacked tensors (torch.bmm): quantized ones are decoded a chunk of experts
+    at a time, streamed whole or routed, and equal the resident engine's on the same weights."""
+    _, store = _store(tmp_path, real_tokenizer, "llama4_text", method)
+    if chunked:
+        monkeypatch.setattr(expert_compute, "GROUPED_BYTES", 1)
+    resident = Engine.open(store, device="cpu", resident=True)
+    ids = torch.tensor([[5, 6, 7, 300, 41]])
+    want = resident.forward(ids)
+    for mode in ("whole", "routed"):
+        engine = Engine.open(store, device="cpu", experts=mode)
+        got = engine.forward(ids)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), mode
+        assert _greedy(engine) == _greedy(resident), mode
+        engine.close()
+    resident.close()
+
+
 def test_a_type_that_cannot_route_streams_whole_under_auto(tmp_path, real_tokenizer, caplog):
     _, store = _store(tmp_path, real_tokenizer, "jetmoe")
     with caplog.at_level(logging.INFO, logger="airquant.engine.expert_plan"):

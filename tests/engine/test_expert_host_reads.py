@@ -45,24 +45,27 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, real_tokenizer):
-    """A 3-layer Mixtral of 8 NF4 experts (every in_features a multiple of 64: the 4-bit GEMV path runs)."""
-    folder = tmp_path_factory.mktemp("mixtral")
+def _nf4_store(tmp_path_factory, tokenizer, model_type: str, **over):
+    folder = tmp_path_factory.mktemp(model_type)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("mixtral", real_tokenizer, hidden_size=64,
-                                                         intermediate_size=128), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, **over), dtype=torch.float32)
     model.save_pretrained(folder / "model")
-    real_tokenizer.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
     source = resolve(str(folder / "model"))
     transform, record = make_transform(source, QuantSpec(method="nf4"))
     split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
     return folder / "store"
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, real_tokenizer):
+    """A 3-layer Mixtral of 8 NF4 experts (every in_features a multiple of 64: the 4-bit GEMV path runs)."""
+    return _nf4_store(tmp_path_factory, real_tokenizer, "mixtral", hidden_size=64, intermediate_size=128)
+
+
 def _decode_calls(engine: Engine, monkeypatch) -> list[tuple[Counter, Counter]]:
-    """Per one-token call of a routed experts module in a batch-1 decode: host reads by Tensor method, and
-    sync / host-data aten ops."""
+    """Per call of a routed experts module after the prefill of a batch-1 decode (one token: [T, H], or
+    Llama 4's [E * T, H]): host reads by Tensor method, and sync / host-data aten ops."""
     calls, active = [], []
     for method in HOST_READS:
         real = getattr(torch.Tensor, method)
@@ -84,7 +87,7 @@ def _decode_calls(engine: Engine, monkeypatch) -> list[tuple[Counter, Counter]]:
                 return run(pool, i, module, forward, args, kwargs)
         finally:
             active.pop()
-            if hidden.reshape(-1, hidden.shape[-1]).shape[0] == 1:
+            if hidden.reshape(-1, hidden.shape[-1]).shape[0] in (1, len(pool.layers[i].ranges)):
                 calls.append((reads, mode.ops))
 
     monkeypatch.setattr(experts.ExpertPool, "run", counted_run)
@@ -138,5 +141,25 @@ def test_a_long_prefill_reads_only_its_distinct_experts(store, monkeypatch):
         num = len(next(iter(engine.experts.layers.values())).ranges)
         assert len(reads) == len(engine.experts.layers)
         assert all(r and max(r) <= num for r in reads), reads
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_dispatched_layer_reads_the_device_once_per_decode_step(tmp_path_factory, real_tokenizer,
+                                                                  monkeypatch, prefetch):
+    """Llama 4 hands its experts every token spread over all of them: which experts have a row, and the
+    next layer's guess, come to the host in one read; the routed ids go back without host data."""
+    llama4 = _nf4_store(tmp_path_factory, real_tokenizer, "llama4_text")
+    engine = Engine.open(llama4, device="cpu", experts="routed", expert_prefetch=prefetch)
+    try:
+        calls = _decode_calls(engine, monkeypatch)
+        layers = len(engine.experts.layers)
+        assert layers and len(calls) == 3 * layers  # 3 one-token steps after the prefill
+        if prefetch:
+            assert engine.experts.stats["guessed"] > 0
+        for reads, ops in calls:
+            assert reads == Counter(tolist=1), reads
+            assert not ops, ops
     finally:
         engine.close()
