@@ -124,12 +124,13 @@ class ModelDims:
         states = LayerStates.of(text)
         hidden = text.hidden_size
         heads = getattr(text, "num_attention_heads", None) or 1  # a pure state-space stack has none
+        top_k = top_k_of(text)
         return cls(num_layers=getattr(text, "num_hidden_layers", None) or len(states.kinds), heads=heads,
                    hidden=hidden, intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or hidden // heads, vocab=text.vocab_size,
                    max_context=getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT, states=states,
-                   top_k=top_k_of(text), expert_intermediate=expert_intermediate_of(text) if top_k_of(text) else 0)
+                   top_k=top_k, expert_intermediate=expert_intermediate_of(text) if top_k else 0)
 
     def as_config(self) -> SimpleNamespace:
         """The attributes ``plan.reserve_for`` reads from a transformers config."""

@@ -14,16 +14,11 @@ from collections import Counter
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
 
 from airquant.config import GenerateConfig
 from airquant.engine import experts
 from airquant.engine.runner import Engine
-from airquant.models import resolve
-from airquant.quant import QuantSpec
-from airquant.store.quantize import make_transform
-from airquant.store.split import split
-from tests.zoo import tiny_config
+from tests.engine.test_expert_streaming import _store
 
 # Aten ops that read device data on the host, and those that make a tensor of host data (as in
 # test_decode_dispatch.py); Tensor methods that read it to Python.
@@ -45,22 +40,11 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _nf4_store(tmp_path_factory, tokenizer, model_type: str, **over):
-    folder = tmp_path_factory.mktemp(model_type)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, **over), dtype=torch.float32)
-    model.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    source = resolve(str(folder / "model"))
-    transform, record = make_transform(source, QuantSpec(method="nf4"))
-    split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
-    return folder / "store"
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, real_tokenizer):
     """A 3-layer Mixtral of 8 NF4 experts (every in_features a multiple of 64: the 4-bit GEMV path runs)."""
-    return _nf4_store(tmp_path_factory, real_tokenizer, "mixtral", hidden_size=64, intermediate_size=128)
+    return _store(tmp_path_factory.mktemp("mixtral"), real_tokenizer, "mixtral", "nf4", hidden_size=64,
+                  intermediate_size=128)[1]
 
 
 def _decode_calls(engine: Engine, monkeypatch) -> list[tuple[Counter, Counter]]:
@@ -150,7 +134,7 @@ def test_a_dispatched_layer_reads_the_device_once_per_decode_step(tmp_path_facto
                                                                   monkeypatch, prefetch):
     """Llama 4 hands its experts every token spread over all of them: which experts have a row, and the
     next layer's guess, come to the host in one read; the routed ids go back without host data."""
-    llama4 = _nf4_store(tmp_path_factory, real_tokenizer, "llama4_text")
+    llama4 = _store(tmp_path_factory.mktemp("llama4"), real_tokenizer, "llama4_text", "nf4")[1]
     engine = Engine.open(llama4, device="cpu", experts="routed", expert_prefetch=prefetch)
     try:
         calls = _decode_calls(engine, monkeypatch)

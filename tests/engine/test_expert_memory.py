@@ -22,13 +22,10 @@ from airquant.engine import expert_compute
 from airquant.engine.expert_plan import expert_matrices, plan_experts
 from airquant.engine.plan import mlp_chunk_bytes
 from airquant.engine.runner import Engine
-from airquant.models import resolve
 from airquant.quant import QuantSpec
 from airquant.quant.experts import ExpertWeights, quantize_experts
 from airquant.store.manifest import load_manifest
-from airquant.store.quantize import make_transform
-from airquant.store.split import split
-from tests.zoo import make_model
+from tests.engine.test_expert_streaming import _store
 
 # Mixtral-like (top-2 of 8) and Qwen3-MoE-like (top-4 of 16, narrow experts) tiny shapes.
 SHAPES = {"mixtral": dict(num_local_experts=8, num_experts_per_tok=2, hidden_size=64, intermediate_size=128),
@@ -76,17 +73,9 @@ def _set_budgets(monkeypatch, budgets) -> None:
         monkeypatch.setattr(expert_compute, name, value)
 
 
-def _nf4_store(folder, tokenizer, model_type: str):
-    model = make_model(folder / "model", tokenizer, model_type, **SHAPES[model_type])
-    source = resolve(str(model))
-    transform, record = make_transform(source, QuantSpec(method="nf4"))
-    split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
-    return folder / "store"
-
-
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, real_tokenizer):
-    return {t: _nf4_store(tmp_path_factory.mktemp(t), real_tokenizer, t) for t in SHAPES}
+    return {t: _store(tmp_path_factory.mktemp(t), real_tokenizer, t, "nf4", **SHAPES[t])[1] for t in SHAPES}
 
 
 @pytest.mark.parametrize("budgets", [DEFAULT, SMALL], ids=["default", "small-budgets"])

@@ -27,8 +27,8 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
 
 
-def _store(tmp_path, tokenizer, model_type, method=None, seed=0, name="store"):
-    folder = make_model(tmp_path / f"model-{name}", tokenizer, model_type, seed=seed)
+def _store(tmp_path, tokenizer, model_type, method=None, seed=0, name="store", **over):
+    folder = make_model(tmp_path / f"model-{name}", tokenizer, model_type, seed=seed, **over)
     source = resolve(str(folder))
     spec = None if method is None else (QuantSpec(method=method, group=16, outliers=0.0) if method == "int2"
                                         else QuantSpec(method=method))
