@@ -8,12 +8,14 @@ hooks, a computation that never touches the pool).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from airquant.engine.expert_plan import ExpertsError, plan_experts
-from airquant.engine.expert_layout import SlotTable
+from airquant.engine.expert_layout import LFU_DECAY, SlotTable
 from airquant.engine.runner import Engine
 from airquant.layout import expert_modules
 from airquant.models import resolve
@@ -164,6 +166,54 @@ def test_slot_table_evicts_by_policy_and_forgets_the_evicted_key(policy):
     assert table.lookup("a" if policy == "lru" else "b") is None and table.lookup("c") == victim
     with pytest.raises(AssertionError):
         table.victim({0, 1})
+
+
+class _ScanTable:
+    """The eviction rule as a scan of every slot (what ``SlotTable``'s heap must choose alike)."""
+
+    def __init__(self, slots: int, policy: str):
+        self.policy, self.tick = policy, 0
+        self.key_of, self.score, self.stamp = [None] * slots, [0.0] * slots, [0] * slots
+
+    def decayed(self, s):
+        return self.score[s] * LFU_DECAY ** (self.tick - self.stamp[s])
+
+    def victim(self, keep):
+        free = [s for s, k in enumerate(self.key_of) if k is None and s not in keep]
+        if free:
+            return free[0]
+        rank = (lambda s: self.score[s]) if self.policy == "lru" else self.decayed
+        return min((s for s in range(len(self.key_of)) if s not in keep), key=rank)
+
+    def touch(self, s):
+        self.score[s] = float(self.tick) if self.policy == "lru" else self.decayed(s) + 1.0
+        self.stamp[s] = self.tick
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_slot_table_heap_evicts_as_a_scan_of_every_slot_would(policy):
+    rng = random.Random(7)
+    table, scan = SlotTable(12, policy), _ScanTable(12, policy)
+    for _ in range(3000):
+        table.tick += 1
+        scan.tick = table.tick
+        wanted = rng.sample(range(40), rng.randint(1, 5))
+        keep = set()
+        for key in wanted:
+            slot = table.lookup(key)
+            if slot is None:
+                slot = table.victim(keep)
+                assert slot == scan.victim(keep)
+                table.assign(slot, key)
+                scan.key_of[slot], scan.score[slot], scan.stamp[slot] = key, 0.0, table.tick
+            keep.add(slot)
+        for slot in keep:
+            table.touch(slot)
+            scan.touch(slot)
+        if rng.random() < 0.05:  # a layer change of a pool without cache forgets slots
+            slot = rng.randrange(12)
+            table.forget(slot)
+            scan.key_of[slot] = None
 
 
 def test_routed_is_refused_where_it_cannot_apply(tiny_store):
