@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.engine import expert_compute  # noqa: E402
+from airquant.engine import experts as experts_mod  # noqa: E402
 from airquant.engine.plan import PlanError  # noqa: E402
 from airquant.engine.planner import GIB  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
@@ -64,12 +65,14 @@ from benchmarks.stream_bench import (  # noqa: E402
 log = logging.getLogger("moe_bench")
 TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
            "mixtral_nf4_bs1_tok_s": 10, "mixtral_nf4_bs256_tok_s": 500, "mixtral_nf4_max_batch_tok_s": 800,
-           "qwen3_30b_nf4_bs1_tok_s": 30, "airllm_over_airquant_mixtral_bs1": 30}
-MAX_TARGETS = {"mixtral_nf4_bs1_bytes_fraction": 0.35, "mixtral_nf4_bs1_step_over_bytes_floor": 1.15}
-SHAPES = {"mixtral": ("mixtral-8x7b", "mixtral_nf4"), "qwen3": ("qwen3-30b-a3b", "qwen3_30b_a3b_nf4")}
+           "qwen3_30b_nf4_bs1_tok_s": 30, "airllm_over_airquant_mixtral_bs1": 30, "gpt_oss_120b_nf4_bs1_tok_s": 15}
+MAX_TARGETS = {"mixtral_nf4_bs1_bytes_fraction": 0.35, "mixtral_nf4_bs1_step_over_bytes_floor": 1.15,
+               "qwen3_30b_nf4_bs1_nocache_over_floor": 1.3}
+SHAPES = {"mixtral": ("mixtral-8x7b", "mixtral_nf4"), "qwen3": ("qwen3-30b-a3b", "qwen3_30b_a3b_nf4"),
+          "gptoss": ("gpt-oss-120b", "gpt_oss_120b_nf4")}
 # --quick: two layers of small experts, as many per token as the real models route (2 of 8; 8 of 16 for Qwen3).
 _QUICK_BASE = (("hidden", 128), ("intermediate", 256), ("heads", 4), ("kv_heads", 2), ("vocab", 2048))
-QUICK = {"mixtral-8x7b": _QUICK_BASE,
+QUICK = {"mixtral-8x7b": _QUICK_BASE, "gpt-oss-120b": _QUICK_BASE + (("head_dim", 32), ("experts", 16)),
          "qwen3-30b-a3b": _QUICK_BASE + (("head_dim", 32), ("moe_intermediate", 64), ("experts", 16))}
 
 
@@ -97,8 +100,9 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
-                   gemv_tokens=expert_compute.GEMV_TOKENS)
-    kw.pop("gemv_tokens", None)  # not an engine setting: part_routed sets the module constant around the case
+                   gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY)
+    for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
+        kw.pop(name, None)
     kw.setdefault("experts", "whole")
     engine = None
     try:
@@ -110,7 +114,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         if case is not None and case in (a.trace or "").split(","):
             row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
         if engine.experts is not None:
-            row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(),
+            row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(), uva=engine.experts.uva,
                        decode_bytes_per_step=routed_step_bytes(b, engine, batch))
             step["bytes_per_step"] = row["decode_bytes_per_step"]
         gbps = step["bytes_per_step"] / step["step_s"] / GB
@@ -271,7 +275,14 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu": (1, dict(experts="routed", expert_policy="lfu")), "lru": (1, dict(experts="routed", expert_policy="lru")),
     # A/B of lfu: few-row experts decoded to stacked dense weights instead of bitsandbytes' 4-bit matmul
     # (expert_compute.GEMV_TOKENS = 0 for the case; its row's settings and gemv_tokens say so).
-    "lfu_stacked": (1, dict(experts="routed", expert_policy="lfu", gemv_tokens=0)),
+    "lfu_stacked": (1, dict(experts="routed", expert_policy="lfu", gemv_tokens=0, fused=False)),
+    # A/B of the fused path, same run (issue 34): the per-expert path before it (bitsandbytes' 4-bit matmul per
+    # expert, one copy per slice), and the fused kernels with the copy engine's per-slice copies.
+    "nocache_unfused": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, fused=False,
+                                uva_copy=False)),
+    "nocache_dma": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=False)),
+    "lfu_unfused": (1, dict(experts="routed", expert_policy="lfu", fused=False, uva_copy=False)),
+    "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     # What a user gets by default: --experts auto at batch 256 (the rule streams whole layers there).
     "auto_bs256": (256, dict(experts="auto")),
@@ -325,11 +336,22 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
     return {**row, "router_max_batch": largest, "out_of_memory_at": failed}
 
 
+GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
+PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "nocache_dma", "lfu_unfused", "lfu_bs4", "lfu_stacked"),
+              "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
+              "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
+SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
+            "uva_copy": (experts_mod, "UVA_COPY")}
+
+
 def part_routed(b: Bench, name: str) -> None:
     a, (shape, _) = b.args, SHAPES[name]
-    store = make_store(b, shape, "nf4", a.layers)
+    # gpt-oss-120b's NF4 store (~62 GB) does not fit the GPU machine's 64 GB disk beside the others: its first
+    # GPTOSS_LAYERS layers stand for all 36 (the key scales the step; the row records the layers measured).
+    layers = a.layers or (GPTOSS_LAYERS if name == "gptoss" and not b.quick else None)
+    store = make_store(b, shape, "nf4", layers)
     cap = 4.0 if name == "qwen3" else 15.0
-    cases = ("nocache", "lfu", "lfu_stacked") if name == "qwen3" else (*ROUTED_CASES, *MAX_BATCH_CASES)
+    cases = PART_CASES[name]
     chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
     rows = []
     for case in chosen:
@@ -338,11 +360,13 @@ def part_routed(b: Bench, name: str) -> None:
                 rows.append(measure_max_batch(b, store, f"{shape} nf4", cap, case))
         elif case in ROUTED_CASES:
             batch, kw = ROUTED_CASES[case]
-            with gemv_tokens(kw.get("gemv_tokens")):
+            with switches(kw):
                 rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch,
                                     case, **kw))
     # the bytes fraction's denominator, same run
     whole = [measure(b, store, f"{shape} nf4", cap, 1)] if "nocache" in chosen else []
+    for row in rows + whole:
+        row["layers"] = layers
     free_gpu()
     b.drop(store)
     b.results["whole_layer"] = merge_rows(b.results.get("whole_layer", []), whole)
@@ -352,14 +376,17 @@ def part_routed(b: Bench, name: str) -> None:
 
 
 @contextmanager
-def gemv_tokens(n: int | None):
-    """``expert_compute.GEMV_TOKENS`` set to ``n`` (None: left as it is) for one case."""
-    old = expert_compute.GEMV_TOKENS
-    expert_compute.GEMV_TOKENS = old if n is None else n
+def switches(kw: dict):
+    """The module constants a case names (``SWITCHES``: ``GEMV_TOKENS``, ``FUSED``, ``UVA_COPY``) set for it."""
+    old = {name: getattr(mod, attr) for name, (mod, attr) in SWITCHES.items()}
+    for name, (mod, attr) in SWITCHES.items():
+        if name in kw:
+            setattr(mod, attr, kw[name])
     try:
         yield
     finally:
-        expert_compute.GEMV_TOKENS = old
+        for name, (mod, attr) in SWITCHES.items():
+            setattr(mod, attr, old[name])
 
 
 def derive_routed_keys(b: Bench) -> None:
@@ -376,6 +403,12 @@ def derive_routed_keys(b: Bench) -> None:
         row = target_row(rows, key)
         if row and row.get("tok_s"):
             r[key] = row["tok_s"]
+    oss = target_row(rows, "gpt_oss_120b_nf4_bs1_tok_s")
+    if oss and oss.get("tok_s") and oss.get("layers"):
+        r["gpt_oss_120b_nf4_bs1_tok_s"] = oss["tok_s"] * oss["layers"] / GPTOSS_ALL_LAYERS
+    qwen = rows.get(("qwen3-30b-a3b nf4", "nocache"))
+    if qwen and qwen.get("step_s") and link:
+        r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB / link)
     air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
@@ -391,6 +424,10 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
                "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", ("max_batch", "max_batch_device")),
                "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
+               "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
+               "qwen3_30b_nf4_bs1_unfused_tok_s": ("qwen3-30b-a3b nf4", ("nocache_unfused",)),
+               "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu",)),
+               "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache",)),
                "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache",)),
                "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache",))}
 TOK_S_KEYS = [k for k in TARGET_ROWS if k.endswith("_tok_s")]
@@ -476,7 +513,8 @@ def print_table(b: Bench) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "airllm",
+    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "gptoss_routed",
+                                      "airllm",
                                       "report", "all"], default="all",
                    help="report: no measurement, the keys and table re-derived from the rows in moe_bench.json")
     p.add_argument("--workdir", default=str(REPO / "bench-work"), help="where the synthetic stores are written")
@@ -536,7 +574,8 @@ def main(argv=None) -> int:
         parts.insert(0, "link")  # every link fraction needs it measured on this machine, in this session
     run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
            "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm,
-           "mixtral_routed": lambda b: part_routed(b, "mixtral"), "qwen3_routed": lambda b: part_routed(b, "qwen3")}
+           "mixtral_routed": lambda b: part_routed(b, "mixtral"), "qwen3_routed": lambda b: part_routed(b, "qwen3"),
+           "gptoss_routed": lambda b: part_routed(b, "gptoss")}
     for part in parts:
         start = time.perf_counter()
         run[part](b)

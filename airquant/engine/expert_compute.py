@@ -52,6 +52,12 @@ DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
 # kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
 # ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
 GEMV_TOKENS = 4
+# Routed NF4 experts at few rows computed by the pool's fused kernels (``run_fused``: two launches a call, read
+# straight from the slots) where a Triton kernel can run (CUDA, or its interpreter in tests); False: ``run_gemv``.
+FUSED = True
+# Tokens a call may have for the fused kernels: each pair re-reads its expert's bytes (from L2 when an expert has
+# several rows), a GEMV's trade that pays at decode batch sizes (the issue's "batch <= 8"); larger calls go on.
+FUSED_TOKENS = 8
 # Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
 # the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
 ROW_INDEX_BYTES = 48
@@ -255,6 +261,85 @@ def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     # The grouped forward's order and sum: back to (token, slot) order, then the k slots of a token summed.
     total = weighted[inv].view(hidden.shape[0], index.shape[1], -1).sum(dim=1)
     return total.to(hidden.dtype)
+
+
+@dataclass(frozen=True)
+class FusedMatrix:
+    """One NF4 expert matrix as ``quant/kernels/nf4_moe`` reads it from a pool slot: its ``[n, k]`` shape, the
+    byte offset of each of its buffers inside a slot, and its dense bias's (offset, dtype), if any."""
+
+    n: int
+    k: int
+    offsets: dict
+    bias: tuple[int, torch.dtype] | None
+
+    def bias_rows(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """The bias of each pair's expert, ``[P, n]``: one gather of the slots' bias bytes (a dense tensor)."""
+        if self.bias is None:
+            return None
+        off, dtype = self.bias
+        return pool[:, off:off + self.n * dtype.itemsize].view(dtype).index_select(0, slots.long())
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A routed experts module whose call ``run_fused`` computes in two kernel launches straight from the pool:
+    an NF4 (gate/)up and down matrix of one blocksize and double-quant setting, optional per-expert biases."""
+
+    up: FusedMatrix
+    down: FusedMatrix
+    blocksize: int
+    double: bool
+    gated: bool
+
+
+def fused_experts(module, names: tuple[str, ...], dtypes: tuple, offsets: tuple[int, ...]) -> FusedExperts | None:
+    """The ``FusedExperts`` of a routed experts module whose slot holds ``names`` (relative to the module) at
+    ``offsets``, or None: the fused kernels do not apply (not NF4, a block straddling two rows,
+    a post-expert norm, expert parallelism, another tensor in the slot)."""
+    if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
+        return None
+    from airquant.quant.nf4 import NF4Linear
+
+    gated = getattr(module, "has_gate", True)
+    first = "gate_up_proj" if gated else "up_proj"
+    quantized = quantized_children(module)
+    if set(quantized) != {first, "down_proj"}:
+        return None
+    where = dict(zip(names, zip(offsets, dtypes)))
+    templates = [quantized[first].one[0], quantized["down_proj"].one[0]]
+    if not all(isinstance(t, NF4Linear) and t.in_features % t.blocksize == 0 for t in templates) or \
+            len({(t.blocksize, t.double_quant) for t in templates}) != 1:
+        return None
+    matrices, used = [], set()
+    for name, t in zip((first, "down_proj"), templates):
+        bufs = {suffix: where[f"{name}.{suffix}"][0] for suffix in quantized[name].suffixes}
+        bias = where.get(f"{name}_bias") if getattr(module, "has_bias", False) else None
+        used |= {f"{name}.{suffix}" for suffix in bufs} | ({f"{name}_bias"} if bias else set())
+        matrices.append(FusedMatrix(t.out_features, t.in_features, bufs, bias))
+    if used != set(names):
+        return None
+    return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated)
+
+
+def run_fused(spec: FusedExperts, module, pool: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped experts forward on ``hidden`` [T, H] for the pairs (token, k) whose experts sit
+    in pool ``slots`` [T * k] (int32, on the device), weighted by ``weights`` [T, k]: the (gate/)up matrix of
+    every pair in one launch, the module's own gating, then the down matrix, weighting and sum in another."""
+    from airquant.quant.kernels.nf4_moe import nf4_combine, nf4_pairs
+
+    top_k = weights.shape[-1]
+    up, down = spec.up, spec.down
+    h = nf4_pairs(hidden, pool, slots, up.offsets, up.n, top_k, spec.blocksize, spec.double,
+                  bias=up.bias_rows(pool, slots))  # [T * k, 2I] or [T * k, I]
+    if spec.gated:
+        gate = getattr(module, "_apply_gate", None)
+        h = gate(h) if gate is not None else _default_gate(module, h)
+    else:
+        h = module.act_fn(h)
+    return nf4_combine(h, weights, pool, slots, down.offsets, down.n, spec.blocksize, spec.double, hidden.dtype,
+                       bias=down.bias_rows(pool, slots))  # [T, H]
 
 
 def _default_gate(module, h: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,13 @@ from airquant.engine import expert_compute
 from airquant.engine.expert_layout import LayerExperts, SlotTable, read_range
 from airquant.engine.expert_plan import SPECULATE_TOKENS, ExpertPlan, ExpertsError
 from airquant.layout import swap_tensor
+from airquant.quant import kernels
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
+# A GPU run copies a call's expert slices from the RAM tier by one kernel (engine/uva_copy) where the probe
+# passes; False: one copy-engine copy per slice (the A/B of benchmarks/moe_bench.py's "dma" cases).
+UVA_COPY = True
 
 
 def router_weights(block, entry: ShardEntry, module: str) -> str | None:
@@ -124,9 +128,13 @@ class ExpertPool:
         self._staging = [memory.empty(plan.slot_bytes) for _ in range(plan.staging)] if ops is not None else []
         self._staging_free: list[object] = [None] * len(self._staging)
         self._next_staging = 0
+        # One kernel copies all of a call's slices from the pinned RAM tier (engine/uva_copy), where it can.
+        self.uva = ops is not None and UVA_COPY and _uva_works(layers, host_bytes, device)
+        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
         self.current: int | None = None
         self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
+        self._fused_specs: dict[int, expert_compute.FusedExperts | None] = {}
         self.stats = {"bytes_copied": 0, "copied": 0, "hits": 0, "routed": 0, "guessed": 0, "guess_used": 0,
                       "guess_bytes": 0}
 
@@ -167,6 +175,9 @@ class ExpertPool:
         slots = self._acquire(i, layer, union)
         if guessed is not None:  # queued behind this layer's copies, before its gather waits on them
             self._speculate(i + 1, guessed, keep=set(slots))
+        fused = self._fused(i, module, hidden) if few and len(args) == 3 and not kwargs else None
+        if fused is not None:
+            return self._run_fused(fused, module, hidden, args[2], ids, dict(zip(union, slots)))
         packed = self._gather(layer, slots)
         row = {e: n for n, e in enumerate(union)}
         local = [row[e] for e in ids] if few else None  # expert ids -> rows of the packed tensors, host side
@@ -178,6 +189,34 @@ class ExpertPool:
                 return forward(*args, **kwargs)
             return expert_compute.run_grouped(module, grouped, *args, num=len(union),
                                                tokens=self.plan.call_tokens or None, ids=local)
+
+    def _fused(self, i: int, module, hidden: torch.Tensor) -> expert_compute.FusedExperts | None:
+        """Layer i's ``FusedExperts`` (decided once per layer), where its kernels can run on ``hidden``."""
+        if not expert_compute.FUSED or hidden.numel() > expert_compute.FUSED_TOKENS * hidden.shape[-1] or \
+                not (kernels.use_triton(hidden) or kernels.interpreting()):
+            return None
+        if i not in self._fused_specs:
+            layer = self.layers[i]
+            self._fused_specs[i] = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
+        return self._fused_specs[i]
+
+    def _run_fused(self, spec: expert_compute.FusedExperts, module, hidden: torch.Tensor, weights: torch.Tensor,
+                   ids: list[int], slot_of: dict[int, int]) -> torch.Tensor:
+        """A few-row call computed by the fused kernels straight from the slots: no gather, no per-expert
+        Python; the slots are free for new copies once the kernels ran."""
+        if self.ops is not None:
+            for event in {id(self.ready[s]): self.ready[s] for s in slot_of.values() if self.ready[s] is not None
+                          }.values():
+                self.ops.wait(event)
+        # Each pair's slot, [T * k]: a pinned host tensor, so its copy to the device does not block.
+        pairs = torch.tensor([slot_of[e] for e in ids], dtype=torch.int32, pin_memory=self.ops is not None)
+        out = expert_compute.run_fused(spec, module, self.mem, pairs.to(self.device, non_blocking=True),
+                                       hidden.reshape(-1, hidden.shape[-1]), weights)
+        if self.ops is not None:
+            mark = self.ops.mark()
+            for s in slot_of.values():
+                self.free[s] = mark
+        return out
 
     def _run_dispatched(self, i: int, module, forward, hidden: torch.Tensor) -> torch.Tensor:
         """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""
@@ -257,6 +296,9 @@ class ExpertPool:
             for event in {id(self.free[s]): self.free[s] for s, _ in targets if self.free[s] is not None}.values():
                 stream.wait_event(event)
             staged = []
+            if src is not None and self.uva:
+                self._copy_uva(layer, targets, src)
+                targets = []
             for slot, e in targets:
                 if src is not None:
                     for (start, end), off in zip(layer.ranges[e], layer.offsets):
@@ -271,6 +313,22 @@ class ExpertPool:
             self.ready[slot] = done
         for k in staged:
             self._staging_free[k] = done
+
+    def _copy_uva(self, layer: LayerExperts, targets: list[tuple[int, int]], src: torch.Tensor) -> None:
+        """Every slice of ``targets`` (slot, expert) by one kernel reading ``src`` (the RAM tier), on the
+        current (copy) stream: a descriptor row per slice, built from the layer's tables on the host."""
+        if layer.index not in self._slices:
+            ranges = torch.tensor(layer.ranges, dtype=torch.int64)  # [E, tensors, 2]
+            longest = int((ranges[..., 1] - ranges[..., 0]).max())
+            self._slices[layer.index] = (ranges, torch.tensor(layer.offsets, dtype=torch.int64), longest)
+        from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
+
+        ranges, offsets, longest = self._slices[layer.index]
+        slots, experts = (torch.tensor(col, dtype=torch.int64) for col in zip(*targets))
+        start = ranges[experts, :, 0]  # [n, tensors]
+        dst = slots[:, None] * self.plan.slot_bytes + offsets[None, :]
+        table = torch.stack((start, dst, ranges[experts, :, 1] - start), dim=-1).reshape(-1, 3).pin_memory()
+        uva_copy.gather(src, self.mem.view(-1), table.to(self.device, non_blocking=True), longest)
 
     def _fill_staging(self, layer: LayerExperts, e: int) -> int:
         if not self._staging:
@@ -328,6 +386,18 @@ class ExpertPool:
         self.stats["guess_bytes"] += self.stats["bytes_copied"] - before
         for slot in slots.values():
             self.table.touch(slot)
+
+
+def _uva_works(layers: dict[int, LayerExperts], host_bytes, device: torch.device) -> bool:
+    """Whether ``uva_copy`` can read this run's RAM tier (probed on the first routed layer held in host
+    memory; none held: the disk path's staging copies stay as they are)."""
+    for i in layers:
+        src = host_bytes(i)
+        if src is not None:
+            from airquant.engine import uva_copy  # Triton: imported only where a GPU run asks
+
+            return uva_copy.probe(src, device)
+    return False
 
 
 def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[int], list[int] | None]:

@@ -82,6 +82,12 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
+def interpreting() -> bool:
+    """Triton's interpreter is on (``TRITON_INTERPRET=1``, read when the kernels are defined): its kernels then
+    run on CPU tensors, slowly, which is how the CPU tests check a kernel against the torch path."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
 def use_triton(x: torch.Tensor) -> bool:
     return (x.is_cuda and os.environ.get("AIRQUANT_NO_TRITON") != "1" and triton_available()
             and dtype_supported(x.dtype, device_capability(x.device)))

@@ -1,0 +1,77 @@
+"""Run by tests/engine/test_expert_fused.py in a process of its own, with ``TRITON_INTERPRET=1`` set before Triton
+defines the kernels (so they run on CPU tensors): a batch-1 routed decode of tiny NF4 MoE stores with the fused
+kernels (``expert_compute.run_fused``) and with them off (per-expert ``run_gemv`` or the stacked decode), fp32.
+Prints one JSON line per store: greedy tokens, the largest logit difference, and how many calls each path made."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from airquant.config import GenerateConfig
+from airquant.engine import expert_compute
+from airquant.engine.runner import Engine
+from airquant.models import resolve
+from airquant.quant import QuantSpec
+from airquant.store.quantize import make_transform
+from airquant.store.split import split
+from tests.zoo import make_model
+
+# Every expert matrix's in_features a multiple of NF4's blocksize (64), as the fused kernels need.
+SHAPES = {"mixtral": dict(hidden_size=64, intermediate_size=128),
+          "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=64),
+          "gpt_oss": dict(hidden_size=64, intermediate_size=64),
+          "deepseek_v3": dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=128)}
+PROMPT = [17, 254, 1033, 88, 512, 731, 42]
+
+
+def decode(engine: Engine, steps: int) -> tuple[list[int], torch.Tensor]:
+    logits = []
+    hook = engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: logits.append(out[:, -1].float().cpu().clone()))
+    try:
+        ids = torch.tensor([PROMPT])
+        out = engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=steps, ignore_eos=True))
+    finally:
+        hook.remove()
+    return list(out[0].token_ids), torch.cat(logits)
+
+
+def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    model = make_model(folder / "model", AutoTokenizer.from_pretrained(tokenizer_dir), model_type,
+                       **SHAPES[model_type])
+    source = resolve(str(model))
+    transform, record = make_transform(source, QuantSpec(method="nf4", double_quant=double_quant))
+    split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    engine = Engine.open(folder / "store", device="cpu", experts="routed")
+    counts = {"fused": 0}
+    real = expert_compute.run_fused
+
+    def counted(*args, **kwargs):
+        counts["fused"] += 1
+        return real(*args, **kwargs)
+
+    expert_compute.run_fused = counted
+    tokens, logits = decode(engine, 4)
+    expert_compute.run_fused, expert_compute.FUSED = real, False
+    want_tokens, want_logits = decode(engine, 4)
+    expert_compute.FUSED = True
+    engine.close()
+    scale = want_logits.abs().max().item()
+    return {"type": model_type, "double_quant": double_quant, "fused_calls": counts["fused"],
+            "layers": len(engine.experts.layers), "tokens_equal": tokens == want_tokens,
+            "max_rel_diff": (logits - want_logits).abs().max().item() / scale}
+
+
+if __name__ == "__main__":
+    tokenizer_dir = sys.argv[1]
+    for spec in sys.argv[2:]:
+        model_type, _, dq = spec.partition(":")
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(check(model_type, Path(tmp), tokenizer_dir, dq == "dq")), flush=True)
