@@ -128,8 +128,9 @@ class ExpertPool:
         self._staging = [memory.empty(plan.slot_bytes) for _ in range(plan.staging)] if ops is not None else []
         self._staging_free: list[object] = [None] * len(self._staging)
         self._next_staging = 0
-        # One kernel copies all of a call's slices from the pinned RAM tier (engine/uva_copy), where it can.
-        self.uva = ops is not None and UVA_COPY and _uva_works(layers, host_bytes, device)
+        # One kernel copies all of a call's slices from the pinned RAM tier (engine/uva_copy), where it can:
+        # probed at the first copy from the RAM tier (filled as the first pass reads it); None: not yet.
+        self.uva: bool | None = None if ops is not None and UVA_COPY else False
         self._slices: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
         self.current: int | None = None
@@ -296,6 +297,10 @@ class ExpertPool:
             for event in {id(self.free[s]): self.free[s] for s, _ in targets if self.free[s] is not None}.values():
                 stream.wait_event(event)
             staged = []
+            if src is not None and self.uva is None:
+                from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
+
+                self.uva = uva_copy.probe(src, self.device)
             if src is not None and self.uva:
                 self._copy_uva(layer, targets, src)
                 targets = []
@@ -386,18 +391,6 @@ class ExpertPool:
         self.stats["guess_bytes"] += self.stats["bytes_copied"] - before
         for slot in slots.values():
             self.table.touch(slot)
-
-
-def _uva_works(layers: dict[int, LayerExperts], host_bytes, device: torch.device) -> bool:
-    """Whether ``uva_copy`` can read this run's RAM tier (probed on the first routed layer held in host
-    memory; none held: the disk path's staging copies stay as they are)."""
-    for i in layers:
-        src = host_bytes(i)
-        if src is not None:
-            from airquant.engine import uva_copy  # Triton: imported only where a GPU run asks
-
-            return uva_copy.probe(src, device)
-    return False
 
 
 def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[int], list[int] | None]:

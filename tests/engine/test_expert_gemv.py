@@ -227,7 +227,9 @@ def _fp32_reference(module, hidden, index, weights) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", list(GEMV_SHAPES))
 def test_cuda_bf16_batch1_decode_by_gemv_equals_the_stacked_decode(stores, monkeypatch, model_type):
-    # resident_layers=0: a tiny store fits in VRAM, and resident layers never reach the expert pool.
+    # resident_layers=0: a tiny store fits in VRAM, and resident layers never reach the expert pool. The fused
+    # kernels (test_expert_fused.py) would take these calls first: this test is of the per-expert path.
+    monkeypatch.setattr(expert_compute, "FUSED", False)
     engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
     calls = Calls(monkeypatch)
     (tokens, logits), (want_tokens, want_logits), first = _both_paths(engine, monkeypatch, calls)
