@@ -86,18 +86,19 @@ def check_decoder_only(config) -> None:
             "AirQuant streams decoder-only causal LMs. Upgrade transformers if the type is newer than it.")
 
 
-def meta_model(config, dtype: torch.dtype | None = None, **kwargs) -> nn.Module:
+def meta_model(config, dtype: torch.dtype | None = None, *, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM with every parameter on the meta device and its buffers real (on the CPU).
 
     Buffers that ``__init__`` computes (rotary frequencies, embedding scales) are not in checkpoints;
-    building them for real here means no per-model code has to recompute them.
+    building them for real here means no per-model code has to recompute them. ``trust_remote_code``:
+    only ``airquant shard --trust-remote-code`` builds a model from its folder's own code.
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     check_decoder_only(config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.eval()
 
 

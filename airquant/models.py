@@ -58,7 +58,7 @@ class ModelSource:
         dtype = getattr(self.config, "dtype", None)
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and not self.gguf_file \
             else torch.float32
-        return meta_model(self.config, dtype, **({"trust_remote_code": True} if self.trust_remote_code else {}))
+        return meta_model(self.config, dtype, trust_remote_code=self.trust_remote_code)
 
     @cached_property
     def layout(self) -> Layout:
@@ -183,7 +183,7 @@ def _from_gguf(path: Path, *, spec: str, kind: SourceKind) -> ModelSource:
     require_gguf()
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     check_decoder_only(config)
     return ModelSource(spec=spec, kind=kind, path=path, config=config, gguf_file=path.name)
 
@@ -193,7 +193,7 @@ def _from_folder(path: Path, *, spec: str, kind: SourceKind, trust_remote_code: 
 
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json; point at a Hugging Face model folder.")
-    check_remote_code(path / "config.json", trust_remote_code)
+    check_remote_code(path, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError) as exc:  # a model_type this transformers does not know
@@ -205,29 +205,64 @@ def _from_folder(path: Path, *, spec: str, kind: SourceKind, trust_remote_code: 
                        trust_remote_code=trust_remote_code)
 
 
-def check_remote_code(config_file: Path, trust: bool) -> None:
+# The files whose ``auto_map`` makes transformers import Python code shipped beside them: the model's
+# config, and the tokenizer's own config (read by ``AutoTokenizer``).
+CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def declared_code(folder: Path) -> tuple[Path, list[str]] | None:
+    """The first of ``folder``'s config files that names Python code of its own (``auto_map``), and what it maps."""
+    for name in CODE_FILES:
+        try:
+            auto_map = json.loads((folder / name).read_text()).get("auto_map")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            continue  # missing; unreadable ones get transformers' own message when it reads them
+        if auto_map:
+            return folder / name, sorted(auto_map) if isinstance(auto_map, dict) else [str(auto_map)]
+    return None
+
+
+def check_remote_code(folder: Path, trust: bool) -> None:
     """Refuse a model that ships its own Python code unless the user trusted it (``--trust-remote-code``)."""
-    try:
-        auto_map = json.loads(config_file.read_text()).get("auto_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return  # AutoConfig reports an unreadable config with its own message
-    if auto_map and not trust:
+    found = declared_code(folder)
+    if found and not trust:
         raise UnsupportedModelError(
-            f"{config_file} names the model's own Python code (auto_map: {sorted(auto_map)}), which would run on "
+            f"{found[0]} names the model's own Python code (auto_map: {found[1]}), which would run on "
             "this machine. AirQuant runs it only when you pass --trust-remote-code, after reading that code.")
 
 
 def _weight_index(path: Path) -> dict[str, Path]:
-    """tensor name -> file, from an index json or by listing single files."""
+    """tensor name -> file, from an index json or by listing single files; every file inside the folder."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index_file = path / index_name
         if index_file.is_file():
             weight_map = json.loads(index_file.read_text())["weight_map"]
-            return {k: path / v for k, v in weight_map.items()}
+            files: dict[str, Path] = {}
+            for v in weight_map.values():
+                if not isinstance(v, str) or v not in files:
+                    files[v] = weight_file(path, v, index_file)
+            return {k: files[v] for k, v in weight_map.items()}
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ModelNotFoundError(f"{path} holds no *.safetensors or pytorch_model*.bin weights.")
+    files = [weight_file(path, f.name, path) for f in files]
     return {name: f for f in files for name in _tensor_names(f)}
+
+
+def weight_file(folder: Path, entry, where: Path) -> Path:
+    """``folder / entry``, refused unless it resolves inside the folder (links followed): an index or a link
+    must not make ``shard`` read, and copy into a store, a file from elsewhere on the machine. A hub
+    snapshot's files are links into its repository's ``blobs/``, which counts as inside."""
+    root = folder.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        root = root.parent.parent
+    target = (folder / entry).resolve() if isinstance(entry, str) and entry else None
+    if target is None or not target.is_relative_to(root):
+        raise UnsupportedModelError(
+            f"{where} names weight file {entry!r}, which is outside the model folder {folder}"
+            + (f" ({target})" if target else "") + ". AirQuant reads a model's weights only from its own folder: "
+            "copy the file into the folder (`cp -L`) and name it there.")
+    return folder / entry
 
 
 def _tensor_names(file: Path) -> list[str]:

@@ -9,8 +9,10 @@ import errno
 import io
 import json
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -102,7 +104,7 @@ def checksums(store: Path) -> dict[str, str]:
 
 
 def temp_files(store: Path) -> list[str]:
-    from airquant.store.manifest import TMP_MARK
+    from airquant.store.files import TMP_MARK
 
     return sorted(p.name for p in store.iterdir() if TMP_MARK in p.name or p.name.endswith(".tmp"))
 
@@ -160,6 +162,109 @@ def damage_cases(store: Path, rng, flips: int) -> list[tuple]:
               ("manifest: wrong checksum", _edit_manifest(set_checksum), victim),
               ("manifest: not JSON", lambda s: (s / "manifest.json").write_text("{\"shards\": "), "manifest.json")]
     return cases
+
+
+# -- crafted stores and model folders (issue 35) -------------------------------------------------------
+def copy_store(store: Path, dst: Path, old_format: bool = False) -> Path:
+    """A copy of ``store``; ``old_format``: without read checksums, as an older AirQuant wrote it."""
+    shutil.copytree(store, dst)
+    if old_format:
+        _edit_manifest(lambda b: [e.update(checksum="") for e in b["shards"].values()])(dst)
+    return dst
+
+
+def plant_temp_links(store: Path, victim: Path, pids: int = 16) -> None:
+    """Links to ``victim`` at the temp name of the manifest for this process and the next pids."""
+    for pid in range(os.getpid(), os.getpid() + pids):
+        os.symlink(victim, store / f".manifest.json.tmp-{pid}")
+
+
+def link_out(path: Path, elsewhere: Path) -> None:
+    """Move ``path`` (a file or folder) out to ``elsewhere`` and leave a link to it in its place."""
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    moved = elsewhere / path.name
+    shutil.move(path, moved)
+    path.symlink_to(moved)
+
+
+EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('code shipped in a store ran')\n"
+
+
+def declare_code(config: Path, marker: Path) -> Path:
+    """``auto_map`` in ``config`` naming a module beside it that writes ``marker`` when imported; returns marker."""
+    body = json.loads(config.read_text())
+    body["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": ["evil.EvilTokenizer", None],
+                        "AutoModelForCausalLM": "evil.EvilForCausalLM"}
+    config.write_text(json.dumps(body))
+    (config.parent / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    return marker
+
+
+def one_prompt(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"id": 0, "prompt": "Hi"}) + "\n")
+    return path
+
+
+def copy_model(model: str, dst: Path) -> Path:
+    shutil.copytree(model, dst)
+    return dst
+
+
+def weights_outside(folder: Path, outside: Path, how: str) -> str:
+    """Move the folder's weights to ``outside`` and name them from the folder: by an index entry (``relative``,
+    ``absolute``) or a ``link``; returns the name the refusal must give."""
+    from safetensors import safe_open
+
+    outside.mkdir(parents=True, exist_ok=True)
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    shutil.move(folder / "model.safetensors", outside / "model.safetensors")
+    if how == "link":
+        (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
+        return "model.safetensors"
+    entry = os.path.relpath(outside / "model.safetensors", folder) if how == "relative" \
+        else str(outside / "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, entry)}))
+    return entry
+
+
+CRAFTED = ("header length 2^62", "header past the file", "unknown dtype", "offsets past the data",
+           "num_layers above the shards")
+
+
+def craft(store: Path, how: str) -> str:
+    """Damage ``store`` as ``how`` says, recording sizes and checksums to match; returns the file the error names."""
+    import hashlib
+
+    import xxhash
+
+    victim = "layer_0001.safetensors"
+    if how == "num_layers above the shards":
+        _edit_manifest(lambda b: b.update(num_layers=b["num_layers"] + 2))(store)
+        return "manifest.json"
+    data = (store / victim).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    first = next(k for k in header if k != "__metadata__")
+    if how == "header length 2^62":
+        data = struct.pack("<Q", 2 ** 62) + data[8:]
+    elif how == "header past the file":
+        data = struct.pack("<Q", len(data)) + data[8:]
+    else:
+        if how == "unknown dtype":
+            header[first]["dtype"] = "Q32"
+        else:
+            header[first]["data_offsets"] = [len(body), len(body) + 4]
+        raw = json.dumps(header).encode()
+        data = struct.pack("<Q", len(raw)) + raw + body
+    (store / victim).write_bytes(data)
+
+    def record(b):
+        b["shards"]["layer.1"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                                      checksum=f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")
+    _edit_manifest(record)(store)
+    return victim
 
 
 # -- filesystems -------------------------------------------------------------------------------
@@ -373,7 +478,8 @@ def table_line(row: dict) -> str:
     if row["skipped"]:
         return f"{row['part']:<12} skipped: {row['skipped']}"
     return (f"{row['part']:<12} {row['case']:<32} tried {row['tried']:>6}  survived {row['survived']:>6}  "
-            f"lost {row['records_lost']}  {'ok' if row['ok'] else 'FAILED'}  ({row['seconds']}s) {row['detail'][:90]}")
+            f"lost {row['records_lost']}  crossed {row.get('crossed_scope', 0)}  {'ok' if row['ok'] else 'FAILED'}  "
+            f"({row['seconds']}s) {row['detail'][:90]}")
 
 
 def write_results(path: Path, rows: list[dict], *, quick: bool, model: str) -> None:
@@ -389,6 +495,7 @@ def write_results(path: Path, rows: list[dict], *, quick: bool, model: str) -> N
             "parts": list(parts.values()),
             "totals": {"tried": sum(r["tried"] for r in parts.values()),
                        "survived": sum(r["survived"] for r in parts.values()),
-                       "records_lost": sum(r["records_lost"] for r in parts.values())}}
+                       "records_lost": sum(r["records_lost"] for r in parts.values()),
+                       "crossed_scope": sum(r.get("crossed_scope", 0) for r in parts.values())}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")

@@ -14,6 +14,18 @@ Each part injects one kind of fault a number of times and checks the promise tha
 - ``server_load``: many concurrent clients on loopback → every request answered (200) or refused (429), the
   server alive, its memory flat; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx, /health answers.
 
+Attacks on the store (issue 35): each plants one crafted store or model folder and runs the command a user
+would; the promise is a refusal naming the file (exit 2, no traceback) with nothing outside its scope
+touched (``crossed_scope``: a file beside the store rewritten, code shipped in a store run, a weight file
+outside the model folder read):
+
+- ``store_links``: links in a store (at the temp names a writer would use, as a shard, as the tokenizer
+  folder) under ``info --verify``, ``info --upgrade``, ``generate`` and a resumed ``shard``;
+- ``store_code``: ``auto_map`` in a store's or a model folder's ``config.json`` / ``tokenizer_config.json``;
+- ``weight_map_escape``: a model folder whose index or link names a weight file outside it;
+- ``malformed_header``: a shard header of length 2^62 or past the file, an unknown dtype, offsets past the
+  data, ``num_layers`` above the shards.
+
 ``python -m benchmarks.faults`` prints a table and writes ``results/reliability.json`` (cases tried, survived,
 records lost). ``--quick`` uses the tiny counts of the tests; ``--part`` runs one part.
 """
@@ -36,6 +48,7 @@ log = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "reliability.json"
 PARTS = ("shard_kill", "disk_full", "damaged", "batch_kill", "oom", "server_load", "server_fuzz")
+STORE_ATTACKS = ("store_links", "store_code", "weight_map_escape", "malformed_header")
 
 
 @dataclass
@@ -46,10 +59,11 @@ class CaseResult:
     records_lost: int = 0
     skipped: str = ""  # why the part did not run (e.g. mount not permitted)
     detail: str = ""
+    crossed_scope: int = 0  # cases that reached past their own scope (a file outside a store written or read)
 
     @property
     def ok(self) -> bool:
-        return self.survived == self.tried and self.records_lost == 0
+        return self.survived == self.tried and self.records_lost == 0 and self.crossed_scope == 0
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -220,6 +234,152 @@ def server_fuzz(store: Path, examples: int, seed: int = 0) -> CaseResult:
                       detail=f"statuses {kinds}, /health after: {'200' if alive else 'DOWN'}")
 
 
+# -- attacks on the store (issue 35) -----------------------------------------------------------------
+def _refused(rc: int, err: str, names: str) -> bool:
+    """The promise of every attack: exit 2, the file at fault named, no traceback."""
+    return rc == 2 and names in err and "Traceback" not in err
+
+
+def _attack_cases(cases, run: Path) -> tuple[int, int, list[str]]:
+    """``cases``: (name, plant(dir) -> (argv, text the error names, crossed(rc) -> bool)); each in a fresh folder."""
+    survived, crossed, notes = 0, 0, []
+    for k, (name, plant) in enumerate(cases):
+        argv, names, crossed_fn = plant(run / f"case{k}")
+        rc, _, err = ft.in_process(*argv)
+        went_past = crossed_fn(rc)
+        good = _refused(rc, err, names) and not went_past
+        survived += good
+        crossed += went_past
+        if not good:
+            notes.append(f"{name}: rc {rc}, crossed {went_past}, {err.strip()[-160:]!r}")
+    return survived, crossed, notes
+
+
+def store_links(store: Path, model: str, work: Path) -> CaseResult:
+    """Links inside a store, at the temp names of a write and in place of its files: refused, nothing written."""
+    work.mkdir(parents=True, exist_ok=True)
+
+    def victim(d: Path):
+        """A file beside the store, and crossed(rc): whether it was rewritten."""
+        path = d / "victim.txt"
+        path.write_text("outside the store\n")
+        return path, lambda rc: path.read_text() != "outside the store\n"
+
+    def planted_temps(cmd: tuple):
+        def plant(d: Path):
+            target = ft.copy_store(store, d / "store", old_format=True)
+            path, rewritten = victim(d)
+            ft.plant_temp_links(target, path)  # for this process: the commands run in it
+            return (*cmd[:1], "--store", target, *cmd[1:]), ".manifest.json.tmp-", rewritten
+        return plant
+
+    def linked(name: str, cmd: str):
+        def plant(d: Path):
+            target = ft.copy_store(store, d / "store")
+            ft.link_out(target / name, d / "elsewhere")
+            argv = ("info", "--store", target, "--verify") if cmd == "info" else \
+                ("generate", target, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2")
+            return argv, name, lambda rc: rc == 0  # crossed: it read through the link and answered
+        return plant
+
+    def resumed_shard(d: Path):
+        target = ft.copy_store(store, d / "store")
+        path, rewritten = victim(d)
+        (target / "config.json").unlink()
+        (target / "config.json").symlink_to(path)
+        return ("shard", model, "--store", target, "--dtype", "float32", "--quiet"), "config.json", rewritten
+
+    cases = [("temp-name links, info --verify", planted_temps(("info", "--verify"))),
+             ("temp-name links, info --upgrade", planted_temps(("info", "--upgrade"))),
+             ("linked shard, info --verify", linked("layer_0001.safetensors", "info")),
+             ("linked shard, generate", linked("layer_0001.safetensors", "generate")),
+             ("linked tokenizer folder, generate", linked("tokenizer", "generate")),
+             ("linked config.json, resumed shard", resumed_shard)]
+    survived, crossed, notes = _attack_cases(cases, work)
+    return CaseResult("links inside a store", len(cases), survived, crossed_scope=crossed, detail="; ".join(notes))
+
+
+def store_code(store: Path, model: str, work: Path) -> CaseResult:
+    """``auto_map`` in a store or a model folder: refused at open and at shard; the shipped code never runs."""
+    work.mkdir(parents=True, exist_ok=True)
+    generate = ("--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2")
+
+    def in_store(rel: str, cmd: str):
+        def plant(d: Path):
+            target = ft.copy_store(store, d / "store")
+            marker = ft.declare_code(target / rel, d / "ran")
+            argv = ("generate", target, *generate) if cmd == "generate" else \
+                ("batch", target, "--input", ft.one_prompt(d / "in.jsonl"), "--output", d / "out.jsonl", "--device",
+                 "cpu", "--max-new-tokens", "2", "--quiet")
+            return argv, rel, lambda rc: marker.exists()
+        return plant
+
+    def in_model(rel: str):
+        def plant(d: Path):
+            folder = ft.copy_model(model, d / "model")
+            marker = ft.declare_code(folder / rel, d / "ran")
+            return ("shard", folder, "--store", d / "store", "--quiet"), rel, lambda rc: marker.exists()
+        return plant
+
+    cases = [("store config.json, generate", in_store("config.json", "generate")),
+             ("store tokenizer_config.json, generate", in_store("tokenizer/tokenizer_config.json", "generate")),
+             ("store tokenizer_config.json, batch", in_store("tokenizer/tokenizer_config.json", "batch"))]
+    if Path(model).is_dir():  # a model folder to copy (not `default` or a .gguf file)
+        cases += [("model config.json, shard", in_model("config.json")),
+                  ("model tokenizer_config.json, shard", in_model("tokenizer_config.json"))]
+    survived, crossed, notes = _attack_cases(cases, work)
+    return CaseResult("code shipped in a store (auto_map)", len(cases), survived, crossed_scope=crossed,
+                      detail="; ".join(notes))
+
+
+def weight_map_escape(model: str, work: Path) -> CaseResult:
+    """A model folder naming weights outside itself (index entry or link): ``shard`` refuses, writes no shard."""
+    work.mkdir(parents=True, exist_ok=True)
+    if not (Path(model) / "model.safetensors").is_file():
+        return CaseResult("weight files outside the model", 0, 0,
+                          skipped="needs a model folder of one safetensors file")
+
+    def escape(how: str):
+        def plant(d: Path):
+            folder = ft.copy_model(model, d / "model")
+            entry = ft.weights_outside(folder, d / "outside", how)
+            target = d / "store"
+            return ("shard", folder, "--store", target, "--quiet"), entry, lambda rc: any(target.glob("*.safetensors"))
+        return plant
+
+    cases = [(f"weights {how}", escape(how)) for how in ("relative", "absolute", "link")]
+    survived, crossed, notes = _attack_cases(cases, work)
+    return CaseResult("weight files outside the model", len(cases), survived, crossed_scope=crossed,
+                      detail="; ".join(notes))
+
+
+def malformed_header(store: Path, work: Path) -> CaseResult:
+    """Crafted shard headers and manifests (sizes and checksums recorded to match): a named error."""
+    work.mkdir(parents=True, exist_ok=True)
+
+    def crafted(how: str):
+        def plant(d: Path):
+            target = ft.copy_store(store, d / "store")
+            names = ft.craft(target, how)
+            return ("generate", target, "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2"), names, \
+                lambda rc: False
+        return plant
+
+    cases = [(how, crafted(how)) for how in ft.CRAFTED]
+    survived, crossed, notes = _attack_cases(cases, work)
+    return CaseResult("malformed store headers", len(cases), survived, crossed_scope=crossed, detail="; ".join(notes))
+
+
+def run_store_attack(part: str, model: str, store: Path, work: Path) -> CaseResult:
+    if part == "store_links":
+        return store_links(store, model, work)
+    if part == "store_code":
+        return store_code(store, model, work)
+    if part == "weight_map_escape":
+        return weight_map_escape(model, work)
+    return malformed_header(store, work)
+
+
 # -- the run -----------------------------------------------------------------------------------
 COUNTS = {"full": {"moments": 20, "flips": 20, "clients": 200, "seconds": 60.0, "fuzz": 1000},
           "quick": {"moments": 2, "flips": 3, "clients": 16, "seconds": 4.0, "fuzz": 40}}
@@ -227,6 +387,8 @@ COUNTS = {"full": {"moments": 20, "flips": 20, "clients": 200, "seconds": 60.0, 
 
 def run_part(part: str, model: str, store: Path, work: Path, n: dict) -> CaseResult:
     work.mkdir(parents=True, exist_ok=True)
+    if part in STORE_ATTACKS:
+        return run_store_attack(part, model, store, work)
     if part == "shard_kill":
         return shard_kill(model, work, n["moments"])
     if part == "disk_full":
@@ -244,14 +406,14 @@ def run_part(part: str, model: str, store: Path, work: Path, n: dict) -> CaseRes
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("all",) + PARTS, default="all")
+    p.add_argument("--part", choices=("all",) + PARTS + STORE_ATTACKS, default="all")
     p.add_argument("--model", default=None, help="model to split (default: a tiny random Llama, written here)")
     p.add_argument("--quick", action="store_true", help="the tests' tiny counts")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     n = COUNTS["quick" if args.quick else "full"]
-    parts = PARTS if args.part == "all" else (args.part,)
+    parts = PARTS + STORE_ATTACKS if args.part == "all" else (args.part,)
     with tempfile.TemporaryDirectory(prefix="airquant-faults-") as tmp:
         work = Path(tmp)
         model = args.model or str(ft.tiny_model(work / "model"))
@@ -266,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ft.write_results(args.out, rows, quick=args.quick, model=args.model or "tiny random llama (3 layers)")
     failed = [r["part"] for r in rows if not r["ok"] and not r["skipped"]]
     print(f"{sum(r['tried'] for r in rows)} cases tried, {sum(r['survived'] for r in rows)} survived, "
-          f"{sum(r['records_lost'] for r in rows)} records lost" + (f"; FAILED: {failed}" if failed else ""))
+          f"{sum(r['records_lost'] for r in rows)} records lost, {sum(r['crossed_scope'] for r in rows)} crossed scope"
+          + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

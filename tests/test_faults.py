@@ -49,3 +49,25 @@ def test_server_under_load_answers_or_refuses(tiny_store):
 def test_malformed_requests_all_4xx(tiny_store):
     pytest.importorskip("hypothesis")
     _check(faults.server_fuzz(tiny_store, examples=40))
+
+
+# -- attacks on the store (issue 35) ----------------------------------------------------------------
+def test_links_in_a_store_are_refused_and_write_nothing_outside(work, tiny_store, tiny_llama):
+    _check_attack(faults.store_links(tiny_store, str(tiny_llama), work / "store_links"))
+
+
+def test_code_shipped_in_a_store_or_model_never_runs(work, tiny_store, tiny_llama):
+    _check_attack(faults.store_code(tiny_store, str(tiny_llama), work / "store_code"))
+
+
+def test_weights_outside_the_model_folder_are_refused(work, tiny_llama):
+    _check_attack(faults.weight_map_escape(str(tiny_llama), work / "weight_map_escape"))
+
+
+def test_malformed_headers_give_named_errors(work, tiny_store):
+    _check_attack(faults.malformed_header(tiny_store, work / "malformed_header"))
+
+
+def _check_attack(row: faults.CaseResult) -> None:
+    _check(row)
+    assert row.crossed_scope == 0, row.detail

@@ -74,3 +74,56 @@ def test_unsupported_architecture_is_clear(tmp_path, config, says):
     with pytest.raises(UnsupportedModelError, match=says) as err:
         resolve(str(tmp_path))
     assert config["model_type"] in str(err.value)
+
+
+# -- weight files outside the model folder ----------------------------------------------------------
+def _indexed(folder, tiny_llama, entry: str):
+    """A copy of the tiny model whose index names its weights as ``entry``."""
+    import shutil
+
+    shutil.copytree(tiny_llama, folder)
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, entry)}))
+    return folder
+
+
+@pytest.mark.parametrize("entry", ["../outside/model.safetensors", "ABSOLUTE"])
+def test_a_weight_map_entry_outside_the_folder_is_refused(tmp_path, tiny_llama, entry):
+    import shutil
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(tiny_llama / "model.safetensors", outside / "model.safetensors")
+    entry = str(outside / "model.safetensors") if entry == "ABSOLUTE" else entry
+    folder = _indexed(tmp_path / "model", tiny_llama, entry)
+    with pytest.raises(UnsupportedModelError, match=rf"index.json names weight file '{entry}', which is outside "
+                                                    r"the model folder .*copy the file into the folder"):
+        resolve(str(folder))
+
+
+def test_a_weight_file_linked_from_outside_the_folder_is_refused(tmp_path, tiny_llama):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    shutil.move(folder / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    (folder / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(UnsupportedModelError, match=r"'model.safetensors', which is outside the model folder"):
+        resolve(str(folder))
+
+
+def test_a_hub_snapshot_links_into_its_own_blobs(tmp_path, tiny_llama):
+    """The hub cache keeps a snapshot's files as links to ../../blobs: inside the repository, accepted."""
+    import shutil
+
+    repo = tmp_path / "models--owner--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snapshot / f.name).symlink_to(f"../../blobs/{f.name}")
+    assert resolve(str(snapshot)).num_layers == 3

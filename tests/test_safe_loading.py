@@ -9,8 +9,10 @@ import pytest
 
 import airquant
 from airquant.cli import build_parser
-from airquant.errors import UnsupportedModelError
+from airquant.engine.runner import Engine
+from airquant.errors import StoreError, UnsupportedModelError
 from airquant.models import resolve
+from airquant.store.manifest import open_store
 
 PACKAGE = Path(airquant.__file__).parent
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "shelve", "marshal", "cloudpickle"}
@@ -89,3 +91,67 @@ def test_store_shards_are_safetensors_only(tiny_store):
     """What the engine loads: safetensors shards and JSON, nothing pickled."""
     suffixes = {p.suffix for p in tiny_store.rglob("*") if p.is_file()}
     assert suffixes <= {".safetensors", ".json", ".jinja", ".txt", ".model", ""}, suffixes
+
+
+# -- a store or model folder that declares code of its own (auto_map) -----------------------------
+def _builds(name: str) -> bool:
+    """``X.from_pretrained`` (configs, tokenizers, models) and transformers' ``AutoModel*.from_config``."""
+    return name.endswith(".from_pretrained") or (name.endswith(".from_config") and name.startswith("Auto"))
+
+
+def builds_without_trust(source: str, where: str) -> list[str]:
+    """Every config, tokenizer or model build in ``source`` that leaves ``trust_remote_code`` unset (transformers
+    then asks [y/N] on a terminal, or fails with a traceback, when a file declares auto_map)."""
+    return [f"{where}:{call.lineno} {name}(...)" for call, name in _calls(ast.parse(source))
+            if _builds(name) and "trust_remote_code" not in {k.arg for k in call.keywords}]
+
+
+def test_every_build_passes_trust_remote_code():
+    assert builds_without_trust("AutoTokenizer.from_pretrained(p)\nAutoConfig.from_pretrained(p, "
+                                "trust_remote_code=False)\n", "x.py") == ["x.py:1 AutoTokenizer.from_pretrained(...)"]
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += builds_without_trust(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert found == []
+
+
+EVIL_MODULE = "import pathlib\npathlib.Path({marker!r}).write_text('remote code ran')\n"
+
+
+def _declare_code(folder: Path, config_name: str, marker: Path) -> Path:
+    """``auto_map`` in ``folder/config_name``, pointing at a module that leaves ``marker`` when imported."""
+    path = folder / config_name
+    body = json.loads(path.read_text())
+    body["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": ["evil.EvilTokenizer", None],
+                        "AutoModelForCausalLM": "evil.EvilForCausalLM"}
+    path.write_text(json.dumps(body))
+    (folder / "evil.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    return path
+
+
+@pytest.mark.parametrize("config_name", ["config.json", "tokenizer/tokenizer_config.json"])
+def test_a_store_that_declares_code_is_refused_at_open(tmp_path, tiny_store, config_name):
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    marker = tmp_path / "ran"
+    path = _declare_code(store if config_name == "config.json" else store / "tokenizer", Path(config_name).name,
+                         marker)
+    with pytest.raises(StoreError, match=rf"{path} declares Python code of its own \(auto_map: .*never runs code"):
+        open_store(store)
+    with pytest.raises(StoreError, match=str(path)):
+        Engine.open(store, device="cpu")
+    from airquant.store.side_files import load_config, load_tokenizer
+
+    with pytest.raises(StoreError, match=str(path)):  # batch jobs, the server and the UI read the tokenizer alone
+        load_tokenizer(store / "tokenizer") if "tokenizer" in config_name else load_config(store)
+    assert not marker.exists()
+
+
+def test_a_model_whose_tokenizer_declares_code_is_refused_at_shard(tmp_path, tiny_llama):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    marker = tmp_path / "ran"
+    path = _declare_code(folder, "tokenizer_config.json", marker)
+    with pytest.raises(UnsupportedModelError, match=rf"{path} names the model's own Python code.*--trust-remote-code"):
+        resolve(str(folder))
+    assert not marker.exists()

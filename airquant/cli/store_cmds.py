@@ -112,9 +112,9 @@ def cmd_synth(args) -> int:
                      seed=args.seed)
     tokenizer = None
     if args.tokenizer:
-        from transformers import AutoTokenizer
+        from airquant.store.side_files import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_tokenizer(Path(args.tokenizer))
     start = time.perf_counter()
     m = synth(spec, args.store, manifest_only=args.manifest_only, device=args.device, progress=not args.quiet,
               tokenizer=tokenizer)

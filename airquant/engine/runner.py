@@ -20,6 +20,7 @@ from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.kv.layers import LayerStates
 from airquant.store.manifest import Manifest, open_store
+from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ class Engine:
     """A store opened for inference; streamed by default, resident when asked."""
 
     def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig, plan: StreamPlan | None = None):
-        from transformers import AutoTokenizer
-
         self.store, self.manifest, self.cfg = store, manifest, cfg
         self.device = resolve_device(cfg.device)
         self.dtype = compute_dtype(manifest, cfg.dtype, self.device)
@@ -90,7 +89,7 @@ class Engine:
         # Detected before anything is loaded: the free VRAM is the budget when --max-vram is not given.
         hardware = hardware_for(cfg, self.device) if not cfg.resident else None
         self.config = skeleton.load_config(store)
-        self.tokenizer = AutoTokenizer.from_pretrained(store / "tokenizer")
+        self.tokenizer = load_tokenizer(store / "tokenizer")
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -19,15 +19,14 @@ from airquant.engine import expert_compute
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.store.integrity import check_file
+from airquant.store import side_files
 from airquant.store.manifest import Manifest, ShardEntry, integrity_fix
 
 log = logging.getLogger(__name__)
 
 
 def load_config(store: Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(store)
+    return side_files.load_config(store)
 
 
 def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None) -> nn.Module:

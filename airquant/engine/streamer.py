@@ -18,9 +18,7 @@ the device except dtype casts of dense tensors when the compute dtype differs fr
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,18 +30,11 @@ from airquant.engine.cuda_ops import CudaOps, HostMemory
 from airquant.engine.kv_offload import KVOffload
 from airquant.engine.plan import StreamPlan
 from airquant.errors import StoreError
+from airquant.store.header import read_header
 from airquant.store.integrity import CHUNK_BYTES, PendingCheck, ShardChecks
 from airquant.store.manifest import Manifest, integrity_fix
 
 log = logging.getLogger(__name__)
-
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -83,21 +74,8 @@ class ShardLayout:
 
 
 def read_layout(path: Path) -> ShardLayout:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise StoreError(f"shard {path} is truncated (no header); re-run `airquant shard` on this store.")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise StoreError(f"shard {path} has a corrupt header; re-run `airquant shard` on this store.") from exc
-    header.pop("__metadata__", None)
-    tensors = tuple(sorted(
-        ((name, ST_DTYPES[t["dtype"]], tuple(t["shape"]), *t["data_offsets"]) for name, t in header.items()),
-        key=lambda t: t[3]))
-    nbytes = max((t[4] for t in tensors), default=0)
-    return ShardLayout(path=path, data_offset=8 + n, nbytes=nbytes, tensors=tensors)
+    header = read_header(path)
+    return ShardLayout(path=path, data_offset=header.data_offset, nbytes=header.nbytes, tensors=header.tensors)
 
 
 def read_into(layout: ShardLayout, flat: torch.Tensor, check: PendingCheck | None = None) -> None:

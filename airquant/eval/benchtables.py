@@ -122,18 +122,21 @@ def kv_quality(d: dict) -> list[str]:
 
 
 def reliability(d: dict) -> list[str]:
-    """benchmarks/faults.py: each injected fault, how often, how often the promise held, records lost."""
+    """benchmarks/faults.py: each injected fault, how often, how often the promise held, records lost, cases that
+    crossed their scope (an attack that wrote or read past its store or model folder)."""
     where = (f"Run on {d.get('machine', '?')} ({d.get('cpus', '?')} CPUs), {d.get('model', '?')}, "
              f"airquant {d.get('airquant', '?')}, Python {d.get('python', '?')}.")
     quick = " QUICK RUN: the tests' tiny counts." if d.get("quick") else ""
     rows = [[r.get("case", r.get("part")), _f(r.get("tried"), "{}"), _f(r.get("survived"), "{}"),
-             _f(r.get("records_lost"), "{}"),
+             _f(r.get("records_lost"), "{}"), _f(r.get("crossed_scope", 0), "{}"),
              "skipped: " + r["skipped"] if r.get("skipped") else ("ok" if r.get("ok") else "FAILED"),
              r.get("detail", "")] for r in d.get("parts", []) if isinstance(r, dict)]
     totals = d.get("totals") or {}
     total = (f" In all: {totals.get('tried')} cases tried, {totals.get('survived')} survived, "
-             f"{totals.get('records_lost')} records lost." if totals else "")
-    return [where + quick + total, "", *md_table(["fault", "tried", "survived", "records lost", "", "detail"], rows)]
+             f"{totals.get('records_lost')} records lost, {totals.get('crossed_scope', 0)} crossed scope."
+             if totals else "")
+    return [where + quick + total, "", *md_table(["fault", "tried", "survived", "records lost", "crossed scope", "",
+                                                  "detail"], rows)]
 
 
 def verify_bench(d: dict) -> list[str]:

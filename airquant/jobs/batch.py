@@ -13,6 +13,7 @@ on start. An out-of-memory error halves the slots and reruns the records not yet
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,7 +26,8 @@ import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.prompts import token_counts
-from airquant.errors import AirQuantError, PromptTooLongError
+from airquant.errors import AirQuantError, DiskSpaceError, PromptTooLongError
+from airquant.store.side_files import load_tokenizer
 
 if TYPE_CHECKING:
     from airquant.kv import KVConfig
@@ -128,28 +130,38 @@ def _settings(row: dict, path: Path, n: int) -> dict:
     return out
 
 
+# Every record ``_append`` writes starts so (json.dumps of a dict whose first key is "id").
+RECORD_START = b'{"id": '
+
+
 def finished_ids(path: Path) -> set[str]:
-    """Keys of the records already in the output; a trailing partial line is cut off first."""
+    """Keys of the records already in the output. A trailing partial record (a write cut short) is cut off,
+    but only once every line has read as this tool's: a refused file is left byte for byte as it was."""
     if not path.exists():
         return set()
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s ends with a partial record (%d bytes, a write cut short); removing it", path,
-                    len(data) - end)
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
+    lines = data[:end].split(b"\n")[:-1]
     done = set()
-    for n, line in enumerate(data[:end].decode().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             done.add(json.dumps(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise BatchJobError(f"--output {path} line {n} is not a record of this tool ({exc}); it is left "
                                 "untouched. Pass another --output, or remove that line.") from exc
+    tail = data[end:]
+    if tail and not (RECORD_START.startswith(tail) or tail.startswith(RECORD_START)):
+        raise BatchJobError(f"--output {path} ends with line {len(lines) + 1}, which has no newline and is not the "
+                            "start of a record of this tool; it is left untouched. Pass another --output, or end "
+                            "that line with a newline (or remove it).")
+    if tail:
+        log.warning("%s ends with a partial record (%d bytes, a write cut short); removing it", path, len(tail))
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
     return done
 
 
@@ -193,13 +205,11 @@ def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv
 def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None, *, engine=None,
               progress: bool = True) -> BatchReport:
     """Run every prompt of ``job.input`` not yet in ``job.output``; ``engine`` reuses an open one."""
-    from transformers import AutoTokenizer
-
     store, cfg = Path(store), cfg or EngineConfig()
     report, todo = pending(job)
     if not todo:
         return report
-    tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(store / "tokenizer")
+    tokenizer = engine.tokenizer if engine is not None else load_tokenizer(store / "tokenizer")
     context, todo = longest_first(tokenizer, store, todo, job)
     size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     owned = engine is None
@@ -345,17 +355,28 @@ def _drain(engine, todo: list[Prompt], slots: int, job: BatchJob, report: BatchR
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="batch", unit="prompt", disable=not progress)
     job.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(job.output, "a", encoding="utf-8") as f:
-        def on_record(record: dict) -> None:
-            _append(f, record)
-            report.done += 1
-            report.new_tokens += record.get("new_tokens", 0)
-            report.elapsed_s = time.perf_counter() - start
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}")
 
-        def on_halve() -> None:
-            report.oom_halvings += 1
+    def on_record(record: dict) -> None:
+        _append(f, record)
+        report.done += 1
+        report.new_tokens += record.get("new_tokens", 0)
+        report.elapsed_s = time.perf_counter() - start
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{report.tokens_per_s:.1f}")
 
-        run_records(engine, todo, job, slots, context, on_record, on_halve=on_halve, on_batch=report.batch_sizes.append)
-    bar.close()
+    def on_halve() -> None:
+        report.oom_halvings += 1
+
+    try:
+        with open(job.output, "a", encoding="utf-8") as f:
+            run_records(engine, todo, job, slots, context, on_record, on_halve=on_halve,
+                        on_batch=report.batch_sizes.append)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskSpaceError(
+            f"the disk of --output {job.output} is full ({report.done} records written by this run, every one "
+            f"fsynced and kept; a record cut short is removed on the next run). Free space, then re-run the same "
+            "command: it continues with the prompts not yet in the output.") from exc
+    finally:
+        bar.close()

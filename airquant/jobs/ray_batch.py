@@ -31,6 +31,7 @@ from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, DependencyError, StoreError
 from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, longest_first,
                                  pending, run_records)
+from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +248,7 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
 
 def _prepare(store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
     """``run_batch``'s order and context for the job (``longest_first``), with the store's tokenizer."""
-    from transformers import AutoTokenizer
-
-    return longest_first(AutoTokenizer.from_pretrained(store / "tokenizer"), store, todo, job)
+    return longest_first(load_tokenizer(store / "tokenizer"), store, todo, job)
 
 
 def _dataset(ray, todo: list[Prompt], size: int):

@@ -34,6 +34,7 @@ from airquant.serve.config import ServeConfig
 from airquant.serve.metrics import ServerMetrics, StatusCounter
 from airquant.serve.security import install_security
 from airquant.serve.stream import ChunkFormat, aclose, sse_lines
+from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,7 @@ def prompt_counter(provider: Provider):
 
     @lru_cache(maxsize=1)
     def tokenizer():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(provider.route.store / "tokenizer")
+        return load_tokenizer(provider.route.store / "tokenizer")
 
     def count(prompt, chat: bool) -> int:
         return prompt_lengths(tokenizer(), [JobPrompt(id=0, prompt=prompt, key="0")], chat)[0]

@@ -11,15 +11,17 @@ the ones ``save_pretrained`` writes: the store's layout gives the model's names,
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
 
 from airquant.errors import StoreError
 from airquant.layout import Layout, meta_model
+from airquant.store.files import write_atomic
 from airquant.store.manifest import load_manifest
+from airquant.store.side_files import load_config
 
 
 def _file_groups(manifest, max_file_bytes: int) -> list[list[str]]:
@@ -37,7 +39,6 @@ def _file_groups(manifest, max_file_bytes: int) -> list[list[str]]:
 
 def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 * 10**9) -> Path:
     """Write the dense store ``store`` as a Hugging Face folder; returns the folder."""
-    from transformers import AutoConfig
     from transformers.core_model_loading import revert_weight_conversion
 
     store, folder = Path(store), Path(folder)
@@ -46,7 +47,7 @@ def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 
         raise StoreError(f"{store} holds quantized modules; only dense stores can be exported as a plain "
                          "Hugging Face checkpoint.")
     layout = Layout.from_dict(manifest.layout)
-    model = meta_model(AutoConfig.from_pretrained(store), torch.bfloat16)  # conversions are looked up per class
+    model = meta_model(load_config(store), torch.bfloat16)  # conversions are looked up per class
     files = _file_groups(manifest, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
@@ -58,14 +59,14 @@ def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 
                 tensors[layout.full_name(group, key)] = t
         # Split experts are views of one fused tensor; safetensors writes only tensors that own their memory.
         tensors = {n: t.clone() for n, t in revert_weight_conversion(model, tensors).items()}
-        save_file(tensors, folder / name, metadata={"format": "pt"})
+        write_atomic(folder / name, st_save(tensors, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_atomic(folder / "model.safetensors.index.json", json.dumps(index, indent=1).encode())
     config = json.loads((store / "config.json").read_text())
     config.setdefault("architectures", [type(model).__name__])
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    write_atomic(folder / "config.json", json.dumps(config, indent=1).encode())
     for f in (store / "tokenizer").iterdir():
-        shutil.copy2(f, folder / f.name)
+        write_atomic(folder / f.name, f.read_bytes())
     return folder

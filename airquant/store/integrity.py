@@ -86,7 +86,7 @@ class ShardChecks:
     """The read-side checker of one open store: header hashes, one hashing thread, the fix to print.
 
     ``files`` maps a key (a layer index) to (shard path, expected checksum); shards without a recorded
-    checksum are not checked (``open_store`` records them on first open).
+    checksum are not checked (``open_store`` computes them for the run; ``info --upgrade`` records them).
     """
 
     def __init__(self, files: dict[int, tuple[Path, str]], fix: IntegrityFix):

@@ -7,18 +7,18 @@ only source of truth for a tensor's scheme: nothing is guessed from file names.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from airquant.errors import ChecksumError, DiskSpaceError, StoreError
+from airquant.errors import ChecksumError, StoreError
 from airquant.layout import group_order
+from airquant.store.files import refuse_links, write_atomic
+from airquant.store.header import read_header
 from airquant.store.integrity import ALGO, IntegrityFix, checksum_file
+from airquant.store.side_files import refuse_code
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ShardEntry:
     # byte ranges inside the shard's data section (what an expert-aware reader fetches alone).
     experts: dict = field(default_factory=dict)
     # "xxh3_128:<hex>" of the whole file, checked as the engine reads it (store.integrity); "": an older
-    # store, recorded on its first open.
+    # store: computed on each open until `airquant info --upgrade` records it.
     checksum: str = ""
 
     @property
@@ -84,13 +84,14 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Manifest":
+    def from_dict(cls, data: dict, where: str = "the manifest") -> "Manifest":
+        """``where``: the manifest's path, named in the errors."""
         data = dict(data)
         data.pop("layer_order", None)
         data.pop("total_bytes", None)
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise StoreError(f"manifest format {version} is not {FORMAT_VERSION}; re-run `airquant shard` "
+            raise StoreError(f"{where}: manifest format {version} is not {FORMAT_VERSION}; re-run `airquant shard` "
                              "into a new --store with this version of AirQuant.")
         known = {f.name for f in fields(ShardEntry)}
         try:
@@ -103,10 +104,21 @@ class Manifest:
                 if Path(entry["file"]).name != entry["file"]:
                     raise ValueError(f"shard {group!r} names a file outside the store: {entry['file']!r}")
             data["shards"] = {k: ShardEntry(**v) for k, v in shards.items()}
-            return cls(**data)
+            manifest = cls(**data)
+            manifest.check_groups()
+            return manifest
         except (TypeError, ValueError, AttributeError) as exc:
-            raise StoreError(f"the manifest does not read as one AirQuant wrote ({exc}); it was edited or damaged. "
+            raise StoreError(f"{where} does not read as a manifest AirQuant wrote ({exc}); it was edited or damaged. "
                              "Re-run the `airquant shard` command that made the store to rewrite it.") from exc
+
+    def check_groups(self) -> None:
+        """A complete manifest lists a shard for each of its ``num_layers`` layers and its fixed parts."""
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 0:
+            raise ValueError(f"num_layers is {self.num_layers!r}, not a count of layers")
+        missing = [g for g in self.layer_order if g not in self.shards] if self.complete else []
+        if missing:
+            raise ValueError(f"it says num_layers {self.num_layers} and complete, but lists no shard for "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
 
 
 def sha256_file(path: Path) -> str:
@@ -117,81 +129,35 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-TMP_MARK = ".tmp-"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, rename, fsync the directory: a crash leaves old or new, never half.
-
-    A full disk removes the temp file and raises ``DiskSpaceError`` with the numbers; ``path`` is untouched."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        free = shutil.disk_usage(path.parent).free
-        raise DiskSpaceError(f"the disk of {path.parent} is full: writing {path.name} needs {len(data) / 1e6:.1f} MB, "
-                             f"{free / 1e6:.1f} MB are free. The files already written are kept; free space and "
-                             "re-run the same command to continue.") from exc
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def remove_stale_temps(store: Path) -> list[str]:
-    """Delete temp files left by a writer that was killed (its pid is gone); returns their names."""
-    removed = []
-    for p in store.glob(f".*{TMP_MARK}*"):
-        pid = p.name.rsplit(TMP_MARK, 1)[1]
-        if pid.isdigit() and not _alive(int(pid)) and p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p.name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_manifest(store: Path, manifest: Manifest) -> None:
-    atomic_write_bytes(store / MANIFEST, manifest.to_json().encode())
+    write_atomic(store / MANIFEST, manifest.to_json().encode())
 
 
 def load_manifest(store: str | Path) -> Manifest:
+    """The manifest of ``store``, read only (nothing in a store is written when it is read)."""
     store = Path(store)
     if not store.is_dir():
         raise StoreError(f"store {store} does not exist; create it with `airquant shard MODEL --store {store}`.")
+    refuse_links(store)
     path = store / MANIFEST
     if not path.is_file():
         raise StoreError(f"{path} is missing: {store} is not an AirQuant store. "
                          f"Run `airquant shard MODEL --store {store}` first.")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StoreError(f"{path} is not valid JSON ({exc}); re-run `airquant shard` to rebuild it.") from exc
-    return Manifest.from_dict(data)
+    if not isinstance(data, dict):
+        raise StoreError(f"{path} is not an AirQuant manifest (not a JSON object); re-run `airquant shard` to "
+                         "rebuild it.")
+    return Manifest.from_dict(data, str(path))
 
 
 def open_store(store: str | Path, *, verify: bool = False) -> Manifest:
-    """Load a complete store's manifest and check every shard's size (and sha256 when asked)."""
+    """Load a complete store's manifest and check every shard's size and header (and sha256 when asked).
+
+    Opening writes nothing: shards of an older store without a read checksum get one computed here, for
+    this process (``airquant info --store STORE --upgrade`` records them)."""
     store = Path(store)
     manifest = load_manifest(store)
     if manifest.source.get("manifest_only"):
@@ -200,11 +166,15 @@ def open_store(store: str | Path, *, verify: bool = False) -> Manifest:
     if not manifest.complete:
         raise StoreError(f"store {store} is incomplete (a split was interrupted); re-run the same "
                          "`airquant shard` command to finish it.")
+    refuse_code(store)
     fix = repair_command(store, manifest)
     for entry in manifest.shards.values():
         check_shard(store, entry, verify=verify, fix=fix)
     check_no_extra_shards(store, manifest, fix)
-    record_checksums(store, manifest)
+    if filled := fill_checksums(store, manifest):
+        log.warning("store %s: %d shards were written by an older AirQuant without a %s read checksum; computed "
+                    "for this run only. `airquant info --store %s --upgrade` records them once.", store, filled,
+                    ALGO, store)
     return manifest
 
 
@@ -217,6 +187,7 @@ def check_shard(store: Path, entry: ShardEntry, *, verify: bool, fix: str = "air
     if size != entry.bytes:
         raise StoreError(f"shard {path} has {size} bytes, the manifest says {entry.bytes} ({entry.group}: truncated "
                          f"or replaced); `{fix}` rewrites just that shard.")
+    read_header(path, fix)
     if verify and sha256_file(path) != entry.sha256:
         raise ChecksumError(f"shard {path} does not match its sha256 in the manifest ({entry.group}: corrupted); "
                             f"`{fix}` rewrites just that shard.")
@@ -242,22 +213,21 @@ def shard_ok(store: Path, entry: ShardEntry) -> bool:
     return bool(entry.sha256) and sha256_file(path) == entry.sha256
 
 
-def record_checksums(store: Path, manifest: Manifest) -> int:
-    """Compute and record (atomically) the read checksum of shards written before it existed; returns how many.
-
-    A read-only store keeps them for this process only (its reads are still checked)."""
+def fill_checksums(store: Path, manifest: Manifest) -> int:
+    """Compute, in ``manifest`` only, the read checksum of shards written before it existed; returns how many."""
     missing = [e for e in manifest.shards.values() if not e.checksum.startswith(f"{ALGO}:")]
-    if not missing:
-        return 0
-    log.warning("store %s: recording the %s read checksum of %d shards written by an older AirQuant (once)",
-                store, ALGO, len(missing))
     for entry in missing:
         entry.checksum = checksum_file(store / entry.file)
-    try:
-        save_manifest(store, manifest)
-    except OSError as exc:
-        log.warning("could not record the checksums in %s (%s); they are recomputed on each open", store, exc)
     return len(missing)
+
+
+def record_checksums(store: Path, manifest: Manifest) -> int:
+    """``airquant info --upgrade``: compute and record (atomically) the read checksums an older store lacks;
+    the one write into a store outside ``shard`` and ``synth``. Returns how many were recorded."""
+    count = fill_checksums(store, manifest)
+    if count:
+        save_manifest(store, manifest)
+    return count
 
 
 def repair_command(store: Path, manifest: Manifest) -> str:

@@ -27,8 +27,8 @@ from airquant.layout import MoEInfo
 from airquant.models import ModelSource
 from airquant.quant.schemes import canonical_name
 from airquant.store.integrity import checksum_bytes
-from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest,
-                                     remove_stale_temps, save_manifest, shard_ok)
+from airquant.store.files import refuse_links, remove_stale_temps, replace_folder, write_atomic
+from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def write_shard(store: Path, group: str, tensors: dict[str, torch.Tensor], modul
     """Serialize, hash (sha256 and the read checksum) and atomically write one shard; returns its manifest entry."""
     data = st_save(tensors, metadata={"airquant_group": group})
     file = shard_file(group)
-    atomic_write_bytes(store / file, data)
+    write_atomic(store / file, data)
     meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                 "scheme": schemes.get(k, "dense")} for k, v in tensors.items()}
     experts = moe.record(tensors, data_offsets(data)) if moe is not None else {}
@@ -137,16 +137,11 @@ def _finished(store: Path, manifest: Manifest) -> bool:
 
 def _save_side_files(store: Path, source: ModelSource) -> None:
     cfg = source.clean_config()
-    atomic_write_bytes(store / "config.json", json.dumps(cfg, indent=1).encode())
+    write_atomic(store / "config.json", json.dumps(cfg, indent=1).encode())
     gen_cfg = source.path / "generation_config.json"
     if not source.gguf_file and gen_cfg.is_file():
-        atomic_write_bytes(store / "generation_config.json", gen_cfg.read_bytes())
-    tok_dir = store / "tokenizer"
-    tmp = store / ".tokenizer.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    source.tokenizer().save_pretrained(tmp)
-    shutil.rmtree(tok_dir, ignore_errors=True)
-    tmp.rename(tok_dir)
+        write_atomic(store / "generation_config.json", gen_cfg.read_bytes())
+    replace_folder(store / "tokenizer", source.tokenizer().save_pretrained)
 
 
 def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", quant: dict | None = None,
@@ -158,6 +153,7 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     quant = quant or {"method": "none"}
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
+    refuse_links(store)
     identity = _store_identity(source)
     old = _check_existing(store, identity, dtype, quant)
     if old is not None and old.complete and _finished(store, old):

@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import math
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,8 @@ from airquant import __version__
 from airquant.errors import StoreError
 from airquant.layout import MoEInfo, decoder_stack, expert_modules, find_layout, linear_modules, meta_model, moe_counts
 from airquant.models import group_order
-from airquant.store.manifest import (MANIFEST, Manifest, ShardEntry, atomic_write_bytes, load_manifest, save_manifest,
-                                     shard_ok)
+from airquant.store.files import refuse_links, replace_folder, write_atomic
+from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
 from airquant.store.quantize import expert_params
 from airquant.store.split import check_disk, shard_file, write_shard
 
@@ -393,6 +392,7 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     shape = spec.resolved()
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
+    refuse_links(store)
     identity = {**spec.identity(), **({"manifest_only": True} if manifest_only else {})}
     quant = {"method": "nf4", "blocksize": 64, "double_quant": False, "head": spec.quant_head} \
         if spec.dtype == "nf4" else {"method": "gptq", **GPTQ_META} if spec.dtype == "gptq" else {"method": "none"}
@@ -404,7 +404,7 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     groups = _Groups(spec, model, torch.device(device))
     if not manifest_only:
         _save_tokenizer(store, shape, tok)
-    atomic_write_bytes(store / "config.json", json.dumps(model.config.to_dict(), indent=1).encode())
+    write_atomic(store / "config.json", json.dumps(model.config.to_dict(), indent=1).encode())
     order = group_order(shape.layers, tied=False)
     if manifest_only:
         for group in order:
@@ -472,18 +472,17 @@ def default_tokenizer():
 
     require_gguf()
     path = default_gguf_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
 
 
 def _save_tokenizer(store: Path, shape: Shape, tok) -> None:
     """``tok`` into store/tokenizer, trimmed to the shape's vocabulary."""
-    tmp = store / ".tokenizer.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    if shape.vocab < len(tok):
-        trim_tokenizer(tmp / "tokenizer.json", shape.vocab)
-    shutil.rmtree(store / "tokenizer", ignore_errors=True)
-    tmp.rename(store / "tokenizer")
+    def fill(tmp: Path) -> None:
+        tok.save_pretrained(tmp)
+        if shape.vocab < len(tok):
+            trim_tokenizer(tmp / "tokenizer.json", shape.vocab)
+
+    replace_folder(store / "tokenizer", fill)
 
 
 def trim_tokenizer(path: Path, vocab: int) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from airquant.config import GenerateConfig
 from airquant.errors import AirQuantError
 from airquant.jobs.batch import BatchJob, read_prompts, run_batch
+from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,9 @@ class ProviderEngine:
     answered by the provider's worker thread, which owns the real engine."""
 
     def __init__(self, provider):
-        from transformers import AutoTokenizer
-
         self.provider = provider
         # The engine's tokenizer belongs to the worker thread; sizing the batch needs one of our own.
-        self.tokenizer = AutoTokenizer.from_pretrained(provider.route.store / "tokenizer")
+        self.tokenizer = load_tokenizer(provider.route.store / "tokenizer")
         self.last_timings: dict = {}
 
     def generate_detailed(self, prompts, gen: GenerateConfig, kv=None):  # kv: the provider's route decides

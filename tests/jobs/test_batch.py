@@ -190,3 +190,42 @@ def test_auto_batch_size_follows_the_kv_cache(tiny_store, monkeypatch):
         auto_batch_size(tiny_store, EngineConfig(device="cuda", max_vram_gb=0.01, kv_offload=False), 256, 256)
     with pytest.raises(BatchJobError, match="exceeds the model's 256 tokens"):
         auto_batch_size(tiny_store, cfg, 2048, 256)
+
+
+@pytest.mark.parametrize("content", [
+    b'{"id": "a", "output": "x"}\nnot json\n{"id": "c", "outp',  # a damaged line, then a cut last line
+    b"notes of mine, not a batch output",  # one line of another file, no newline at its end
+])
+def test_a_refused_output_is_left_byte_for_byte(tmp_path, content):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    with pytest.raises(BatchJobError, match="left untouched"):
+        finished_ids(out)
+    assert out.read_bytes() == content
+
+
+def test_a_full_disk_during_a_batch_is_a_named_error_and_loses_nothing(tmp_path, tiny_store, monkeypatch):
+    import errno
+
+    from airquant.errors import DiskSpaceError
+    from airquant.jobs import batch
+
+    inp, out = _prompts(tmp_path / "in.jsonl", 4), tmp_path / "out.jsonl"
+    job = BatchJob(inp, out, batch_size=2, gen=GenerateConfig(max_new_tokens=2))
+    real, written = batch._append, []
+
+    def fill_after_two(f, record):
+        if len(written) == 2:
+            f.write('{"id": "p')  # the start of a record, cut short by the full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, record)
+        written.append(record["id"])
+
+    monkeypatch.setattr(batch, "_append", fill_after_two)
+    with pytest.raises(DiskSpaceError, match=rf"disk of --output {out} is full \(2 records .* re-run the same"):
+        run_batch(tiny_store, job, engine=Engine.open(tiny_store, device="cpu"), progress=False)
+    lines = out.read_text().split("\n")
+    assert [json.loads(line)["id"] for line in lines[:-1]] == written and lines[-1] == '{"id": "p'
+    monkeypatch.setattr(batch, "_append", real)
+    report = run_batch(tiny_store, job, engine=Engine.open(tiny_store, device="cpu"), progress=False)
+    assert report.skipped == 2 and sorted(r["id"] for r in _records(out)) == [f"p{k}" for k in range(4)]
