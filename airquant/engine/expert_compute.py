@@ -52,11 +52,12 @@ DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
 # kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
 # ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
 GEMV_TOKENS = 4
-# Routed NF4 experts at few rows computed by the pool's fused kernels (``run_fused``: two launches a call, read
-# straight from the slots) where a Triton kernel can run (CUDA, or its interpreter in tests); False: ``run_gemv``.
+# NF4 experts computed by the fused kernels (``run_fused``: two launches a call, straight from the packed bytes:
+# a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its interpreter in
+# tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
 FUSED = True
-# Tokens a call may have for the fused kernels: each pair re-reads its expert's bytes (from L2 when an expert has
-# several rows), a GEMV's trade that pays at decode batch sizes (the issue's "batch <= 8"); larger calls go on.
+# Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call);
+# a whole layer's call takes the fused kernels at any batch (quant/kernels/nf4_moe: GEMV, then grouped blocks).
 FUSED_TOKENS = 8
 # Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
 # the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
@@ -265,38 +266,55 @@ def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
 
 @dataclass(frozen=True)
 class FusedMatrix:
-    """One NF4 expert matrix as ``quant/kernels/nf4_moe`` reads it from a pool slot: its ``[n, k]`` shape, the
-    byte offset of each of its buffers inside a slot, and its dense bias's (offset, dtype), if any."""
+    """One NF4 expert matrix as the fused kernels read it: its ``[n, k]`` shape, and inside a pool slot the
+    byte offset of each of its buffers and of its dense bias (offset, dtype), if any."""
 
+    name: str  # the experts module's child ("gate_up_proj", "up_proj", "down_proj")
     n: int
     k: int
     offsets: dict
     bias: tuple[int, torch.dtype] | None
 
-    def bias_rows(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """The bias of each pair's expert, ``[P, n]``: one gather of the slots' bias bytes (a dense tensor)."""
-        if self.bias is None:
-            return None
-        off, dtype = self.bias
-        return pool[:, off:off + self.n * dtype.itemsize].view(dtype).index_select(0, slots.long())
-
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """A routed experts module whose call ``run_fused`` computes in two kernel launches straight from the pool:
-    an NF4 (gate/)up and down matrix of one blocksize and double-quant setting, optional per-expert biases."""
+    """A quantized experts module whose calls ``run_fused`` computes in two kernel launches from the packed
+    bytes (quant/kernels/nf4_moe): an NF4 (gate/)up and down matrix of one blocksize and double-quant
+    setting, optional per-expert biases; ``dtypes`` of each buffer."""
 
     up: FusedMatrix
     down: FusedMatrix
     blocksize: int
     double: bool
     gated: bool
+    dtypes: dict
+
+    def pool_operands(self, pool: torch.Tensor) -> tuple:
+        """The two matrices' operands over an expert pool's slots (an expert's index is its slot)."""
+        from airquant.quant.kernels.nf4_moe import pool_operand
+
+        return tuple(pool_operand(pool, m.offsets, self.dtypes, m.n, m.k, self.blocksize, self.double, m.bias)
+                     for m in (self.up, self.down))
+
+    def module_operands(self, module) -> tuple:
+        """The two matrices' operands over the module's own stacked ``[E, ...]`` buffers (a whole layer)."""
+        from airquant.quant.kernels.nf4_moe import stacked_operand
+
+        ops = []
+        for m in (self.up, self.down):
+            child = getattr(module, m.name)
+            bias = getattr(module, f"{m.name}_bias", None) if m.bias is not None else None
+            ops.append(stacked_operand({s: getattr(child, s) for s in child.suffixes}, m.n, m.k, self.blocksize,
+                                       self.double, bias))
+        return tuple(ops)
 
 
-def fused_experts(module, names: tuple[str, ...], dtypes: tuple, offsets: tuple[int, ...]) -> FusedExperts | None:
-    """The ``FusedExperts`` of a routed experts module whose slot holds ``names`` (relative to the module) at
-    ``offsets``, or None: the fused kernels do not apply (not NF4, a block straddling two rows,
-    a post-expert norm, expert parallelism, another tensor in the slot)."""
+def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | None = None,
+                  offsets: tuple[int, ...] | None = None) -> FusedExperts | None:
+    """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (not NF4, a
+    block straddling two rows, a post-expert norm, expert parallelism, another quantized or dense tensor).
+    With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors relative to the module) the slot must
+    hold exactly those matrices and biases, and their offsets are recorded."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     from airquant.quant.nf4 import NF4Linear
@@ -304,42 +322,74 @@ def fused_experts(module, names: tuple[str, ...], dtypes: tuple, offsets: tuple[
     gated = getattr(module, "has_gate", True)
     first = "gate_up_proj" if gated else "up_proj"
     quantized = quantized_children(module)
-    if set(quantized) != {first, "down_proj"}:
+    biased = bool(getattr(module, "has_bias", False))
+    dense = {n for n, t in module.named_parameters(recurse=False)}
+    if set(quantized) != {first, "down_proj"} or dense - ({f"{first}_bias", "down_proj_bias"} if biased else set()):
         return None
-    where = dict(zip(names, zip(offsets, dtypes)))
     templates = [quantized[first].one[0], quantized["down_proj"].one[0]]
     if not all(isinstance(t, NF4Linear) and t.in_features % t.blocksize == 0 for t in templates) or \
             len({(t.blocksize, t.double_quant) for t in templates}) != 1:
         return None
-    matrices, used = [], set()
+    where = dict(zip(names, zip(offsets, dtypes))) if names is not None else {}
+    matrices, used, kinds = [], set(), {}
     for name, t in zip((first, "down_proj"), templates):
-        bufs = {suffix: where[f"{name}.{suffix}"][0] for suffix in quantized[name].suffixes}
-        bias = where.get(f"{name}_bias") if getattr(module, "has_bias", False) else None
-        used |= {f"{name}.{suffix}" for suffix in bufs} | ({f"{name}_bias"} if bias else set())
-        matrices.append(FusedMatrix(t.out_features, t.in_features, bufs, bias))
-    if used != set(names):
+        child = quantized[name]
+        kinds.update({s: getattr(child, s).dtype for s in child.suffixes})
+        bufs = {s: where[f"{name}.{s}"][0] for s in child.suffixes if f"{name}.{s}" in where}
+        bias = where.get(f"{name}_bias") if biased and names is not None else ((0, None) if biased else None)
+        used |= {f"{name}.{s}" for s in child.suffixes} | ({f"{name}_bias"} if biased else set())
+        matrices.append(FusedMatrix(name, t.out_features, t.in_features, bufs, bias))
+    if names is not None and used != set(names):
         return None
-    return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated)
+    return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated, kinds)
 
 
-def run_fused(spec: FusedExperts, module, pool: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped experts forward on ``hidden`` [T, H] for the pairs (token, k) whose experts sit
-    in pool ``slots`` [T * k] (int32, on the device), weighted by ``weights`` [T, k]: the (gate/)up matrix of
-    every pair in one launch, the module's own gating, then the down matrix, weighting and sum in another."""
-    from airquant.quant.kernels.nf4_moe import nf4_combine, nf4_pairs
+def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor, experts: int) -> torch.Tensor:
+    """transformers' grouped experts forward on ``hidden`` [T, H] for the pairs (token, k) whose experts are
+    ``ids`` [T, k] (indices into ``operands``' ``experts``: pool slots or the module's experts), weighted by
+    ``weights`` [T, k]: the (gate/)up matrix of every pair in one launch, the module's own gating, then the
+    down matrix, weighting and sum in another (GEMV for few tokens; above, pairs sorted into per-expert blocks
+    of a grouped tensor-core product, on the device)."""
+    from airquant.quant.kernels import nf4_moe
 
-    top_k = weights.shape[-1]
-    up, down = spec.up, spec.down
-    h = nf4_pairs(hidden, pool, slots, up.offsets, up.n, top_k, spec.blocksize, spec.double,
-                  bias=up.bias_rows(pool, slots))  # [T * k, 2I] or [T * k, I]
+    up_op, down_op = operands
+    sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(ids, experts)
+    h = nf4_moe.up(hidden, ids, up_op, sorted_pairs)  # [T * k, 2I] or [T * k, I]
     if spec.gated:
         gate = getattr(module, "_apply_gate", None)
         h = gate(h) if gate is not None else _default_gate(module, h)
     else:
         h = module.act_fn(h)
-    return nf4_combine(h, weights, pool, slots, down.offsets, down.n, spec.blocksize, spec.double, hidden.dtype,
-                       bias=down.bias_rows(pool, slots))  # [T, H]
+    return nf4_moe.down(h, ids, weights, down_op, hidden.dtype, sorted_pairs)  # [T, H]
+
+
+class FusedWholeExperts:
+    """Stands in for a whole streamed layer's quantized experts ``forward``: calls with a routing index run by
+    ``run_fused`` on the module's stacked NF4 buffers where the kernels can run (CUDA; the interpreter in
+    tests), any batch; other calls, other devices and modules the kernels do not take: the module's own
+    forward (transformers' eager loop, one expert decoded at a time)."""
+
+    def __init__(self, module, forward):
+        self.module, self.forward, self._spec = module, forward, False
+
+    def __call__(self, *args, **kwargs):
+        if FUSED and len(args) == 3 and not kwargs and args[1].dim() == 2 and fused_runs_on(args[0]):
+            if self._spec is False:
+                self._spec = fused_experts(self.module)
+            if self._spec is not None:
+                hidden, index, weights = args
+                return run_fused(self._spec, self.module, self._spec.module_operands(self.module),
+                                 hidden.reshape(-1, hidden.shape[-1]), index, weights,
+                                 getattr(self.module, self._spec.down.name).num_experts)
+        return self.forward(*args, **kwargs)
+
+
+def fused_runs_on(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on ``x``'s device and dtype (Triton on CUDA, or its interpreter)."""
+    from airquant.quant import kernels
+
+    return kernels.use_triton(x) or kernels.interpreting()
 
 
 def _default_gate(module, h: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from airquant.engine import expert_compute
 from airquant.engine.expert_layout import LayerExperts, SlotTable, read_range
 from airquant.engine.expert_plan import SPECULATE_TOKENS, ExpertPlan, ExpertsError
 from airquant.layout import swap_tensor
-from airquant.quant import kernels
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class ExpertPool:
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
         self.current: int | None = None
         self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
-        self._fused_specs: dict[int, expert_compute.FusedExperts | None] = {}
+        self._fused_specs: dict[int, tuple | None] = {}
         self.stats = {"bytes_copied": 0, "copied": 0, "hits": 0, "routed": 0, "guessed": 0, "guess_used": 0,
                       "guess_bytes": 0}
 
@@ -191,17 +190,19 @@ class ExpertPool:
             return expert_compute.run_grouped(module, grouped, *args, num=len(union),
                                                tokens=self.plan.call_tokens or None, ids=local)
 
-    def _fused(self, i: int, module, hidden: torch.Tensor) -> expert_compute.FusedExperts | None:
-        """Layer i's ``FusedExperts`` (decided once per layer), where its kernels can run on ``hidden``."""
+    def _fused(self, i: int, module, hidden: torch.Tensor) -> tuple | None:
+        """Layer i's ``FusedExperts`` and its operands over the pool (decided once per layer), where its kernels
+        can run on ``hidden``."""
         if not expert_compute.FUSED or hidden.numel() > expert_compute.FUSED_TOKENS * hidden.shape[-1] or \
-                not (kernels.use_triton(hidden) or kernels.interpreting()):
+                not expert_compute.fused_runs_on(hidden):
             return None
         if i not in self._fused_specs:
             layer = self.layers[i]
-            self._fused_specs[i] = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
+            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
+            self._fused_specs[i] = None if spec is None else (spec, spec.pool_operands(self.mem))
         return self._fused_specs[i]
 
-    def _run_fused(self, spec: expert_compute.FusedExperts, module, hidden: torch.Tensor, weights: torch.Tensor,
+    def _run_fused(self, fused: tuple, module, hidden: torch.Tensor, weights: torch.Tensor,
                    ids: list[int], slot_of: dict[int, int]) -> torch.Tensor:
         """A few-row call computed by the fused kernels straight from the slots: no gather, no per-expert
         Python; the slots are free for new copies once the kernels ran."""
@@ -211,8 +212,10 @@ class ExpertPool:
                 self.ops.wait(event)
         # Each pair's slot, [T * k]: a pinned host tensor, so its copy to the device does not block.
         pairs = torch.tensor([slot_of[e] for e in ids], dtype=torch.int32, pin_memory=self.ops is not None)
-        out = expert_compute.run_fused(spec, module, self.mem, pairs.to(self.device, non_blocking=True),
-                                       hidden.reshape(-1, hidden.shape[-1]), weights)
+        spec, operands = fused
+        out = expert_compute.run_fused(spec, module, operands, hidden.reshape(-1, hidden.shape[-1]),
+                                       pairs.to(self.device, non_blocking=True).view(weights.shape), weights,
+                                       self.plan.slots)
         if self.ops is not None:
             mark = self.ops.mark()
             for s in slot_of.values():

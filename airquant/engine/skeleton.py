@@ -110,11 +110,14 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
         parent = layer.get_submodule(parent_name) if parent_name else layer
         with torch.device("meta"):
             if "experts" in meta:
-                # Quantized experts are read one expert at a time: transformers' eager experts loop does that.
+                # Quantized experts are read one expert at a time: transformers' eager experts loop does that,
+                # where the fused NF4 kernels (FusedWholeExperts) do not take the call.
                 # A module without a config (Llama 4's) multiplies stacked tensors: decoded ones, by chunks.
                 config = getattr(parent, "config", None)
                 if config is not None:
                     config._experts_implementation = "eager"
+                    if not isinstance(parent.forward, expert_compute.FusedWholeExperts):
+                        parent.forward = expert_compute.FusedWholeExperts(parent, parent.forward)
                 elif not isinstance(parent.forward, DecodedExperts):
                     parent.forward = DecodedExperts(parent, parent.forward)
                 new = ExpertWeights(meta, compute_dtype=compute_dtype)

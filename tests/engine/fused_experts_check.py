@@ -26,7 +26,7 @@ SHAPES = {"mixtral": dict(hidden_size=64, intermediate_size=128),
           "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=64),
           "gpt_oss": dict(hidden_size=64, intermediate_size=64),
           "deepseek_v3": dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=128)}
-PROMPT = [17, 254, 1033, 88, 512, 731, 42]
+PROMPT = [17, 254, 1033, 88, 512, 731, 42, 9, 300, 77, 4001, 12]  # 12 tokens: the prefill goes grouped
 
 
 def decode(engine: Engine, steps: int) -> tuple[list[int], torch.Tensor]:
@@ -49,24 +49,27 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool)
     source = resolve(str(model))
     transform, record = make_transform(source, QuantSpec(method="nf4", double_quant=double_quant))
     split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
-    engine = Engine.open(folder / "store", device="cpu", experts="routed")
-    counts = {"fused": 0}
-    real = expert_compute.run_fused
+    row = {"type": model_type, "double_quant": double_quant}
+    for mode in ("routed", "whole"):
+        engine = Engine.open(folder / "store", device="cpu", experts=mode, resident_layers=0)
+        counts = {"fused": 0}
+        real = expert_compute.run_fused
 
-    def counted(*args, **kwargs):
-        counts["fused"] += 1
-        return real(*args, **kwargs)
+        def counted(*args, **kwargs):
+            counts["fused"] += 1
+            return real(*args, **kwargs)
 
-    expert_compute.run_fused = counted
-    tokens, logits = decode(engine, 4)
-    expert_compute.run_fused, expert_compute.FUSED = real, False
-    want_tokens, want_logits = decode(engine, 4)
-    expert_compute.FUSED = True
-    engine.close()
-    scale = want_logits.abs().max().item()
-    return {"type": model_type, "double_quant": double_quant, "fused_calls": counts["fused"],
-            "layers": len(engine.experts.layers), "tokens_equal": tokens == want_tokens,
-            "max_rel_diff": (logits - want_logits).abs().max().item() / scale}
+        expert_compute.run_fused = counted
+        tokens, logits = decode(engine, 4)
+        expert_compute.run_fused, expert_compute.FUSED = real, False
+        want_tokens, want_logits = decode(engine, 4)
+        expert_compute.FUSED = True
+        moe_layers = sum(1 for e in engine.manifest.shards.values() if e.experts)
+        engine.close()
+        scale = want_logits.abs().max().item()
+        row[mode] = {"fused_calls": counts["fused"], "layers": moe_layers, "tokens_equal": tokens == want_tokens,
+                     "max_rel_diff": (logits - want_logits).abs().max().item() / scale}
+    return row
 
 
 if __name__ == "__main__":

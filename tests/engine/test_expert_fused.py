@@ -41,10 +41,13 @@ def test_fused_decode_equals_the_per_expert_decode():
     rows = _interpreted("mixtral", "qwen3_moe:dq", "gpt_oss", "deepseek_v3:dq")
     assert [r["type"] for r in rows] == ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
     for r in rows:
-        # every MoE layer of the one-token steps (and the prefill, of at most FUSED_TOKENS tokens) went fused
-        assert r["fused_calls"] >= 3 * r["layers"], r
-        assert r["tokens_equal"], r
-        assert r["max_rel_diff"] <= 1e-5, r
+        # routed: every MoE layer of the one-token steps went fused (the 12-token prefill is over FUSED_TOKENS);
+        # whole layers: the prefill too (sorted into grouped blocks), and every step
+        assert r["routed"]["fused_calls"] >= 3 * r["routed"]["layers"], r
+        assert r["whole"]["fused_calls"] >= 4 * r["whole"]["layers"], r
+        for mode in ("routed", "whole"):
+            assert r[mode]["tokens_equal"], r
+            assert r[mode]["max_rel_diff"] <= 1e-5, r
 
 
 def test_gather_copy_kernel_copies_each_slice_to_its_place():
@@ -72,13 +75,13 @@ print("ok")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("route", ["one-token", "two-rows", "four-rows"])
+@pytest.mark.parametrize("route", ["one-token", "two-rows", "four-rows", "many-rows"])
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_cuda_fused_module_output_equals_the_per_expert_path(kind, route, double_quant):
-    """bf16 on CUDA: the fused kernels on a pool of the experts' bytes against bitsandbytes' per-expert matmul,
-    both against fp32 math on the same decoded weights: no further from it than bf16 rounding allows."""
+def test_cuda_fused_module_output_equals_the_per_expert_path(monkeypatch, kind, route, double_quant):
+    """bf16 on CUDA: the fused kernels (GEMV, or grouped blocks for many rows) on the module's stacked buffers
+    and on a pool of the same bytes, against the decoded experts' grouped forward: within bf16 rounding."""
     from airquant.engine import expert_compute
-    from tests.engine.test_expert_gemv import ROUTES, _module
+    from tests.engine.test_expert_gemv import ROUTES, _module, _stacked
 
     module = _module(kind, 4, torch.bfloat16, "cuda", double_quant)
     children = expert_compute.quantized_children(module)
@@ -92,19 +95,23 @@ def test_cuda_fused_module_output_equals_the_per_expert_path(kind, route, double
             offsets.append(at)
             pieces.append(t.reshape(t.shape[0], -1).view(torch.uint8).reshape(t.shape[0], per))
             at += -(-per // 64) * 64
-    pool = torch.zeros((4, at), dtype=torch.uint8, device="cuda")
+    pool = torch.zeros((6, at), dtype=torch.uint8, device="cuda")  # slots 2..5 hold experts 0..3
     for off, piece in zip(offsets, pieces):
-        pool[:, off:off + piece.shape[1]] = piece
-    spec = expert_compute.fused_experts(module, tuple(names), tuple(dtypes), tuple(offsets))
-    assert spec is not None
-    index = torch.tensor(ROUTES[route], device="cuda")
+        pool[2:, off:off + piece.shape[1]] = piece
+    routes = ROUTES.get(route) or torch.randint(0, 4, (40, 2)).tolist()
+    index = torch.tensor(routes, device="cuda")
     hidden = torch.randn(index.shape[0], 128, device="cuda", dtype=torch.bfloat16)
     weights = torch.rand(index.shape, device="cuda", dtype=torch.bfloat16)
-    got = expert_compute.run_fused(spec, module, pool, index.reshape(-1).to(torch.int32), hidden, weights)
-    per_expert = expert_compute.run_gemv(module, hidden, index, weights, 4)
-    assert per_expert is not None and got.shape == per_expert.shape and got.dtype == per_expert.dtype
-    scale = per_expert.float().abs().max().item()
-    assert (got.float() - per_expert.float()).abs().max().item() <= 0.02 * scale
+    want = _stacked(module, hidden, index, weights, monkeypatch).float()
+    stacked = expert_compute.fused_experts(module)
+    pooled = expert_compute.fused_experts(module, tuple(names), tuple(dtypes), tuple(offsets))
+    got_stacked = expert_compute.run_fused(stacked, module, stacked.module_operands(module), hidden, index,
+                                           weights, 4)
+    got_pool = expert_compute.run_fused(pooled, module, pooled.pool_operands(pool), hidden, index + 2, weights, 6)
+    scale = want.abs().max().item()
+    for got in (got_stacked, got_pool):
+        assert got.shape == want.shape and got.dtype == hidden.dtype
+        assert (got.float() - want).abs().max().item() <= 0.02 * scale
 
 
 @pytest.mark.gpu

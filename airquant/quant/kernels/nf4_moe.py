@@ -1,141 +1,257 @@
-"""Routed NF4 experts multiplied straight from the expert pool's slots: two launches a MoE layer call.
+"""Routed NF4 experts multiplied straight from their packed bytes: two launches a MoE layer call, any batch.
 
-At decode batch sizes a routed call multiplies a few rows by each of its top-k experts. Run expert by expert,
-that is two ``matmul_4bit`` calls per expert, each decoding its nested absmax (Qwen3-30B-A3B: ~120 launches
-and ~7 ms of host time a layer, the GPU idle 88 % of a step). Here every (token, expert) pair of the call is
-one program row of a GEMV that reads its expert's 4-bit bytes, absmax codes and nested absmax where the pool
-copied them (slot base + the tensor's offset inside a slot), decodes in registers and accumulates in fp32:
+Run expert by expert, a routed call is two ``matmul_4bit`` calls per expert, each decoding its nested absmax
+(Qwen3-30B-A3B at batch 1: ~120 launches and ~7 ms of host time a layer, the GPU idle 88 % of a step); at
+batch 64 its 128 experts run one after another, decoded first (2.5 s a step where the link allows 0.31 s).
+Here every (token, expert) pair of a call is a row, and an expert's bytes are found by its index:
 
-* ``gate_up``: ``h[p] = W1[slot[p]] @ x[p // k]`` (+ bias) for every pair p, ``[P, N1]``;
-* the module's own gating runs on ``h`` (one torch op: transformers' activation code, unchanged);
-* ``down``: ``out[t] = sum_j w[t, j] * (W2[slot[t, j]] @ g[t * k + j] (+ bias))``, the top-k weighting and the
-  sum over a token's experts fused, ``[T, H]`` in the compute dtype.
+* ``Operand``: where one NF4 matrix of every expert sits, a base tensor per buffer (packed bytes, absmax or
+  its codes, nested absmax, the two code books, the nested offset) and the elements between two experts.
+  The expert pool's slots (one slot per expert, each buffer at a fixed offset) and a module's stacked
+  ``[E, ...]`` buffers (a whole streamed layer) are both that.
+* ``gemv``: few rows (decode): one program per (pair, block of outputs), decoding in registers, fp32 sums.
+* ``grouped``: more rows: pairs sorted by expert into blocks of ``BLOCK_M`` rows of one expert (each expert's
+  group padded to a block; static shapes, no host read), each block a tensor-core product of its rows by the
+  expert's weight tile decoded in registers (vLLM's fused-MoE layout, over NF4 instead of a dense weight).
+
+``up`` gives ``[P, N]`` (+ bias); the module's own gating runs on it (transformers' activation, unchanged);
+``down`` multiplies each pair by its routing weight and sums a token's ``top_k`` pairs, in fp32.
 
 NF4 layout (bitsandbytes): element i of the flat ``[out, in]`` matrix is nibble ``i % 2`` of byte ``i // 2``
 (the even element in the high nibble), scaled by ``absmax[i // blocksize]``; with double quant that absmax
 is ``nested_code[absmax_u8] * nested_absmax[block // 256] + offset``. Callers guarantee ``in % blocksize == 0``
-(no block straddles two rows) and 4-byte-aligned fp32 buffers inside a slot (the pool aligns to 64).
+(no block straddles two rows).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-NESTED_BLOCKSIZE = 256  # bitsandbytes' double-quant block (quant/nf4.py)
+BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
+GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
+BLOCK_M = 16  # rows of one expert a grouped block multiplies (tl.dot's smallest M)
 
 
-@triton.jit
-def _nf4_row_dot(x_ptr, pool_u8, pool_f32, base, w_off, a_off, na_off, nqm_off, noff_off, qm_off,
-                 offs_n, n_mask, K: tl.constexpr, DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """``W[offs_n, :] @ x`` for the NF4 ``[N, K]`` matrix whose buffers start at byte ``base`` of the pool."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    offs_j = tl.arange(0, HALF)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rows = offs_n.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + 2 * offs_j  # the even element of each byte
-        k_mask = kk < K
-        mask = n_mask[:, None] & k_mask[None, :]
-        flat = rows + kk[None, :]
-        byte = tl.load(pool_u8 + base + w_off + flat // 2, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(pool_f32 + (base + qm_off) // 4 + (byte >> 4), mask=mask, other=0.0)
-        lo = tl.load(pool_f32 + (base + qm_off) // 4 + (byte & 15), mask=mask, other=0.0)
-        block = flat // BS
-        if DOUBLE:
-            code = tl.load(pool_u8 + base + a_off + block, mask=mask, other=0).to(tl.int32)
-            nested = tl.load(pool_f32 + (base + na_off) // 4 + block // 256, mask=mask, other=0.0)
-            scale = tl.load(pool_f32 + (base + nqm_off) // 4 + code, mask=mask, other=0.0) * nested \
-                + tl.load(pool_f32 + (base + noff_off) // 4)
+@dataclass(frozen=True)
+class Operand:
+    """One ``[n, k]`` NF4 matrix of every expert: per buffer of ``BUFFERS`` a base tensor and the elements from
+    one expert's copy to the next (absent double-quant buffers: the code book, stride 0, never read), and the
+    experts' dense bias rows ``[experts, n]`` if any."""
+
+    n: int
+    k: int
+    blocksize: int
+    double: bool
+    bases: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+    bias: torch.Tensor | None = None
+
+    def args(self) -> list:
+        out = []
+        for base, stride in zip(self.bases, self.strides):
+            out += [base, stride]
+        return out
+
+    def bias_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.index_select(0, ids.reshape(-1).long())
+
+
+def pool_operand(pool: torch.Tensor, offsets: dict[str, int], dtypes: dict[str, torch.dtype], n: int, k: int,
+                 blocksize: int, double: bool, bias: tuple[int, torch.dtype] | None = None) -> Operand:
+    """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``
+    (slot bytes and offsets multiples of 64, so every view is aligned)."""
+    flat, slot_bytes = pool.reshape(-1), pool.shape[1]
+    bases, strides = [], []
+    for name in BUFFERS:
+        if name not in offsets:
+            name = "quant_map"
+            stride = 0
         else:
-            scale = tl.load(pool_f32 + (base + a_off) // 4 + block, mask=mask, other=0.0)
-        xe = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + kk + 1, mask=k_mask, other=0.0).to(tl.float32)
-        acc += tl.sum((hi * xe[None, :] + lo * xo[None, :]) * scale, axis=1)
-    return acc
+            stride = None
+        dtype = dtypes[name]
+        bases.append(flat[offsets[name]:].view(dtype))
+        strides.append(slot_bytes // dtype.itemsize if stride is None else 0)
+    rows = None
+    if bias is not None:
+        off, dtype = bias
+        rows = pool[:, off:off + n * dtype.itemsize].view(dtype)
+    return Operand(n, k, blocksize, double, tuple(bases), tuple(strides), rows)
+
+
+def stacked_operand(buffers: dict[str, torch.Tensor], n: int, k: int, blocksize: int, double: bool,
+                    bias: torch.Tensor | None = None) -> Operand:
+    """A matrix whose buffers are stacked ``[E, ...]`` tensors (a quantized experts module's)."""
+    bases, strides = [], []
+    for name in BUFFERS:
+        t = buffers.get(name)
+        if t is None:
+            bases.append(buffers["quant_map"])
+            strides.append(0)
+        else:
+            bases.append(t)
+            strides.append(t.stride(0) if t.dim() else 0)
+    return Operand(n, k, blocksize, double, tuple(bases), tuple(strides), bias)
 
 
 @triton.jit
-def _pairs_kernel(x_ptr, out_ptr, bias_ptr, slots_ptr, pool_u8, pool_f32, slot_bytes,
-                  w_off, a_off, na_off, nqm_off, noff_off, qm_off, N, K: tl.constexpr,
-                  TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOUBLE: tl.constexpr, BS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[p] = W[slot[p]] @ x[p // TOP_K] (+ bias[p])`` for the pair p of this program."""
-    p = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    base = tl.load(slots_ptr + p).to(tl.int64) * slot_bytes
-    acc = _nf4_row_dot(x_ptr + (p // TOP_K).to(tl.int64) * K, pool_u8, pool_f32, base, w_off, a_off, na_off,
-                       nqm_off, noff_off, qm_off, offs_n, n_mask, K, DOUBLE, BS, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + p.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + p.to(tl.int64) * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+def _decode(flat, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mask, DOUBLE: tl.constexpr,
+            BS: tl.constexpr):
+    """The fp32 weights at flat element indices ``flat`` of one expert's NF4 matrix."""
+    byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+    nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)
+    value = tl.load(qm_ptr + nibble, mask=mask, other=0.0)
+    block = flat // BS
+    if DOUBLE:
+        code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(nqm_ptr + code, mask=mask, other=0.0) * tl.load(na_ptr + block // 256, mask=mask, other=0.0) \
+            + tl.load(noff_ptr)
+    else:
+        scale = tl.load(a_ptr + block, mask=mask, other=0.0)
+    return value * scale
 
 
 @triton.jit
-def _combine_kernel(h_ptr, out_ptr, bias_ptr, weights_ptr, slots_ptr, pool_u8, pool_f32, slot_bytes,
-                    w_off, a_off, na_off, nqm_off, noff_off, qm_off, N, K: tl.constexpr,
-                    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOUBLE: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[t] = sum_j weights[t, j] * (W[slot[t, j]] @ h[t * TOP_K + j] (+ bias))``: the down projection of a
-    token's experts, weighted and summed in fp32."""
-    t = tl.program_id(0)
+def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
+                 w_ptr, w_st, a_ptr, a_st, na_ptr, na_st, nqm_ptr, nqm_st, noff_ptr, noff_st, qm_ptr, qm_st,
+                 N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """up (``DOWN`` False): ``out[p] = W[ids[p]] @ x[p // TOP_K] (+ bias[p])``, one program per pair and block of
+    outputs; down: ``out[t] = sum_j weights[t, j] * (W[ids[t, j]] @ x[t * TOP_K + j] (+ bias))``."""
+    row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, TOP_K):
-        p = t.to(tl.int64) * TOP_K + j
-        base = tl.load(slots_ptr + p).to(tl.int64) * slot_bytes
-        acc = _nf4_row_dot(h_ptr + p * K, pool_u8, pool_f32, base, w_off, a_off, na_off, nqm_off, noff_off,
-                           qm_off, offs_n, n_mask, K, DOUBLE, BS, BLOCK_N, BLOCK_K)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            mask = n_mask[:, None] & k_mask[None, :]
+            w = _decode(offs_n.to(tl.int64)[:, None] * K + kk[None, :], w_ptr + e * w_st, a_ptr + e * a_st,
+                        na_ptr + e * na_st, nqm_ptr + e * nqm_st, noff_ptr + e * noff_st, qm_ptr + e * qm_st,
+                        mask, DOUBLE, BS)
+            x = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + p * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        total += tl.load(weights_ptr + p).to(tl.float32) * acc
-    tl.store(out_ptr + t.to(tl.int64) * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _args(pool: torch.Tensor, offsets: dict[str, int], double: bool) -> tuple:
-    """The pool as bytes and as fp32 words (one storage), its slot stride, and a matrix's buffer offsets
-    (missing double-quant buffers: 0, unread)."""
-    u8 = pool.reshape(-1)
-    f32 = u8.view(torch.float32)
-    names = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
-    return (u8, f32, pool.shape[1], *(offsets.get(n, 0) if double or not n.startswith("nested") else 0
-                                       for n in names))
+@triton.jit
+def _grouped_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, rows_ptr, experts_ptr,
+                    w_ptr, w_st, a_ptr, a_st, na_ptr, na_st, nqm_ptr, nqm_st, noff_ptr, noff_st, qm_ptr, qm_st,
+                    N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """A block of ``BLOCK_M`` pairs of one expert (``rows``: pair ids, -1 padding) times a ``BLOCK_N`` slice of
+    its matrix: ``out[p] = W[e] @ x[p // TOP_K or p] (+ bias) (* weights[p] when DOWN)``."""
+    block = tl.program_id(0)
+    e = tl.load(experts_ptr + block).to(tl.int64)
+    if e >= 0:
+        rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows >= 0
+        src = tl.where(row_mask, rows if DOWN else rows // TOP_K, 0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            a = tl.load(x_ptr + src[:, None] * K + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = _decode(offs_n.to(tl.int64)[None, :] * K + kk[:, None], w_ptr + e * w_st, a_ptr + e * a_st,
+                        na_ptr + e * na_st, nqm_ptr + e * nqm_st, noff_ptr + e * noff_st, qm_ptr + e * qm_st,
+                        k_mask[:, None] & n_mask[None, :], DOUBLE, BS)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, w.to(a.dtype), acc)
+        safe = tl.where(row_mask, rows, 0)
+        mask = row_mask[:, None] & n_mask[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + safe[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DOWN:
+            acc *= tl.load(weights_ptr + safe, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + safe[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(n: int, k: int) -> tuple[int, int]:
-    """Output rows per program and elements per K step: small tiles, so that a batch-1 call of a few experts
-    still spreads over every SM (Qwen3-30B-A3B's down projection: 8 pairs x 2048 rows)."""
-    return 32 if n >= 32 else triton.next_power_of_2(n), 256 if k >= 256 else max(triton.next_power_of_2(k), 16)
+def _tiles(n: int, k: int) -> tuple[int, int]:
+    """Output rows per program and elements per K step of the GEMV: small tiles, so that a batch-1 call of a
+    few experts still spreads over every SM (Qwen3-30B-A3B's down projection: 8 pairs x 2048 rows)."""
+    return min(32, triton.next_power_of_2(n)), min(256, max(triton.next_power_of_2(k), 16))
 
 
-def nf4_pairs(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, offsets: dict[str, int], n: int,
-              top_k: int, blocksize: int, double: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``[P, n]``: row p is expert ``slots[p]``'s ``[n, K]`` NF4 matrix times ``x[p // top_k]`` (``x`` ``[T, K]``)."""
-    pairs, k = slots.numel(), x.shape[1]
-    out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = _blocks(n, k)
-    grid = (pairs, triton.cdiv(n, block_n))
-    _pairs_kernel[grid](x.contiguous(), out, bias if bias is not None else out, slots, *_args(pool, offsets, double),
-                        n, k, top_k, HAS_BIAS=bias is not None, DOUBLE=double, BS=blocksize, BLOCK_N=block_n,
-                        BLOCK_K=block_k, num_warps=4)
+def sort_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert into blocks of ``BLOCK_M`` (``rows``: pair ids, -1 where an expert's group is
+    padded) and each block's expert (-1: an unused block): static sizes (at most P / BLOCK_M + experts
+    blocks), so nothing is read back to the host."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = torch.cumsum(counts, 0) - counts  # of each expert in the sorted pairs
+    padded_start = torch.cumsum(padded, 0) - padded
+    sorted_experts = flat[order]
+    position = padded_start[sorted_experts] + torch.arange(pairs, device=flat.device) - start[sorted_experts]
+    blocks = pairs // BLOCK_M + min(experts, pairs)
+    rows = torch.full((blocks * BLOCK_M,), -1, dtype=torch.int64, device=flat.device)
+    rows[position] = order
+    block_experts = torch.full((blocks,), -1, dtype=torch.int64, device=flat.device)
+    block_experts[position // BLOCK_M] = sorted_experts
+    return rows, block_experts
+
+
+def up(x: torch.Tensor, ids: torch.Tensor, op: Operand, sorted_pairs=None) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias)."""
+    return _run(x.contiguous(), ids, op, None, sorted_pairs, down=False)
+
+
+def down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, op: Operand, out_dtype: torch.dtype,
+         sorted_pairs=None) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
+    weighted by ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    if sorted_pairs is None and tokens <= GEMV_ROWS:
+        out = torch.empty((tokens, op.n), dtype=out_dtype, device=h.device)
+        return _launch_gemv(h.contiguous(), out, ids, weights.contiguous(), op, top_k, down=True)
+    rows = _run(h.contiguous(), ids, op, weights.contiguous(), sorted_pairs, down=True)  # [P, n], weighted, fp32
+    return rows.view(tokens, top_k, op.n).sum(dim=1).to(out_dtype)
+
+
+def _run(x, ids, op: Operand, weights, sorted_pairs, down: bool) -> torch.Tensor:
+    top_k = ids.shape[-1]
+    pairs = ids.numel()
+    if sorted_pairs is None and pairs // top_k <= GEMV_ROWS and not down:
+        out = torch.empty((pairs, op.n), dtype=x.dtype, device=x.device)
+        return _launch_gemv(x, out, ids, None, op, top_k, down=False)
+    rows, experts = sorted_pairs
+    out = torch.empty((pairs, op.n), dtype=torch.float32 if down else x.dtype, device=x.device)
+    block_n, block_k = 64, 64
+    bias = op.bias_rows(ids)
+    grid = (experts.numel(), triton.cdiv(op.n, block_n))
+    _grouped_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out, rows,
+                          experts, *op.args(), op.n, op.k, top_k, DOWN=down, HAS_BIAS=bias is not None,
+                          DOUBLE=op.double, BS=op.blocksize, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                          num_warps=4)
     return out
 
 
-def nf4_combine(h: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                offsets: dict[str, int], n: int, blocksize: int, double: bool, out_dtype: torch.dtype,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``[T, n]``: each token's ``top_k`` rows of ``h`` ``[T * top_k, K]`` through their experts' NF4 matrices,
-    weighted by ``weights`` ``[T, top_k]`` and summed."""
-    tokens, top_k = weights.shape
-    k = h.shape[1]
-    out = torch.empty((tokens, n), dtype=out_dtype, device=h.device)
-    block_n, block_k = _blocks(n, k)
-    grid = (tokens, triton.cdiv(n, block_n))
-    _combine_kernel[grid](h.contiguous(), out, bias if bias is not None else out, weights.contiguous(), slots,
-                          *_args(pool, offsets, double), n, k, top_k, HAS_BIAS=bias is not None, DOUBLE=double,
-                          BS=blocksize, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+def _launch_gemv(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.Tensor:
+    block_n, block_k = _tiles(op.n, op.k)
+    bias = op.bias_rows(ids)
+    grid = (out.shape[0], triton.cdiv(op.n, block_n))
+    _gemv_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out,
+                       ids.reshape(-1).contiguous(), *op.args(), op.n, op.k, top_k, DOWN=down,
+                       HAS_BIAS=bias is not None, DOUBLE=op.double, BS=op.blocksize, BLOCK_N=block_n,
+                       BLOCK_K=block_k, num_warps=4)
     return out
