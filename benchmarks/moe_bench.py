@@ -97,7 +97,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     names the row, which records the mode asked for and the one the engine chose); a case that does not fit
     gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
-    row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None}
+    row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
+                 "fused": expert_compute.FUSED}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY)
@@ -544,6 +545,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
+    p.add_argument("--no-fused", action="store_true",
+                   help="the per-expert paths everywhere (expert_compute.FUSED off): the baseline of the fused "
+                        "kernels, run into another --results folder")
     p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"),
                    help="tokenizer folder for the stores (default: the SmolLM2 tokenizer shipped in tests/data)")
     args = p.parse_args(argv)
@@ -559,6 +563,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     device = bench_device(args)
+    if args.no_fused:
+        expert_compute.FUSED = False
     out = Path(args.results) / "moe_bench.json"
     b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
     parts = (["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "airllm"] if args.part == "all"
