@@ -373,7 +373,8 @@ def table_line(row: dict) -> str:
     if row["skipped"]:
         return f"{row['part']:<12} skipped: {row['skipped']}"
     return (f"{row['part']:<12} {row['case']:<32} tried {row['tried']:>6}  survived {row['survived']:>6}  "
-            f"lost {row['records_lost']}  {'ok' if row['ok'] else 'FAILED'}  ({row['seconds']}s) {row['detail'][:90]}")
+            f"lost {row['records_lost']}  crossed {row.get('crossed_scope', 0)}  {'ok' if row['ok'] else 'FAILED'}  "
+            f"({row['seconds']}s) {row['detail'][:90]}")
 
 
 def write_results(path: Path, rows: list[dict], *, quick: bool, model: str) -> None:
@@ -389,6 +390,7 @@ def write_results(path: Path, rows: list[dict], *, quick: bool, model: str) -> N
             "parts": list(parts.values()),
             "totals": {"tried": sum(r["tried"] for r in parts.values()),
                        "survived": sum(r["survived"] for r in parts.values()),
-                       "records_lost": sum(r["records_lost"] for r in parts.values())}}
+                       "records_lost": sum(r["records_lost"] for r in parts.values()),
+                       "crossed_scope": sum(r.get("crossed_scope", 0) for r in parts.values())}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")

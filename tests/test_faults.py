@@ -49,3 +49,22 @@ def test_server_under_load_answers_or_refuses(tiny_store):
 def test_malformed_requests_all_4xx(tiny_store):
     pytest.importorskip("hypothesis")
     _check(faults.server_fuzz(tiny_store, examples=40))
+
+
+def _held(row: faults.CaseResult) -> None:
+    _check(row)
+    assert row.crossed_scope == 0, row.detail
+
+
+def test_server_attacks_are_refused_and_cross_no_scope(tiny_store):
+    pytest.importorskip("httpx")
+    _held(faults.server_attacks(tiny_store))
+
+
+def test_ui_attacks_are_refused_and_cross_no_scope(work, tiny_store):
+    pytest.importorskip("gradio")
+    _held(faults.ui_attacks(tiny_store, work / "ui_attacks"))
+
+
+def test_records_that_cannot_be_sampled_lose_nothing(work, tiny_store):
+    _held(faults.batch_sampling(tiny_store, work / "batch_sampling"))
