@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
 
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
 from airquant.engine.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
 from airquant.errors import AirQuantError
 
@@ -238,6 +239,10 @@ class Provider:
         if gen.max_new_tokens < 1 or gen.temperature < 0 or not 0 < gen.top_p <= 1:
             raise AirQuantError(f"max_new_tokens={gen.max_new_tokens}, temperature={gen.temperature}, "
                                 f"top_p={gen.top_p}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1.")
+        if len(gen.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in gen.stop):
+            raise AirQuantError(f"{len(gen.stop)} stop strings of up to {max(map(len, gen.stop))} characters: "
+                                f"the provider takes at most {MAX_STOPS} of {MAX_STOP_CHARS} characters each "
+                                "(each is searched at every token of the pass its sequence shares).")
         return gen
 
     # -- lifecycle and reporting ---------------------------------------------------------------

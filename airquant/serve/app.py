@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from airquant import __version__
 from airquant.engine.decode.loop import SEED_RANGE
+from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
 from airquant.engine.router import StreamingNotAllowedError
 from airquant.errors import AirQuantError
 from airquant.jobs.batch import Prompt as JobPrompt
@@ -50,8 +51,6 @@ UNSUPPORTED = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
 }
-MAX_STOPS = 4  # OpenAI's own limit
-MAX_STOP_CHARS = 256  # each stop string is searched (and its prefixes held back) at every token
 
 
 def _utf8(value, field: str):
