@@ -228,11 +228,13 @@ def server_fuzz(store: Path, examples: int, seed: int = 0) -> CaseResult:
 
 
 # -- attacks on the server, the UI and sampling (issue #35) ---------------------------------------
-def _attack_result(case: str, outcomes: list, alive: bool = True) -> CaseResult:
+def _attack_result(case: str, outcomes: list, alive: bool | None = None) -> CaseResult:
+    """``alive``: whether the attacked server answered /health afterwards (None: no server of its own)."""
     failed = [f"{o.name}: {o.note}" for o in outcomes if not o.held or o.crossed]
-    return CaseResult(case, len(outcomes), sum(o.held and not o.crossed for o in outcomes) if alive else 0,
-                      crossed_scope=sum(o.crossed for o in outcomes),
-                      detail="; ".join(failed) or f"{len(outcomes)} attacks held, server alive {alive}")
+    server = "" if alive is None else f", server alive {alive}"
+    return CaseResult(case, len(outcomes), sum(o.held and not o.crossed for o in outcomes) if alive is not False
+                      else 0, crossed_scope=sum(o.crossed for o in outcomes),
+                      detail="; ".join(failed) + server if failed else f"{len(outcomes)} attacks held{server}")
 
 
 def server_attacks(store: Path) -> CaseResult:
