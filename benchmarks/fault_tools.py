@@ -476,8 +476,8 @@ def fuzz(url: str, examples: int, seed: int = 0) -> list[int]:
 # -- results -----------------------------------------------------------------------------------
 def table_line(row: dict) -> str:
     if row["skipped"]:
-        return f"{row['part']:<12} skipped: {row['skipped']}"
-    return (f"{row['part']:<12} {row['case']:<32} tried {row['tried']:>6}  survived {row['survived']:>6}  "
+        return f"{row['part']:<14} skipped: {row['skipped']}"
+    return (f"{row['part']:<14} {row['case']:<32} tried {row['tried']:>6}  survived {row['survived']:>6}  "
             f"lost {row['records_lost']}  crossed {row.get('crossed_scope', 0)}  {'ok' if row['ok'] else 'FAILED'}  "
             f"({row['seconds']}s) {row['detail'][:90]}")
 

@@ -12,7 +12,12 @@ Each part injects one kind of fault a number of times and checks the promise tha
   exactly once, and no record finished before the kill is lost or changed;
 - ``oom``: an out-of-memory error injected mid-batch → the batch halves, every prompt is answered once;
 - ``server_load``: many concurrent clients on loopback → every request answered (200) or refused (429), the
-  server alive, its memory flat; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx, /health answers.
+  server alive, its memory flat; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx, /health answers;
+- ``server_attacks``: a lying Content-Length with a chunked body, bodies never sent or never finished, foreign Host
+  headers, stop-string/prompt/token floods, a seed over 2^64, a lone surrogate, a 1e-300 temperature beside other
+  requests, a client that hangs up (``fault_attacks``) → the refusal each one owes, nothing crosses its scope;
+- ``ui_attacks``: server paths as the batch tab's input, a job's files through Gradio, CORS under /ui → refused;
+- ``batch_sampling``: ``airquant batch`` with records that cannot be sampled → the job completes, each id once.
 
 Attacks on the store (issue 35): each plants one crafted store or model folder and runs the command a user
 would; the promise is a refusal naming the file (exit 2, no traceback) with nothing outside its scope
@@ -27,7 +32,7 @@ outside the model folder read):
   data, ``num_layers`` above the shards.
 
 ``python -m benchmarks.faults`` prints a table and writes ``results/reliability.json`` (cases tried, survived,
-records lost). ``--quick`` uses the tiny counts of the tests; ``--part`` runs one part.
+records lost, scope crossed). ``--quick`` uses the tiny counts of the tests; ``--part`` runs one part.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ log = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "reliability.json"
 PARTS = ("shard_kill", "disk_full", "damaged", "batch_kill", "oom", "server_load", "server_fuzz")
 STORE_ATTACKS = ("store_links", "store_code", "weight_map_escape", "malformed_header")
+ATTACK_PARTS = ("server_attacks", "ui_attacks", "batch_sampling")  # issue #35: the server, the UI, sampling
 
 
 @dataclass
@@ -380,6 +386,64 @@ def run_store_attack(part: str, model: str, store: Path, work: Path) -> CaseResu
     return malformed_header(store, work)
 
 
+# -- attacks on the server, the UI and sampling (issue #35) ---------------------------------------
+def _attack_result(case: str, outcomes: list, alive: bool | None = None) -> CaseResult:
+    """``alive``: whether the attacked server answered /health afterwards (None: no server of its own)."""
+    failed = [f"{o.name}: {o.note}" for o in outcomes if not o.held or o.crossed]
+    server = "" if alive is None else f", server alive {alive}"
+    return CaseResult(case, len(outcomes), sum(o.held and not o.crossed for o in outcomes) if alive is not False
+                      else 0, crossed_scope=sum(o.crossed for o in outcomes),
+                      detail="; ".join(failed) + server if failed else f"{len(outcomes)} attacks held{server}")
+
+
+def server_attacks(store: Path) -> CaseResult:
+    """Every server attack of ``fault_attacks`` against one keyed server; it must answer /health after."""
+    from benchmarks import fault_attacks as fa
+
+    with ft.ServerProcess(store, *fa.SERVER_FLAGS, "--max-batch", "4", "--batch-window-ms", "100") as server:
+        outcomes = (fa.body_attacks(server.url) + fa.host_attacks(server.url) + fa.request_attacks(server.url, store)
+                    + fa.pass_mate_attacks(server.url) + fa.hang_up_attack(server.url))
+        alive = server.alive() and ft.health(server.url) == 200
+    return _attack_result("attacks on the server", outcomes, alive)
+
+
+def ui_attacks(store: Path, work: Path) -> CaseResult:
+    """The UI mounted in-process over a provider (needs gradio)."""
+    from benchmarks import fault_attacks as fa
+
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        return CaseResult("attacks on the UI", 0, 0, skipped="gradio is not installed (requirements-ui.txt)")
+    from airquant.jobs.provider import Provider
+
+    work.mkdir(parents=True, exist_ok=True)
+    with Provider(store, device="cpu", max_batch=2, batch_window_ms=0) as provider:
+        return _attack_result("attacks on the UI", fa.ui_attacks(provider, work))
+
+
+def batch_sampling(store: Path, work: Path) -> CaseResult:
+    """`airquant batch` over records that failed the job on every rerun: it completes, each id once, and a
+    rerun has nothing to add."""
+    from benchmarks import fault_attacks as fa
+
+    work.mkdir(parents=True, exist_ok=True)
+    inp, out = work / "sampling.jsonl", work / "sampling_out.jsonl"
+    ids = fa.sampling_records(inp)
+    args = ("--device", "cpu", "--batch-size", "4", "--max-new-tokens", "4", "--quiet")
+    outcomes = []
+    for run in ("first run", "rerun"):
+        rc, _, err = ft.in_process("batch", store, "--input", inp, "--output", out, *args)
+        got = [r["id"] for r in ft.complete_records(out)]
+        outcomes.append(fa.Outcome(f"batch {run}", rc == 0 and sorted(map(str, got)) == sorted(map(str, ids)),
+                                   rc != 0, f"rc {rc}, {len(got)} records for {len(ids)} ids {err.strip()[-120:]!r}"))
+    got = ft.complete_records(out)
+    lost = len(set(map(str, ids)) - {str(r["id"]) for r in got})
+    row = _attack_result("records that cannot be sampled", outcomes)
+    row.records_lost = lost
+    return row
+
+
 # -- the run -----------------------------------------------------------------------------------
 COUNTS = {"full": {"moments": 20, "flips": 20, "clients": 200, "seconds": 60.0, "fuzz": 1000},
           "quick": {"moments": 2, "flips": 3, "clients": 16, "seconds": 4.0, "fuzz": 40}}
@@ -401,19 +465,29 @@ def run_part(part: str, model: str, store: Path, work: Path, n: dict) -> CaseRes
         return oom(store, work)
     if part == "server_load":
         return server_load(store, n["clients"], n["seconds"])
+    if part in ATTACK_PARTS:
+        return run_attack_part(part, store, work)
     return server_fuzz(store, n["fuzz"])
+
+
+def run_attack_part(part: str, store: Path, work: Path) -> CaseResult:
+    if part == "server_attacks":
+        return server_attacks(store)
+    if part == "ui_attacks":
+        return ui_attacks(store, work)
+    return batch_sampling(store, work)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("all",) + PARTS + STORE_ATTACKS, default="all")
+    p.add_argument("--part", choices=("all",) + PARTS + STORE_ATTACKS + ATTACK_PARTS, default="all")
     p.add_argument("--model", default=None, help="model to split (default: a tiny random Llama, written here)")
     p.add_argument("--quick", action="store_true", help="the tests' tiny counts")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     n = COUNTS["quick" if args.quick else "full"]
-    parts = PARTS + STORE_ATTACKS if args.part == "all" else (args.part,)
+    parts = PARTS + STORE_ATTACKS + ATTACK_PARTS if args.part == "all" else (args.part,)
     with tempfile.TemporaryDirectory(prefix="airquant-faults-") as tmp:
         work = Path(tmp)
         model = args.model or str(ft.tiny_model(work / "model"))
@@ -428,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     ft.write_results(args.out, rows, quick=args.quick, model=args.model or "tiny random llama (3 layers)")
     failed = [r["part"] for r in rows if not r["ok"] and not r["skipped"]]
     print(f"{sum(r['tried'] for r in rows)} cases tried, {sum(r['survived'] for r in rows)} survived, "
-          f"{sum(r['records_lost'] for r in rows)} records lost, {sum(r['crossed_scope'] for r in rows)} crossed scope"
-          + (f"; FAILED: {failed}" if failed else ""))
+          f"{sum(r['records_lost'] for r in rows)} records lost, {sum(r['crossed_scope'] for r in rows)} crossed "
+          "scope" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

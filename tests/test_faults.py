@@ -51,23 +51,39 @@ def test_malformed_requests_all_4xx(tiny_store):
     _check(faults.server_fuzz(tiny_store, examples=40))
 
 
+def _held(row: faults.CaseResult) -> None:
+    _check(row)
+    assert row.crossed_scope == 0, row.detail
+
+
+def test_server_attacks_are_refused_and_cross_no_scope(tiny_store):
+    pytest.importorskip("httpx")
+    _held(faults.server_attacks(tiny_store))
+
+
+def test_ui_attacks_are_refused_and_cross_no_scope(work, tiny_store):
+    pytest.importorskip("gradio")
+    _held(faults.ui_attacks(tiny_store, work / "ui_attacks"))
+
+
+def test_records_that_cannot_be_sampled_lose_nothing(work, tiny_store):
+    _held(faults.batch_sampling(tiny_store, work / "batch_sampling"))
+
+
 # -- attacks on the store (issue 35) ----------------------------------------------------------------
 def test_links_in_a_store_are_refused_and_write_nothing_outside(work, tiny_store, tiny_llama):
-    _check_attack(faults.store_links(tiny_store, str(tiny_llama), work / "store_links"))
+    _held(faults.store_links(tiny_store, str(tiny_llama), work / "store_links"))
 
 
 def test_code_shipped_in_a_store_or_model_never_runs(work, tiny_store, tiny_llama):
-    _check_attack(faults.store_code(tiny_store, str(tiny_llama), work / "store_code"))
+    _held(faults.store_code(tiny_store, str(tiny_llama), work / "store_code"))
 
 
 def test_weights_outside_the_model_folder_are_refused(work, tiny_llama):
-    _check_attack(faults.weight_map_escape(str(tiny_llama), work / "weight_map_escape"))
+    _held(faults.weight_map_escape(str(tiny_llama), work / "weight_map_escape"))
 
 
 def test_malformed_headers_give_named_errors(work, tiny_store):
-    _check_attack(faults.malformed_header(tiny_store, work / "malformed_header"))
+    _held(faults.malformed_header(tiny_store, work / "malformed_header"))
 
 
-def _check_attack(row: faults.CaseResult) -> None:
-    _check(row)
-    assert row.crossed_scope == 0, row.detail

@@ -3,6 +3,8 @@
 import asyncio
 import queue
 import threading
+import time
+from concurrent.futures import CancelledError
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ from airquant import Provider
 from airquant.config import EngineConfig
 from airquant.engine.router import GIB, Hardware, StreamingNotAllowedError, Workload, plan_route
 from airquant.engine.runner import Engine, plan_for
-from airquant.errors import PromptTooLongError
-from airquant.jobs.provider import ProviderClosedError, QueueFullError
+from airquant.errors import AirQuantError, PromptTooLongError
+from airquant.jobs.provider import ProviderClosedError, QueueFullError, RequestCancelledError
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi", "Tell me",
            "A B C D", "Water is"]
@@ -259,3 +261,28 @@ def test_per_request_stop_strings(provider, reference):
     stop = full[4:7]
     got = provider.sync.complete("The quick brown fox", max_new_tokens=10, ignore_eos=True, stop=[stop])
     assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"
+
+
+def test_stop_strings_are_capped(provider):
+    """Every stop string is searched at every token of a pass others share: 200 000 of them cost 1.2 s of CPU
+    per token for everyone (issue #35, item 5). At most 4 (OpenAI's limit) of 256 characters."""
+    for stop in (["a"] * 5, ["x" * 257]):
+        with pytest.raises(AirQuantError, match="at most 4 of 256 characters"):
+            provider.sync.generate("Hi", stop=stop)
+    assert provider.sync.generate("Hi", max_new_tokens=2, stop=["a", "b", "c", "d" * 256]) is not None
+
+
+def test_cancel_stops_a_request_whose_caller_left(tiny_store):
+    """``Provider.cancel`` (the server calls it when a non-streaming client disconnects) frees the slots at
+    the next pass; the future ends, so nothing is left waiting."""
+    with Provider(tiny_store, device="cpu", max_batch=1, batch_window_ms=0) as p:
+        step = p._loop.step  # the worker's decode loop, slowed so that 200 tokens take 4 s
+        p._loop.step = lambda: time.sleep(0.02) or step()
+        future = p.submit(["Hi"], batch_job=False, max_new_tokens=200, ignore_eos=True)
+        while p.metrics()["running"] == 0:
+            time.sleep(0.01)
+        p.cancel(future)
+        with pytest.raises((RequestCancelledError, CancelledError)):
+            future.result(timeout=30)
+        assert p.metrics()["running"] == 0 and p.metrics()["new_tokens"] < 200
+        assert p.sync.generate("Hi", max_new_tokens=2) is not None

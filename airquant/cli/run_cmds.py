@@ -14,6 +14,7 @@ from pathlib import Path
 from airquant.cli.flags import (add_engine_flags, add_generate_flags, add_kv_flags, add_route_flags, add_scale_flags,
                                 engine_config, generate_config, kv_from_args, route_kv_schemes, scale_config)
 from airquant.errors import AirQuantError
+from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_TOKENS
 
 
 # -- plan --------------------------------------------------------------------------------------
@@ -160,7 +161,9 @@ def cmd_serve(args) -> int:
     from airquant.serve.config import ServeConfig, api_key_from, check_bind
 
     sc = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key), insecure=args.insecure,
-                     max_body_mb=args.max_body_mb, cors_origins=tuple(args.cors_origin or ()))
+                     max_body_mb=args.max_body_mb, body_timeout_s=args.body_timeout_s,
+                     cors_origins=tuple(args.cors_origin or ()), allowed_hosts=tuple(args.allowed_host or ()),
+                     max_prompts=args.max_prompts, max_request_tokens=args.max_request_tokens)
     check_bind(sc)  # before the imports and the model load: a refused address should fail in a second
     require_serve()
     mount = None
@@ -189,8 +192,19 @@ def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
                    help="largest request body (and UI upload); larger ones get 413 (default 4)")
+    p.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="a request body not received whole in S seconds gets 408 (default "
+                        f"{DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
-                   help="a browser origin allowed to call the API cross-site (repeat; default: none, CORS off)")
+                   help="a browser origin allowed to call the API and /ui cross-site (repeat; default: none, CORS off)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a Host name to answer besides loopback names, IP addresses and --host (repeat; "
+                        "'*.example.com' for its subdomains, '*' for any); others get 400 (DNS rebinding)")
+    p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
+                   help=f"prompts in one request; more get 400 (default {DEFAULT_MAX_PROMPTS})")
+    p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS, metavar="N",
+                   help="prompt + new tokens of one request, summed over its prompts; more get 400 (default "
+                        f"{DEFAULT_MAX_REQUEST_TOKENS})")
     p.add_argument("--mode", choices=["auto", "resident", "streamed"], default="auto")
     p.add_argument("--allow-streaming", action="store_true",
                    help="let requests run streamed when the model fits only that way (off by default)")

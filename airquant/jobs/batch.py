@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine.decode.loop import RequestSettingsError
 from airquant.engine.prompts import token_counts
 from airquant.errors import AirQuantError, DiskSpaceError, PromptTooLongError
 from airquant.store.side_files import load_tokenizer
@@ -84,10 +85,12 @@ class BatchReport:
 
 
 # -- files -------------------------------------------------------------------------------------
-def read_prompts(path: Path, flag: str = "--input") -> list[Prompt]:
-    """Input lines ``{"id": ..., "prompt": ...}`` (or a bare JSON string); duplicate ids are an error."""
+def read_prompts(path: Path, flag: str = "--input", shown: str | None = None) -> list[Prompt]:
+    """Input lines ``{"id": ..., "prompt": ...}`` (or a bare JSON string); duplicate ids are an error.
+    ``shown``: how errors name the file (the UI names an upload without the server's path)."""
     if not path.is_file():
-        raise BatchJobError(f"{flag} {path} does not exist.")
+        raise BatchJobError(f"{flag} {shown or path} does not exist.")
+    name = shown or path
     prompts, seen = [], {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -95,26 +98,26 @@ def read_prompts(path: Path, flag: str = "--input") -> list[Prompt]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise BatchJobError(f"{path} line {n} is not JSON ({exc.msg}); each line must be "
+            raise BatchJobError(f"{name} line {n} is not JSON ({exc.msg}); each line must be "
                                 '{"id": ..., "prompt": "..."}.') from exc
         if isinstance(row, str):
             row = {"prompt": row}
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), (str, list)):
-            raise BatchJobError(f'{path} line {n} has no "prompt" string; each line must be '
+            raise BatchJobError(f'{name} line {n} has no "prompt" string; each line must be '
                                 '{"id": ..., "prompt": "..."} (id optional: the line number).')
         pid = row.get("id", n)
         if not isinstance(pid, (str, int)) or isinstance(pid, bool):
-            raise BatchJobError(f"{path} line {n}: id {pid!r} must be a string or an integer.")
+            raise BatchJobError(f"{name} line {n}: id {pid!r} must be a string or an integer.")
         key = json.dumps(pid)
         if key in seen:
-            raise BatchJobError(f"{path} has id {pid!r} twice (lines {seen[key]} and {n}); ids identify the "
+            raise BatchJobError(f"{name} has id {pid!r} twice (lines {seen[key]} and {n}); ids identify the "
                                 "records of the output, so each must be unique.")
         seen[key] = n
-        prompts.append(Prompt(id=pid, prompt=row["prompt"], key=key, settings=_settings(row, path, n)))
+        prompts.append(Prompt(id=pid, prompt=row["prompt"], key=key, settings=_settings(row, name, n)))
     return prompts
 
 
-def _settings(row: dict, path: Path, n: int) -> dict:
+def _settings(row: dict, path: Path | str, n: int) -> dict:
     out = {}
     for name, types in RECORD_SETTINGS.items():
         if name not in row:
@@ -258,7 +261,9 @@ def generate_records(engine, prompts: list[Prompt], job: BatchJob, *, slots: int
     """Output records of ``prompts`` through one decode loop of ``slots`` sequences on an open ``engine``.
 
     Records come in the order sequences finish; ``on_record(record)`` is called as each one does (the
-    job appends and fsyncs it there). A prompt over the context gets ``{"id", "prompt", "error"}``.
+    job appends and fsyncs it there). A prompt over the context, a setting the loop refuses (a seed out of
+    range) or a sequence that fails on its own (``finish_reason="error"``) gets ``{"id", "prompt", "error"}``:
+    that record is done (a rerun skips it) and the others run.
     """
     slots = slots or job.batch_size or CPU_BATCH
     requests, records = [], []
@@ -273,14 +278,16 @@ def generate_records(engine, prompts: list[Prompt], job: BatchJob, *, slots: int
         gen = p.gen(job.gen)
         try:
             seq = loop.submit(engine.request(engine.prompt_ids(p.prompt, gen.chat), gen))
-        except PromptTooLongError as exc:
+        except (PromptTooLongError, RequestSettingsError) as exc:
             emit({"id": p.id, "prompt": p.prompt, "error": str(exc)})
             continue
         seq.owner = p
         requests.append(seq)
     while not loop.idle:
         for event in loop.step():
-            if event.finish_reason is not None:
+            if event.finish_reason == "error":
+                emit({"id": event.seq.owner.id, "prompt": event.seq.owner.prompt, "error": event.seq.error})
+            elif event.finish_reason is not None:
                 emit(_record(engine, event.seq))
     return records
 

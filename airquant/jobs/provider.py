@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
 
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
 from airquant.engine.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
 from airquant.errors import AirQuantError
 
@@ -42,6 +43,15 @@ class ProviderClosedError(AirQuantError):
 
 class QueueFullError(AirQuantError):
     """More prompts are waiting than ``max_queue``; retry later or raise --max-queue."""
+
+
+class RequestCancelledError(AirQuantError):
+    """The request was cancelled (``Provider.cancel``, or its stream closed) before it finished."""
+
+
+class SequenceFailedError(RuntimeError):
+    """One sequence of a request failed on its own (its sampling, its text); its pass-mates went on. Not an
+    ``AirQuantError``: the request was valid, the server answers 500."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,7 @@ class _Request:
     future: Future = field(default_factory=Future)
     results: list = field(default_factory=list)
     on_event: Callable | None = None  # streaming: called (on the worker thread) with each StreamEvent
-    cancelled: bool = False  # the streaming client went away
+    cancelled: bool = False  # the client went away (``Provider.cancel``, a closed stream)
     seqs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -122,7 +132,7 @@ class Provider:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._metrics = _Metrics()
-        self._requests: dict[int, _Request] = {}  # streamed requests, by id of their future
+        self._requests: dict[int, _Request] = {}  # requests whose future is not done, by id of the future
         self._closed = False
         self.engine = None
         self._ready = Future()
@@ -157,8 +167,8 @@ class Provider:
         def deliver(event) -> None:  # on the worker thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        future = self.submit([prompt], batch_job=False, on_event=deliver, **kw)
-        request = self._requests.pop(id(future))
+        request = self._enqueue([prompt], batch_job=False, on_event=deliver, **kw)
+        future = request.future
         finished = asyncio.wrap_future(future)
         try:
             while True:
@@ -175,11 +185,17 @@ class Provider:
                 if event.finish_reason is not None:
                     return
         finally:
-            request.cancelled = not future.done()
+            if not future.done():  # the caller left early: free the slot, and let nothing wait on the result
+                request.cancelled = True
+                finished.cancel()
 
     def submit(self, prompts: list[Prompt], *, batch_job: bool, on_event: Callable | None = None, **kw) -> Future:
         """Queue prompts; the Future resolves to their Completions in order (``on_event``: streamed events)."""
+        return self._enqueue(prompts, batch_job=batch_job, on_event=on_event, **kw).future
 
+    def _enqueue(self, prompts: list[Prompt], *, batch_job: bool, on_event: Callable | None = None,
+                 **kw) -> _Request:
+        """``submit``'s request itself (``stream`` keeps it to mark it cancelled)."""
         if self._closed or not self._thread.is_alive():
             raise ProviderClosedError("this provider is closed; create a new Provider.")
         if not batch_job and not self.interactive:
@@ -187,9 +203,9 @@ class Provider:
                 f"{self.route.scheme} from {self.route.store} runs only streamed, which is kept off interactive "
                 "calls: use generate_batch, or build the Provider with allow_streaming=True.")
         if not prompts:
-            done = Future()
-            done.set_result([])
-            return done
+            request = _Request([], GenerateConfig())
+            request.future.set_result([])
+            return request
         gen = self._settings(kw, prompts)
         with self._lock:  # waiting: queued for the worker, or in the loop without a slot yet; a free slot takes one
             m, held = self._metrics, self.config.max_queue + self.config.max_batch
@@ -200,10 +216,17 @@ class Provider:
             self._metrics.waiting += len(prompts)
             self._metrics.requests += 1
         request = _Request(list(prompts), gen, on_event=on_event)
-        if on_event is not None:
-            self._requests[id(request.future)] = request
+        self._requests[id(request.future)] = request
+        request.future.add_done_callback(lambda f: self._requests.pop(id(f), None))
         self._queue.put(request)
-        return request.future
+        return request
+
+    def cancel(self, future: Future) -> None:
+        """Stop the request behind ``future`` (``submit``'s): its client went away. Its sequences free their
+        slots at the next pass and the future ends cancelled or failed; nothing waits on it any more."""
+        request = self._requests.get(id(future))
+        if request is not None and not future.cancel():  # already taken by the worker: it drops the sequences
+            request.cancelled = True
 
     def _settings(self, kw: dict, prompts: list[Prompt]) -> GenerateConfig:
         names = {f.name for f in fields(GenerateConfig)}
@@ -216,6 +239,10 @@ class Provider:
         if gen.max_new_tokens < 1 or gen.temperature < 0 or not 0 < gen.top_p <= 1:
             raise AirQuantError(f"max_new_tokens={gen.max_new_tokens}, temperature={gen.temperature}, "
                                 f"top_p={gen.top_p}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1.")
+        if len(gen.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in gen.stop):
+            raise AirQuantError(f"{len(gen.stop)} stop strings of up to {max(map(len, gen.stop))} characters: "
+                                f"the provider takes at most {MAX_STOPS} of {MAX_STOP_CHARS} characters each "
+                                "(each is searched at every token of the pass its sequence shares).")
         return gen
 
     # -- lifecycle and reporting ---------------------------------------------------------------
@@ -349,10 +376,18 @@ class Provider:
             except Exception as exc:  # e.g. a streaming client's event loop is gone: that request fails alone
                 log.warning("delivering a result failed (%s): its request fails, the provider keeps serving", exc)
                 self._drop(event.seq.owner, exc)
-        live[:] = [r for r in live if not r.future.done() and not (r.cancelled and all(s.done for s in r.seqs))]
+        for request in [r for r in live if r.cancelled and all(s.done for s in r.seqs)]:
+            self._fail(request, RequestCancelledError("the client went away; the request was cancelled."),
+                       count=False)
+        live[:] = [r for r in live if not r.future.done()]
 
     def _deliver(self, event) -> None:
         request = event.seq.owner
+        if request.future.done():  # failed already (another of its sequences), or cancelled
+            return
+        if event.finish_reason == "error":  # this sequence failed alone: its request fails, the pass went on
+            self._drop(request, SequenceFailedError(f"sequence failed: {event.seq.error}"))
+            return
         if request.on_event is not None and not request.cancelled:
             usage = None
             if event.finish_reason is not None:
@@ -390,9 +425,10 @@ class Provider:
             m.waiting -= taken
             m.running, m.loop_waiting = len(self._loop.running), len(self._loop.waiting)
 
-    def _fail(self, request: _Request, exc: BaseException) -> None:
-        with self._lock:
-            self._metrics.requests_failed += 1
+    def _fail(self, request: _Request, exc: BaseException, count: bool = True) -> None:
+        if count:
+            with self._lock:
+                self._metrics.requests_failed += 1
         if not request.future.done():
             request.future.set_exception(exc)
 

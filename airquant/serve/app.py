@@ -5,6 +5,11 @@ Settings the engine does not implement (n > 1, logprobs, penalties...) are refus
 than silently ignored; other unknown fields are ignored, as OpenAI clients send many. Errors are
 ``{"error": {"message", "type", "param", "code"}}``. A failing generation answers 500 to its own
 request only: the worker keeps serving. A full queue answers 429 with ``Retry-After``.
+
+What one request may hold is bounded, so that it cannot cost others much: at most ``MAX_STOPS`` stop
+strings of ``MAX_STOP_CHARS`` characters (each is searched at every token), ``--max-prompts`` prompts and
+``--max-request-tokens`` tokens (prompts + new tokens) in all. A request whose client disconnects is
+cancelled, streamed or not.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 from functools import lru_cache
@@ -21,10 +27,12 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from airquant import __version__
+from airquant.engine.decode.loop import SEED_RANGE
+from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
 from airquant.engine.router import StreamingNotAllowedError
 from airquant.errors import AirQuantError
 from airquant.jobs.batch import Prompt as JobPrompt
@@ -46,6 +54,18 @@ UNSUPPORTED = {
 }
 
 
+def _utf8(value, field: str):
+    """A string with a lone surrogate (JSON allows ``"\\ud800"``) cannot be encoded for the tokenizer."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{field} holds a lone surrogate ({text[exc.start:exc.end]!r} at character "
+                                 f"{exc.start}), which is not text; send valid UTF-8") from None
+    return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -57,19 +77,39 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(value)})")
+        for s in [value] if isinstance(value, str) else value or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters (got {len(s)})")
+        return _utf8(value, "stop")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] = Field(min_length=1)
 
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, value):
+        return _utf8(value, "prompt")
+
 
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value):
+        return _utf8(value, "content")
 
 
 class ChatRequest(_Sampling):
@@ -79,6 +119,10 @@ class ChatRequest(_Sampling):
 
 class _GenerationFailed(Exception):
     """Handled (not re-raised) by the app, so uvicorn does not log it a second time."""
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready; nobody reads the response."""
 
 
 class _BadRequest(Exception):
@@ -102,33 +146,37 @@ def create_app(provider: Provider, model_name: str | None = None, config: ServeC
     name = model_name or provider.describe()["model"] or provider.route.store.name
     app = FastAPI(title="AirQuant", version=__version__)
     app.state.metrics = metrics = ServerMetrics(provider)
-    install_security(app, config or ServeConfig(), own_auth_prefixes)
+    config = config or ServeConfig()
+    install_security(app, config, own_auth_prefixes)
     app.add_middleware(StatusCounter, counter=metrics.rejected)  # outermost: sees the 401/413 of security too
     _install_error_handlers(app, provider)
     count = prompt_counter(provider)
+    budget = RequestBudget(config.max_prompts, config.max_request_tokens, count, provider.defaults.max_new_tokens)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, http: Request):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if req.stream and len(prompts) > 1:
+            raise _BadRequest("stream=true takes one prompt per request; send the prompts as separate "
+                              "requests (they share weight passes all the same).", "prompt")
+        await budget.check(prompts, req.max_tokens, chat=False)
         if req.stream:
-            if len(prompts) > 1:
-                raise _BadRequest("stream=true takes one prompt per request; send the prompts as separate "
-                                  "requests (they share weight passes all the same).", "prompt")
             fmt = ChunkFormat("completion", name, _include_usage(req))
             return await _stream(provider, prompts[0], req, req.max_tokens, fmt, count)
-        outs = await _generate(provider, prompts, req, req.max_tokens, chat=False)
+        outs = await _generate(provider, prompts, req, req.max_tokens, chat=False, http=http)
         choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": why}
                    for i, (text, why, _) in enumerate(outs)]
         return _body("text_completion", "cmpl", name, choices, outs)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, http: Request):
         messages = [m.model_dump() for m in req.messages]
         limit = req.max_completion_tokens or req.max_tokens
+        await budget.check([messages], limit, chat=True)
         if req.stream:
             return await _stream(provider, messages, req, limit, ChunkFormat("chat", name, _include_usage(req)),
                                  count)
-        outs = await _generate(provider, [messages], req, limit, chat=True)
+        outs = await _generate(provider, [messages], req, limit, chat=True, http=http)
         choices = [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": why}
                    for text, why, _ in outs]
         return _body("chat.completion", "chatcmpl", name, choices, outs)
@@ -138,9 +186,9 @@ def create_app(provider: Provider, model_name: str | None = None, config: ServeC
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "airquant"}]}
 
     @app.get("/health")
-    async def health():
-        body = {"status": "ok" if provider.alive else "down", **provider.describe()}
-        return JSONResponse(status_code=200 if provider.alive else 503, content=body)
+    async def health():  # open without a key: the status only (the route, with the store's path, is /stats)
+        return JSONResponse(status_code=200 if provider.alive else 503,
+                            content={"status": "ok" if provider.alive else "down"})
 
     @app.get("/metrics")
     async def prometheus():
@@ -161,10 +209,39 @@ def prompt_counter(provider: Provider):
     def tokenizer():
         return load_tokenizer(provider.route.store / "tokenizer")
 
+    lock = threading.Lock()  # a fast tokenizer refuses to be used from two threads at once ("Already borrowed")
+
     def count(prompt, chat: bool) -> int:
-        return prompt_lengths(tokenizer(), [JobPrompt(id=0, prompt=prompt, key="0")], chat)[0]
+        with lock:
+            return prompt_lengths(tokenizer(), [JobPrompt(id=0, prompt=prompt, key="0")], chat)[0]
 
     return count
+
+
+class RequestBudget:
+    """What one request may queue: ``max_prompts`` prompts and ``max_tokens`` tokens (each prompt's tokens
+    plus its new tokens); a 400 names the cap and the flag. Counting runs off the event loop."""
+
+    def __init__(self, max_prompts: int, max_tokens: int, count, default_new_tokens: int):
+        self.max_prompts, self.max_tokens, self.count = max_prompts, max_tokens, count
+        self.default_new_tokens = default_new_tokens
+
+    async def check(self, prompts: list, max_new_tokens: int | None, chat: bool) -> None:
+        if len(prompts) > self.max_prompts:
+            raise _BadRequest(f"{len(prompts)} prompts in one request; the server takes at most {self.max_prompts} "
+                              "(--max-prompts): send the rest in further requests.", "prompt")
+        new = max_new_tokens or self.default_new_tokens
+        total = new * len(prompts)
+        if total > self.max_tokens:  # refused before any tokenizing
+            raise self._over(total, new, len(prompts))
+        total += sum(await anyio.to_thread.run_sync(lambda: [self.count(p, chat) for p in prompts]))
+        if total > self.max_tokens:
+            raise self._over(total, new, len(prompts))
+
+    def _over(self, total: int, new: int, prompts: int) -> _BadRequest:
+        return _BadRequest(f"this request would queue {total} tokens ({prompts} prompt(s) plus {new} new tokens "
+                           f"each); the server takes at most {self.max_tokens} per request (--max-request-tokens): "
+                           "send fewer or shorter prompts, or a lower max_tokens.", "max_tokens")
 
 
 def _include_usage(req: _Sampling) -> bool:
@@ -216,18 +293,40 @@ async def _stream(provider: Provider, prompt, req: _Sampling, max_tokens: int | 
 
 
 async def _generate(provider: Provider, prompts: list, req: _Sampling, max_tokens: int | None,
-                    chat: bool) -> list[tuple[str, str, object]]:
-    """(text, finish_reason, Completion) per prompt, in order."""
+                    chat: bool, http: Request) -> list[tuple[str, str, object]]:
+    """(text, finish_reason, Completion) per prompt, in order; the request is cancelled if its client leaves."""
     kw, stops = _settings(req, max_tokens, chat)
     limit = kw.get("max_new_tokens", provider.defaults.max_new_tokens)
+    future = provider.submit(prompts, batch_job=False, **kw)
     try:
-        completions = await asyncio.wrap_future(provider.submit(prompts, batch_job=False, **kw))
+        completions = await _unless_disconnected(provider, future, http)
     except AirQuantError:
         raise
     except Exception as exc:  # only this request failed; the worker is still serving
         log.exception("generation failed")
         raise _GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
     return [(*_finish(c, stops, limit), c) for c in completions]
+
+
+async def _unless_disconnected(provider: Provider, future, http: Request):
+    """The future's result, or ``_ClientGone`` (and the request cancelled, its slots freed) when the client
+    disconnects first. The body is read by now, so ``receive`` next reports the disconnect."""
+    result = asyncio.wrap_future(future)
+
+    async def gone() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([result, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not result.done():
+        result.cancel()
+        provider.cancel(future)
+        raise _ClientGone()
+    return result.result()
 
 
 def _finish(completion, stops: list[str], limit: int) -> tuple[str, str]:
@@ -295,6 +394,10 @@ def _install_error_handlers(app: FastAPI, provider: Provider) -> None:
     @app.exception_handler(AirQuantError)
     async def airquant_error(_: Request, exc: AirQuantError):
         return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(_ClientGone)
+    async def gone(_: Request, exc: _ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": counted, never read
 
     @app.exception_handler(_GenerationFailed)
     async def failed(_: Request, exc: _GenerationFailed):

@@ -14,6 +14,9 @@ from airquant.errors import AirQuantError
 
 API_KEY_ENV = "AIRQUANT_API_KEY"
 DEFAULT_MAX_BODY_MB = 4.0  # a 2048-token prompt is ~10 kB of JSON; 4 MB leaves room for long chats, not for abuse
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a body of 4 MB arrives in well under a second; a client dripping bytes is cut off
+DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions request (the queue holds --max-queue of everyone's)
+DEFAULT_MAX_REQUEST_TOKENS = 32768  # prompt + max new tokens, summed over a request's prompts (16 x 2048)
 
 
 class InsecureBindError(AirQuantError):
@@ -22,14 +25,19 @@ class InsecureBindError(AirQuantError):
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """``airquant serve`` flags: --host --port --api-key --insecure --max-body-mb --cors-origin."""
+    """``airquant serve`` flags: --host --port --api-key --insecure --max-body-mb --body-timeout-s --cors-origin
+    --allowed-host --max-prompts --max-request-tokens."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # Bearer key for every route but /health; None: open (loopback only)
     insecure: bool = False  # allow a non-loopback bind without a key
-    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies get 413
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-site; empty: CORS off
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies (counted as they arrive) get 413
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body not received whole in this time gets 408
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-site (the API and /ui); empty: CORS off
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback, IPs and --host; "*": any
+    max_prompts: int = DEFAULT_MAX_PROMPTS  # prompts in one request; more get 400
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # prompt + new tokens of one request; more get 400
 
     @property
     def max_body_bytes(self) -> int:

@@ -127,10 +127,12 @@ def _batch_tab(ctx: UiContext) -> None:
     def begin(path, max_tokens, use_chat):
         if not path:
             raise gr.Error("upload a JSONL file first.")
-        try:
-            ctx.runner.start(Path(path), GenerateConfig(max_new_tokens=int(max_tokens), chat=bool(use_chat)))
+        try:  # the path comes from the browser: the runner takes only a file of Gradio's upload folder
+            ctx.runner.start(path, GenerateConfig(max_new_tokens=int(max_tokens), chat=bool(use_chat)))
         except AirQuantError as exc:
-            raise gr.Error(str(exc)) from exc
+            raise gr.Error(ctx.runner.public(str(exc))) from exc
+        except OSError as exc:  # its text would name the server's folders
+            raise gr.Error(f"the job could not be staged ({type(exc).__name__}, errno {exc.errno}).") from exc
         return refresh()
 
     start.click(begin, [upload, max_new, chat], [status, output])

@@ -6,6 +6,10 @@ already in the output are skipped, as ``airquant batch`` does). The job runs in 
 server process and its progress is read from the output file, so a page reload (or a second browser)
 sees the same job. Prompts go through ``Provider.submit(batch_job=True)``: the one loaded model serves
 chat and batch work, sharing weight passes, instead of a second copy of the weights.
+
+The input is taken only from the folder Gradio writes uploads to (``uploads``; a path the browser names
+elsewhere, or a link out of it, is refused), the job folders are not served (the UI hands the output to
+Gradio, which copies it to its cache), and the UI's messages name no server path.
 """
 
 from __future__ import annotations
@@ -75,8 +79,8 @@ def _count_output(path: Path) -> tuple[int, int]:
 class JobRunner:
     """Starts, resumes and reports the UI's batch jobs (one at a time: they share the provider anyway)."""
 
-    def __init__(self, provider, jobs_dir: Path, batch_size: int | None = None):
-        self.provider, self.jobs_dir = provider, Path(jobs_dir)
+    def __init__(self, provider, jobs_dir: Path, uploads: Path, batch_size: int | None = None):
+        self.provider, self.jobs_dir, self.uploads = provider, Path(jobs_dir), Path(uploads)
         self.batch_size = batch_size or provider.config.max_batch
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -85,16 +89,30 @@ class JobRunner:
         self._errors: dict[str, str] = {}
         self._engine: ProviderEngine | None = None
 
-    def start(self, upload: Path, gen: GenerateConfig) -> str:
-        """Copy ``upload`` into the job folder (checked first) and run it; returns the job id."""
-        data = Path(upload).read_bytes()
+    def uploaded(self, path: str | Path) -> Path:
+        """``path`` resolved (links followed), if it is a file inside the upload folder; else UploadError."""
+        real, root = Path(os.path.realpath(path)), Path(os.path.realpath(self.uploads))
+        if real == root or not real.is_relative_to(root) or not real.is_file():
+            raise UploadError("the batch input must be a JSONL file uploaded on this page; upload it again.")
+        return real
+
+    def start(self, upload: str | Path, gen: GenerateConfig) -> str:
+        """Copy ``upload`` (a file in the upload folder) into the job folder, checked first, and run it;
+        returns the job id."""
+        data = self.uploaded(upload).read_bytes()
         settings = json.dumps(asdict(gen), sort_keys=True).encode()
         job_id = hashlib.sha256(data + b"\0" + settings).hexdigest()[:12]
         folder = self.jobs_dir / job_id
         folder.mkdir(parents=True, exist_ok=True)
         staged = folder / "input.jsonl.tmp"
         staged.write_bytes(data)
-        read_prompts(staged, flag="the uploaded file")  # a bad file fails here, before any output exists
+        try:  # a bad file fails here, before any output exists
+            read_prompts(staged, flag="the uploaded file", shown="the uploaded file")
+        except (AirQuantError, UnicodeDecodeError) as exc:
+            staged.unlink()
+            if isinstance(exc, UnicodeDecodeError):
+                raise UploadError("the uploaded file is not UTF-8 text; a JSONL file is.") from None
+            raise
         os.replace(staged, folder / "input.jsonl")
         (folder / "settings.json").write_text(settings.decode())
         with self._lock:
@@ -117,7 +135,15 @@ class JobRunner:
             run_batch(self.provider.route.store, job, engine=self._engine, progress=False)
         except Exception as exc:  # shown in the UI; the finished records stay in the output
             log.exception("batch job %s failed", job_id)
-            self._errors[job_id] = f"{type(exc).__name__}: {exc}"
+            self._errors[job_id] = self.public(f"{type(exc).__name__}: {exc}")
+
+    def public(self, message: str) -> str:
+        """``message`` with the server's folders (jobs, uploads, the store) replaced by what they are."""
+        store = Path(self.provider.route.store)
+        for folder, name in ((self.jobs_dir, "<jobs>"), (self.uploads, "<uploads>"), (store, store.name)):
+            for form in {str(folder.resolve()), str(folder)}:
+                message = message.replace(form, name)
+        return message
 
     def latest(self) -> str | None:
         """The job started last in this process, else the newest job folder (after a server restart)."""
@@ -143,6 +169,10 @@ class JobRunner:
                          tokens_per_s=(tokens - tokens0) / elapsed if job_id in self._started else 0.0,
                          eta_s=(total - done) / rate if rate > 0 else None, output=folder / "output.jsonl",
                          error=error)
+
+
+class UploadError(AirQuantError):
+    """The batch input is not a file uploaded through the UI (or not text)."""
 
 
 class JobBusyError(AirQuantError):

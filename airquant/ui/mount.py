@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
+from gradio.utils import get_upload_folder
 
+from airquant.errors import AirQuantError
 from airquant.serve.config import ServeConfig, is_loopback
 from airquant.ui.app import UiContext, build_blocks
 from airquant.ui.jobs import JobRunner
 
 log = logging.getLogger(__name__)
+
+
+def check_jobs_folder(jobs: Path, served: tuple[Path, ...]) -> None:
+    """Refuse a --jobs-dir inside a folder Gradio serves (the results, its upload folder): anyone with the
+    page could then download every job's prompts and outputs."""
+    real = Path(os.path.realpath(jobs))
+    for folder in served:
+        if real.is_relative_to(os.path.realpath(folder)):
+            raise AirQuantError(f"--jobs-dir {jobs} is inside {folder}, which the UI serves to every user; "
+                                "give a --jobs-dir outside it.")
 
 
 def loopback_url(config: ServeConfig) -> str:
@@ -34,15 +47,20 @@ class UiMount:
     prefix: str = "/ui"
 
     def __call__(self, app: FastAPI, provider, config: ServeConfig) -> None:
+        uploads = Path(get_upload_folder())
+        check_jobs_folder(Path(self.jobs), served=(Path(self.results), uploads))
         ctx = UiContext(provider=provider, stores=tuple(str(s) for s in self.stores), base_url=loopback_url(config),
-                        api_key=config.api_key, results=Path(self.results), runner=JobRunner(provider, self.jobs),
-                        prefix=self.prefix)
+                        api_key=config.api_key, results=Path(self.results),
+                        runner=JobRunner(provider, self.jobs, uploads=uploads), prefix=self.prefix)
         blocks = build_blocks(ctx)
         # A browser cannot send a Bearer header with a page load: with a key, Gradio's login page asks for it
         # (any user name) and the server's middleware leaves this prefix to that check.
         auth = (lambda _user, password: hmac.compare_digest(password.encode(), config.api_key.encode())) \
             if config.api_key else None
+        # Only the results are served as files: job folders hold every user's inputs and outputs (a finished
+        # output reaches its page through Gradio's cache). CORS is the server's (--cors-origin): Gradio adds
+        # none of its own under a parent app with a CORSMiddleware (serve.security installs one).
         gr.mount_gradio_app(app, blocks, path=self.prefix, auth=auth, auth_message="Password: the server's API key.",
-                            allowed_paths=[str(Path(self.results).resolve()), str(Path(self.jobs).resolve())],
+                            allowed_paths=[str(Path(self.results).resolve())],
                             max_file_size=config.max_body_bytes, ssr_mode=False, footer_links=[])
         log.info("UI mounted at %s", self.prefix)

@@ -7,6 +7,7 @@ import torch
 
 from airquant.config import GenerateConfig
 from airquant.engine.decode import Request
+from airquant.engine.decode.loop import RequestSettingsError, SamplingError, pick_greedy, sample
 from airquant.engine.runner import Engine
 from airquant.errors import PromptTooLongError
 from airquant.kv import KVConfig, make_cache
@@ -138,3 +139,61 @@ def test_cancel_frees_the_slot(engine):
     loop.cancel(first)
     loop.step()
     assert first.finish_reason == "cancelled" and second.slot == 0
+
+
+def test_a_tiny_temperature_is_greedy_and_its_pass_mates_go_on(engine):
+    """temperature 1e-300 is valid for the server's schema: logits / T overflowed to inf, softmax gave NaN and
+    multinomial raised for the whole pass. Below GREEDY_BELOW it is greedy now."""
+    ids = tuple(engine.prompt_ids("Water is"))
+    loop = engine.decode_loop(3, context=64)
+    tiny = loop.submit(Request(ids, 6, temperature=1e-300, ignore_eos=True))
+    greedy = loop.submit(Request(ids, 6, ignore_eos=True))
+    hot = loop.submit(Request(ids, 6, temperature=0.8, seed=1, ignore_eos=True))
+    while not loop.idle:
+        loop.step()
+    assert [s.finish_reason for s in (tiny, greedy, hot)] == ["length"] * 3
+    assert tiny.out == greedy.out and len(hot.out) == 6
+
+
+@pytest.mark.parametrize("logits, want", [
+    ([0.0, float("nan"), 1.0], 2),  # a NaN is never picked (torch's argmax takes it as the largest)
+    ([0.0, float("inf"), 1.0], 1),  # +inf wins outright instead of becoming inf / inf = NaN
+    ([3.0e38, -3.0e38, 0.0], 0),  # float32 extremes: the difference overflows in float32, not in float64
+])
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-3, 1.0, 2.0])
+def test_sampling_is_total(logits, want, temperature):
+    generator = torch.Generator().manual_seed(0)
+    got = sample(torch.tensor(logits), temperature, 0.9, generator)
+    assert got == want if temperature < 1e-3 or logits[1] == float("inf") else got in (0, 1, 2)
+    assert got != 1 or logits[1] == float("inf")
+    if temperature == 0.0:
+        assert pick_greedy(torch.tensor([logits])).tolist() == [want]
+
+
+def test_sampling_without_any_token_fails_that_sequence_only(engine, monkeypatch):
+    ids = tuple(engine.prompt_ids("Water is"))
+    loop = engine.decode_loop(2, context=64)
+    bad = loop.submit(Request(ids, 5, temperature=0.7, seed=1, ignore_eos=True))
+    good = loop.submit(Request(ids, 5, ignore_eos=True))
+    with pytest.raises(SamplingError, match="NaN or -inf"):
+        sample(torch.full((4,), float("nan")), 1.0, 1.0, None)
+    original = loop._sample
+    monkeypatch.setattr(loop, "_sample", lambda seq, logits: original(seq, logits if seq is not bad else
+                                                                      torch.full_like(logits, float("nan"))))
+    events = []
+    while not loop.idle:
+        events += loop.step()
+    assert bad.finish_reason == "error" and "SamplingError" in bad.error and bad.slot not in loop.running
+    assert good.finish_reason == "length" and len(good.out) == 5
+    assert [e.finish_reason for e in events if e.seq is bad] == ["error"]
+    reference = engine.decode_loop(1, context=64).run([Request(ids, 5, ignore_eos=True)])[0]
+    assert good.out == reference.out
+
+
+def test_a_seed_torch_cannot_take_is_refused_by_name(engine):
+    loop = engine.decode_loop(1, context=64)
+    for seed in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(RequestSettingsError, match=f"seed={seed} is out of range"):
+            loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, temperature=0.5, seed=seed))
+    assert loop.idle
+    loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, temperature=0.5, seed=(1 << 64) - 1))

@@ -122,6 +122,46 @@ def test_records_carry_their_own_settings_and_a_too_long_one_fails_alone(tiny_st
         read_prompts(inp)
 
 
+def test_a_record_that_cannot_be_sampled_fails_alone_and_is_not_rerun(tiny_store, tmp_path):
+    """temperature 1e-300 failed the whole job on every rerun (NaN probabilities in multinomial); a seed over
+    2^64 did too. Now the first is greedy, the second gets its own error record, the job completes, and a
+    rerun has nothing left to do."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "tiny", "prompt": "the quick brown fox", "temperature": 1e-300},
+            {"id": "seed", "prompt": "the quick brown fox", "temperature": 0.5, "seed": 2**64},
+            {"id": "greedy", "prompt": "the quick brown fox"}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = BatchJob(inp, out, batch_size=3, gen=GenerateConfig(max_new_tokens=4, ignore_eos=True))
+    engine = Engine.open(tiny_store, device="cpu")
+    run_batch(tiny_store, job, engine=engine, progress=False)
+    got = {r["id"]: r for r in _records(out)}
+    assert got["tiny"]["output"] == got["greedy"]["output"] and got["tiny"]["new_tokens"] == 4
+    assert "seed=18446744073709551616 is out of range" in got["seed"]["error"]
+    report = run_batch(tiny_store, job, engine=engine, progress=False)
+    assert report.done == 0 and report.skipped == 3
+
+
+def test_a_sequence_that_fails_gets_its_own_error_record(tiny_store, tmp_path, monkeypatch):
+    from airquant.engine.decode import loop as decode_loop
+
+    real = decode_loop.sample
+
+    def flaky(logits, temperature, top_p, generator):  # this record's sampling fails, the others' does not
+        if temperature == 0.123:
+            raise RuntimeError("simulated sampling failure")
+        return real(logits, temperature, top_p, generator)
+
+    monkeypatch.setattr(decode_loop, "sample", flaky)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "bad", "prompt": "the quick brown fox", "temperature": 0.123},
+            {"id": "good", "prompt": "the quick brown fox", "temperature": 0.5, "seed": 1}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_batch(tiny_store, BatchJob(inp, out, batch_size=2, gen=GenerateConfig(max_new_tokens=4, ignore_eos=True)),
+              engine=Engine.open(tiny_store, device="cpu"), progress=False)
+    got = {r["id"]: r for r in _records(out)}
+    assert "simulated sampling failure" in got["bad"]["error"] and got["good"]["new_tokens"] == 4
+
+
 def test_a_finished_output_is_not_rerun(tiny_store, tmp_path, capsys):
     inp, out = _prompts(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl"
     args = ["batch", str(tiny_store), "--input", str(inp), "--output", str(out), "--max-new-tokens", "3",

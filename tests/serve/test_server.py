@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on loopback, with a bounded number of concurrent clients."""
 
 import asyncio
+import json
 import sys
 
 import pytest
@@ -88,6 +89,65 @@ def test_bad_requests_get_json_errors(served, path, body, status, message):
     r = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
     assert r.status_code == status
     assert message in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"prompt": "Hi", "seed": 2**64, "temperature": 0.5}, "seed: Input should be less than"),
+    ("/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1, "temperature": 0.5}, "seed: Input should be greater"),
+    ("/v1/completions", {"prompt": "Hi \ud800 there"}, "prompt: Value error, prompt holds a lone surrogate"),
+    ("/v1/completions", {"prompt": ["Hi", "\udfff"]}, "prompt: Value error, prompt holds a lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]},
+     "messages.0.content: Value error, content holds a lone surrogate"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, "stop: Value error, at most 4 stop"),
+    ("/v1/completions", {"prompt": "Hi", "stop": "x" * 257}, "at most 256 characters"),
+    ("/v1/completions", {"prompt": ["Hi"] * 65, "max_tokens": 1}, "65 prompts in one request; the server takes at "
+                                                                    "most 64 (--max-prompts)"),
+    ("/v1/completions", {"prompt": ["Hi", "Ho"], "max_tokens": 20000}, "--max-request-tokens"),
+    ("/v1/completions", {"prompt": "word " * 40000, "max_tokens": 1}, "would queue 4000"),
+])
+def test_values_that_gave_500_or_cost_everyone_are_400s_naming_the_field(served, path, body, message):
+    """A seed torch cannot take, a lone surrogate (valid JSON, not text), 200 000 stop strings, 1 032 prompts:
+    each was a 500 or slowed every request; now a 400 that names the field (ASCII JSON: the surrogate as
+    an escape, as a client would send it)."""
+    _, url = served
+    r = httpx.post(f"{url}{path}", content=json.dumps(body).encode(), timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_tiny_temperature_does_not_fail_its_pass_mates(served):
+    """temperature 1e-300 is valid for the schema; it made the whole pass raise, and every request in that
+    pass got 500. Now it is greedy, and the requests sharing its pass are answered as usual."""
+    _, url = served
+    bodies = [{"prompt": "Water is", "max_tokens": 5, "temperature": 1e-300},
+              {"prompt": "Water is", "max_tokens": 5, "temperature": 0},
+              {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.7, "seed": 2**64 - 1}]
+    responses = asyncio.run(_post_all(url, "/v1/completions", bodies))
+    assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+    texts = [r.json()["choices"][0]["text"] for r in responses]
+    assert texts[0] == texts[1]
+
+
+def test_a_sequence_that_fails_alone_fails_only_its_request(served, monkeypatch):
+    """A sequence's own step (sampling, text) raising: its request gets 500, a request in the same pass 200."""
+    provider, url = served
+    loop = provider._loop  # the worker's decode loop: its sampling fails for "boom" only
+    original = loop._sample
+    boom = tuple(provider.engine.prompt_ids("boom"))
+
+    def flaky(seq, logits):
+        if seq.request.prompt_ids == boom:
+            raise RuntimeError("simulated sampling failure")
+        return original(seq, logits)
+
+    monkeypatch.setattr(loop, "_sample", flaky)
+    bodies = [{"prompt": "boom", "max_tokens": 4, "temperature": 0.5},
+              {"prompt": "Hi", "max_tokens": 4, "temperature": 0.5, "seed": 1}]
+    bad, good = asyncio.run(_post_all(url, "/v1/completions", bodies))
+    assert bad.status_code == 500 and "simulated sampling failure" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] > 0
 
 
 def test_invalid_json_body(served):

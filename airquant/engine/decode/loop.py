@@ -5,6 +5,10 @@ then chunks of the prompts being prefilled, within ``token_budget`` tokens. A se
 (EOS, a stop string, its own ``max_new_tokens``) or is cancelled frees its slot at once, and the next
 waiting prompt takes it in the next pass. Per-request sampling settings, per-request timing (TTFT,
 latency) and per-pass timing come from here; nothing is attached to transformers' ``generate``.
+
+Sampling is total: a temperature below ``GREEDY_BELOW`` is greedy, NaN logits are never picked and
+infinities never reach ``multinomial``; a sequence whose own step still raises (its sampling, its
+detokenizing) ends with ``finish_reason="error"`` and its ``error`` set, and its pass-mates go on.
 """
 
 from __future__ import annotations
@@ -19,9 +23,22 @@ import torch
 
 from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, register
 from airquant.engine.decode.text import Detokenizer
-from airquant.errors import PromptTooLongError
+from airquant.errors import AirQuantError, PromptTooLongError
 
 log = logging.getLogger(__name__)
+
+# Below this a temperature is greedy: logits / 1e-300 overflow to inf, and no sampling differs from argmax
+# there anyway (a gap of 1e-3 between the two best logits is already a 1 : e^-100 odds at 1e-5).
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+
+
+class RequestSettingsError(AirQuantError):
+    """A request's own setting is out of range (e.g. a seed torch cannot take); the message names it."""
+
+
+class SamplingError(AirQuantError):
+    """A sequence's logits hold no token to pick (every one NaN or -inf)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +47,7 @@ class Request:
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -46,7 +63,8 @@ class Sequence:
     slot: int | None = None
     cached: int = 0  # prompt + generated tokens written to the cache
     out: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # why the sequence failed (finish_reason "error"); its pass-mates went on
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -54,6 +72,10 @@ class Sequence:
     detok: Detokenizer | None = None
     generator: torch.Generator | None = None
     owner: object = None  # whoever submitted it (the Provider's request)
+
+    @property
+    def greedy(self) -> bool:
+        return self.request.temperature < GREEDY_BELOW
 
     @property
     def prompt_len(self) -> int:
@@ -123,7 +145,11 @@ class DecodeLoop:
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
-        """PromptTooLongError when the prompt and its new tokens do not fit a slot."""
+        """PromptTooLongError when the prompt and its new tokens do not fit a slot; RequestSettingsError for
+        a seed torch cannot take."""
+        if request.seed is not None and not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]:
+            raise RequestSettingsError(f"seed={request.seed} is out of range; use an integer from {SEED_RANGE[0]} "
+                                       f"to {SEED_RANGE[1]}.")
         need = len(request.prompt_ids) + request.max_new_tokens
         if not request.prompt_ids or need > self.context:
             raise PromptTooLongError(
@@ -134,7 +160,7 @@ class DecodeLoop:
     def submit(self, request: Request) -> Sequence:
         self.check(request)
         seq = Sequence(next(self._ids), request, detok=Detokenizer(self.tokenizer, request.stop))
-        if request.temperature > 0:
+        if not seq.greedy:
             seq.generator = torch.Generator()
             seq.generator.manual_seed(request.seed if request.seed is not None else torch.seed())
         self.waiting.append(seq)
@@ -207,9 +233,9 @@ class DecodeLoop:
             self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
             seq.cached += n
         # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
-        greedy = [k for k, (seq, _) in enumerate(emit) if seq.request.temperature <= 0]
-        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
-        events = [self._advance(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
+        greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
+        picked = dict(zip(greedy, pick_greedy(logits[greedy]).tolist())) if greedy else {}
+        events = [self._advance_alone(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
         self.sync()
         took = time.perf_counter() - start
         self.stats.passes += 1
@@ -240,6 +266,16 @@ class DecodeLoop:
             config._attn_implementation = previous
         return out.logits[0].float()
 
+    def _advance_alone(self, seq: Sequence, logits: torch.Tensor, token: int | None) -> Event | None:
+        """``_advance``, where a failure ends this sequence with ``finish_reason="error"``, not the pass."""
+        try:
+            return self._advance(seq, logits, token)
+        except Exception as exc:  # one sequence's sampling or text: its pass-mates' tokens are still good
+            log.warning("sequence %d failed (%s: %s); the others in its pass go on", seq.id, type(exc).__name__, exc)
+            seq.error = f"{type(exc).__name__}: {exc}"
+            self._finish(seq, "error")
+            return Event(seq, [], "", "error")
+
     def _advance(self, seq: Sequence, logits: torch.Tensor, token: int | None = None) -> Event | None:
         if seq.done:  # cancelled while its pass ran
             return None
@@ -261,14 +297,7 @@ class DecodeLoop:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         r = seq.request
-        if r.temperature <= 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.cpu() / r.temperature, dim=-1)
-        if r.top_p < 1:
-            sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > r.top_p  # keep the smallest set reaching top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        return sample(logits, r.temperature, r.top_p, seq.generator)
 
     def _finish(self, seq: Sequence, reason: str) -> str:
         seq.finish_reason = reason
@@ -276,4 +305,31 @@ class DecodeLoop:
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
             self.kv.free(seq.slot)
-        return seq.detok.flush() if reason != "cancelled" else ""
+        return seq.detok.flush() if reason not in ("cancelled", "error") else ""
+
+
+def pick_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row ``[N, V] -> [N]``, a NaN never chosen (torch's argmax takes NaN as the largest)."""
+    return torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """One token from ``logits [V]``: greedy below ``GREEDY_BELOW``, else softmax(logits / T) cut to top_p.
+
+    Total: NaN logits are never picked, a +inf one is picked outright, and the probabilities handed to
+    ``multinomial`` are finite and sum to 1 (the largest logit is subtracted before dividing by T, in
+    float64); a row without any finite or +inf logit raises ``SamplingError`` (that sequence fails alone).
+    """
+    logits = torch.nan_to_num(logits.detach().cpu().double(), nan=float("-inf"), posinf=float("inf"))
+    best = float(logits.max())
+    if best == float("-inf"):
+        raise SamplingError("every logit is NaN or -inf: the model produced no token to pick for this sequence.")
+    if best == float("inf") or temperature < GREEDY_BELOW:
+        return int(logits.argmax())
+    probs = torch.softmax((logits - best) / temperature, dim=-1)  # finite: exp(x <= 0), the best one is 1
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+

@@ -9,6 +9,10 @@ later token turns into a stop and removes.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+# What a shared server accepts (serve/app.py, the Provider): each stop string is searched, and its prefixes
+# held back, at every token of its sequence, in the pass everyone shares. 4 is OpenAI's own limit.
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 
 
 class Detokenizer:
