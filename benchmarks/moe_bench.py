@@ -278,10 +278,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # (expert_compute.GEMV_TOKENS = 0 for the case; its row's settings and gemv_tokens say so).
     "lfu_stacked": (1, dict(experts="routed", expert_policy="lfu", gemv_tokens=0, fused=False)),
     # A/B of the fused path, same run (issue 34): the per-expert path before it (bitsandbytes' 4-bit matmul per
-    # expert, one copy per slice), and the fused kernels with the copy engine's per-slice copies.
+    # expert), and the fused kernels with every copy of a call by one kernel reading the RAM tier (uva_copy).
     "nocache_unfused": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, fused=False,
                                 uva_copy=False)),
-    "nocache_dma": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=False)),
+    "nocache_uva": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=True)),
     "lfu_unfused": (1, dict(experts="routed", expert_policy="lfu", fused=False, uva_copy=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
@@ -338,7 +338,7 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 
 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
-PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "nocache_dma", "lfu_unfused", "lfu_bs4", "lfu_stacked"),
+PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked"),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),

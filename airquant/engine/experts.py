@@ -34,9 +34,11 @@ from airquant.layout import swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
-# A GPU run copies a call's expert slices from the RAM tier by one kernel (engine/uva_copy) where the probe
-# passes; False: one copy-engine copy per slice (the A/B of benchmarks/moe_bench.py's "dma" cases).
-UVA_COPY = True
+# True: a GPU run copies a call's expert slices from the RAM tier by one kernel (engine/uva_copy) where the probe
+# passes. Off by default: on the H200 that kernel read the pinned tier at 13.5 GB/s (byte loads over the link;
+# 1.6 ms for a Qwen3-30B-A3B layer's 8 experts, 0.39 ms at the copy engine's 55 GB/s), so it saves the per-slice
+# copies' host time and loses it again on the link (benchmarks/moe_bench.py, case nocache_uva).
+UVA_COPY = False
 
 
 def router_weights(block, entry: ShardEntry, module: str) -> str | None:

@@ -136,8 +136,8 @@ def test_cuda_gather_copy_reads_the_pinned_ram_tier():
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeypatch, model_type):
-    """A bf16 routed decode on CUDA: the fused kernels ran, the copies went by the gather kernel (the probe
-    passed on the RAM tier), and the tokens and logits match the per-expert path with copy-engine copies."""
+    """A bf16 routed decode on CUDA: the fused kernels ran, the copies went by the gather kernel when asked (the
+    probe passed on the RAM tier), and the tokens and logits match the per-expert path with copy-engine copies."""
     from airquant.engine import expert_compute
     from airquant.engine import experts as experts_mod
     from airquant.engine.runner import Engine
@@ -146,6 +146,7 @@ def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeyp
     calls = []
     real = expert_compute.run_fused
     monkeypatch.setattr(expert_compute, "run_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(experts_mod, "UVA_COPY", True)  # off by default (slower than the copy engine on an H200)
     engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
     tokens, logits = _decode(engine)
     assert calls and engine.experts.uva is True

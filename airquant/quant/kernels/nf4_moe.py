@@ -115,6 +115,25 @@ def _decode(flat, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mask, DOUBLE:
 
 
 @triton.jit
+def _decode_bytes(rows, kk, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mask, DOUBLE: tl.constexpr,
+                  BS: tl.constexpr):
+    """The fp32 weights of elements ``rows + kk`` (``kk`` even) and the next ones: one load of each byte, both
+    nibbles, one scale (a byte's two elements share their block: the blocksize is even)."""
+    flat = rows + kk
+    byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(qm_ptr + (byte >> 4), mask=mask, other=0.0)
+    lo = tl.load(qm_ptr + (byte & 15), mask=mask, other=0.0)
+    block = flat // BS
+    if DOUBLE:
+        code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(nqm_ptr + code, mask=mask, other=0.0) * tl.load(na_ptr + block // 256, mask=mask, other=0.0) \
+            + tl.load(noff_ptr)
+    else:
+        scale = tl.load(a_ptr + block, mask=mask, other=0.0)
+    return hi * scale, lo * scale
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
                  w_ptr, w_st, a_ptr, a_st, na_ptr, na_st, nqm_ptr, nqm_st, noff_ptr, noff_st, qm_ptr, qm_st,
                  N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -124,22 +143,24 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, BLOCK_K // 2)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows = offs_n.to(tl.int64)[:, None] * K
     for j in range(0, TOP_K if DOWN else 1):
         p = row * TOP_K + j if DOWN else row
         e = tl.load(ids_ptr + p).to(tl.int64)
         x_row = x_ptr + (p if DOWN else p // TOP_K) * K
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
+            kk = k0 + 2 * offs_j  # the even element of each byte
             k_mask = kk < K
             mask = n_mask[:, None] & k_mask[None, :]
-            w = _decode(offs_n.to(tl.int64)[:, None] * K + kk[None, :], w_ptr + e * w_st, a_ptr + e * a_st,
-                        na_ptr + e * na_st, nqm_ptr + e * nqm_st, noff_ptr + e * noff_st, qm_ptr + e * qm_st,
-                        mask, DOUBLE, BS)
-            x = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
+            w_even, w_odd = _decode_bytes(rows, kk[None, :], w_ptr + e * w_st, a_ptr + e * a_st, na_ptr + e * na_st,
+                                          nqm_ptr + e * nqm_st, noff_ptr + e * noff_st, qm_ptr + e * qm_st, mask,
+                                          DOUBLE, BS)
+            x_even = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + kk + 1, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w_even * x_even[None, :] + w_odd * x_odd[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + p * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if DOWN:
@@ -187,7 +208,7 @@ def _grouped_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, rows_ptr, experts_ptr
 def _tiles(n: int, k: int) -> tuple[int, int]:
     """Output rows per program and elements per K step of the GEMV: small tiles, so that a batch-1 call of a
     few experts still spreads over every SM (Qwen3-30B-A3B's down projection: 8 pairs x 2048 rows)."""
-    return min(32, triton.next_power_of_2(n)), min(256, max(triton.next_power_of_2(k), 16))
+    return min(32, triton.next_power_of_2(n)), min(256, max(triton.next_power_of_2(k), 32))
 
 
 def sort_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
