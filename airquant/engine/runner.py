@@ -218,15 +218,8 @@ class Engine:
     def loop_supported(self) -> bool:
         """Whether AirQuant's decode loop runs this stack: attention through transformers' AttentionInterface
         and no recurrent/conv state layers (those run batches through transformers' generate instead)."""
-        # Attention sinks (a learned per-head logit, gpt-oss) are not in the loop's attention: the stack
-        # keeps them as a ``sinks`` parameter of its attention modules.
-        sinks = any(name.endswith(".sinks") for name, _ in self.model.named_parameters())
-        # The per-slot buffers hold keys and values of one head size (MLA stacks differ: DeepSeek-V2/V3).
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        if getattr(text, "qk_rope_head_dim", None) is not None:  # MLA: keys are nope + rope wide, values not
-            return False
         return (bool(getattr(self.model, "_supports_attention_backend", False))
-                and not LayerStates.of(self.config).hybrid and not sinks)
+                and not LayerStates.of(self.config).hybrid)
 
     def decode_loop(self, slots: int, *, context: int | None = None, kv=None,
                     token_budget: int | None = None, offload: set[int] | None = None) -> DecodeLoop:

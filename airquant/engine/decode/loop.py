@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, register
+from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, caches_latents, register
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import PromptTooLongError
 
@@ -112,9 +112,11 @@ class DecodeLoop:
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
         self.eos = set(eos_ids)
         self.cache_arg, self.sync, self.on_error = cache_arg, sync, on_error
-        layers, kv_heads, head_dim = model_dims(model.config, turboquant=kv is not None)
-        self.kv = SlotKV(layers, slots, context, kv_heads, head_dim, device, dtype, kv=kv, offload=offload,
-                         pin=device.type == "cuda")
+        layers, _, _ = model_dims(model.config, turboquant=kv is not None)
+        self.kv = SlotKV(layers, slots, context, device, dtype, kv=kv, offload=offload, pin=device.type == "cuda",
+                         latent=caches_latents(model.config))
+        # An MLA stack's attention gets keys the model expanded from the cache, untagged: the cache comes along.
+        self._latent = {"slot_kv": self.kv} if self.kv.latent else {}
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.stats = LoopStats()
@@ -232,7 +234,7 @@ class DecodeLoop:
             with attention_backends():
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                                 **{self.cache_arg: self.kv})
+                                 **{self.cache_arg: self.kv}, **self._latent)
         except BaseException:
             self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
             raise
