@@ -1,4 +1,4 @@
-"""The decode loop on attention that is not one key and one value per head of one width.
+"""The decode loop on the stacks it took over from transformers' generate: MLA, attention sinks, StableLM.
 
 MLA (DeepSeek-V2/V3, GLM-4-MoE-lite) caches a compressed latent and expands it into keys and values of
 different widths; gpt-oss adds a learned sink logit per head to the softmax. Each type is sharded once,
@@ -23,7 +23,8 @@ from airquant.models import resolve
 from airquant.store.split import split
 from tests.zoo import make_model
 
-TYPES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss"]
+# MLA, sinks, and StableLM (its attention goes through transformers' registry without the flag that says so).
+TYPES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "stablelm"]
 PROMPTS = ["Once upon a time in a land far far away there lived", "The quick brown fox", "Hi"]
 NEW = 8
 
@@ -93,7 +94,7 @@ def test_loop_equals_transformers(stack, offload):
 
 
 def test_generate_goes_through_the_loop(stack):
-    got = stack.engine.generate_detailed(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    got = stack.engine.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
     assert [list(c.token_ids) for c in got] == stack.want
     assert stack.engine.last_timings["passes"] > 0  # only the loop counts passes
 
@@ -101,5 +102,52 @@ def test_generate_goes_through_the_loop(stack):
 def test_turboquant_is_refused_with_the_fix(stack):
     """The TurboQuant cache compresses per-head keys of one width over full-attention layers: an MLA latent
     and gpt-oss's sinks and sliding layers are not that, and the error says which backend to use."""
+    if stack.type == "stablelm":
+        pytest.skip("StableLM's keys are TurboQuant's kind: test_stablelm_turboquant_equals_transformers")
     with pytest.raises(KVConfigError, match="kv backend 'none'"):
         stack.engine.decode_loop(1, context=32, kv=KVConfig(backend="tq", bits_k=4, bits_v=2))
+
+
+def test_stablelm_turboquant_equals_transformers(stack):
+    """StableLM moved from transformers' generate to the loop: its TurboQuant tokens (a window shorter than the
+    prompts, history quantized at prefill and while decoding) are those of generate through ``TQCache``."""
+    if stack.type != "stablelm":
+        pytest.skip("TurboQuant is refused for the others")
+    from airquant.kv import make_cache
+
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=4, block=2)
+    got = [list(c.token_ids) for c in stack.engine.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True, kv=tq)]
+    want, config = [], stack.reference.config
+    previous = config._attn_implementation  # make_cache sets TurboQuant's attention on the config
+    for prompt in PROMPTS:
+        ids = torch.tensor([stack.engine.prompt_ids(prompt)])
+        with torch.no_grad():
+            out = stack.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                           min_new_tokens=NEW, do_sample=False, cache=make_cache(config, tq),
+                                           pad_token_id=stack.engine.tokenizer.pad_token_id)
+        config._attn_implementation = previous
+        want.append(out[0, ids.shape[1]:].tolist())
+    assert got == want
+
+
+# Attention computed in the module's own code, not through transformers' AttentionInterface.
+OWN_ATTENTION = {"gpt_neo", "bloom", "falcon", "mpt"}
+
+
+def test_the_fallback_takes_only_recurrent_state_and_own_attention(real_tokenizer):
+    """Which tested types go to transformers' generate (``decode.fallback.reason``), built on meta: the
+    recurrent-state stacks and the four whose attention the loop cannot reach; MLA and sinks stay in the loop."""
+    from airquant.engine.decode import fallback
+    from tests.zoo import HYBRID_TYPES, MODEL_TYPES, SSM_TYPES, tiny_config
+
+    taken = {}
+    for model_type in dict.fromkeys(MODEL_TYPES + HYBRID_TYPES):
+        config = tiny_config(model_type, real_tokenizer)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        taken[model_type] = fallback.reason(model, model.config)
+    recurrent = {t for t, why in taken.items() if why == "recurrent/conv state layers"}
+    own = {t for t, why in taken.items() if why is not None and t not in recurrent}
+    assert recurrent == set(HYBRID_TYPES + SSM_TYPES) | {"minimax"}  # MiniMax: lightning (linear) attention
+    assert own == OWN_ATTENTION
+    assert all(taken[t] is None for t in TYPES)
