@@ -146,9 +146,9 @@ class SlotKV:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context
         (an MLA stack: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model expands)."""
-        ctx = PassContext(self, layer_idx)
         if self.latent:
             return self._plain_update(key, value, layer_idx)
+        ctx = PassContext(self, layer_idx)
         if self.tq:
             ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
         else:
