@@ -204,8 +204,10 @@ def bs1_step(args, store: Path, kv_offload: bool) -> dict:
                                              context=128 + 12 + 3, kv_offload=kv_offload))
     try:
         ids = torch.randint(100, 1000, (1, 128))
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=2, ignore_eos=True))  # warm
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=12, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=2, ignore_eos=True))
+                                  for row in ids.tolist()])  # warm
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=12, ignore_eos=True))
+                                  for row in ids.tolist()])
         return {"step": statistics.median(engine.last_timings["step_s"][2:]),
                 "moved": engine.describe()["bytes_per_decode_step"],
                 "plan": engine.plan.describe(engine.manifest.layer_bytes)}

@@ -336,10 +336,10 @@ class OOMAbove:
         self.injected += 1
         return torch.OutOfMemoryError(f"injected: {n} sequences do not fit")
 
-    def generate_detailed(self, prompts, gen=None, **kw):
+    def generate(self, prompts, gen=None, **kw):
         if len(prompts) > self.fits:
             raise self._oom(len(prompts))
-        return self._engine.generate_detailed(prompts, gen, **kw)
+        return self._engine.generate(prompts, gen, **kw)
 
     def decode_loop(self, slots: int, **kw):
         loop = self._engine.decode_loop(slots, **kw)

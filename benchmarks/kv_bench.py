@@ -84,7 +84,7 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     weights = torch.cuda.memory_allocated(engine.device) / GB if cuda else None
     engine.reset_stats()
     gen = GenerateConfig(max_new_tokens=1 + WARM + b.args.steps, ignore_eos=True)
-    out = engine.generate_ids(ids, torch.ones_like(ids), gen, kv=kv)
+    out = engine.generate_requests([engine.request(row, gen) for row in ids.tolist()], kv=kv)
     assert all(c.new_tokens == gen.max_new_tokens for c in out)
     t = engine.last_timings
     peak = engine.stats().get("peak_vram_allocated_gb")

@@ -148,7 +148,8 @@ def trace_steps(b: Bench, engine, batch: int, name: str, new: int = 3, top: int 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
     start = time.perf_counter()
     with profile(activities=acts) as prof:
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
+                                  for row in ids.tolist()])
     wall = time.perf_counter() - start
     if b.args.trace_dir:  # the timeline itself (chrome://tracing, Perfetto): gaps show what waited on what
         os.makedirs(b.args.trace_dir, exist_ok=True)
@@ -178,7 +179,8 @@ def routed_step_bytes(b: Bench, engine, batch: int) -> float:
     moved = []
     for new in (1, 3):
         engine.reset_stats()
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=new, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+                                  for row in ids.tolist()])
         moved.append(engine.stats()["bytes_streamed"])
     return (moved[1] - moved[0]) / 2
 

@@ -127,11 +127,12 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
     steps, warm = b.args.steps, 1
     vocab = min(engine.config.vocab_size, len(engine.tokenizer))
     ids = prompt_ids(vocab, batch, b.args.prompt_len)
-    mask = torch.ones_like(ids)
-    engine.generate_ids(ids, mask, GenerateConfig(max_new_tokens=2, ignore_eos=True))  # fills the RAM tier
+    engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=2, ignore_eos=True))
+                              for row in ids.tolist()])  # fills the RAM tier
     engine.layer_profile()
     engine.reset_stats()
-    out = engine.generate_ids(ids, mask, GenerateConfig(max_new_tokens=1 + warm + steps, ignore_eos=True))
+    gen = GenerateConfig(max_new_tokens=1 + warm + steps, ignore_eos=True)
+    out = engine.generate_requests([engine.request(row, gen) for row in ids.tolist()])
     assert all(c.new_tokens == 1 + warm + steps for c in out)
     step = statistics.median(engine.last_timings["step_s"][warm:])
     rows = engine.layer_profile()

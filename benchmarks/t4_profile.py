@@ -157,7 +157,8 @@ def warm_runtime(b: Bench) -> dict:
                              verify_reads=False, resident_layers=1)
         try:
             ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
-            engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=2, ignore_eos=True))
+            engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=2, ignore_eos=True))
+                                      for row in ids.tolist()])
         finally:
             engine.close()
             free_gpu()

@@ -20,6 +20,11 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there
            "A B C D", "Water is"]
 
 
+def texts(engine, prompts, **kw) -> list[str]:
+    """The engine's completions' texts: what the provider's calls return."""
+    return [c.text for c in engine.generate(prompts, **kw)]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_store):
     engine = Engine.open(tiny_store, device="cpu", resident=True)
@@ -40,7 +45,7 @@ def test_concurrent_calls_share_weight_passes(provider, reference):
         return await asyncio.gather(*[provider.generate(p, max_new_tokens=6) for p in PROMPTS])
 
     got = asyncio.run(calls())
-    assert got == [reference.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
+    assert got == [texts(reference, [p], max_new_tokens=6)[0] for p in PROMPTS]
     after = provider.metrics()
     assert after["prompts"] - before["prompts"] == len(PROMPTS)
     assert after["passes"] - before["passes"] < 6 * len(PROMPTS) / 2  # requests shared weight passes
@@ -54,16 +59,16 @@ def test_settings_are_not_mixed_in_one_batch(provider, reference):
                                     provider.generate(PROMPTS[2], max_new_tokens=3))
 
     got = asyncio.run(calls())
-    assert got[0] == reference.generate([PROMPTS[0]], max_new_tokens=3)[0]
-    assert got[1] == reference.generate([PROMPTS[1]], max_new_tokens=5)[0]
-    assert got[2] == reference.generate([PROMPTS[2]], max_new_tokens=3)[0]
+    assert got[0] == texts(reference, [PROMPTS[0]], max_new_tokens=3)[0]
+    assert got[1] == texts(reference, [PROMPTS[1]], max_new_tokens=5)[0]
+    assert got[2] == texts(reference, [PROMPTS[2]], max_new_tokens=3)[0]
 
 
 def test_batch_job_sync_facade_and_chat(provider, reference):
-    assert provider.sync.generate_batch(PROMPTS[:3], max_new_tokens=4) == reference.generate(PROMPTS[:3],
-                                                                                             max_new_tokens=4)
+    assert provider.sync.generate_batch(PROMPTS[:3], max_new_tokens=4) == texts(reference, PROMPTS[:3],
+                                                                                max_new_tokens=4)
     chat = provider.sync.generate([{"role": "user", "content": "Hi"}], max_new_tokens=4)
-    assert chat == reference.generate(["Hi"], chat=True, max_new_tokens=4)[0]
+    assert chat == texts(reference, ["Hi"], chat=True, max_new_tokens=4)[0]
     assert provider.sync.generate_batch([]) == []
 
 
@@ -74,7 +79,7 @@ def test_one_bad_prompt_fails_alone(provider, reference):
 
     bad, good = asyncio.run(calls())
     assert isinstance(bad, PromptTooLongError)
-    assert good == reference.generate([PROMPTS[0]], max_new_tokens=4)[0]
+    assert good == texts(reference, [PROMPTS[0]], max_new_tokens=4)[0]
 
 
 def _closes(provider) -> bool:
@@ -92,7 +97,7 @@ def test_close_returns_after_a_prompt_too_long_error(tiny_store, reference):
     p = Provider(tiny_store, device="cpu", max_batch=2, batch_window_ms=500)
     with pytest.raises(PromptTooLongError):
         p.sync.generate("word " * 300, max_new_tokens=4)
-    assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == reference.generate([PROMPTS[0]], max_new_tokens=4)[0]
+    assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == texts(reference, [PROMPTS[0]], max_new_tokens=4)[0]
     with pytest.raises(PromptTooLongError):
         p.sync.generate("word " * 300, max_new_tokens=4)
     assert _closes(p) and not p.alive
@@ -103,8 +108,8 @@ def test_a_batch_with_one_bad_prompt_fails_without_leaving_sequences_behind(tiny
         with pytest.raises(PromptTooLongError):
             p.sync.generate_batch([PROMPTS[0], "word " * 300], max_new_tokens=4)
         # the good prompt submitted before the bad one was withdrawn: nothing ownerless runs in the loop
-        assert p.sync.generate(PROMPTS[1], max_new_tokens=4) == reference.generate([PROMPTS[1]],
-                                                                                   max_new_tokens=4)[0]
+        assert p.sync.generate(PROMPTS[1], max_new_tokens=4) == texts(reference, [PROMPTS[1]],
+                                                                      max_new_tokens=4)[0]
         assert p.alive and p.metrics()["running"] == 0
         assert _closes(p)
 
@@ -117,8 +122,8 @@ def test_a_failing_stream_consumer_fails_only_its_request(tiny_store, reference)
         failed = p.submit(["Hi"], batch_job=False, on_event=gone, max_new_tokens=4)
         with pytest.raises(RuntimeError, match="Event loop is closed"):
             failed.result(timeout=60)
-        assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == reference.generate([PROMPTS[0]],
-                                                                                   max_new_tokens=4)[0]
+        assert p.sync.generate(PROMPTS[0], max_new_tokens=4) == texts(reference, [PROMPTS[0]],
+                                                                      max_new_tokens=4)[0]
         assert p.metrics()["running"] == 0
         assert _closes(p)
 
@@ -199,12 +204,12 @@ def test_streaming_is_kept_off_interactive_calls(six_layer_store):
         with pytest.raises(StreamingNotAllowedError, match="generate_batch"):
             p.sync.generate("Hi")
         got = asyncio.run(p.generate_batch(PROMPTS[:3], max_new_tokens=4))
-        assert got == reference.generate(PROMPTS[:3], max_new_tokens=4)
+        assert got == texts(reference, PROMPTS[:3], max_new_tokens=4)
         # the engine's own planner, given the route's settings, places layers as the router did
         cfg = p.route.engine_config(EngineConfig(device="cpu"))
         assert plan_for(p.engine.manifest, cfg, torch.device("cpu")).tiers == p.route.plan.tiers
     with Provider(six_layer_store, device="cpu", max_batch=2, max_ram_gb=ram, allow_streaming=True) as p:
-        assert p.interactive and p.sync.generate("Hi", max_new_tokens=4) == reference.generate(
+        assert p.interactive and p.sync.generate("Hi", max_new_tokens=4) == texts(reference, 
             ["Hi"], max_new_tokens=4)[0]
 
 
@@ -213,7 +218,7 @@ def test_turboquant_kv_is_passed_to_the_engine(tiny_store, reference):
         assert p.route.kv == "tq" and p.route.kv_config().backend == "tq"
         got = p.sync.generate_batch(PROMPTS[:2], max_new_tokens=4)
     # short sequences stay inside the exact window, so the compressed cache changes nothing yet
-    assert got == reference.generate(PROMPTS[:2], max_new_tokens=4)
+    assert got == texts(reference, PROMPTS[:2], max_new_tokens=4)
 
 
 def test_server_refuses_to_stream_unless_allowed(six_layer_store, capsys):
@@ -231,7 +236,7 @@ def test_stream_yields_the_generated_text(provider, reference):
         return [e async for e in provider.stream(PROMPTS[1], max_new_tokens=8)]
 
     events = asyncio.run(collect())
-    want = reference.generate_detailed([PROMPTS[1]], max_new_tokens=8)[0]
+    want = reference.generate([PROMPTS[1]], max_new_tokens=8)[0]
     assert "".join(e.text for e in events) == want.text
     assert [t for e in events for t in e.token_ids] == list(want.token_ids)
     assert all(e.finish_reason is None and e.usage is None for e in events[:-1])
@@ -257,7 +262,7 @@ def test_closing_a_stream_early_frees_its_slot(tiny_store):
 
 
 def test_per_request_stop_strings(provider, reference):
-    full = reference.generate(["The quick brown fox"], max_new_tokens=10, ignore_eos=True)[0]
+    full = texts(reference, ["The quick brown fox"], max_new_tokens=10, ignore_eos=True)[0]
     stop = full[4:7]
     got = provider.sync.complete("The quick brown fox", max_new_tokens=10, ignore_eos=True, stop=[stop])
     assert got.text == full[: full.index(stop)] and got.finish_reason == "stop"

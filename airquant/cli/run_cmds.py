@@ -75,7 +75,7 @@ def cmd_generate(args) -> int:
     engine = Engine.open(args.store, replace(engine_config(args), batch_size=len(prompts)))
     gen = generate_config(args)
     try:
-        completions = engine.generate_detailed(prompts, gen, kv=kv)
+        completions = engine.generate(prompts, gen, kv=kv)
     finally:
         engine.close()
     for prompt, c in zip(prompts, completions):

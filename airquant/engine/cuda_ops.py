@@ -6,6 +6,7 @@ same ordering logic on CPU tensors with a simulated copy stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -142,3 +143,21 @@ class CudaOps:
     @staticmethod
     def elapsed_ms(start, end) -> float:
         return start.elapsed_time(end)
+
+
+@contextlib.contextmanager
+def vram_cap(device: torch.device, max_bytes: int | None):
+    """PyTorch's allocator held to ``max_bytes`` of ``device`` while the block runs, the previous cap restored
+    after: ``--max-vram`` makes a pass run out of memory rather than take more, without capping the rest of
+    the process (another engine, a reference model) outside the engine's passes."""
+    if device.type != "cuda" or not max_bytes:
+        yield
+        return
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # absent from older torch: uncapped
+    previous = getter(device) if getter is not None else 1.0
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)

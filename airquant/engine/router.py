@@ -224,7 +224,7 @@ class Route:
         return len(self.plan.vram_layers)
 
     def kv_config(self):
-        """The ``kv=`` argument for ``Engine.generate_detailed`` (None: the plain cache)."""
+        """The ``kv=`` argument for ``Engine.generate`` (None: the plain cache)."""
         return tq_config() if self.kv == "tq" else None
 
     def engine_config(self, base=None):

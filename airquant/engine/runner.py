@@ -1,39 +1,39 @@
-"""The engine: open a store, run it streamed (or resident), return logits and generations."""
+"""The engine: open a store, run it streamed (or resident), return logits and generations.
+
+Public surface: ``Engine.open``, ``forward`` (logits), ``generate`` (prompts in, ``Completion``s out) and
+``generate_requests`` (the loop's ``Request``s, per-request settings); ``decode_loop`` for callers that
+step the loop themselves (the provider, batch jobs). Every pass runs under ``passes()``: ``--max-vram``
+caps PyTorch's allocator during the engine's own passes only, nothing process-wide is set at open.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import expert_plan, experts, skeleton
-from airquant.engine.decode import DecodeLoop, Request, Sequence, attention_backends
+from airquant.engine.cuda_ops import vram_cap
+from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.plan import Reserve, StreamPlan
 from airquant.engine.prompts import render as render_prompts
 from airquant.engine.planner import GIB, Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
 from airquant.engine.streamer import LayerStreamer
-from airquant.errors import AirQuantError, PromptTooLongError
-from airquant.kv.layers import LayerStates
+from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
+from airquant.kv import cache_kwarg
 from airquant.store.manifest import Manifest, open_store
 from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    prompt_tokens: int
-    new_tokens: int  # generated tokens, an EOS that ended the sequence included
-    token_ids: tuple[int, ...]
-    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
-    ttft_s: float | None = None  # submit to first token
-    latency_s: float | None = None  # submit to last token
+__all__ = ["Completion", "Engine", "compute_dtype", "hardware_for", "plan_for", "planned_reserve",
+           "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,9 +83,6 @@ class Engine:
         self.store, self.manifest, self.cfg = store, manifest, cfg
         self.device = resolve_device(cfg.device)
         self.dtype = compute_dtype(manifest, cfg.dtype, self.device)
-        if self.device.type == "cuda" and cfg.max_vram_gb:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_vram_gb * GIB / total), self.device)
         # Detected before anything is loaded: the free VRAM is the budget when --max-vram is not given.
         hardware = hardware_for(cfg, self.device) if not cfg.resident else None
         self.config = skeleton.load_config(store)
@@ -145,9 +142,10 @@ class Engine:
         if kv is not None and kv.backend != "none":
             from airquant.kv import kv_logits
 
-            return kv_logits(self.model, input_ids, attention_mask, kv)
+            with self.passes():
+                return kv_logits(self.model, input_ids, attention_mask, kv)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
-        with attention_backends():
+        with self.passes():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
         return out.logits
@@ -176,32 +174,35 @@ class Engine:
         flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
         return sorted(set(flat))
 
-    @torch.inference_mode()
-    def generate_detailed(self, prompts: list[str], gen: GenerateConfig | None = None, *, kv=None,
-                          **overrides) -> list[Completion]:
-        gen = gen or GenerateConfig(**overrides)
-        enc = self.encode(prompts, gen.chat)
-        return self.generate_ids(enc["input_ids"], enc["attention_mask"], gen, kv=kv)
+    @contextlib.contextmanager
+    def passes(self):
+        """Around the engine's forward passes: SDPA's backends (``attention_backends``) and, with ``--max-vram``
+        on a GPU, PyTorch's allocator capped at that budget (restored after)."""
+        cap = int(self.cfg.max_vram_gb * GIB) if self.cfg.max_vram_gb else None
+        with vram_cap(self.device, cap), attention_backends():
+            yield
 
     @torch.inference_mode()
-    def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen: GenerateConfig,
-                     *, kv=None) -> list[Completion]:
-        """Generate from a left-padded batch of token ids [B, S]: one request per row, all in one loop."""
-        rows = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(),
-                                                                              attention_mask.tolist())]
-        return self.generate_requests([self.request(r, gen) for r in rows], kv=kv)
+    def generate(self, prompts: list[str] | str, gen: GenerateConfig | None = None, *, kv=None,
+                 **overrides) -> list[Completion]:
+        """Each prompt (text or chat messages with ``chat=True``) through one decode loop with ``gen``'s settings."""
+        gen = gen or GenerateConfig(**overrides)
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        return self.generate_requests([self.request(self.prompt_ids(p, gen.chat), gen) for p in prompts], kv=kv)
 
     def request(self, prompt_ids: list[int], gen: GenerateConfig) -> Request:
         """The loop's request for these ids with ``gen``'s settings."""
         return Request(tuple(prompt_ids), max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                        top_p=gen.top_p, seed=gen.seed, stop=tuple(gen.stop), ignore_eos=gen.ignore_eos)
 
+    @torch.inference_mode()
     def generate_requests(self, requests: list[Request], *, kv=None) -> list[Completion]:
-        """Every request through one decode loop with a slot each (the static call of ``generate``)."""
+        """Every request through one decode loop with a slot each (the stacks ``decode.fallback`` lists:
+        transformers' generate)."""
         if not requests:
             return []
         if not self.loop_supported:
-            return self._generate_transformers(requests, kv)
+            return self._generate_fallback(requests, kv)
         longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
         loop = self.decode_loop(len(requests), context=longest, kv=kv,
@@ -215,17 +216,8 @@ class Engine:
 
     @property
     def loop_supported(self) -> bool:
-        """Whether AirQuant's decode loop runs this stack: attention through transformers' AttentionInterface
-        and no recurrent/conv state layers (those run batches through transformers' generate instead)."""
-        # Attention sinks (a learned per-head logit, gpt-oss) are not in the loop's attention: the stack
-        # keeps them as a ``sinks`` parameter of its attention modules.
-        sinks = any(name.endswith(".sinks") for name, _ in self.model.named_parameters())
-        # The per-slot buffers hold keys and values of one head size (MLA stacks differ: DeepSeek-V2/V3).
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        if getattr(text, "qk_rope_head_dim", None) is not None:  # MLA: keys are nope + rope wide, values not
-            return False
-        return (bool(getattr(self.model, "_supports_attention_backend", False))
-                and not LayerStates.of(self.config).hybrid and not sinks)
+        """Whether AirQuant's decode loop runs this stack (``decode.fallback.reason`` lists who it does not)."""
+        return fallback.reason(self.model, self.config) is None
 
     def decode_loop(self, slots: int, *, context: int | None = None, kv=None,
                     token_budget: int | None = None, offload: set[int] | None = None) -> DecodeLoop:
@@ -234,8 +226,12 @@ class Engine:
         A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``expert_plan.choose_experts``),
         whatever ``slots`` is and however many sequences each pass holds."""
         from airquant.engine.plan import token_budget as planned_budget
-        from airquant.kv import cache_kwarg
 
+        why = fallback.reason(self.model, self.config)
+        if why is not None:  # it would fail inside the first pass (a recurrent layer asks the cache for its state)
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} has {why}, which the decode loop does not run; Engine.generate and "
+                "generate_requests run it through transformers' generate (engine/decode/fallback.py).")
         limit = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         context = min(context or self.cfg.context or 2048, limit)
         if offload is None and self.plan is not None and self.plan.kv_offload:
@@ -244,7 +240,7 @@ class Engine:
                           token_budget=token_budget or planned_budget(slots, context), device=self.device,
                           dtype=self.dtype, eos_ids=self.eos_ids(), cache_arg=cache_kwarg(self.model),
                           kv=kv if kv is not None and kv.backend != "none" else None, offload=offload or set(),
-                          sync=self._sync, on_error=self.streamer.reset if self.streamer is not None else lambda: None)
+                          sync=self._sync, on_error=self._on_error, scope=self.passes)
 
     def completion(self, seq: Sequence) -> Completion:
         return Completion(text=seq.detok.text, prompt_tokens=seq.prompt_len, new_tokens=len(seq.out) + seq.eos_hit,
@@ -260,55 +256,20 @@ class Engine:
                              "slot_utilization": loop.stats.utilization(loop.slots),
                              "decode_step_median_s": statistics.median(steps) if steps else None}
 
-    def _generate_transformers(self, requests: list[Request], kv) -> list[Completion]:
-        """Stacks the loop does not run (recurrent state layers, attention outside the AttentionInterface):
-        transformers' generate, one call per group of equal settings (left-padded batch)."""
-        from transformers import GenerationConfig
-
-        groups: dict[Request, list[int]] = {}
-        for k, r in enumerate(requests):
-            groups.setdefault(Request((), *[getattr(r, f) for f in ("max_new_tokens", "temperature", "top_p",
-                                                                   "seed", "stop", "ignore_eos")]), []).append(k)
-        out: list[Completion | None] = [None] * len(requests)
+    def _generate_fallback(self, requests: list[Request], kv) -> list[Completion]:
         start = time.perf_counter()
-        for key, members in groups.items():
-            pad = self.tokenizer.pad_token_id
-            width = max(len(requests[k].prompt_ids) for k in members)
-            ids = torch.tensor([[pad] * (width - len(requests[k].prompt_ids)) + list(requests[k].prompt_ids)
-                                for k in members], device=self.device)
-            mask = torch.tensor([[0] * (width - len(requests[k].prompt_ids)) + [1] * len(requests[k].prompt_ids)
-                                 for k in members], device=self.device)
-            self._check_context(width, key.max_new_tokens)
-            if key.seed is not None:
-                torch.manual_seed(key.seed)
-            sample = key.temperature > 0
-            config = GenerationConfig(
-                max_new_tokens=key.max_new_tokens, do_sample=sample, temperature=key.temperature if sample else None,
-                top_p=key.top_p if sample else None, top_k=None, pad_token_id=pad, eos_token_id=self.eos_ids(),
-                min_new_tokens=key.max_new_tokens if key.ignore_eos else None,
-                stop_strings=list(key.stop) or None)
-            cache = self._make_cache(kv)
-            offload = self.streamer.kv if self.streamer is not None else None
-            if offload is not None:
-                offload.bind(cache, tokens=width + key.max_new_tokens)
-            try:
-                with attention_backends():
-                    rows = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                               tokenizer=self.tokenizer if key.stop else None, **self._cache_arg(cache))
-            except BaseException:
-                if self.streamer is not None:  # an OOM or an interrupt cut a forward short
-                    self.streamer.reset()
-                raise
-            finally:
-                if offload is not None:
-                    offload.unbind()
-            for k, row in zip(members, rows):
-                out[k] = self._completion(row[width:], len(requests[k].prompt_ids), key.stop)
-        total = time.perf_counter() - start
+        out = fallback.generate(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
+                                make_cache=lambda: self._make_cache(kv), cache_arg=cache_kwarg(self.model),
+                                offload=self.streamer.kv if self.streamer is not None else None,
+                                check_context=self._check_context, on_error=self._on_error, scope=self.passes)
         self.last_timings = {"ttft_s": None, "prefill_s": None, "decode_s": None, "decode_steps": 0,
-                             "batch_size": len(requests), "total_s": total, "step_s": [], "decode_step_median_s": None,
-                             "prompt_len": max(len(r.prompt_ids) for r in requests)}
+                             "batch_size": len(requests), "total_s": time.perf_counter() - start, "step_s": [],
+                             "decode_step_median_s": None, "prompt_len": max(len(r.prompt_ids) for r in requests)}
         return out
+
+    def _on_error(self) -> None:
+        if self.streamer is not None:  # an OOM or an interrupt cut a forward short
+            self.streamer.reset()
 
     def _make_cache(self, kv):
         """The cache to decode with: ``kv``'s, a plain one when the streamer offloads it, or None (generate's)."""
@@ -323,25 +284,7 @@ class Engine:
         return None
 
     def _cache_arg(self, cache) -> dict:
-        if cache is None:
-            return {}
-        from airquant.kv import cache_kwarg
-
-        return {cache_kwarg(self.model): cache}
-
-    def generate(self, prompts: list[str] | str, gen: GenerateConfig | None = None, **overrides) -> list[str]:
-        return [c.text for c in self.generate_detailed(prompts, gen, **overrides)]
-
-    def _completion(self, new_ids: torch.Tensor, prompt_tokens: int, stop: tuple[str, ...]) -> Completion:
-        ids = new_ids.tolist()
-        eos = set(self.eos_ids())
-        cut = next((k for k, t in enumerate(ids) if t in eos), len(ids))
-        kept = ids[:cut]
-        text = self.tokenizer.decode(kept, skip_special_tokens=True)
-        hits = [i for s in stop if (i := text.find(s)) >= 0]
-        return Completion(text=text[:min(hits)] if hits else text, prompt_tokens=prompt_tokens,
-                          new_tokens=len(kept) + (cut < len(ids)), token_ids=tuple(kept),
-                          finish_reason="stop" if cut < len(ids) or hits else "length")
+        return {} if cache is None else {cache_kwarg(self.model): cache}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,6 +1,6 @@
 """Speed and memory: TTFT, prefill and decode throughput, peak VRAM and host RAM, bandwidth utilization.
 
-Each measurement is one greedy ``generate_detailed`` call on real text (never zeros), after warm-up
+Each measurement is one greedy ``generate`` call on real text (never zeros), after warm-up
 calls that are not counted; the engine's peak-memory counters are reset before each one and CUDA is
 synchronized around it. The row keeps the median of the repeats and every repeat as a sample.
 
@@ -233,7 +233,7 @@ def _measure(engine: Any, prompts: list[str], kv: Any, gen: dict) -> PerfSample:
     _sync(device)
     with RssSampler() as rss:
         t0 = time.perf_counter()
-        completions = prompting.generate_detailed(engine, prompts, kv=kv, **gen)
+        completions = prompting.generate(engine, prompts, kv=kv, **gen)
         _sync(device)
         wall = time.perf_counter() - t0
     t, stats = dict(engine.last_timings), engine.stats()
@@ -295,7 +295,7 @@ def run_perf(engine: Any, *, data: str | Path | None = None, prompt_length: int 
     prompts = make_prompts(engine.tokenizer, corpus.text, prompt_length, batch_size)
     gen = dict(max_new_tokens=max_new_tokens, temperature=0.0, chat=False)
     for _ in range(warmup):
-        prompting.generate_detailed(engine, prompts, kv=kv, **gen)
+        prompting.generate(engine, prompts, kv=kv, **gen)
     samples = [_measure(engine, prompts, kv, gen) for _ in range(repeats)]
     link = bandwidth or measure_link_bandwidth(engine.device, kind=default_bandwidth_kind(engine))
     summary = _summarize(engine, samples, link, batch_size)

@@ -45,8 +45,8 @@ def truncate_tokens(tokenizer: Any, text: str, budget: int) -> tuple[str, bool]:
     return tokenizer.decode(ids[:budget], skip_special_tokens=True), True
 
 
-def generate_detailed(engine: Any, prompts: list[str], *, kv: Any = None, **kwargs) -> list:
-    """``engine.generate_detailed``, passing ``kv`` only when set so engines without the argument work."""
+def generate(engine: Any, prompts: list[str], *, kv: Any = None, **kwargs) -> list:
+    """``engine.generate``, passing ``kv`` only when set so engines without the argument work."""
     if kv is not None:
         kwargs["kv"] = kv
-    return engine.generate_detailed(prompts, **kwargs)
+    return engine.generate(prompts, **kwargs)

@@ -109,7 +109,7 @@ def _summarize(engine: Any, prompts: list[str], *, batch_size: int, max_new_toke
                kv: Any) -> list:
     completions = []
     for i in range(0, len(prompts), batch_size):
-        completions += prompting.generate_detailed(engine, prompts[i:i + batch_size], kv=kv,
+        completions += prompting.generate(engine, prompts[i:i + batch_size], kv=kv,
                                                    max_new_tokens=max_new_tokens, temperature=0.0, chat=chat)
         log.info("rouge: %d/%d summaries", len(completions), len(prompts))
     return completions

@@ -342,10 +342,10 @@ def run_records(engine, prompts: list[Prompt], job: BatchJob, slots: int, contex
 
 
 def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_record, on_batch=None) -> None:
-    """Engines without the decode loop: ``size`` prompts per ``Engine.generate_detailed`` call."""
+    """Engines without the decode loop: ``size`` prompts per ``Engine.generate`` call."""
     for i in range(0, len(prompts), size):
         chunk = prompts[i:i + size]
-        completions = engine.generate_detailed([p.prompt for p in chunk], job.gen, kv=job.kv)
+        completions = engine.generate([p.prompt for p in chunk], job.gen, kv=job.kv)
         timings = {k: engine.last_timings.get(k) for k in ("batch_size", "ttft_s", "decode_s", "total_s")}
         for p, c in zip(chunk, completions):
             on_record({"id": p.id, "prompt": p.prompt, "output": c.text, "prompt_tokens": c.prompt_tokens,

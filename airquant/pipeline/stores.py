@@ -190,7 +190,7 @@ def generate(store: str | Path, prompts: Sequence[str] = PROMPTS, *, device: str
     engine = open_engine(store, device, batch_size=len(prompts))
     try:
         chat = bool(getattr(engine.tokenizer, "chat_template", None))
-        out = engine.generate_detailed(list(prompts), kv=kv, max_new_tokens=max_new_tokens, chat=chat)
+        out = engine.generate(list(prompts), kv=kv, max_new_tokens=max_new_tokens, chat=chat)
         seconds = engine.last_timings.get("total_s", 0.0)
         scheme = engine.manifest.scheme
     finally:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class ProviderEngine:
-    """What ``run_batch`` needs of an engine (``tokenizer``, ``generate_detailed``, ``last_timings``),
+    """What ``run_batch`` needs of an engine (``tokenizer``, ``generate``, ``last_timings``),
     answered by the provider's worker thread, which owns the real engine."""
 
     def __init__(self, provider):
@@ -41,7 +41,7 @@ class ProviderEngine:
         self.tokenizer = load_tokenizer(provider.route.store / "tokenizer")
         self.last_timings: dict = {}
 
-    def generate_detailed(self, prompts, gen: GenerateConfig, kv=None):  # kv: the provider's route decides
+    def generate(self, prompts, gen: GenerateConfig, kv=None):  # kv: the provider's route decides
         start = time.perf_counter()
         out = self.provider.submit(list(prompts), batch_job=True, **asdict(gen)).result()
         self.last_timings = {"batch_size": len(prompts), "total_s": time.perf_counter() - start}

@@ -103,7 +103,7 @@ def test_finished_sequence_frees_its_slot_for_the_next_prompt(engine):
 
 def test_per_request_settings_and_stop_strings(engine):
     prompts = ["The quick brown fox", "Once upon a time"]
-    free = engine.generate_detailed(prompts, max_new_tokens=12, ignore_eos=True)
+    free = engine.generate(prompts, max_new_tokens=12, ignore_eos=True)
     stop = free[0].text[3:6]
     assert stop and stop not in free[0].text[:3]
     reqs = [engine.request(engine.prompt_ids(prompts[0]), GenerateConfig(max_new_tokens=12, stop=(stop,))),
@@ -116,8 +116,8 @@ def test_per_request_settings_and_stop_strings(engine):
 
 def test_seeded_sampling_is_per_request(engine):
     gen = GenerateConfig(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
-    alone = engine.generate_detailed(["Water is"], gen)[0].token_ids
-    together = engine.generate_detailed(["Tell me a story", "Water is"], gen)[1].token_ids
+    alone = engine.generate(["Water is"], gen)[0].token_ids
+    together = engine.generate(["Tell me a story", "Water is"], gen)[1].token_ids
     assert alone == together
 
 

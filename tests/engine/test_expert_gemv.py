@@ -88,7 +88,8 @@ def _decode(engine: Engine, steps: int = 5) -> tuple[list[int], torch.Tensor]:
         lambda _m, _a, out: logits.append(out[:, -1].float().cpu()))
     try:
         ids = torch.tensor([PROMPT])
-        out = engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=steps, ignore_eos=True))
+        out = engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=steps, ignore_eos=True))
+                                        for row in ids.tolist()])
     finally:
         handle.remove()
     return list(out[0].token_ids), torch.cat(logits)

@@ -76,7 +76,8 @@ def _decode_calls(engine: Engine, monkeypatch) -> list[tuple[Counter, Counter]]:
 
     monkeypatch.setattr(experts.ExpertPool, "run", counted_run)
     ids = torch.tensor([PROMPT])
-    engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=4, ignore_eos=True))
+    engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=4, ignore_eos=True))
+                              for row in ids.tolist()])
     return calls
 
 

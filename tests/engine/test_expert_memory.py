@@ -98,7 +98,8 @@ def test_planned_bytes_cover_every_routed_call(stores, monkeypatch, model_type, 
     engine.experts.run = tracked
     ids = torch.randint(100, 1000, (2, 48))
     with mode:
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=3, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=3, ignore_eos=True))
+                                  for row in ids.tolist()])
     assert {t for t, _ in calls} >= {96, 2}  # the prefill (2 x 48 tokens) and decode steps were tracked
     if budgets == SMALL:
         assert plan.call_tokens < 96  # the prefill ran in token chunks
@@ -197,7 +198,8 @@ def test_a_routed_call_leaves_only_its_output_alive(stores, model_type):
     engine.experts.run = tracked
     ids = torch.randint(100, 1000, (1, 24))
     with mode:
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=4, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=4, ignore_eos=True))
+                                  for row in ids.tolist()])
     assert {t for t, _ in left} == {24, 1}  # prefill and one-token decode calls
     assert all(extra == 0 for _, extra in left), left
     engine.close()

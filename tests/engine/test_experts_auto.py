@@ -117,7 +117,7 @@ def test_route_max_batch_fits_with_the_mode_of_that_batch(mixtral):
 
 
 def _greedy(engine: Engine) -> list[str]:
-    return engine.generate(PROMPTS, GenerateConfig(max_new_tokens=6))
+    return [c.text for c in engine.generate(PROMPTS, GenerateConfig(max_new_tokens=6))]
 
 
 def test_engine_takes_the_mode_of_its_batch_and_greedy_output_is_equal(mixtral):

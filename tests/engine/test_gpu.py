@@ -26,8 +26,8 @@ def test_cuda_streamed_equals_resident(tiny_store, kw):
         a = streamed.forward(**enc)
         b = resident.forward(**enc)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    ga = streamed.generate_detailed(PROMPTS, max_new_tokens=10)
-    gb = resident.generate_detailed(PROMPTS, max_new_tokens=10)
+    ga = streamed.generate(PROMPTS, max_new_tokens=10)
+    gb = resident.generate(PROMPTS, max_new_tokens=10)
     assert [c.token_ids for c in ga] == [c.token_ids for c in gb]
     if kw.get("resident_layers") == 0:
         assert streamed.stats()["bytes_streamed"] > 0
@@ -53,8 +53,8 @@ def test_cuda_streams_model_types_like_resident(tmp_path, real_tokenizer, model_
     resident = Engine.open(tmp_path / "store", device="cuda", resident=True)
     enc = streamed.encode(PROMPTS)
     torch.testing.assert_close(streamed.forward(**enc), resident.forward(**enc), rtol=1e-4, atol=1e-4)
-    ga = streamed.generate_detailed(PROMPTS, max_new_tokens=8)
-    gb = resident.generate_detailed(PROMPTS, max_new_tokens=8)
+    ga = streamed.generate(PROMPTS, max_new_tokens=8)
+    gb = resident.generate(PROMPTS, max_new_tokens=8)
     assert [c.token_ids for c in ga] == [c.token_ids for c in gb]
     assert streamed.stats()["bytes_streamed"] > 0
     streamed.close()

@@ -70,7 +70,8 @@ def _run_and_measure(store, experts: str, ram_layers: float, tiers: list[str]):
         plan = engine.plan
         assert plan.tiers == tiers
         ids = torch.randint(17, 4096, (2, 8), generator=torch.Generator().manual_seed(0))
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=2, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=2, ignore_eos=True))
+                                  for row in ids.tolist()])
         if experts == "routed":  # the pool ran, and is the planner's (sized once, in planner.plan)
             assert engine.experts.bytes_copied > 0 and engine.experts.plan == plan.experts
         return plan, plan.host_parts(manifest.layer_bytes), engine.host_memory()

@@ -17,6 +17,7 @@ from test_kv_offload import KVSimOps, decode_logits, offload_engine  # tests/eng
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from airquant.engine.runner import Engine
+from airquant.errors import UnsupportedModelError
 from airquant.kv import KVConfig, LayerStates, kv_logits, make_cache
 from airquant.kv.cache import TQLayer
 from airquant.models import resolve
@@ -59,7 +60,7 @@ def hybrid(request, tmp_path_factory, real_tokenizer):
 
 
 def _greedy(engine, prompts, kv=None) -> list[tuple[int, ...]]:
-    return [c.token_ids for c in engine.generate_detailed(prompts, max_new_tokens=NEW, ignore_eos=True, kv=kv)]
+    return [c.token_ids for c in engine.generate(prompts, max_new_tokens=NEW, ignore_eos=True, kv=kv)]
 
 
 def _reference_greedy(h, prompts) -> list[tuple[int, ...]]:
@@ -80,6 +81,14 @@ def test_streamed_logits_equal_transformers(hybrid):
 
 def test_greedy_tokens_equal_transformers_generate(hybrid):
     assert [hybrid.alone[1]] == _reference_greedy(hybrid, PROMPTS[1:2]) and len(hybrid.alone[1]) == NEW
+
+
+def test_the_decode_loop_refuses_it_and_names_the_path_that_runs_it(hybrid):
+    """A caller stepping the loop itself (the provider) learns at once, not from a cache method the first pass
+    misses; ``generate`` runs the stack through transformers' generate (``decode.fallback``)."""
+    assert not hybrid.engine.loop_supported
+    with pytest.raises(UnsupportedModelError, match="transformers' generate"):
+        hybrid.engine.decode_loop(2, context=64)
 
 
 def test_left_padded_batch_decodes_each_prompt_as_alone(hybrid):

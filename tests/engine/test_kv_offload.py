@@ -69,7 +69,7 @@ def reference(request, tiny_store):
     logits, cache = decode_logits(engine, kv)
     if kv is not None:
         assert cache.layers[0].store.length > 0  # blocks were quantized: the packed store travels too
-    tokens = [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)]
+    tokens = [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)]
     return kv, logits, tokens
 
 
@@ -96,7 +96,7 @@ def test_offloaded_cache_gives_the_same_logits(tiny_store, reference, tiers, ops
             assert _points_at_host(engine, cache, i) == (tier != "vram"), f"layer {i} ({tier})"
     host = []
     for _ in range(2):
-        got = engine.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
+        got = engine.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
         assert [c.token_ids for c in got] == tokens
         host.append(engine.streamer.kv.host_bytes())
     assert host[0] == host[1]  # sized once for prompt + new tokens, then reused
@@ -181,8 +181,8 @@ def test_cuda_offloaded_cache_equals_the_cache_on_the_device(tiny_store, referen
                        if t is not None and t.numel()]
             on_host = [t.device.type == "cpu" and t.is_pinned() for t in tensors]
             assert all(on_host) if tier != "vram" else not any(on_host), f"layer {i} ({tier})"
-    ga = on.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
-    gb = off.generate_detailed(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
+    ga = on.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
+    gb = off.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
     assert [c.token_ids for c in gb] == [c.token_ids for c in ga]
     off.close()
     on.close()
@@ -215,14 +215,14 @@ def test_cuda_offload_lowers_peak_vram_at_long_context(tmp_path, real_tokenizer)
     store = _long_context_store(tmp_path, real_tokenizer)
     batch, prompt, new = 4, 2048, 4
     ids = torch.randint(100, 40000, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
     peaks, tokens = {}, {}
     for offload in (False, True):
         engine = Engine.open(store, EngineConfig(device="cuda", resident_layers=0, kv_offload=offload))
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = engine.generate_ids(ids, mask, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+        out = engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+                                        for row in ids.tolist()])
         torch.cuda.synchronize()
         peaks[offload] = torch.cuda.max_memory_allocated() - base
         tokens[offload] = [c.token_ids for c in out]

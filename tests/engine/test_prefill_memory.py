@@ -37,7 +37,8 @@ def test_a_prefill_pass_stays_within_the_planned_reserve(tmp_path, real_tokenize
     ids = torch.randint(100, 1000, (BATCH, PROMPT))
     mode = LiveBytes()
     with mode:
-        engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=NEW, ignore_eos=True))
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=NEW, ignore_eos=True))
+                                  for row in ids.tolist()])
     planned = reserve_for(engine.config, batch=BATCH, context=PROMPT + NEW, dtype_bytes=2)
     assert 0 < mode.peak <= planned.total - planned.workspace, (mode.peak, planned.describe())
     engine.close()

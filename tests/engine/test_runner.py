@@ -39,8 +39,8 @@ def test_streamed_logits_equal_transformers(tiny_store, tiny_llama, max_ram_gb):
 def test_streamed_and_resident_generate_same_tokens(tiny_store):
     streamed = Engine.open(tiny_store, device="cpu")
     resident = Engine.open(tiny_store, device="cpu", resident=True)
-    a = streamed.generate_detailed(PROMPTS, max_new_tokens=12)
-    b = resident.generate_detailed(PROMPTS, max_new_tokens=12)
+    a = streamed.generate(PROMPTS, max_new_tokens=12)
+    b = resident.generate(PROMPTS, max_new_tokens=12)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert all(c.new_tokens > 0 for c in a)
     assert streamed.stats()["bytes_streamed"] == 0  # CPU: layers are used in place, nothing copied
@@ -48,8 +48,8 @@ def test_streamed_and_resident_generate_same_tokens(tiny_store):
 
 def test_batched_greedy_equals_one_by_one(tiny_store, tiny_llama):
     engine = Engine.open(tiny_store, device="cpu")
-    batched = engine.generate_detailed(PROMPTS, max_new_tokens=8)
-    single = [engine.generate_detailed([p], max_new_tokens=8)[0] for p in PROMPTS]
+    batched = engine.generate(PROMPTS, max_new_tokens=8)
+    single = [engine.generate([p], max_new_tokens=8)[0] for p in PROMPTS]
     assert [c.token_ids for c in batched] == [c.token_ids for c in single]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     enc = engine.tokenizer(PROMPTS[1], return_tensors="pt")
@@ -63,8 +63,8 @@ def test_batched_greedy_equals_one_by_one(tiny_store, tiny_llama):
 def test_sampling_is_seeded(tiny_store):
     engine = Engine.open(tiny_store, device="cpu")
     kw = dict(max_new_tokens=10, temperature=1.0, top_p=0.9)
-    a = engine.generate_detailed(PROMPTS, seed=3, **kw)
-    b = engine.generate_detailed(PROMPTS, seed=3, **kw)
+    a = engine.generate(PROMPTS, seed=3, **kw)
+    b = engine.generate(PROMPTS, seed=3, **kw)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
@@ -73,7 +73,7 @@ def test_kv_cache_makes_decode_one_pass_per_token(tiny_store):
     calls = []
     original = engine.streamer.fetch
     engine.streamer.fetch = lambda i: calls.append(i) or original(i)
-    out = engine.generate_detailed(["Hello there"], max_new_tokens=6)
+    out = engine.generate(["Hello there"], max_new_tokens=6)
     steps = 1 + (out[0].new_tokens - 1)  # prefill, then one pass per further token
     assert len(calls) == engine.manifest.num_layers * steps
     assert engine.last_timings["decode_steps"] == out[0].new_tokens - 1
@@ -87,7 +87,8 @@ def test_bf16_store_streamed_equals_resident(tmp_path, tiny_qwen2):
     assert s.dtype == torch.bfloat16
     enc = s.encode(PROMPTS)
     assert torch.equal(s.forward(**enc), r.forward(**enc))
-    assert s.generate(PROMPTS, max_new_tokens=6) == r.generate(PROMPTS, max_new_tokens=6)
+    assert [c.text for c in s.generate(PROMPTS, max_new_tokens=6)] == \
+        [c.text for c in r.generate(PROMPTS, max_new_tokens=6)]
 
 
 def test_compute_dtype_override(tiny_store):
@@ -124,7 +125,38 @@ def test_default_model_answers_paris_streamed_and_resident(default_store):
     streamed = Engine.open(default_store, device="cpu")
     resident = Engine.open(default_store, device="cpu", resident=True)
     q = ["What is the capital of France?"]
-    a = streamed.generate_detailed(q, chat=True, max_new_tokens=16)[0]
-    b = resident.generate_detailed(q, chat=True, max_new_tokens=16)[0]
+    a = streamed.generate(q, chat=True, max_new_tokens=16)[0]
+    b = resident.generate(q, chat=True, max_new_tokens=16)[0]
     assert "Paris" in a.text
     assert a.token_ids == b.token_ids
+
+
+def test_max_vram_caps_the_allocator_inside_the_engines_passes_only(tiny_store, monkeypatch):
+    """``--max-vram`` holds PyTorch's allocator to the budget while a pass runs and gives the previous cap back
+    after; opening an engine sets nothing process-wide."""
+    from airquant.engine import cuda_ops, runner
+    from airquant.engine.planner import GIB
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.75)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 8 * GIB}))
+    with cuda_ops.vram_cap(torch.device("cuda", 0), 2 * GIB):
+        assert fractions == [0.25]
+    assert fractions == [0.25, 0.75]  # the previous cap is back
+    with cuda_ops.vram_cap(torch.device("cpu"), 2 * GIB), cuda_ops.vram_cap(torch.device("cuda", 0), None):
+        assert fractions == [0.25, 0.75]  # no GPU or no budget: nothing to cap
+
+    entered = []
+
+    def recorded(device, max_bytes):
+        entered.append((device.type, max_bytes))
+        return cuda_ops.vram_cap(device, max_bytes)
+
+    monkeypatch.setattr(runner, "vram_cap", recorded)
+    engine = Engine.open(tiny_store, device="cpu", max_vram_gb=1)
+    assert entered == []
+    engine.generate(["Hi there"], max_new_tokens=3, ignore_eos=True)
+    assert entered == [("cpu", GIB)] * 3  # one per pass: prefill and two decode steps
+    engine.forward(torch.tensor([[1, 2, 3]]))
+    assert len(entered) == 4

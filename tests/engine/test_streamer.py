@@ -85,7 +85,7 @@ def reference(tiny_store):
     engine = Engine.open(tiny_store, device="cpu", resident=True)
     enc = engine.encode(PROMPTS)
     logits = engine.forward(**enc)
-    tokens = [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=6)]
+    tokens = [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=6)]
     return enc, logits, tokens
 
 
@@ -118,7 +118,7 @@ def test_every_tier_mix_gives_the_resident_logits(tiny_store, reference, tiers, 
 def test_decode_with_kv_cache_matches_resident(tiny_store, reference, slots, readahead, lazy):
     _, _, want = reference
     engine = streamed_engine(tiny_store, TIERS["ram+disk+disk"], SimOps(lazy), slots=slots, readahead=readahead)
-    got = engine.generate_detailed(PROMPTS, max_new_tokens=6)
+    got = engine.generate(PROMPTS, max_new_tokens=6)
     assert [c.token_ids for c in got] == want
     assert not engine.streamer._inflight or all(not e.in_use for e in engine.streamer._inflight.values())
     engine.close()
@@ -154,7 +154,7 @@ def test_a_forward_cut_short_leaves_a_usable_streamer(tiny_store, reference, tie
 
     layer.layer.forward = fail
     with pytest.raises(torch.OutOfMemoryError):
-        engine.generate_detailed(PROMPTS, max_new_tokens=2)
+        engine.generate(PROMPTS, max_new_tokens=2)
     layer.layer.forward = original
     assert all(not e.in_use for e in engine.streamer._inflight.values())
     for _ in range(2):
@@ -189,8 +189,8 @@ def test_cuda_nf4_store_with_host_embedding_equals_resident(tmp_path, real_token
     enc = streamed.encode(PROMPTS)
     for _ in range(2):
         torch.testing.assert_close(streamed.forward(**enc), resident.forward(**enc), rtol=1e-3, atol=1e-3)
-    got = streamed.generate_detailed(PROMPTS, max_new_tokens=6)
-    assert [c.token_ids for c in got] == [c.token_ids for c in resident.generate_detailed(PROMPTS, max_new_tokens=6)]
+    got = streamed.generate(PROMPTS, max_new_tokens=6)
+    assert [c.token_ids for c in got] == [c.token_ids for c in resident.generate(PROMPTS, max_new_tokens=6)]
     memory = streamed.streamer.memory
     assert memory._registered and all(b.is_pinned() for b in memory._registered)  # exact-size page-locked
     rows = streamed.layer_profile()

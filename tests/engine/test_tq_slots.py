@@ -77,7 +77,7 @@ def test_batched_decode_attention_equals_per_segment_path(name, offload, monkeyp
     kv, layers = CONFIGS[name], 2
     if offload:
         _emulated_offload(monkeypatch)
-    cache = SlotKV(layers, SLOTS, 64, HKV, DIM, torch.device("cpu"), torch.float32, kv=kv,
+    cache = SlotKV(layers, SLOTS, 64, torch.device("cpu"), torch.float32, kv=kv,
                    offload={1} if offload else set())
     refs: dict[int, list[TQLayer]] = {}
     seen: dict[int, int] = {}

@@ -1,6 +1,6 @@
 """A resident-transformers stand-in for ``airquant.engine.Engine`` and tiny models to run it on.
 
-The metrics only use the engine interface (tokenizer, config, forward, generate_detailed, describe,
+The metrics only use the engine interface (tokenizer, config, forward, generate, describe,
 stats), so a random 2-layer Llama with the default model's real tokenizer exercises every code path
 in seconds on a CPU.
 """
@@ -74,8 +74,8 @@ class ResidentEngine:
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     @torch.inference_mode()
-    def generate_detailed(self, prompts, *, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=None,
-                          chat=False, kv=None):
+    def generate(self, prompts, *, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=None,
+                 chat=False, kv=None):
         from transformers import DynamicCache
 
         enc = self._encode(list(prompts), chat)
@@ -108,9 +108,6 @@ class ResidentEngine:
         cut = ids.index(eos) if eos in ids else len(ids)
         text = self.tokenizer.decode(ids[:cut], skip_special_tokens=True)
         return Completion(text=text, prompt_tokens=prompt_tokens, new_tokens=min(cut + 1, len(ids)))
-
-    def generate(self, prompts, **kw):
-        return [c.text for c in self.generate_detailed(prompts, **kw)]
 
     def describe(self):
         return {"model": self.name, "store_scheme": self.store_scheme, "kv_scheme": "none",

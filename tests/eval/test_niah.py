@@ -31,7 +31,7 @@ class WindowedRetriever:
                                                  add_generation_prompt=True)
         return len(enc["input_ids"])
 
-    def generate_detailed(self, prompts, *, max_new_tokens, temperature, chat):
+    def generate(self, prompts, *, max_new_tokens, temperature, chat):
         assert chat and temperature == 0.0
         self.batches.append(len(prompts))
         out = []

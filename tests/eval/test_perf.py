@@ -29,7 +29,7 @@ class ScriptedEngine:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.calls, self.resets, self.last_timings = [], 0, {}
 
-    def generate_detailed(self, prompts, **kw):
+    def generate(self, prompts, **kw):
         self.calls.append((len(prompts), kw))
         self.last_timings = self.timings.pop(0)
         return [SimpleNamespace(text="x", prompt_tokens=100, new_tokens=11) for _ in prompts]
@@ -70,8 +70,8 @@ def test_derived_numbers_are_medians_of_the_repeats(tokenizer, small_text_file):
 def test_prompts_are_real_distinct_text_of_the_requested_length(tokenizer, small_text_file):
     engine = ScriptedEngine(tokenizer, [timing(0.1, 1.0)] * 2)
     seen = []
-    engine.generate_detailed = lambda prompts, **kw: seen.append(prompts) or \
-        ScriptedEngine.generate_detailed(engine, prompts, **kw)
+    engine.generate = lambda prompts, **kw: seen.append(prompts) or \
+        ScriptedEngine.generate(engine, prompts, **kw)
     run_perf(engine, data=small_text_file, prompt_length=64, batch_size=3, warmup=1, repeats=1, bandwidth=LINK)
     prompts = seen[-1]
     assert len(set(prompts)) == 3

@@ -96,7 +96,7 @@ class OracleEngine:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.calls: list[dict] = []
 
-    def generate_detailed(self, prompts, **kw):
+    def generate(self, prompts, **kw):
         self.calls.append(kw)
         out = []
         for p in prompts:

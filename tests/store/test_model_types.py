@@ -51,7 +51,7 @@ def test_streamed_equals_transformers(tmp_path, real_tokenizer, model_type):
     engine = Engine.open(store, device="cpu")
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     _check_against(engine, reference, real_tokenizer, 1e-4)
-    got = engine.generate_detailed(PROMPTS[1:2], max_new_tokens=8)[0].token_ids
+    got = engine.generate(PROMPTS[1:2], max_new_tokens=8)[0].token_ids
     enc = real_tokenizer(PROMPTS[1], return_tensors="pt")
     want = reference.generate(**enc, max_new_tokens=8, do_sample=False, eos_token_id=engine.eos_ids(),
                               pad_token_id=real_tokenizer.pad_token_id)[0, enc["input_ids"].shape[1]:].tolist()

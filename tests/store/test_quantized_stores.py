@@ -52,8 +52,8 @@ def test_nf4_store_equals_bitsandbytes_in_memory(tmp_path, tiny_llama):
     mask = enc["attention_mask"].bool()
     assert _rel(got[mask], want[mask]) <= 1e-4
     resident = Engine.open(store, device="cpu", resident=True)
-    assert [c.token_ids for c in engine.generate_detailed(PROMPTS, max_new_tokens=6)] == \
-        [c.token_ids for c in resident.generate_detailed(PROMPTS, max_new_tokens=6)]
+    assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=6)] == \
+        [c.token_ids for c in resident.generate(PROMPTS, max_new_tokens=6)]
 
 
 @pytest.mark.parametrize("method, desc_act", [("gptq", False), ("gptq", True), ("awq", False)])

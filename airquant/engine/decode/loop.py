@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, register
+from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, caches_latents, register
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
 
@@ -52,6 +52,19 @@ class Request:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a request produced, as the engine returns it."""
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int  # generated tokens, an EOS that ended the sequence included
+    token_ids: tuple[int, ...]
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
+    ttft_s: float | None = None  # submit to first token
+    latency_s: float | None = None  # submit to last token
 
 
 @dataclass
@@ -126,7 +139,7 @@ class DecodeLoop:
 
     def __init__(self, model, tokenizer, *, slots: int, context: int, token_budget: int, device: torch.device,
                  dtype: torch.dtype, eos_ids: list[int], cache_arg: str, kv=None, offload: set[int] = frozenset(),
-                 sync=lambda: None, on_error=lambda: None):
+                 sync=lambda: None, on_error=lambda: None, scope=attention_backends):
         from airquant.kv import model_dims
 
         register()
@@ -134,9 +147,12 @@ class DecodeLoop:
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
         self.eos = set(eos_ids)
         self.cache_arg, self.sync, self.on_error = cache_arg, sync, on_error
-        layers, kv_heads, head_dim = model_dims(model.config, turboquant=kv is not None)
-        self.kv = SlotKV(layers, slots, context, kv_heads, head_dim, device, dtype, kv=kv, offload=offload,
-                         pin=device.type == "cuda")
+        self.scope = scope  # the context of every forward (the engine's: SDPA backends, its VRAM cap)
+        layers, _, _ = model_dims(model.config, turboquant=kv is not None)
+        self.kv = SlotKV(layers, slots, context, device, dtype, kv=kv, offload=offload, pin=device.type == "cuda",
+                         latent=caches_latents(model.config))
+        # An MLA stack's attention gets keys the model expanded from the cache, untagged: the cache comes along.
+        self._latent = {"slot_kv": self.kv} if self.kv.latent else {}
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.stats = LoopStats()
@@ -255,10 +271,10 @@ class DecodeLoop:
         row = torch.tensor([ids], device=self.device)
         positions = torch.tensor([pos], device=self.device)
         try:
-            with attention_backends():
+            with self.scope():
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                                 **{self.cache_arg: self.kv})
+                                 **{self.cache_arg: self.kv}, **self._latent)
         except BaseException:
             self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
             raise

@@ -19,6 +19,17 @@ what one-at-a-time decoding feeds a batch-1 ``TQLayer`` (a whole prompt, then on
 flush and calibration points, and thus its outputs, are those of generating the sequence alone; the
 decode tokens of all slots are written, attended and flushed in one batch per layer.
 
+Multi-head latent attention (MLA: DeepSeek-V2/V3, GLM-4-MoE-lite) caches a compressed latent and a shared
+rope key, ``[1, 1, T, R]`` and ``[1, 1, T, Dr]``, and expands what the cache returns (``kv_b_proj``) into keys
+and values of different widths before calling the attention function. The plain buffers take whatever
+shapes a layer's first update has, and for such a stack (``caches_latents``) the update returns every
+slot's cached prefix ``[slots, 1, L, R]``: the model's own expansion then hands the attention ``[slots, H, L,
+D]`` keys and values, the layout of the plain buffers, and the pass's context comes in the ``slot_kv``
+keyword the loop passes (the expansion drops the tag on the keys).
+
+Attention sinks (gpt-oss): a learned logit per query head that takes part in the softmax and adds no value;
+the attention function receives it as ``s_aux`` and applies it as transformers' eager attention does.
+
 KV offload: the offloaded layers' buffers live in (pinned) host memory; a layer's used prefix is
 copied to the device when the layer runs, its new tokens are written there and sent back to the host
 copy without blocking, landing in it before that layer's next pass. A TurboQuant layer's
@@ -38,9 +49,15 @@ from transformers.masking_utils import AttentionMaskInterface
 from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
-from airquant.kv.config import KVConfig
+from airquant.kv.config import KVConfig, KVConfigError
 
 ATTN_NAME = "airquant_ragged"
+
+
+def caches_latents(config) -> bool:
+    """Whether the stack's attention caches a compressed latent and expands what the cache returns (MLA)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "kv_lora_rank", None) is not None
 
 
 @dataclass(frozen=True)
@@ -70,11 +87,13 @@ class SlotKV:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, slots: int, cap: int, kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype, *, kv: KVConfig | None = None, offload: set[int] | frozenset = frozenset(),
-                 pin: bool = False):
-        self.num_layers, self.slots, self.cap = num_layers, slots, cap
-        self.shape = (slots, kv_heads, cap, head_dim)
+    def __init__(self, num_layers: int, slots: int, cap: int, device: torch.device, dtype: torch.dtype, *,
+                 kv: KVConfig | None = None, offload: set[int] | frozenset = frozenset(),
+                 pin: bool = False, latent: bool = False):
+        if latent and kv is not None and kv.backend == "tq":
+            raise KVConfigError("the TurboQuant cache compresses keys and values per head; an MLA stack (DeepSeek, "
+                                "GLM-4-MoE-lite) caches one compressed latent per token: use kv backend 'none'")
+        self.num_layers, self.slots, self.cap, self.latent = num_layers, slots, cap, latent
         self.device, self.dtype, self.kv, self.offload, self.pin = device, dtype, kv, set(offload), pin
         self.tq = kv is not None and kv.backend == "tq"
         self._k: list[torch.Tensor | None] = [None] * num_layers
@@ -125,7 +144,10 @@ class SlotKV:
         return 0  # positions come from the loop (position_ids), never from the cache
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context."""
+        """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context
+        (an MLA stack: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model expands)."""
+        if self.latent:
+            return self._plain_update(key, value, layer_idx)
         ctx = PassContext(self, layer_idx)
         if self.tq:
             ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
@@ -133,16 +155,18 @@ class SlotKV:
             ctx.keys, ctx.values = self._plain_update(key, value, layer_idx)
         return tag(key, ctx), value
 
-    def _buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s buffers, shaped by its first update (keys and values may differ in heads and width)."""
         if self._k[i] is None:
             home = torch.device("cpu") if i in self.offload else self.device
             pin = self.pin and i in self.offload
-            self._k[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
-            self._v[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
+            for bufs, x in ((self._k, key), (self._v, value)):
+                shape = (self.slots, x.shape[1], self.cap, x.shape[3])
+                bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home, pin_memory=pin)
         return self._k[i], self._v[i]
 
     def _plain_update(self, key, value, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k_home, v_home = self._buffers(i)
+        k_home, v_home = self._buffers(i, key, value)
         rows = self._new_rows(key, value)
         if i not in self.offload:
             k_dev, v_dev = k_home[:, :, : self.span], v_home[:, :, : self.span]
@@ -193,8 +217,8 @@ class SlotKV:
         tokens' slots waits for the attention (it reads the history as it was before this token)."""
         arena = self._tq[i]
         if arena is None:
-            _, heads, _, head_dim = self.shape
-            arena = self._tq[i] = SlotArena(self.kv, i, self.slots, heads, head_dim, self.device, self.dtype)
+            arena = self._tq[i] = SlotArena(self.kv, i, self.slots, key.shape[1], key.shape[3], self.device,
+                                            self.dtype)
         elif i in self.offload:
             arena.prefetch()
         arena.reserve(self._hist_need)
@@ -236,9 +260,15 @@ def _scatter(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: list[tuple], decode
 
 
 # -- attention ---------------------------------------------------------------------------------
-def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, D], None)``."""
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, slot_kv=None,
+                     **kwargs):
+    """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, Dv], None)``.
+
+    ``slot_kv``: the loop's cache, passed by an MLA stack's loop, whose ``key``/``value`` are then every
+    slot's expanded prefix ``[slots, H, L, D]``; ``s_aux`` (in ``kwargs``): per-head sink logits."""
     ctx = context_of(key)
+    if slot_kv is not None and slot_kv.latent:
+        ctx = PassContext(slot_kv, module.layer_idx, keys=key, values=value)
     if not isinstance(ctx, PassContext):  # another cache (a reference run): transformers' sdpa
         plain = key.as_subclass(torch.Tensor) if ctx is not None else key
         return sdpa_attention_forward(module, query, plain, value, attention_mask, dropout=dropout,
@@ -249,10 +279,15 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if tiles > 1:  # reorder the query heads so that the G heads of a key head are adjacent, as below
         _, hq, t, dim = query.shape
         query = query.view(1, tiles, hq // tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
+    sinks = kwargs.get("s_aux")
     if ctx.tq is not None:
+        if sinks is not None:
+            raise KVConfigError("the TurboQuant decode attention has no attention sinks (gpt-oss): use kv backend "
+                                "'none'")
         out = _tq_attention(query, ctx, scale)
     else:
-        out = _plain_attention(query, ctx, scale, window)
+        assert sinks is None or tiles == 1, "sinks per query head are not reordered for tiled keys"
+        out = _plain_attention(query, ctx, scale, window, sinks)
     ctx.kv.after_attention(ctx.layer)
     if tiles > 1:  # back to the model's head order, contiguous as JetMoE views it per expert
         out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
@@ -272,13 +307,15 @@ def implicit_window(module) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window: int | None) -> torch.Tensor:
+def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window: int | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     kv = ctx.kv
-    _, hq, _, dim = query.shape
-    keys, values = ctx.keys, ctx.values  # [S, Hkv, L, D]
-    hkv = keys.shape[1]
+    _, hq, t, dim = query.shape
+    keys, values = ctx.keys, ctx.values  # [S, Hkv, L, D], [S, Hkv, L, Dv]
+    hkv, dv = keys.shape[1], values.shape[-1]
     g = hq // hkv
-    out = torch.empty_like(query)  # [1, Hq, T, D]
+    sink = sinks.view(1, hkv, g, 1) if sinks is not None else None  # query head h = kv head * G + g
+    out = query.new_empty(1, hq, t, dv)  # [1, Hq, T, Dv]
     if kv._decode is not None:
         slots, starts, offsets = kv._decode
         q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
@@ -292,8 +329,8 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
             if window:
                 keep &= cols > (length[:, None] - 1 - window)
             kv.decode_masks[(keys.shape[2], window)] = keep
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep[:, None, None, :], scale=scale)
-        out[0, :, offsets] = o[slots].reshape(-1, hq, dim).transpose(0, 1)
+        o = _attend(q, keys, values, keep[:, None, None, :], scale, sink)
+        out[0, :, offsets] = o[slots].reshape(-1, hq, dv).transpose(0, 1)
     for s in kv.segments:
         if s.n == 1:
             continue
@@ -305,10 +342,22 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
         if window:
             keep &= cols > rows - window
         keep = keep.repeat(g, 1)[None, None]  # [1, 1, G*n, end]
-        o = F.scaled_dot_product_attention(q, keys[s.slot: s.slot + 1, :, :end], values[s.slot: s.slot + 1, :, :end],
-                                           attn_mask=keep, scale=scale)
-        out[:, :, s.offset: s.offset + s.n] = o.reshape(1, hq, s.n, dim)
+        rows_sink = sink.expand(1, hkv, g, s.n).reshape(1, hkv, g * s.n, 1) if sink is not None else None
+        o = _attend(q, keys[s.slot: s.slot + 1, :, :end], values[s.slot: s.slot + 1, :, :end], keep, scale, rows_sink)
+        out[:, :, s.offset: s.offset + s.n] = o.reshape(1, hq, s.n, dv)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
+            sink: torch.Tensor | None) -> torch.Tensor:
+    """Scaled-dot-product attention with a boolean mask; ``sink`` (a logit per query row, ``[..., rows, 1]``)
+    joins the softmax and adds no value, computed as gpt-oss's eager attention does (max subtracted)."""
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))  # [B, H, rows, L]
+    logits = torch.cat([scores, sink.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
