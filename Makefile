@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STORE  ?= store
-RESULTS ?= results
+RESULTS ?= results/local
 STAMP  := $(VENV)/.airquant-installed
 
 .PHONY: run test test-fast env clean-env
@@ -21,7 +21,8 @@ $(STAMP): requirements-core.txt requirements-eval.txt requirements-dev.txt requi
 
 env: $(STAMP)
 
-# Notebooks 01-04 with quick sizes (papermill): stores under $(STORE), rows, plots and RESULTS.md under $(RESULTS).
+# Notebooks 01-04 with quick sizes (papermill): stores under $(STORE); this run's rows, plots, executed notebooks
+# and RESULTS.md under $(RESULTS) (git-ignored: the committed results/ are left as they are).
 run: $(STAMP)
 	$(BIN)/airquant pipeline --quick --model default --store $(STORE) --results $(RESULTS)
 

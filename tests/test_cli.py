@@ -31,6 +31,27 @@ def test_shard_info_generate(tmp_path, tiny_llama, capsys):
     assert "### Hello" in streamed
 
 
+def test_info_takes_the_store_positionally_like_every_command(tiny_store, capsys):
+    assert main(["info", str(tiny_store)]) == 0
+    positional = capsys.readouterr().out
+    assert main(["info", "--store", str(tiny_store)]) == 0
+    assert capsys.readouterr().out == positional and "layers     :" in positional
+    assert main(["info"]) == 2
+    assert "airquant info STORE" in capsys.readouterr().err
+
+
+def test_a_folder_of_stores_names_its_stores(tiny_store, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "store"
+    shutil.copytree(tiny_store, folder / "default-bf16")
+    (folder / "notes").mkdir()
+    for argv in (["generate", str(folder), "--prompt", "x"], ["info", str(folder)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is a folder of stores" in err and str(folder / "default-bf16") in err and "shard" not in err
+
+
 def test_plan_prints_tiers(tiny_store, capsys):
     assert main(["plan", str(tiny_store), "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -68,7 +68,7 @@ def test_notebook_starts_with_parameters_then_setup(path):
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, tiny_llama, eval_data):
-    """Stages 01-03, then 04 alone (so stage 04's reuse of earlier rows can be seen)."""
+    """Stages 01-03, then 04 alone, asked to read back the earlier call's rows (so their reuse can be seen)."""
     from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     work = tmp_path_factory.mktemp("pipeline")
@@ -77,7 +77,7 @@ def pipeline_run(tmp_path_factory, tiny_llama, eval_data):
                          stages=("01-setup", "02-nf4", "03-turboquant"))
     first = run_pipeline(cfg)
     before = {p.name: p.stat().st_mtime_ns for p in (work / "results").glob("*.json")}
-    second = run_pipeline(PipelineConfig(**{**cfg.__dict__, "stages": ("04-validation",)}))
+    second = run_pipeline(PipelineConfig(**{**cfg.__dict__, "stages": ("04-validation",), "reuse_earlier": True}))
     return work, first, second, before
 
 
@@ -126,6 +126,16 @@ def test_stage_04_reuses_rows_of_earlier_stages(pipeline_run):
     assert ppl, "stages 02/03 wrote perplexity rows"
     for name in ppl:
         assert (work / "results" / name).stat().st_mtime_ns == before[name], f"{name} was measured again"
+
+
+def test_the_report_opens_with_this_run_and_marks_rows_read_back(pipeline_run):
+    work, *_ = pipeline_run
+    report = (work / "results" / "RESULTS.md").read_text()
+    first = report.split("\n## ", 2)[1]
+    assert first.startswith("This run\n") and "profile quick, device cpu" in first and " cores, " in first
+    perplexity = [line for line in first.splitlines() if "| ppl |" in line]
+    assert perplexity and all(line.count(" * |") == 1 for line in perplexity), "rows of the earlier call are marked"
+    assert "read back from an earlier run" in first
 
 
 def test_failing_notebook_names_the_cell_and_keeps_the_old_report(tmp_path):

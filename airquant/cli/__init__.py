@@ -24,9 +24,9 @@ DESCRIPTION = """\
 AirQuant runs LLMs larger than GPU memory: a one-time split into one shard per layer, then a
 forward pass that streams each layer to the GPU only while it runs.
 
-  airquant shard default --store ./store          split the embedded SmolLM2-135M model
-  airquant generate ./store --chat --prompt "What is the capital of France?"
-  airquant info --store ./store --verify          what a store holds; check every checksum
+  airquant shard default --store ./store/default-bf16   split the embedded SmolLM2-135M model
+  airquant generate ./store/default-bf16 --chat --prompt "What is the capital of France?"
+  airquant info ./store/default-bf16 --verify          what a store holds; check every checksum
 """
 
 # The order of ``airquant --help``.

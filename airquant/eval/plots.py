@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from airquant.errors import DependencyError
+from airquant.eval.rows import temp_beside
 
 PIP_MATPLOTLIB = "pip install matplotlib==3.11.2"
 
@@ -39,8 +39,7 @@ def _figure(width: float, height: float):
 def _save(fig: Any, path: str | Path) -> Path:
     """Write the PNG beside its final name and rename, so a report never links a half-written image."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     os.close(fd)
     try:
         fig.tight_layout()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from airquant.errors import ResultsFileError
-from airquant.eval import headline, kvmem, plots
+from airquant.eval import headline, kvmem, plots, run_summary
 from airquant.eval import references as ref
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
@@ -337,10 +337,12 @@ def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir:
     return links, []
 
 
-def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None) -> Path:
+def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None,
+                 this_run: run_summary.RunSummary | None = None) -> Path:
     """Assemble ``results_dir/RESULTS.md`` (and PNG plots beside it) from every JSON file there.
 
     ``make_plots``: None plots when matplotlib is installed, True requires it, False skips plots.
+    ``this_run``: a pipeline run's rows, tabulated first ("This run") before everything the folder holds.
     """
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
@@ -358,6 +360,7 @@ def build_report(results_dir: str | Path = "results", *, make_plots: bool | None
              f"{files} files. Each number comes from one `airquant.eval` function; every table names its "
              "command, device, package versions and data (sha256).", ""]
     lines += ["No result rows were found.", ""] if not results.rows else []
+    lines += run_summary.section(this_run, md_table) if this_run is not None else []
     lines += top + _extras_section(results)
     lines += _parity_section(results) + _niah_section(results, links)
     lines += kvmem.markdown_section([r.row for r in results.of("kvmem")], md_table)

@@ -17,6 +17,7 @@ import logging
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from airquant.errors import DependencyError, PipelineError
@@ -73,7 +74,7 @@ def failed_cell(notebook: Path, exc: Exception) -> str:
     return f"{where} (`{first.strip()[:80]}`) raised {what}"
 
 
-def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) -> StageRun:
+def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path, started: str | None = None) -> StageRun:
     papermill = _papermill()
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     source = Path(cfg.notebooks or repo_root() / "notebooks") / NOTEBOOKS[stage]
@@ -83,7 +84,7 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) 
     log.info("stage %s: %s on kernel %s", stage, source.name, kernel or CURRENT_KERNEL)
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(str(source), str(target), parameters=cfg.parameters(stage),
+        papermill.execute_notebook(str(source), str(target), parameters=cfg.parameters(stage, started),
                                    kernel_name=kernel or CURRENT_KERNEL, progress_bar=cfg.progress, cwd=str(Path.cwd()),
                                    execution_timeout=cfg.cell_timeout_s, **engine_kwargs)
     except papermill.PapermillExecutionError as exc:
@@ -112,9 +113,11 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     report = results / "RESULTS.md"
     before = report.stat().st_mtime_ns if report.exists() else None
     start, runs = time.perf_counter(), []
+    # Whole seconds, as rows record their time: a row measured in the run's first second counts as this run's.
+    started = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     with tempfile.TemporaryDirectory(prefix="airquant-kernels-") as kernel_dir:
         for stage in cfg.stages:
-            runs.append(run_stage(stage, cfg, out_dir, Path(kernel_dir)))
+            runs.append(run_stage(stage, cfg, out_dir, Path(kernel_dir), started))
             log.info("stage %s done in %.0f s", stage, runs[-1].seconds)
     if "04-validation" in cfg.stages and (not report.exists() or report.stat().st_mtime_ns == before):
         raise PipelineError(f"notebook {NOTEBOOKS['04-validation']} finished without writing {report}; "
