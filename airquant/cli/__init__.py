@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from airquant import __version__
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"airquant {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-q", "--quiet", dest="quiet_all", action="store_true",
+                        help="no progress bars (shard, eval, batch, pipeline); results and errors still print")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add_parser in COMMANDS:
         add_parser(sub)
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.quiet_all:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: bars built with its defaults obey it too
+        if hasattr(args, "quiet"):  # a command's own --quiet (shard, synth, pipeline)
+            args.quiet = True
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
