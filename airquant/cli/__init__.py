@@ -17,6 +17,7 @@ import sys
 
 from airquant import __version__
 from airquant.cli import doctor_cmds, eval_cmds, run_cmds, store_cmds
+from airquant.cli.flags import gpu_only_note
 from airquant.errors import AirQuantError
 
 __all__ = ["build_parser", "main"]
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    note = gpu_only_note(args, planning=args.command in ("plan", "doctor"))
+    if note:
+        print(f"airquant: {note}", file=sys.stderr)
     try:
         return args.func(args)
     except AirQuantError as exc:

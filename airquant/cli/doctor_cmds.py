@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from airquant.cli.run_cmds import add_plan_flags, plan_for
+from airquant.cli.run_cmds import add_plan_flags, plan_for, runs_line
 
 GB = 1e9
 READ_CHUNK = 16 << 20
@@ -93,7 +93,9 @@ def store_lines(store: Path, args: argparse.Namespace) -> list[str]:
     lines = [f"disk      : {gbps:.2f} GB/s reading {nbytes / GB:.2f} GB of {store}"
              + ("" if cold else " (page cache not dropped: may be RAM speed)")]
     route, engine = plan_for([store], args)
-    return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()]
+    runs = runs_line(route, args)
+    return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()] + \
+        ([f"  {runs}"] if runs else [])
 
 
 def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram: float | None = None,
