@@ -135,8 +135,8 @@ def part_70b(b: Bench) -> None:
             row["t4_link_tok_s"], row["t4_link_bound"] = predicted(row, batch, link, disk_gbps)
         rows[str(batch)] = row
     b.results.update(
-        t4_70b_bytes_per_step=rows["1"]["bytes_per_step"], t4_70b_disk_bytes_per_step=rows["1"]["disk_bytes_per_step"],
-        t4_70b_bound_bs1_pcie3=rows["1"]["t4_pcie3_bound"],
+        t4_70b_bytes_per_step=rows["1"]["bytes_per_step"],
+        t4_70b_disk_bytes_per_step=rows["1"]["disk_bytes_per_step"], t4_70b_bound_bs1_pcie3=rows["1"]["t4_pcie3_bound"],
         t4_70b_pred_tok_s_bs1_pcie3=rows["1"]["t4_pcie3_tok_s"], t4_70b_pred_tok_s_bs32_pcie3=rows["32"]["t4_pcie3_tok_s"],
         t4_70b_pred_tok_s_bs1_link=rows["1"].get("t4_link_tok_s"), t4_70b_pred_tok_s_bs32_link=rows["32"].get("t4_link_tok_s"),
         t4_70b_peak_vram_gb=max(r["peak_reserved_gb"] or 0 for r in rows.values()),

@@ -35,7 +35,7 @@ class PipelineConfig:
     only: tuple[str, ...] | None = None  # full profile, in process: run these configurations only (their names)
     metrics: tuple[str, ...] | None = None  # full profile, in process: measure these metrics only
     report: bool = True  # in process: rebuild RESULTS.md at the end
-    reuse_earlier: bool = False  # stage 04 may read back rows of earlier runs (marked in RESULTS.md), not only this run's
+    reuse_earlier: bool = False  # stage 04 may read back earlier runs' rows (marked in RESULTS.md), not only this run's
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
