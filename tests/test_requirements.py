@@ -49,3 +49,12 @@ def test_the_pipeline_imports_without_the_test_only_packages():
     ])
     done = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_readme_says_how_to_call_the_cli_and_lists_every_command():
+    readme = (ROOT / "README.md").read_text()
+    assert ".venv/bin/airquant" in readme and "source .venv/bin/activate" in readme
+    assert "results/local/RESULTS.md" in readme and "2-core machine" in readme
+    synopsis = readme.split("## Command line", 1)[1].split("```", 2)[1]
+    for command in ("airquant info STORE", "airquant serve", "airquant ui", "airquant doctor", "airquant env list"):
+        assert command in synopsis, command

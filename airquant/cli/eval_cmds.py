@@ -208,13 +208,15 @@ def cmd_pipeline(args) -> int:
 
 
 def add_pipeline_parser(sub) -> None:
-    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md; "
-                                        "--profile full measures the headline table at the reference settings")
+    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build RESULTS.md (quick: "
+                                        f"{LOCAL_RESULTS}/); --profile full measures the headline table at the "
+                                        "reference settings (results/)")
     p.add_argument("--model", default="default", help="'default', a model folder, a .gguf file, or a hub id")
     p.add_argument("--store", default="store", metavar="DIR", help="folder of the stores (default ./store)")
     p.add_argument("--profile", choices=["quick", "full"], default="quick",
                    help="quick: every metric in minutes on a CPU (the smoke run, default); full: the reference "
-                        "settings of RESULTS.md's headline table, every configuration (a GPU: ~10 min on an H200)")
+                        "settings of RESULTS.md's headline table, every configuration (a GPU: ~30 min on an H200 in "
+                        "one process; benchmarks/full_profile.sh splits it into ~13)")
     p.add_argument("--quick", action="store_true", help="the same as --profile quick (kept for older scripts)")
     p.add_argument("--sizes", default="{}", metavar="JSON",
                    help="overrides of airquant.pipeline.sizes.Sizes fields; on the full profile they make a "
