@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,11 @@ def test_setup_cell_on_colab_mounts_drive_clones_and_installs_its_stage(path, mo
     assert (Path(__file__).parents[1] / "environments" / f"{stage}.txt").is_file()
     assert ns["store"] == "/content/drive/MyDrive/airquant/store"  # stages exchange shards through Drive
     assert ns["results_dir"] == "/content/drive/MyDrive/airquant/results"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="unix sockets")
+def test_the_current_kernel_talks_over_unix_sockets(tmp_path):
+    """Over TCP ipykernel warned on every stage's start that its traffic was not encrypted (make run's output)."""
+    from airquant.pipeline.runner import current_kernel_manager
+
+    assert current_kernel_manager(tmp_path).transport == "ipc"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -55,7 +56,10 @@ def current_kernel_manager(kernel_dir: Path):
             "display_name": f"AirQuant ({sys.executable})", "language": "python"}
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(kernel_dir)], ensure_native_kernel=False)
-    return KernelManager(kernel_name=CURRENT_KERNEL, kernel_spec_manager=specs)
+    # Unix sockets where there are any: over TCP, ipykernel 7 warns on every start that its traffic is not
+    # encrypted (a line per notebook in `make run`'s output, for a kernel that only this process talks to).
+    transport = "ipc" if os.name == "posix" else "tcp"
+    return KernelManager(kernel_name=CURRENT_KERNEL, kernel_spec_manager=specs, transport=transport)
 
 
 def failed_cell(notebook: Path, exc: Exception) -> str:
