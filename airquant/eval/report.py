@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from airquant.errors import ResultsFileError
 from airquant.eval import headline, kvmem, plots, run_summary
 from airquant.eval import references as ref
+from airquant.eval.progress import steps
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
 
@@ -338,21 +340,28 @@ def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir:
         return {}, []
     if make_plots is None and not plots.matplotlib_available():
         return {}, [f"Plots were skipped: matplotlib is not installed ({plots.PIP_MATPLOTLIB})."]
-    links: dict = {}
+    jobs: list[tuple[Any, Callable[[], Path]]] = []  # (link key, draw): drawn under one progress bar
     for model, columns in by_model.items():
         for (device, setting), bars in _ppl_figures(model, columns).items():
             path = out_dir / _figure_name("ppl", model, device, setting)
-            links.setdefault((model, "ppl"), []).append(plots.plot_ppl_by_scheme(
-                bars, path, title=f"WikiText-2 perplexity: {model} on {device}", note=setting))
+            jobs.append(((model, "ppl"), partial(plots.plot_ppl_by_scheme, bars, path, note=setting,
+                                                 title=f"WikiText-2 perplexity: {model} on {device}")))
         for (device, setting), series in _throughput_figures(columns).items():
             path = out_dir / _figure_name("throughput_vs_batch", model, device, setting)
-            links.setdefault((model, "throughput"), []).append(plots.plot_throughput_vs_batch(
-                series, path, title=f"Decode throughput: {model} on {device}", note=setting))
+            jobs.append(((model, "throughput"), partial(plots.plot_throughput_vs_batch, series, path, note=setting,
+                                                        title=f"Decode throughput: {model} on {device}")))
     niah = results.of("niah")
-    for i, item in enumerate(niah):
+    for item in niah:
         same_file = [x for x in niah if x.path == item.path]
         suffix = f"_{same_file.index(item)}" if len(same_file) > 1 else ""
-        links[id(item.row)] = plots.plot_niah_heatmap(item.row, out_dir / f"heatmap__{item.path.stem}{suffix}.png")
+        jobs.append((id(item.row), partial(plots.plot_niah_heatmap, item.row,
+                                           out_dir / f"heatmap__{item.path.stem}{suffix}.png")))
+    links: dict = {}
+    for key, draw in steps(jobs, "report plots", "plot"):
+        if isinstance(key, tuple):
+            links.setdefault(key, []).append(draw())
+        else:
+            links[key] = draw()
     return links, []
 
 

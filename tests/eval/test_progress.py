@@ -43,3 +43,14 @@ def test_quiet_hides_every_bar(tiny_engine, small_text_file, bars, monkeypatch):
     main(["-q", "report", "/nonexistent"])  # an error, but -q is applied first
     run_perplexity(tiny_engine, data=small_text_file, limit_tokens=100, max_length=64, stride=64)
     assert bars == [("ppl", True)]
+
+
+def test_the_report_shows_its_plots_progress(tmp_path, bars):
+    from airquant.eval.report import build_report
+    from airquant.eval.rows import write_row
+    from tests.eval.test_report import SMOL, perf, run
+
+    for batch in (1, 4):
+        write_row(perf(run(SMOL, "bfloat16", device="cpu"), 3.0 * batch, None, batch=batch), tmp_path / f"p{batch}.json")
+    build_report(tmp_path)
+    assert ("report plots", None) in bars
