@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,7 @@ def test_a_quick_pipeline_writes_to_a_results_folder_of_its_own(monkeypatch, cap
     assert main(["pipeline", "--quick"]) == 0
     assert main(["pipeline", "--profile", "full"]) == 0
     assert main(["pipeline", "--quick", "--results", "elsewhere", "--reuse-earlier"]) == 0
+    assert logging.getLogger("traitlets").level == logging.ERROR  # jupyter_client's zmq-context note
     assert [(c.results, c.reuse_earlier) for c in seen] == [
         ("results/local", False), ("results", False), ("elsewhere", True)]
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()

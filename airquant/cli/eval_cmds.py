@@ -190,6 +190,9 @@ def cmd_pipeline(args) -> int:
     from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
+    # jupyter_client logs "Could not destroy zmq context" through traitlets when papermill's kernel client is
+    # collected after its stage: nothing to act on, and it came between every stage's lines.
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
     profile = "quick" if args.quick else args.profile
     # The quick run is the user's own: it never rewrites the committed rows and report under results/.
     results = args.results or ("results" if profile == "full" else LOCAL_RESULTS)
