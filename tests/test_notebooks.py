@@ -210,3 +210,25 @@ def test_the_current_kernel_talks_over_unix_sockets(tmp_path):
     from airquant.pipeline.runner import current_kernel_manager
 
     assert current_kernel_manager(tmp_path).transport == "ipc"
+
+
+def test_each_stage_kernel_is_shut_down_after_its_notebook(tmp_path, monkeypatch):
+    """Kernels lived until the pipeline exited (4 of them in make run), then printed "Parent appears to have exited"."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from airquant.pipeline import runner
+
+    managers = []
+    make = runner.current_kernel_manager
+    monkeypatch.setattr(runner, "current_kernel_manager", lambda d: managers.append(make(d)) or managers[-1])
+    params = new_code_cell('model = "default"')
+    params.metadata["tags"] = ["parameters"]
+    nb = new_notebook(cells=[params, new_code_cell("x = 1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    (tmp_path / "nb").mkdir()
+    nbformat.write(nb, tmp_path / "nb" / runner.NOTEBOOKS["01-setup"])
+    runner.run_pipeline(runner.PipelineConfig(store=str(tmp_path / "store"), results=str(tmp_path / "results"),
+                                              kernels="current", notebooks=str(tmp_path / "nb"), stages=("01-setup",)))
+    (km,) = managers
+    assert not km.has_kernel

@@ -365,6 +365,15 @@ def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir:
     return links, []
 
 
+def _shown(folder: Path) -> str:
+    """The folder as a user would type it: relative to the working directory when inside it (``results/local``,
+    where the report said ``local``)."""
+    try:
+        return str(folder.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(folder)
+
+
 def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None,
                  this_run: run_summary.RunSummary | None = None) -> Path:
     """Assemble ``results_dir/RESULTS.md`` (and PNG plots beside it) from every JSON file there.
@@ -383,7 +392,7 @@ def build_report(results_dir: str | Path = "results", *, make_plots: bool | None
     links, notes = _make_plots(results, by_model, results_dir, make_plots)
     built = datetime.now(timezone.utc).isoformat(timespec="seconds")
     files = len({r.path for r in results.rows})
-    lines = ["# AirQuant results", "", f"Built {built} by `airquant report {results_dir.name}` "
+    lines = ["# AirQuant results", "", f"Built {built} by `airquant report {_shown(results_dir)}` "
              f"(`{headline.FULL_COMMAND}` measures the headline rows and rebuilds it) from {len(results.rows)} rows in "
              f"{files} files. Each number comes from one `airquant.eval` function; every table names its "
              "command, device, package versions and data (sha256).", ""]

@@ -99,6 +99,12 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path, 
         # The kernel died (out of memory, say) or a cell ran past --cell-timeout: there is no cell error to show.
         raise PipelineError(f"notebook {source.name} stopped: {type(exc).__name__}: {str(exc)[:300]}. The executed "
                             f"copy is {target}; earlier rows are kept and RESULTS.md was not rebuilt.") from exc
+    finally:
+        # nbclient leaves a kernel manager it was given running: each stage's kernel (its engines and tensors)
+        # lived until the pipeline exited, then printed "Parent appears to have exited".
+        km = engine_kwargs.get("km")
+        if km is not None and km.has_kernel:
+            km.shutdown_kernel(now=False)
     return StageRun(stage, target, kernel or CURRENT_KERNEL, time.perf_counter() - start)
 
 

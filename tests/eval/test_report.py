@@ -237,3 +237,11 @@ def test_a_figure_holds_one_device_and_one_setting(tmp_path):
     assert [p for p in pngs if p.startswith("ppl")] == [
         "ppl__smollm2-135m-instruct__cpu__1024t-window-512-stride-512.png",
         "ppl__smollm2-135m-instruct__nvidia-h200__4096t-window-1024-stride-512.png"]
+
+
+def test_the_report_names_its_folder_as_typed(tmp_path, monkeypatch):
+    """A results/local report said it was built by `airquant report local`."""
+    (tmp_path / "results" / "local").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    text = build_report(tmp_path / "results" / "local", make_plots=False).read_text()
+    assert "by `airquant report results/local`" in text
