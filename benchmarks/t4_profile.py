@@ -6,9 +6,12 @@ under 12 GB (``--max-ram`` is what the process leaves of 12 GB; the planner fits
 staging buffers and the pinned layer tier inside it), ``AIRQUANT_FORCE_CAPABILITY=7.5`` so the capability rule picks what a T4 runs (fp16 compute for
 bf16 stores, no TMA/Gluon-Hopper paths, the TurboQuant attention kernel only where a T4's 64 KB of shared
 memory fits), the store on disk. The H200 still computes far faster than a T4 and its host's page cache is not
-capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves,
-``bytes over the link / bandwidth``, once with the link measured here and once with PCIe 3's 12.5 GB/s (a T4's
-link). That is a lower bound on a T4's step (compute and disk reads are left out).
+capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves, as
+the slowest of ``streamed bytes / link`` (once with the link measured here, once with PCIe 3's 12.5 GB/s, a T4's
+link) and ``disk-tier bytes / the store folder's measured read speed`` (``airquant.engine.step_bound``; the
+layers the 12 GB RAM tier cannot hold are read from disk every step). That is a lower bound on a T4's step
+(compute is left out); each row names what bounds it. A Colab store on Drive reads far slower than a local disk:
+measure its folder with ``airquant doctor STORE``.
 
 Parts (each one command; runtimes on one H200):
 
@@ -51,8 +54,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.cli.doctor_cmds import disk_read_speed  # noqa: E402
 from airquant.config import GenerateConfig  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
+from airquant.engine.step_bound import StepBound, step_bound  # noqa: E402
 from airquant.eval.perf import RssSampler  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
@@ -67,9 +72,12 @@ QUICK_PPL = {"limit_tokens": 256, "max_length": 64, "stride": 32}
 QUICK_70B = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
 
 
-def predicted_tok_s(bytes_per_step: float, batch: int, gbps: float) -> float:
-    """A link-bound model: one decode step takes at least its streamed bytes over the link."""
-    return batch / (bytes_per_step / (gbps * GB))
+def predicted(row: dict, batch: int, link_gbps: float, disk_gbps: float | None) -> tuple[float | None, str]:
+    """(tok/s, what bounds the step): the step takes at least the slower of its link and disk bytes (None and
+    "compute" when the step streams nothing)."""
+    bound = StepBound(link_bytes=row["bytes_per_step"], disk_bytes=row["disk_bytes_per_step"], link_gbps=link_gbps,
+                      disk_gbps=disk_gbps)
+    return (batch / bound.seconds if bound.seconds else None), bound.bound
 
 
 def part_ppl(b: Bench) -> None:
@@ -110,6 +118,9 @@ def part_70b(b: Bench) -> None:
         log.info("store %s written in %.0f s", store, time.perf_counter() - start)
     warm = warm_runtime(b)
     link = b.results.get("link_pinned_gbps")
+    disk_gbps, disk_read, _ = disk_read_speed(store, seconds=5.0)
+    b.results["t4_70b_disk_gbps"] = disk_gbps
+    log.info("disk: %.2f GB/s reading %.2f GB of %s", disk_gbps, disk_read / GB, store)
     rows = {}
     for batch in (1, 32):
         with RssSampler(interval_s=0.01) as rss:
@@ -119,12 +130,13 @@ def part_70b(b: Bench) -> None:
         host.update(peak_gb=rss.peak / GB, peak_parts_gb=_gb(rss.peak_parts),
                     marks_gb={k: _gb(v) for k, v in rss.marks},
                     unplanned_gb=rss.peak / GB - host["rss_at_budget_gb"] - host["planned_total_gb"])
-        row["t4_pcie3_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, T4["pcie3_gbps"])
+        row["t4_pcie3_tok_s"], row["t4_pcie3_bound"] = predicted(row, batch, T4["pcie3_gbps"], disk_gbps)
         if link:
-            row["t4_link_tok_s"] = predicted_tok_s(row["bytes_per_step"], batch, link)
+            row["t4_link_tok_s"], row["t4_link_bound"] = predicted(row, batch, link, disk_gbps)
         rows[str(batch)] = row
     b.results.update(
         t4_70b_bytes_per_step=rows["1"]["bytes_per_step"],
+        t4_70b_disk_bytes_per_step=rows["1"]["disk_bytes_per_step"], t4_70b_bound_bs1_pcie3=rows["1"]["t4_pcie3_bound"],
         t4_70b_pred_tok_s_bs1_pcie3=rows["1"]["t4_pcie3_tok_s"], t4_70b_pred_tok_s_bs32_pcie3=rows["32"]["t4_pcie3_tok_s"],
         t4_70b_pred_tok_s_bs1_link=rows["1"].get("t4_link_tok_s"), t4_70b_pred_tok_s_bs32_link=rows["32"].get("t4_link_tok_s"),
         t4_70b_peak_vram_gb=max(r["peak_reserved_gb"] or 0 for r in rows.values()),
@@ -227,6 +239,8 @@ def batch_row(b: Bench, store: Path, batch: int, rss: RssSampler) -> dict:
             rss.mark("opened")
             row = decode_step(b, engine, batch, f"70b-nf4-bs{batch}")
             rss.mark("stepped")
+            row.update(disk_bytes_per_step=step_bound(engine.plan, engine.manifest.layer_bytes, link_gbps=None,
+                                                      disk_gbps=None).disk_bytes)
             row.update(dtype=str(engine.dtype).removeprefix("torch."), resident_layers_forced=resident,
                        max_ram_gb=round(ram_gb * (1 << 30) / GB, 2), host_ram=host_ram(engine, rss_at_budget),
                        plan=engine.plan.describe(engine.manifest.layer_bytes), errors=errors)
@@ -248,12 +262,15 @@ def check_targets(results: dict) -> list[str]:
 
 
 def print_table(results: dict) -> None:
-    print("T4 profile on this GPU (predictions are a link-bound model, not T4 measurements)")
+    print("T4 profile on this GPU (predictions: the slower of link and disk bytes, not T4 measurements)")
     for key in ("link_pinned_gbps", "ppl_fp16", "ppl_bf16", "fp16_ppl_over_bf16", "t4_70b_bytes_per_step",
+                "t4_70b_disk_bytes_per_step", "t4_70b_disk_gbps",
                 "t4_70b_pred_tok_s_bs1_pcie3", "t4_70b_pred_tok_s_bs32_pcie3", "t4_70b_pred_tok_s_bs1_link",
                 "t4_70b_pred_tok_s_bs32_link", "t4_70b_peak_vram_gb", "t4_70b_peak_host_ram_gb"):
         if results.get(key) is not None:
             print(f"  {key:<32} {results[key]:.4g}")
+    if results.get("t4_70b_bound_bs1_pcie3"):
+        print(f"  {'t4_70b_bound_bs1_pcie3':<32} {results['t4_70b_bound_bs1_pcie3']}")
     for batch, row in results.get("details", {}).get("70b", {}).get("by_batch", {}).items():
         h = row.get("host_ram")
         if h and "peak_gb" in h:
@@ -293,7 +310,7 @@ def main(argv=None) -> int:
     b = Bench(args, device, results=json.loads(out.read_text()) if out.is_file() else {})
     b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", quick=args.quick,
                      profile=T4, versions=versions(), model_note="T4 figures are predictions from bytes moved "
-                     "(link-bound lower bound on step time), not T4 measurements")
+                     "(the slower of link and disk: a lower bound on step time), not T4 measurements")
     cap_gpu(T4["vram_gb"] if device.type == "cuda" else None)
     for part in (["link", "ppl", "70b"] if args.part == "all" else [args.part]):
         start = time.perf_counter()

@@ -31,6 +31,49 @@ def test_shard_info_generate(tmp_path, tiny_llama, capsys):
     assert "### Hello" in streamed
 
 
+def test_info_takes_the_store_positionally_like_every_command(tiny_store, capsys):
+    assert main(["info", str(tiny_store)]) == 0
+    positional = capsys.readouterr().out
+    assert main(["info", "--store", str(tiny_store)]) == 0
+    assert capsys.readouterr().out == positional and "layers     :" in positional
+    assert main(["info"]) == 2
+    assert "airquant info STORE" in capsys.readouterr().err
+
+
+def test_a_folder_of_stores_names_its_stores(tiny_store, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "store"
+    shutil.copytree(tiny_store, folder / "default-bf16")
+    (folder / "notes").mkdir()
+    for argv in (["generate", str(folder), "--prompt", "x"], ["info", str(folder)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is a folder of stores" in err and str(folder / "default-bf16") in err and "shard" not in err
+
+
+def test_gpu_only_flags_without_a_gpu_are_named_once(tiny_store, capsys):
+    """--max-vram on a CPU run was ignored without a word."""
+    base = ["generate", str(tiny_store), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"]
+    assert main(base + ["--max-vram", "4"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("--max-vram has no effect here (--device cpu)") == 1
+    assert main(base) == 0
+    assert "no effect" not in capsys.readouterr().err
+    assert main(["plan", str(tiny_store), "--device", "cpu", "--max-vram", "4"]) == 0
+    assert "--max-vram plans for such a card" in capsys.readouterr().err
+
+
+def test_plan_says_how_generate_runs_beside_a_resident_choice(tiny_store, capsys):
+    """plan (and doctor) said "resident" on a CPU while generate streamed by default."""
+    assert main(["plan", str(tiny_store), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "resident" in out.split("choice    :")[1].splitlines()[0]
+    assert "generate, batch and eval stream the layers" in out and "unless given --resident" in out
+    assert main(["plan", str(tiny_store), "--device", "cpu", "--resident"]) == 0
+    assert "runs      :" not in capsys.readouterr().out
+
+
 def test_plan_prints_tiers(tiny_store, capsys):
     assert main(["plan", str(tiny_store), "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from airquant.cli import build_parser, main
@@ -79,3 +82,21 @@ def test_env_list_and_pipeline_help(capsys):
     args = build_parser().parse_args(["pipeline", "--quick", "--schemes", "bf16", "--store", "s"])
     assert (args.quick, args.schemes, args.store, args.model) == (True, ["bf16"], "s", "default")
 
+
+
+def test_a_quick_pipeline_writes_to_a_results_folder_of_its_own(monkeypatch, capsys):
+    """`make run` used to rebuild the committed results/RESULTS.md from committed and new rows mixed."""
+    from airquant.pipeline import runner
+    from airquant.pipeline.config import PipelineResult
+
+    seen = []
+    monkeypatch.setattr(runner, "run_pipeline", lambda cfg: seen.append(cfg) or PipelineResult((), None, 0.0))
+    assert main(["pipeline", "--quick"]) == 0
+    assert main(["pipeline", "--profile", "full"]) == 0
+    assert main(["pipeline", "--quick", "--results", "elsewhere", "--reuse-earlier"]) == 0
+    assert logging.getLogger("traitlets").level == logging.ERROR  # jupyter_client's zmq-context note
+    assert [(c.results, c.reuse_earlier) for c in seen] == [
+        ("results/local", False), ("results", False), ("elsewhere", True)]
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    assert "RESULTS ?= results/local" in makefile
+    assert "/results/local/" in (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()

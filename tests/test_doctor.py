@@ -33,6 +33,24 @@ def test_doctor_plans_a_t4_sized_gpu_without_one(tiny_store):
     assert "--max-vram 15 GiB" in text and "--max-ram 12 GiB" in text
 
 
+def test_doctor_bounds_a_streamed_step_by_link_or_disk():
+    """The prediction used to be the link's alone; a store read from disk every step is bound by the disk."""
+    from types import SimpleNamespace
+
+    from airquant.cli.doctor_cmds import bound_line
+    from airquant.engine.plan import StreamPlan
+
+    gb = 10**9
+    streamed = StreamPlan(tiers=["vram", "ram", "disk", "disk"], slot_bytes=gb, slots=2, fixed_bytes=0)
+    route = SimpleNamespace(mode="streamed", plan=streamed, batch_size=1, hardware=SimpleNamespace(vram_bytes=15 * gb),
+                            candidate=SimpleNamespace(manifest=SimpleNamespace(layer_bytes=[gb] * 4)))
+    step = bound_line(route, None, disk_gbps=0.2)  # a Drive-mounted store; no GPU here to measure the link
+    assert "bound by the disk (disk 2.00 GB at 0.20 GB/s = 10.000 s; link 3.00 GB at 12.50 GB/s (PCIe 3, assumed" \
+        in step and "at most 0.10 tok/s at batch 1" in step
+    assert "bound by the link" in bound_line(route, 1.0, disk_gbps=5.0)
+    assert "bound by compute" in bound_line(SimpleNamespace(mode="resident"), 1.0, 5.0)
+
+
 def test_disk_read_speed_reads_the_store_files(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"\x01" * (3 << 20))
     (tmp_path / "sub").mkdir()
@@ -64,6 +82,7 @@ def test_doctor_prints_the_plan_that_plan_prints_with_the_same_flags(tiny_store,
     planned = capsys.readouterr().out
     assert main(["doctor", str(tiny_store), *flags]) == 0
     doctor = capsys.readouterr().out
-    body = doctor.split("plan      :\n", 1)[1]
+    body, step = doctor.split("plan      :\n", 1)[1].rsplit("\nstep      :", 1)
     assert [line.strip() for line in body.splitlines()] == [line.strip() for line in planned.splitlines()[:-1]]
+    assert "bound by compute" in step  # resident on the CPU: nothing streamed
     assert "batch 3 x 96 tokens" in body

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_notebook_starts_with_parameters_then_setup(path):
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, tiny_llama, eval_data):
-    """Stages 01-03, then 04 alone (so stage 04's reuse of earlier rows can be seen)."""
+    """Stages 01-03, then 04 alone, asked to read back the earlier call's rows (so their reuse can be seen)."""
     from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     work = tmp_path_factory.mktemp("pipeline")
@@ -77,7 +78,7 @@ def pipeline_run(tmp_path_factory, tiny_llama, eval_data):
                          stages=("01-setup", "02-nf4", "03-turboquant"))
     first = run_pipeline(cfg)
     before = {p.name: p.stat().st_mtime_ns for p in (work / "results").glob("*.json")}
-    second = run_pipeline(PipelineConfig(**{**cfg.__dict__, "stages": ("04-validation",)}))
+    second = run_pipeline(PipelineConfig(**{**cfg.__dict__, "stages": ("04-validation",), "reuse_earlier": True}))
     return work, first, second, before
 
 
@@ -126,6 +127,16 @@ def test_stage_04_reuses_rows_of_earlier_stages(pipeline_run):
     assert ppl, "stages 02/03 wrote perplexity rows"
     for name in ppl:
         assert (work / "results" / name).stat().st_mtime_ns == before[name], f"{name} was measured again"
+
+
+def test_the_report_opens_with_this_run_and_marks_rows_read_back(pipeline_run):
+    work, *_ = pipeline_run
+    report = (work / "results" / "RESULTS.md").read_text()
+    first = report.split("\n## ", 2)[1]
+    assert first.startswith("This run\n") and "profile quick, device cpu" in first and " cores, " in first
+    perplexity = [line for line in first.splitlines() if "| ppl |" in line]
+    assert perplexity and all(line.count(" * |") == 1 for line in perplexity), "rows of the earlier call are marked"
+    assert "read back from an earlier run" in first
 
 
 def test_failing_notebook_names_the_cell_and_keeps_the_old_report(tmp_path):
@@ -191,3 +202,33 @@ def test_setup_cell_on_colab_mounts_drive_clones_and_installs_its_stage(path, mo
     assert (Path(__file__).parents[1] / "environments" / f"{stage}.txt").is_file()
     assert ns["store"] == "/content/drive/MyDrive/airquant/store"  # stages exchange shards through Drive
     assert ns["results_dir"] == "/content/drive/MyDrive/airquant/results"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="unix sockets")
+def test_the_current_kernel_talks_over_unix_sockets(tmp_path):
+    """Over TCP ipykernel warned on every stage's start that its traffic was not encrypted (make run's output)."""
+    from airquant.pipeline.runner import current_kernel_manager
+
+    assert current_kernel_manager(tmp_path).transport == "ipc"
+
+
+def test_each_stage_kernel_is_shut_down_after_its_notebook(tmp_path, monkeypatch):
+    """Kernels lived until the pipeline exited (4 of them in make run), then printed "Parent appears to have exited"."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from airquant.pipeline import runner
+
+    managers = []
+    make = runner.current_kernel_manager
+    monkeypatch.setattr(runner, "current_kernel_manager", lambda d: managers.append(make(d)) or managers[-1])
+    params = new_code_cell('model = "default"')
+    params.metadata["tags"] = ["parameters"]
+    nb = new_notebook(cells=[params, new_code_cell("x = 1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    (tmp_path / "nb").mkdir()
+    nbformat.write(nb, tmp_path / "nb" / runner.NOTEBOOKS["01-setup"])
+    runner.run_pipeline(runner.PipelineConfig(store=str(tmp_path / "store"), results=str(tmp_path / "results"),
+                                              kernels="current", notebooks=str(tmp_path / "nb"), stages=("01-setup",)))
+    (km,) = managers
+    assert not km.has_kernel

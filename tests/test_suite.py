@@ -51,6 +51,18 @@ def test_a_row_measured_once_is_reused_with_the_same_settings_only(tiny_store, e
     kv = stores.kv_config("tq", TINY)
     assert suite.find_rows(tmp_path, tiny_store, "ppl", TINY, kv=kv, device="cpu") == []
     assert suite.headline(row).startswith("perplexity ")
+    # A pipeline run reads back only rows measured since it began: an earlier run's row is measured again.
+    assert suite.find_rows(tmp_path, tiny_store, "ppl", TINY, device="cpu", since=row.run.timestamp) == [row]
+    assert suite.find_rows(tmp_path, tiny_store, "ppl", TINY, device="cpu", since="2999-01-01T00:00:00+00:00") == []
+
+
+def test_only_stage_04_is_told_when_the_run_began():
+    from airquant.pipeline.config import PipelineConfig
+
+    when = "2026-12-03T10:00:00+00:00"
+    assert PipelineConfig().parameters("04-validation", when).items() >= {"run_started": when, "reuse_rows": True}.items()
+    assert PipelineConfig(reuse_earlier=True).parameters("04-validation", when)["reuse_rows"] == "any"
+    assert "run_started" not in PipelineConfig().parameters("02-nf4", when)
 
 
 def test_configurations_fall_back_to_bf16_for_the_kv_column(tmp_path):

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from airquant.cli.run_cmds import add_plan_flags, plan_for
+from airquant.cli.run_cmds import add_plan_flags, plan_for, runs_line
 
 GB = 1e9
 READ_CHUNK = 16 << 20
@@ -51,8 +51,8 @@ def _head_dim(store: Path) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
-def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
-    """The GPU/RAM/link lines and the torch device they describe."""
+def hardware_lines(device: str = "auto") -> tuple[list[str], "object", float | None]:
+    """The GPU/RAM/link lines, the torch device they describe and the measured link (GB/s; None: no GPU)."""
     import psutil
     import torch
 
@@ -66,7 +66,7 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
     if dev.type != "cuda":
         why = "--device cpu" if device == "cpu" else "torch sees no CUDA GPU"
         return [f"GPU       : none ({why}): AirQuant runs on the CPU here; the kernels and the streamed "
-                "engine's overlap need a CUDA GPU", ram], dev
+                "engine's overlap need a CUDA GPU", ram], dev, None
     props = torch.cuda.get_device_properties(dev)
     cap = device_capability(dev)
     forced = f" (forced by {FORCE_ENV}; the GPU is sm_{props.major}{props.minor})" if forced_capability() else ""
@@ -75,7 +75,8 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object"]:
     return [f"GPU       : {props.name}, compute capability {cap[0]}.{cap[1]}{forced}",
             f"VRAM      : {total / GB:.1f} GB total, {free / GB:.1f} GB free",
             ram,
-            f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev
+            f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev, \
+        link.gb_per_s
 
 
 def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: float | None = None) -> argparse.Namespace:
@@ -87,13 +88,31 @@ def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: floa
     return p.parse_args(given)
 
 
-def store_lines(store: Path, args: argparse.Namespace) -> list[str]:
-    """Disk read speed of the store's folder and the plan ``airquant plan STORE`` makes with the same flags."""
+def bound_line(route, link_gbps: float | None, disk_gbps: float) -> str:
+    """The decode step's lower bound under ``route``'s plan: the slower of the link and the disk.
+
+    A plan for a GPU made where there is none (``--max-vram`` on a laptop, for a T4) takes PCIe 3's link."""
+    from airquant.engine.step_bound import PCIE3_GBPS, step_bound
+
+    if route.mode == "resident":
+        return "step      : resident: every layer is loaded once; a decode step is bound by compute"
+    note = ""
+    if link_gbps is None and route.hardware.vram_bytes is not None:
+        link_gbps, note = PCIE3_GBPS, " (PCIe 3, assumed: no GPU here to measure)"
+    bound = step_bound(route.plan, route.candidate.manifest.layer_bytes, link_gbps=link_gbps, disk_gbps=disk_gbps)
+    return bound.describe(route.batch_size, note)
+
+
+def store_lines(store: Path, args: argparse.Namespace, link_gbps: float | None = None) -> list[str]:
+    """Disk read speed of the store's folder, the plan ``airquant plan STORE`` makes with the same flags, and the
+    decode step that plan allows (the slowest of link and disk)."""
     gbps, nbytes, cold = disk_read_speed(store)
     lines = [f"disk      : {gbps:.2f} GB/s reading {nbytes / GB:.2f} GB of {store}"
              + ("" if cold else " (page cache not dropped: may be RAM speed)")]
     route, engine = plan_for([store], args)
-    return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()]
+    runs = runs_line(route, args)
+    return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()] + \
+        ([f"  {runs}"] if runs else []) + [bound_line(route, link_gbps, gbps)]
 
 
 def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram: float | None = None,
@@ -105,7 +124,7 @@ def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram:
     from airquant.store.manifest import open_store
 
     args = args if args is not None else plan_args(device, max_vram, max_ram)
-    lines, dev = hardware_lines(args.device)
+    lines, dev, link_gbps = hardware_lines(args.device)
     cap = device_capability(dev)
     if store is None:
         plan = capability_plan(cap, "bfloat16")
@@ -114,7 +133,7 @@ def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram:
     store = Path(store)
     manifest = open_store(store)
     lines += capability_plan(cap, manifest.dtype, head_dim=_head_dim(store)).describe()
-    return "\n".join(lines + store_lines(store, args))
+    return "\n".join(lines + store_lines(store, args, link_gbps))
 
 
 def cmd_doctor(args) -> int:

@@ -14,6 +14,8 @@ from airquant.cli.flags import add_engine_flags, add_kv_flags, engine_config, kv
 from airquant.errors import AirQuantError
 from airquant.pipeline import envs
 
+LOCAL_RESULTS = "results/local"  # a quick pipeline run's own folder (git-ignored): `make run` writes here
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -188,13 +190,19 @@ def cmd_pipeline(args) -> int:
     from airquant.pipeline.runner import PipelineConfig, run_pipeline
 
     logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
+    # jupyter_client logs "Could not destroy zmq context" through traitlets when papermill's kernel client is
+    # collected after its stage: nothing to act on, and it came between every stage's lines.
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
     profile = "quick" if args.quick else args.profile
-    cfg = PipelineConfig(model=args.model, store=args.store, profile=profile, results=args.results,
+    # The quick run is the user's own: it never rewrites the committed rows and report under results/.
+    results = args.results or ("results" if profile == "full" else LOCAL_RESULTS)
+    cfg = PipelineConfig(model=args.model, store=args.store, profile=profile, results=results,
                          device=args.device, stages=tuple(args.stages) if args.stages else PipelineConfig.stages,
                          kernels=args.kernels, schemes=tuple(args.schemes) if args.schemes else None,
                          cell_timeout_s=args.cell_timeout, progress=not args.quiet, runner=args.runner,
                          only=tuple(args.only) if args.only else None, sizes=json.loads(args.sizes),
-                         metrics=tuple(args.metrics) if args.metrics else None, report=not args.no_report)
+                         metrics=tuple(args.metrics) if args.metrics else None, report=not args.no_report,
+                         reuse_earlier=args.reuse_earlier)
     result = run_pipeline(cfg)
     for run in result.stages:
         print(f"{run.stage:<14} {run.seconds:7.1f} s  {run.kernel:<22} {run.notebook}")
@@ -203,13 +211,15 @@ def cmd_pipeline(args) -> int:
 
 
 def add_pipeline_parser(sub) -> None:
-    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build results/RESULTS.md; "
-                                        "--profile full measures the headline table at the reference settings")
+    p = sub.add_parser("pipeline", help="run notebooks 01-04 headlessly (papermill) and build RESULTS.md (quick: "
+                                        f"{LOCAL_RESULTS}/); --profile full measures the headline table at the "
+                                        "reference settings (results/)")
     p.add_argument("--model", default="default", help="'default', a model folder, a .gguf file, or a hub id")
     p.add_argument("--store", default="store", metavar="DIR", help="folder of the stores (default ./store)")
     p.add_argument("--profile", choices=["quick", "full"], default="quick",
                    help="quick: every metric in minutes on a CPU (the smoke run, default); full: the reference "
-                        "settings of RESULTS.md's headline table, every configuration (a GPU: ~10 min on an H200)")
+                        "settings of RESULTS.md's headline table, every configuration (a GPU: ~30 min on an H200 in "
+                        "one process; benchmarks/full_profile.sh splits it into ~13)")
     p.add_argument("--quick", action="store_true", help="the same as --profile quick (kept for older scripts)")
     p.add_argument("--sizes", default="{}", metavar="JSON",
                    help="overrides of airquant.pipeline.sizes.Sizes fields; on the full profile they make a "
@@ -225,7 +235,11 @@ def add_pipeline_parser(sub) -> None:
                                                                "or `airquant report` does)")
     p.add_argument("--runner", choices=["auto", "papermill", "inprocess"], default="auto",
                    help="auto: the full profile in this process, quick through papermill")
-    p.add_argument("--results", default="results", metavar="DIR")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help=f"where rows, plots and RESULTS.md go (default: {LOCAL_RESULTS} for quick, results for full)")
+    p.add_argument("--reuse-earlier", action="store_true",
+                   help="stage 04 may read back rows of earlier runs with the same settings (marked in RESULTS.md) "
+                        "instead of measuring them again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--schemes", nargs="+", choices=["bf16", "nf4", "gguf", "gptq", "int2"], default=None,
                    help="stores to build and measure (default: bf16, and nf4 when bitsandbytes imports; the full "

@@ -68,6 +68,31 @@ def engine_config(args):
                         batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None))
 
 
+# Engine flags that size GPU memory: without a GPU a run has nothing they could apply to.
+GPU_ONLY_FLAGS = (("max_vram", "--max-vram"), ("expert_cache", "--expert-cache"))
+
+
+def gpu_only_note(args, *, planning: bool = False) -> str | None:
+    """One line naming the GPU-only flags given to a command that will not see a GPU (None: nothing to say).
+
+    ``planning``: ``plan``/``doctor`` still plan for such a card (``--max-vram`` is how one plans a T4's run on a
+    laptop); a run ignores them, which it used to do without a word."""
+    given = [flag for dest, flag in GPU_ONLY_FLAGS if getattr(args, dest, None) is not None]
+    device = getattr(args, "device", None)
+    if not given or device not in ("auto", "cpu"):
+        return None
+    import torch
+
+    if device == "auto" and torch.cuda.is_available():
+        return None
+    why = "--device cpu" if device == "cpu" else "torch sees no CUDA GPU"
+    flags = ", ".join(given)
+    if planning:
+        verb = "plans" if len(given) == 1 else "plan"
+        return f"note: no GPU here ({why}): {flags} {verb} for such a card; a run on this machine ignores {flags}."
+    return f"note: {flags} {'has' if len(given) == 1 else 'have'} no effect here ({why}): this run is on the CPU."
+
+
 def add_generate_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``GenerateConfig`` (``--ignore-eos`` is generate's alone)."""
     p.add_argument("--max-new-tokens", type=int, default=64)

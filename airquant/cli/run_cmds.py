@@ -30,11 +30,22 @@ def plan_for(stores, args):
     return plan_route(stores, hardware, workload), engine
 
 
+def runs_line(route, args) -> str | None:
+    """How ``generate``/``batch``/``eval`` run beside a resident choice: they stream unless told ``--resident``
+    (``serve`` and ``ui`` follow the choice), so the plan must not promise them a resident run."""
+    if route.mode != "resident" or args.resident:
+        return None
+    return ("runs      : serve and ui run resident as chosen; generate, batch and eval stream the layers (from "
+            "the tiers above) unless given --resident")
+
+
 def cmd_plan(args) -> int:
     from airquant.engine.capability import compute_line
 
     route, engine = plan_for(args.stores, args)
     print(route.describe(engine))
+    if line := runs_line(route, args):
+        print(line)
     print(compute_line(route.candidate.manifest.dtype, args.dtype, args.device))
     return 0
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from airquant.errors import AirQuantError
+
 
 # -- shard -------------------------------------------------------------------------------------
 def cmd_shard(args) -> int:
@@ -65,6 +67,11 @@ def add_shard_parser(sub) -> None:
 def cmd_info(args) -> int:
     from airquant.store.manifest import load_manifest, open_store, record_checksums
 
+    if args.store and args.store_flag and args.store != args.store_flag:
+        raise AirQuantError(f"two stores given ({args.store} and --store {args.store_flag}); name one.")
+    args.store = args.store or args.store_flag
+    if not args.store:
+        raise AirQuantError("name the store: `airquant info STORE` (e.g. store/default-bf16).")
     manifest = load_manifest(args.store)
     if args.verify:
         open_store(args.store, verify=True)
@@ -97,7 +104,8 @@ def cmd_info(args) -> int:
 
 def add_info_parser(sub) -> None:
     p = sub.add_parser("info", help="show what a store holds")
-    p.add_argument("--store", required=True)
+    p.add_argument("store", nargs="?", help="the store folder, as every other command takes it")
+    p.add_argument("--store", dest="store_flag", default=None, metavar="STORE", help="the same (older scripts)")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256")
     p.add_argument("--upgrade", action="store_true",
                    help="record the per-read checksum (xxh3_128) of a store written before it existed")

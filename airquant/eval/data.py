@@ -7,6 +7,7 @@ or ``/work/shared/data``. A path given as ``data`` is always used as is.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -102,12 +103,18 @@ def read_text_file(path: str | Path, *, field: str = "text") -> str:
     return path.read_text(encoding="utf-8")
 
 
+@functools.cache
+def _say_local(spec: HubSpec) -> None:
+    # Once per data set and process: the suite loads the same set for every configuration and metric.
+    log.info("`datasets` is not installed; using the local copy of %s", spec)
+
+
 def hub_dataset(spec: HubSpec):
     """The ``datasets`` split, or None when the package is missing or the hub cannot be reached."""
     try:
         import datasets
     except ImportError:
-        log.info("`datasets` is not installed; using the local copy of %s", spec)
+        _say_local(spec)
         return None
     try:
         return datasets.load_dataset(spec.path, spec.name, split=spec.split)

@@ -285,8 +285,8 @@ def headline_section(results: ResultsDir, profiles: dict[str, dict]) -> tuple[li
             f"Headline table at the '{settings.name}' settings — NOT the reference settings"
         out += [f"## {title}", ""]
         if not tables:
-            out += [f"No rows at these settings yet. `{FULL_COMMAND}` measures them (one call of about 10 minutes "
-                    "on an H200) and rebuilds this file; until then the smoke run below is all there is.", ""]
+            out += [f"No rows at these settings yet. `{FULL_COMMAND}` measures them (about 30 minutes on an H200 "
+                    "in one process) and rebuilds this file; until then the smoke run below is all there is.", ""]
             continue
         record = next((r for r in profiles.values() if settings_of(r) == settings), None)
         for table in tables:

@@ -19,6 +19,7 @@ import torch
 from airquant.errors import AirQuantError, EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_wikitext
+from airquant.eval.progress import steps
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
     from transformers import GenerationConfig
 
     from airquant.engine.runner import attention_backends
-    from airquant.kv import cache_nbytes
+    from airquant.kv import cache_kwarg, cache_nbytes
 
     cache = _new_cache(engine, kv)
     config = GenerationConfig(max_new_tokens=1, do_sample=False, pad_token_id=engine.tokenizer.pad_token_id)
@@ -65,7 +66,7 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
     try:
         with attention_backends():
             engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                  past_key_values=cache)
+                                  **{cache_kwarg(engine.model): cache})
     except BaseException:
         if getattr(engine, "streamer", None) is not None:  # a forward cut short leaves layers in flight
             engine.streamer.reset()
@@ -102,7 +103,7 @@ def run_kv_memory(engine: Any, *, context_lengths: Sequence[int] = (512, 1024, 2
     if len(ids) < contexts[-1] * batch_size:
         raise EvalConfigError(f"{corpus.source} holds {len(ids)} tokens, fewer than {batch_size} x {contexts[-1]}.")
     start, measured = time.perf_counter(), []
-    for ctx in contexts:
+    for ctx in steps(contexts, "kv memory", "context"):
         batch = ids[:ctx * batch_size].reshape(batch_size, ctx)  # [B, S]
         measured.append(prefill_bytes(engine, batch, kv))
         log.info("kv memory at %d tokens: %.2f MB", ctx, measured[-1] / 1e6)

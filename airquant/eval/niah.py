@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Sequence
 from airquant.errors import EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_haystack
+from airquant.eval.progress import bar
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ def run_niah(engine: Any, *, data: str | Path | None = None, context_lengths: Se
     haystack, source = _load_haystack(engine, data, max(context_lengths), chat)
     answers = _answers(context_lengths, depths, trials, seed)
     cells, start = [], time.perf_counter()
+    progress = bar(len(answers), "niah", "cell")
     for ctx in context_lengths:
         grid = [c for c in answers if c[0] == ctx]
         built = [haystack.fit(ctx - max_new_tokens, NEEDLE.format(answer=a), d) for _, d, _, a in grid]
@@ -183,8 +185,10 @@ def run_niah(engine: Any, *, data: str | Path | None = None, context_lengths: Se
             for (c, d, t, a), (_, size, pos), out in zip(grid[i:i + batch_size], built[i:i + batch_size], outs):
                 recall, exact = score_response(out.text, a)
                 cells.append(NiahCell(c, d, t, size, pos, a, out.text[:200], recall, exact))
+            progress.update(len(outs))
         done = [c.recall for c in cells if c.context_length == ctx]
         log.info("niah %d tokens: recall %.2f over %d cells", ctx, statistics.fmean(done), len(done))
+    progress.close()
     longest = max(context_lengths)
     return NiahRow(
         run=collect_run_info(engine, kv=kv), recall=statistics.fmean(c.recall for c in cells),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from airquant.errors import EvalConfigError
 from airquant.eval.data import load_wikitext
 from airquant.eval.perplexity import Window, batch_windows, check_window, plan_windows, tokenize_text
+from airquant.eval.progress import steps
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _compare(engine: Any, reference: Any, ids: torch.Tensor, windows: list[Windo
              batch_size: int) -> _Totals:
     totals = _Totals()
     with torch.inference_mode():
-        for group in batch_windows(windows, batch_size):
+        for group in steps(list(batch_windows(windows, batch_size)), "parity", "batch"):
             inputs = torch.stack([ids[w.begin:w.end] for w in group])  # [B, S]
             test = engine.forward(inputs.to(engine.device), kv=kv)  # [B, S, V]
             ref = reference.forward(inputs.to(reference.device), kv=reference_kv)  # [B, S, V]

@@ -27,6 +27,7 @@ import torch
 from airquant.errors import EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_wikitext
+from airquant.eval.progress import steps
 from airquant.eval.rows import GB, RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -294,9 +295,9 @@ def run_perf(engine: Any, *, data: str | Path | None = None, prompt_length: int 
     corpus = load_wikitext(data)
     prompts = make_prompts(engine.tokenizer, corpus.text, prompt_length, batch_size)
     gen = dict(max_new_tokens=max_new_tokens, temperature=0.0, chat=False)
-    for _ in range(warmup):
+    for _ in steps(range(warmup), f"perf bs={batch_size} warm-up", "run"):
         prompting.generate(engine, prompts, kv=kv, **gen)
-    samples = [_measure(engine, prompts, kv, gen) for _ in range(repeats)]
+    samples = [_measure(engine, prompts, kv, gen) for _ in steps(range(repeats), f"perf bs={batch_size}", "run")]
     link = bandwidth or measure_link_bandwidth(engine.device, kind=default_bandwidth_kind(engine))
     summary = _summarize(engine, samples, link, batch_size)
     log.info("perf bs=%d: ttft %.3f s, decode %.1f tok/s, MBU %.2f", batch_size, summary["ttft_s"],

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from airquant.errors import EvalConfigError
 from airquant.eval.data import load_wikitext
+from airquant.eval.progress import steps
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def score_windows(engine: Any, ids: torch.Tensor, windows: list[Window], *, kv: 
                   batch_size: int = 1) -> tuple[float, int]:
     """Sum of NLL (nats) over every window's scored tokens, and how many tokens that is."""
     nll_sum, count = 0.0, 0
-    for i, group in enumerate(batch_windows(windows, batch_size)):
+    groups = list(batch_windows(windows, batch_size))
+    for i, group in enumerate(steps(groups, "ppl", "batch")):
         inputs = torch.stack([ids[w.begin:w.end] for w in group]).to(engine.device)  # [B, S]
         logits = engine.forward(inputs, kv=kv)  # [B, S, V]
         for row, w in enumerate(group):

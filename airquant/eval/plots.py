@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from airquant.errors import DependencyError
+from airquant.eval.rows import temp_beside
 
 PIP_MATPLOTLIB = "pip install matplotlib==3.11.2"
 
@@ -31,19 +32,30 @@ def _figure(width: float, height: float):
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise DependencyError(f"plots need matplotlib: {PIP_MATPLOTLIB}") from exc
-    fig = Figure(figsize=(width, height), dpi=110)
+    # Constrained layout keeps titles, tick labels and the colorbar inside the canvas (tight_layout cut the
+    # quick NiAH heatmap's title, wider than its one-column figure).
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def _title(ax: Any, text: str, width_in: float) -> None:
+    """A title wrapped to the figure's width (about 13 characters an inch at 9 pt)."""
+    ax.set_title(textwrap.fill(text, max(24, int(width_in * 13))), fontsize=9)
+
+
+def _wide(values: list[float], ratio: float) -> bool:
+    """Whether ``values`` span more than ``ratio``: a log axis helps only then."""
+    positive = [v for v in values if v > 0]
+    return bool(positive) and max(positive) / min(positive) > ratio
 
 
 def _save(fig: Any, path: str | Path) -> Path:
     """Write the PNG beside its final name and rename, so a report never links a half-written image."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     os.close(fd)
     try:
-        fig.tight_layout()
         fig.savefig(tmp, format="png")
         os.replace(tmp, path)
     except BaseException:
@@ -65,10 +77,11 @@ def niah_grid(row: Any) -> list[list[float]]:
     return grid
 
 
-def plot_niah_heatmap(row: Any, path: str | Path, title: str | None = None) -> Path:
+def niah_figure(row: Any, title: str | None = None) -> Any:
     """Recall by context length (x) and needle depth (y) for one ``NiahRow``."""
     grid = niah_grid(row)
-    fig = _figure(1.2 + 0.9 * len(row.context_lengths), 1.0 + 0.35 * len(row.depths))
+    width = max(4.2, 1.8 + 0.9 * len(row.context_lengths))
+    fig = _figure(width, 1.6 + 0.35 * len(row.depths))
     ax = fig.add_subplot()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(row.context_lengths)), [_tokens_label(c) for c in row.context_lengths])
@@ -78,32 +91,51 @@ def plot_niah_heatmap(row: Any, path: str | Path, title: str | None = None) -> P
             ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(title or f"NiAH recall: {row.run.model} {row.run.store_scheme} kv={row.run.kv_scheme}", fontsize=9)
+    _title(ax, title or f"NiAH recall: {row.run.model} {row.run.store_scheme} kv={row.run.kv_scheme}", width)
     fig.colorbar(image, ax=ax, label="recall")
-    return _save(fig, path)
+    return fig
+
+
+def plot_niah_heatmap(row: Any, path: str | Path, title: str | None = None) -> Path:
+    return _save(niah_figure(row, title), path)
+
+
+def throughput_figure(series: dict[str, list[tuple[int, float]]], title: str = "decode throughput vs batch size",
+                      note: str = "") -> Any:
+    """One line per configuration: ``{label: [(batch_size, tokens_per_s), ...]}``, of one device and setting
+    (``note`` names them under the axis)."""
+    fig = _figure(6.0, 4.0)
+    ax = fig.add_subplot()
+    markers = "osD^v<>"
+    for i, (label, points) in enumerate(sorted(series.items())):
+        points = sorted(points)
+        # Markers and dashes differ per line: equal figures (bf16 and NF4 on a CPU) stay visible.
+        ax.plot([b for b, _ in points], [v for _, v in points], marker=markers[i % len(markers)],
+                linestyle=("-", "--", ":", "-.")[i % 4], label=label)
+    batches = [b for points in series.values() for b, _ in points]
+    if _wide(batches, 4):
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(batches)), [str(b) for b in sorted(set(batches))])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("batch size" + (f"\n{note}" if note else ""))
+    ax.set_ylabel("decode tokens/s")
+    _title(ax, title, 6.0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def plot_throughput_vs_batch(series: dict[str, list[tuple[int, float]]], path: str | Path,
-                             title: str = "decode throughput vs batch size") -> Path:
-    """One line per configuration: ``{label: [(batch_size, tokens_per_s), ...]}``."""
-    fig = _figure(6.0, 4.0)
-    ax = fig.add_subplot()
-    for label, points in sorted(series.items()):
-        points = sorted(points)
-        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
+                             title: str = "decode throughput vs batch size", note: str = "") -> Path:
+    return _save(throughput_figure(series, title, note), path)
 
 
-def plot_ppl_by_scheme(bars: list[tuple[str, float, float | None]], path: str | Path,
-                       title: str = "WikiText-2 perplexity by scheme") -> Path:
-    """Bars of measured perplexity per configuration, with the reference figure as a marker when known."""
-    fig = _figure(1.5 + 1.1 * len(bars), 4.0)
+def ppl_figure(bars: list[tuple[str, float, float | None]], title: str = "WikiText-2 perplexity by scheme",
+               note: str = "") -> Any:
+    """Bars of measured perplexity per configuration (one device and setting, ``note``), with the reference
+    figure as a marker when known; a log axis only when the bars span more than 10x (int2 beside bf16)."""
+    width = max(4.2, 1.5 + 1.1 * len(bars))
+    fig = _figure(width, 4.0)
     ax = fig.add_subplot()
     xs = range(len(bars))
     rects = ax.bar(xs, [v for _, v, _ in bars], color="tab:blue", label="measured")
@@ -112,8 +144,17 @@ def plot_ppl_by_scheme(bars: list[tuple[str, float, float | None]], path: str | 
     if refs:
         ax.scatter([x for x, _ in refs], [r for _, r in refs], color="tab:red", marker="_", s=400, label="reference")
     ax.set_xticks(list(xs), [label for label, _, _ in bars], rotation=20, ha="right", fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_title(title, fontsize=9)
+    log = _wide([v for _, v, _ in bars] + [r for _, r in refs], 10)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("perplexity" + (" (log scale)" if log else ""))
+    if note:
+        ax.set_xlabel(note, fontsize=7)
+    _title(ax, title, width)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return fig
+
+
+def plot_ppl_by_scheme(bars: list[tuple[str, float, float | None]], path: str | Path,
+                       title: str = "WikiText-2 perplexity by scheme", note: str = "") -> Path:
+    return _save(ppl_figure(bars, title, note), path)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from airquant.errors import ResultsFileError
-from airquant.eval import headline, kvmem, plots
+from airquant.eval import headline, kvmem, plots, run_summary
 from airquant.eval import references as ref
+from airquant.eval.progress import steps
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
 
@@ -176,7 +178,7 @@ def _reference_section(model: str, columns: list[Column]) -> list[str]:
         md_table(["configuration", "reference PPL", "measured PPL", "Δ vs reference", "measured with"], lines)
 
 
-def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path]) -> list[str]:
+def _model_section(model: str, columns: list[Column], plot_links: dict) -> list[str]:
     names = headings(columns)
     labels = [names[id(c)] for c in columns]
     headline = _headline_lines(columns)
@@ -196,8 +198,7 @@ def _model_section(model: str, columns: list[Column], plot_links: dict[str, Path
     out += md_table(["tolerance"] + labels, _tolerance_lines(columns))
     out += _reference_section(model, columns)
     for key, title in (("ppl", "Perplexity per scheme"), ("throughput", "Throughput vs batch size")):
-        if (model, key) in plot_links:
-            out += ["", f"![{title}]({plot_links[(model, key)].name})"]
+        out += [line for path in plot_links.get((model, key), []) for line in ("", f"![{title}]({path.name})")]
     return out + [""]
 
 
@@ -290,26 +291,46 @@ def _provenance_section(results: ResultsDir) -> list[str]:
 
 
 # -- plots and assembly -----------------------------------------------------------------------------
-def _throughput_series(columns: list[Column]) -> dict[str, list[tuple[int, float]]]:
-    series, names = {}, headings(columns)
+def _device_name(row: Any) -> str:
+    return "CPU" if row.run.device == "cpu" else row.run.device_name
+
+
+def _throughput_figures(columns: list[Column]) -> dict[tuple[str, str], dict[str, list[tuple[int, float]]]]:
+    """``{(device, setting): {column: [(batch, tok/s)]}}``: one figure per device and prompt size (a CPU's
+    lines lay flat at 0 beside an H200's, and 32- and 512-token prompts shared an axis)."""
+    figures: dict[tuple[str, str], dict] = {}
     for c in columns:
-        latest: dict[int, Any] = {}
+        latest: dict[tuple[str, str], dict[int, Any]] = {}
         for item in sorted(c.rows.get("perf", []), key=lambda r: r.row.run.timestamp):
-            latest[item.row.batch_size] = item.row
-        if len(latest) >= 2:
-            series[names[id(c)]] = sorted((b, r.decode_tokens_per_s) for b, r in latest.items())
-    return series
+            r = item.row
+            key = (_device_name(r), f"prompt {r.prompt_length} tokens, {r.max_new_tokens} new")
+            latest.setdefault(key, {})[r.batch_size] = r
+        for key, by_batch in latest.items():
+            if len(by_batch) >= 2:
+                figures.setdefault(key, {})[c.label] = sorted((b, r.decode_tokens_per_s) for b, r in by_batch.items())
+    return figures
 
 
-def _ppl_bars(model: str, columns: list[Column]) -> list[tuple[str, float, float | None]]:
-    bars, names = [], headings(columns)
+def _ppl_figures(model: str, columns: list[Column]) -> dict[tuple[str, str], list[tuple[str, float, float | None]]]:
+    """``{(device, setting): [(column, ppl, reference ppl)]}``: one figure per device and perplexity setting;
+    the reference marker only on bars measured at the reference's own settings."""
+    figures: dict[tuple[str, str], list] = {}
     for c in columns:
-        row = c.best("ppl")
-        if row is None or c.synthetic:
+        if c.synthetic:
             continue
-        figures = [f.ppl for f in ref.reference_figures(model) if ref.figure_matches(f, c.store_scheme, c.kv_scheme)]
-        bars.append((names[id(c)], row.ppl, figures[0] if figures else None))
-    return bars
+        latest: dict[tuple[str, str], Any] = {}
+        for item in sorted(c.rows.get("ppl", []), key=lambda r: r.row.run.timestamp):
+            r = item.row
+            latest[(_device_name(r), f"{r.n_tokens} tokens, window {r.max_length}, stride {r.stride}")] = r
+        for key, row in latest.items():
+            known = [f.ppl for f in ref.reference_figures(model) if ref.figure_matches(f, c.store_scheme, c.kv_scheme)]
+            mark = known[0] if known and not ref.differs_from_reference(row) else None
+            figures.setdefault(key, []).append((c.label, row.ppl, mark))
+    return figures
+
+
+def _figure_name(kind: str, model: str, device: str, setting: str) -> str:
+    return f"{kind}__{slug(model)}__{slug(device)}__{slug(setting.replace(' tokens', 't'))}.png"
 
 
 def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir: Path,
@@ -319,28 +340,46 @@ def _make_plots(results: ResultsDir, by_model: dict[str, list[Column]], out_dir:
         return {}, []
     if make_plots is None and not plots.matplotlib_available():
         return {}, [f"Plots were skipped: matplotlib is not installed ({plots.PIP_MATPLOTLIB})."]
-    links: dict = {}
+    jobs: list[tuple[Any, Callable[[], Path]]] = []  # (link key, draw): drawn under one progress bar
     for model, columns in by_model.items():
-        bars = _ppl_bars(model, columns)
-        if bars:
-            links[(model, "ppl")] = plots.plot_ppl_by_scheme(bars, out_dir / f"ppl__{slug(model)}.png",
-                                                             title=f"WikiText-2 perplexity: {model}")
-        series = _throughput_series(columns)
-        if series:
-            links[(model, "throughput")] = plots.plot_throughput_vs_batch(
-                series, out_dir / f"throughput_vs_batch__{slug(model)}.png", title=f"Decode throughput: {model}")
+        for (device, setting), bars in _ppl_figures(model, columns).items():
+            path = out_dir / _figure_name("ppl", model, device, setting)
+            jobs.append(((model, "ppl"), partial(plots.plot_ppl_by_scheme, bars, path, note=setting,
+                                                 title=f"WikiText-2 perplexity: {model} on {device}")))
+        for (device, setting), series in _throughput_figures(columns).items():
+            path = out_dir / _figure_name("throughput_vs_batch", model, device, setting)
+            jobs.append(((model, "throughput"), partial(plots.plot_throughput_vs_batch, series, path, note=setting,
+                                                        title=f"Decode throughput: {model} on {device}")))
     niah = results.of("niah")
-    for i, item in enumerate(niah):
+    for item in niah:
         same_file = [x for x in niah if x.path == item.path]
         suffix = f"_{same_file.index(item)}" if len(same_file) > 1 else ""
-        links[id(item.row)] = plots.plot_niah_heatmap(item.row, out_dir / f"heatmap__{item.path.stem}{suffix}.png")
+        jobs.append((id(item.row), partial(plots.plot_niah_heatmap, item.row,
+                                           out_dir / f"heatmap__{item.path.stem}{suffix}.png")))
+    links: dict = {}
+    for key, draw in steps(jobs, "report plots", "plot"):
+        if isinstance(key, tuple):
+            links.setdefault(key, []).append(draw())
+        else:
+            links[key] = draw()
     return links, []
 
 
-def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None) -> Path:
+def _shown(folder: Path) -> str:
+    """The folder as a user would type it: relative to the working directory when inside it (``results/local``,
+    where the report said ``local``)."""
+    try:
+        return str(folder.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(folder)
+
+
+def build_report(results_dir: str | Path = "results", *, make_plots: bool | None = None,
+                 this_run: run_summary.RunSummary | None = None) -> Path:
     """Assemble ``results_dir/RESULTS.md`` (and PNG plots beside it) from every JSON file there.
 
     ``make_plots``: None plots when matplotlib is installed, True requires it, False skips plots.
+    ``this_run``: a pipeline run's rows, tabulated first ("This run") before everything the folder holds.
     """
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
@@ -353,11 +392,12 @@ def build_report(results_dir: str | Path = "results", *, make_plots: bool | None
     links, notes = _make_plots(results, by_model, results_dir, make_plots)
     built = datetime.now(timezone.utc).isoformat(timespec="seconds")
     files = len({r.path for r in results.rows})
-    lines = ["# AirQuant results", "", f"Built {built} by `airquant report {results_dir.name}` "
+    lines = ["# AirQuant results", "", f"Built {built} by `airquant report {_shown(results_dir)}` "
              f"(`{headline.FULL_COMMAND}` measures the headline rows and rebuilds it) from {len(results.rows)} rows in "
              f"{files} files. Each number comes from one `airquant.eval` function; every table names its "
              "command, device, package versions and data (sha256).", ""]
     lines += ["No result rows were found.", ""] if not results.rows else []
+    lines += run_summary.section(this_run, md_table) if this_run is not None else []
     lines += top + _extras_section(results)
     lines += _parity_section(results) + _niah_section(results, links)
     lines += kvmem.markdown_section([r.row for r in results.of("kvmem")], md_table)

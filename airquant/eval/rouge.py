@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from airquant.errors import DependencyError, EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import SummaryExample, load_cnn_dailymail
+from airquant.eval.progress import steps
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def fit_prompts(engine: Any, examples: list[SummaryExample], *, context: int, ma
 def _summarize(engine: Any, prompts: list[str], *, batch_size: int, max_new_tokens: int, chat: bool,
                kv: Any) -> list:
     completions = []
-    for i in range(0, len(prompts), batch_size):
+    for i in steps(range(0, len(prompts), batch_size), "rouge", "batch"):
         completions += prompting.generate(engine, prompts[i:i + batch_size], kv=kv,
                                                    max_new_tokens=max_new_tokens, temperature=0.0, chat=chat)
         log.info("rouge: %d/%d summaries", len(completions), len(prompts))

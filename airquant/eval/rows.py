@@ -211,11 +211,35 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(text: str, path: str | Path) -> Path:
-    """Write ``path`` so that it holds either its old content or the whole new one, never half."""
+def _file_mode(path: Path) -> int:
+    """The mode a rewrite of ``path`` keeps: its own, else what ``open`` would give under the umask."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        pass
+    # The umask can only be read by setting it; it is set straight back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def temp_beside(path: str | Path) -> tuple[int, str]:
+    """``(fd, name)`` of a temp file in ``path``'s folder with the mode ``path`` will keep.
+
+    ``mkstemp`` creates 0600 files; renamed over a result they would leave it unreadable to others
+    (a tracked 0644 file turned 0600 by a re-run)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, where mkstemp's mode means little
+        os.fchmod(fd, _file_mode(path))
+    return fd, tmp
+
+
+def write_text_atomic(text: str, path: str | Path) -> Path:
+    """Write ``path`` so that it holds either its old content or the whole new one, never half."""
+    path = Path(path)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

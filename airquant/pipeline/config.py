@@ -35,6 +35,7 @@ class PipelineConfig:
     only: tuple[str, ...] | None = None  # full profile, in process: run these configurations only (their names)
     metrics: tuple[str, ...] | None = None  # full profile, in process: measure these metrics only
     report: bool = True  # in process: rebuild RESULTS.md at the end
+    reuse_earlier: bool = False  # stage 04 may read back earlier runs' rows (marked in RESULTS.md), not only this run's
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -44,13 +45,18 @@ class PipelineConfig:
     def in_process(self) -> bool:
         return self.runner == "inprocess" or (self.runner == "auto" and self.profile == "full")
 
-    def parameters(self, stage: str) -> dict:
-        """The ``parameters`` cell values of a stage's notebook; paths absolute, since a kernel's cwd may differ."""
+    def parameters(self, stage: str, started: str | None = None) -> dict:
+        """The ``parameters`` cell values of a stage's notebook; paths absolute, since a kernel's cwd may differ.
+
+        ``started`` (ISO 8601 UTC, the run's start) tells stage 04 which rows this run measured: only those are
+        read back instead of measured again, unless ``reuse_earlier``."""
         params = {"model": self.model, "store": str(Path(self.store).resolve()), "device": self.device,
                   "profile": self.profile, "results_dir": str(Path(self.results).resolve()),
                   "sizes": dict(self.sizes)}
         if stage == "01-setup" and self.schemes:
             params["schemes"] = list(self.schemes)
+        if stage == "04-validation":
+            params |= {"run_started": started, "reuse_rows": "any" if self.reuse_earlier else True}
         return params
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from airquant.errors import DependencyError, PipelineError
@@ -54,7 +56,10 @@ def current_kernel_manager(kernel_dir: Path):
             "display_name": f"AirQuant ({sys.executable})", "language": "python"}
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(kernel_dir)], ensure_native_kernel=False)
-    return KernelManager(kernel_name=CURRENT_KERNEL, kernel_spec_manager=specs)
+    # Unix sockets where there are any: over TCP, ipykernel 7 warns on every start that its traffic is not
+    # encrypted (a line per notebook in `make run`'s output, for a kernel that only this process talks to).
+    transport = "ipc" if os.name == "posix" else "tcp"
+    return KernelManager(kernel_name=CURRENT_KERNEL, kernel_spec_manager=specs, transport=transport)
 
 
 def failed_cell(notebook: Path, exc: Exception) -> str:
@@ -73,7 +78,7 @@ def failed_cell(notebook: Path, exc: Exception) -> str:
     return f"{where} (`{first.strip()[:80]}`) raised {what}"
 
 
-def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) -> StageRun:
+def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path, started: str | None = None) -> StageRun:
     papermill = _papermill()
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     source = Path(cfg.notebooks or repo_root() / "notebooks") / NOTEBOOKS[stage]
@@ -83,7 +88,7 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) 
     log.info("stage %s: %s on kernel %s", stage, source.name, kernel or CURRENT_KERNEL)
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(str(source), str(target), parameters=cfg.parameters(stage),
+        papermill.execute_notebook(str(source), str(target), parameters=cfg.parameters(stage, started),
                                    kernel_name=kernel or CURRENT_KERNEL, progress_bar=cfg.progress, cwd=str(Path.cwd()),
                                    execution_timeout=cfg.cell_timeout_s, **engine_kwargs)
     except papermill.PapermillExecutionError as exc:
@@ -94,6 +99,12 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path) 
         # The kernel died (out of memory, say) or a cell ran past --cell-timeout: there is no cell error to show.
         raise PipelineError(f"notebook {source.name} stopped: {type(exc).__name__}: {str(exc)[:300]}. The executed "
                             f"copy is {target}; earlier rows are kept and RESULTS.md was not rebuilt.") from exc
+    finally:
+        # nbclient leaves a kernel manager it was given running: each stage's kernel (its engines and tensors)
+        # lived until the pipeline exited, then printed "Parent appears to have exited".
+        km = engine_kwargs.get("km")
+        if km is not None and km.has_kernel:
+            km.shutdown_kernel(now=False)
     return StageRun(stage, target, kernel or CURRENT_KERNEL, time.perf_counter() - start)
 
 
@@ -112,9 +123,11 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     report = results / "RESULTS.md"
     before = report.stat().st_mtime_ns if report.exists() else None
     start, runs = time.perf_counter(), []
+    # Whole seconds, as rows record their time: a row measured in the run's first second counts as this run's.
+    started = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     with tempfile.TemporaryDirectory(prefix="airquant-kernels-") as kernel_dir:
         for stage in cfg.stages:
-            runs.append(run_stage(stage, cfg, out_dir, Path(kernel_dir)))
+            runs.append(run_stage(stage, cfg, out_dir, Path(kernel_dir), started))
             log.info("stage %s done in %.0f s", stage, runs[-1].seconds)
     if "04-validation" in cfg.stages and (not report.exists() or report.stat().st_mtime_ns == before):
         raise PipelineError(f"notebook {NOTEBOOKS['04-validation']} finished without writing {report}; "

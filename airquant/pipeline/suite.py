@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 from airquant.eval.metrics import METRICS as METRIC_SPECS
 from airquant.eval.metrics import metric_spec
+from airquant.eval.run_summary import headline  # noqa: F401  (suite.headline: the notebooks' and CLI's name)
 from airquant.pipeline.sizes import Metric, Sizes
 from airquant.pipeline.stores import kv_config, open_engine
 
@@ -71,8 +73,9 @@ def _identity(store: Path, kv: Any, device: str) -> dict:
 
 
 def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes, *, kv: Any = None,
-              reference: Path | None = None, device: str = "auto") -> list:
-    """Rows already in ``results_dir`` that measured exactly this (empty when any is missing)."""
+              reference: Path | None = None, device: str = "auto", since: str | None = None) -> list:
+    """Rows already in ``results_dir`` that measured exactly this (empty when any is missing); with ``since``
+    (ISO 8601) only rows measured from then on, so a run never passes off an earlier run's rows as its own."""
     from airquant.eval.results import load_results
 
     if not Path(results_dir).is_dir():
@@ -84,6 +87,8 @@ def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes
     for loaded in load_results(Path(results_dir)).of(metric):
         row = loaded.row
         if any(getattr(row.run, k) != v for k, v in want.items()):
+            continue
+        if since is not None and datetime.fromisoformat(row.run.timestamp) < datetime.fromisoformat(since):
             continue
         if ref_want and any(getattr(row.reference_run, k) != v for k, v in ref_want.items()
                             if k in ("model", "store_scheme", "kv_scheme")):
@@ -116,12 +121,14 @@ def model_context(store: Path) -> int:
 
 def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: Any = None,
              reference: str | Path | None = None, device: str = "auto", results_dir: str | Path = "results",
-             reuse: bool = False, data: dict[str, Path] | None = None, engine: Any = None) -> list:
+             reuse: bool = False, since: str | None = None, data: dict[str, Path] | None = None,
+             engine: Any = None) -> list:
     """Every metric of ``metrics`` on ``store`` (streamed, with ``kv``); each row written under ``results_dir``.
 
     ``reference`` is parity's reference store (default: the same store without ``kv``). ``data`` maps a
     metric to its data file (default: the standard set, ``airquant.eval.data``). ``engine``, already open
-    on ``store``, is used and left open (the full profile runs several KV caches on one engine).
+    on ``store``, is used and left open (the full profile runs several KV caches on one engine). With
+    ``reuse``, ``since`` limits the rows read back to those measured from then on (a pipeline run's start).
     """
     store = Path(store)
     reference = Path(reference) if reference is not None else None
@@ -129,8 +136,8 @@ def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: 
     rows, own = [], engine is None
     try:
         for metric in metrics:
-            old = find_rows(results_dir, store, metric, sizes, kv=kv, reference=reference, device=device) \
-                if reuse else []
+            old = find_rows(results_dir, store, metric, sizes, kv=kv, reference=reference, device=device,
+                            since=since) if reuse else []
             if old:
                 log.info("%s on %s: reusing %d row(s) already in %s", metric, store.name, len(old), results_dir)
                 rows += old
@@ -149,25 +156,6 @@ def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: 
 
 
 # -- what a row says in one line --------------------------------------------------------------------
-def headline(row: Any) -> str:
-    """The row's main number, as the CLI prints it last and the notebooks tabulate it."""
-    m = row.metric
-    if m == "ppl":
-        return f"perplexity {row.ppl:.4f} over {row.n_scored} tokens"
-    if m == "rouge":
-        return f"ROUGE-L {row.rougeL:.4f} (ROUGE-Lsum {row.rougeLsum:.4f}) over {row.n_samples} articles"
-    if m == "niah":
-        return f"NiAH recall {row.recall:.2f} ({row.recall_at_longest:.2f} at {row.longest_context} tokens)"
-    if m == "perf":
-        return (f"decode {row.decode_tokens_per_s:.2f} tok/s at batch {row.batch_size}, TTFT {row.ttft_s:.3f} s, "
-                f"MBU {row.mbu:.1%}")
-    if m == "parity":
-        return f"top-1 agreement {row.top1_agreement:.4f}, KL {row.kl_mean:.5f} nats, cosine {row.cosine_mean:.5f}"
-    if m == "kvmem":
-        return f"KV cache {row.cache_bytes[-1] / 1e6:.2f} MB at {row.context_lengths[-1]} tokens"
-    return m
-
-
 def summary(rows: Sequence[Any]) -> list[dict]:
     """One record per row (configuration, metric, headline) for a notebook table."""
     return [{"store": r.run.store_scheme, "kv": r.run.kv_scheme, "metric": r.metric, "batch": r.batch_size,

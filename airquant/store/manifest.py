@@ -141,6 +141,9 @@ def load_manifest(store: str | Path) -> Manifest:
     refuse_links(store)
     path = store / MANIFEST
     if not path.is_file():
+        inside = sorted(str(d) for d in store.iterdir() if (d / MANIFEST).is_file())
+        if inside:  # the folder `make run` fills holds one store per scheme
+            raise StoreError(f"{store} is a folder of stores, not a store; name one of them: {', '.join(inside)}.")
         raise StoreError(f"{path} is missing: {store} is not an AirQuant store. "
                          f"Run `airquant shard MODEL --store {store}` first.")
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import gradio as gr
 from fastapi import FastAPI
 from gradio.utils import get_upload_folder
+from fastapi.responses import RedirectResponse
 
 from airquant.errors import AirQuantError
 from airquant.serve.config import ServeConfig, is_loopback
@@ -63,4 +64,10 @@ class UiMount:
         gr.mount_gradio_app(app, blocks, path=self.prefix, auth=auth, auth_message="Password: the server's API key.",
                             allowed_paths=[str(Path(self.results).resolve())],
                             max_file_size=config.max_body_bytes, ssr_mode=False, footer_links=[])
+        redirect_root(app, self.prefix)
         log.info("UI mounted at %s", self.prefix)
+
+
+def redirect_root(app: FastAPI, prefix: str) -> None:
+    """``/`` sends a browser to the UI: the address ``airquant ui`` prints answered a JSON 404 before."""
+    app.add_api_route("/", lambda: RedirectResponse(f"{prefix}/"), methods=["GET"], include_in_schema=False)

@@ -28,5 +28,10 @@ def test_quick_70b_rows_break_host_ram_down(tmp_path, capsys):
         parts = h["peak_parts_gb"]
         assert parts["rss"] == pytest.approx(h["peak_gb"], abs=1e-3)
         assert parts["anon"] + parts["file"] + parts["shmem"] == pytest.approx(parts["rss"], abs=1e-3)
+        # The step is the slower of link and disk (the 70B profile read 20.7 GB from disk each step, left out before).
+        assert row["disk_bytes_per_step"] >= 0 and row["t4_pcie3_bound"] in ("link", "disk")
+        link_s, disk_s = row["bytes_per_step"] / 12.5e9, row["disk_bytes_per_step"] / (r["t4_70b_disk_gbps"] * 1e9)
+        assert row["t4_pcie3_tok_s"] == pytest.approx(int(batch) / max(link_s, disk_s))
+        assert row["t4_pcie3_bound"] == ("disk" if disk_s > link_s else "link")
     table = capsys.readouterr().out
-    assert "host RAM bs1: peak" in table and "unplanned" in table
+    assert "host RAM bs1: peak" in table and "unplanned" in table and "t4_70b_bound_bs1_pcie3" in table

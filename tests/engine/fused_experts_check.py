@@ -34,8 +34,7 @@ def decode(engine: Engine, steps: int) -> tuple[list[int], torch.Tensor]:
     hook = engine.model.get_output_embeddings().register_forward_hook(
         lambda _m, _a, out: logits.append(out[:, -1].float().cpu().clone()))
     try:
-        ids = torch.tensor([PROMPT])
-        out = engine.generate_ids(ids, torch.ones_like(ids), GenerateConfig(max_new_tokens=steps, ignore_eos=True))
+        out = engine.generate_requests([engine.request(PROMPT, GenerateConfig(max_new_tokens=steps, ignore_eos=True))])
     finally:
         hook.remove()
     return list(out[0].token_ids), torch.cat(logits)

@@ -67,3 +67,13 @@ def test_bad_local_files_name_the_line(tmp_path):
         data.load_cnn_dailymail(bad)
     with pytest.raises(EvalDataError, match="no such file"):
         data.load_wikitext(tmp_path / "missing.txt")
+
+
+def test_a_missing_datasets_package_is_said_once(monkeypatch, local_dir, caplog):
+    """The suite loads WikiText-2 for every metric and configuration: the note came once per metric."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    data._say_local.cache_clear()
+    with caplog.at_level("INFO", logger="airquant.eval.data"):
+        for _ in range(3):
+            data.load_wikitext()
+    assert sum("is not installed" in r.getMessage() for r in caplog.records) == 1

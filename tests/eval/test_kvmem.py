@@ -41,3 +41,14 @@ def test_turboquant_cache_is_smaller_past_the_window(engine):
 def test_contexts_beyond_the_model_are_refused(engine):
     with pytest.raises(EvalConfigError, match="context lengths"):
         run_kv_memory(engine, context_lengths=(10_000,))
+
+
+def test_the_prefill_uses_no_deprecated_transformers_argument(tiny_engine, small_text_file):
+    """``generate(past_key_values=...)`` warned that it goes away in a later transformers (a break waiting)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        row = run_kv_memory(tiny_engine, context_lengths=(32,), data=small_text_file, vram_budget_gb=None)
+    assert row.cache_bytes[0] > 0

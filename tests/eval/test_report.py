@@ -175,11 +175,13 @@ def test_other_sections_and_foreign_files(results_dir):
 
 def test_plots_are_written_beside_the_report(results_dir):
     pngs = {p.name for p in results_dir.glob("*.png")}
-    assert {"ppl__smollm2-135m-instruct.png", "throughput_vs_batch__smollm2-135m-instruct.png",
-            "ppl__llama-3.1-8b.png"} <= pngs
+    # One figure per device and setting: the SmolLM2 rows were measured at 4096 tokens and at the reference's 8192.
+    assert {"ppl__smollm2-135m-instruct__cpu__4096t-window-1024-stride-512.png",
+            "throughput_vs_batch__smollm2-135m-instruct__cpu__prompt-512t-64-new.png",
+            "ppl__llama-3.1-8b__nvidia-h200__4096t-window-1024-stride-512.png"} <= pngs
     assert len([p for p in pngs if p.startswith("heatmap__niah__")]) == 3
     assert all((results_dir / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
-    assert "![Throughput vs batch size](throughput_vs_batch__smollm2-135m-instruct.png)" in \
+    assert "![Throughput vs batch size](throughput_vs_batch__smollm2-135m-instruct__cpu__prompt-512t-64-new.png)" in \
         (results_dir / REPORT_NAME).read_text()
 
 
@@ -217,3 +219,29 @@ def test_cpu_and_gpu_runs_of_one_model_get_columns_and_baselines_of_their_own(tm
     assert table_cells(text, "ΔPPL ≤ 0.5 vs baseline") == {
         "BF16 streamed · CPU": "baseline", "NF4 · CPU": "FAIL (+8.00)",
         "BF16 streamed · NVIDIA H200": "baseline", "NF4 · NVIDIA H200": "FAIL (+4.50)"}
+
+
+def test_a_figure_holds_one_device_and_one_setting(tmp_path):
+    """throughput_vs_batch drew CPU lines flat at 0 beside the H200's, 32- and 512-token prompts on one axis."""
+    cpu = dict(device="cpu")
+    rows = [perf(run(SMOL, "bfloat16", **cpu), 3.0, None), perf(run(SMOL, "bfloat16", **cpu), 9.0, None, batch=4),
+            perf(run(SMOL, "bfloat16"), 300.0, 0.3), perf(run(SMOL, "bfloat16"), 900.0, 0.3, batch=4),
+            ppl(run(SMOL, "bfloat16", **cpu), 26.0, n=1024, max_length=512, stride=512), ppl(run(SMOL, "bfloat16"), 24.5)]
+    for r in rows:
+        write_row(r, tmp_path / default_row_name(r))
+    build_report(tmp_path)
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert [p for p in pngs if p.startswith("throughput")] == [
+        "throughput_vs_batch__smollm2-135m-instruct__cpu__prompt-512t-64-new.png",
+        "throughput_vs_batch__smollm2-135m-instruct__nvidia-h200__prompt-512t-64-new.png"]
+    assert [p for p in pngs if p.startswith("ppl")] == [
+        "ppl__smollm2-135m-instruct__cpu__1024t-window-512-stride-512.png",
+        "ppl__smollm2-135m-instruct__nvidia-h200__4096t-window-1024-stride-512.png"]
+
+
+def test_the_report_names_its_folder_as_typed(tmp_path, monkeypatch):
+    """A results/local report said it was built by `airquant report local`."""
+    (tmp_path / "results" / "local").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    text = build_report(tmp_path / "results" / "local", make_plots=False).read_text()
+    assert "by `airquant report results/local`" in text

@@ -73,3 +73,21 @@ def test_kv_labels():
     assert kv_label(KV()) == "tq-k4v2"
     KV.backend = "none"
     assert kv_label(KV()) == "none"
+
+
+def test_rewritten_and_new_files_keep_readable_modes(tmp_path):
+    """A re-run used to leave results 0600 (mkstemp's mode) through the rename; a kept file keeps its own mode."""
+    from airquant.eval.plots import plot_throughput_vs_batch
+
+    old = os.umask(0o022)
+    try:
+        kept = tmp_path / "kept.json"
+        kept.write_text("{}")
+        kept.chmod(0o664)
+        write_row(make_row(), kept)
+        fresh = write_row(make_row(), tmp_path / "new.json")
+        png = plot_throughput_vs_batch({"a": [(1, 1.0), (2, 2.0)]}, tmp_path / "t.png")
+    finally:
+        os.umask(old)
+    assert oct(kept.stat().st_mode & 0o777) == oct(0o664)
+    assert oct(fresh.stat().st_mode & 0o777) == oct(png.stat().st_mode & 0o777) == oct(0o644)

@@ -128,3 +128,36 @@ def test_missing_store_and_manifest(tmp_path):
         load_manifest(tmp_path / "nowhere")
     with pytest.raises(StoreError, match="manifest.json is missing"):
         load_manifest(tmp_path)
+
+
+def test_the_bar_names_the_wait_before_the_first_shard_and_times_from_it(tmp_path, tiny_llama, monkeypatch):
+    """The default model's GGUF index took ~30 s before shard 1: the bar sat at 0/32, then showed an ETA of 15 min."""
+    import time
+
+    bars = []
+
+    class Bar(split_mod.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.postfixes = []
+            bars.append(self)
+
+        def set_postfix_str(self, s="", refresh=True):
+            self.postfixes.append((s, self.n))
+            super().set_postfix_str(s, refresh)
+
+    source = resolve(str(tiny_llama))
+    groups = source.tensor_groups
+
+    def slow_index():
+        time.sleep(1.0)
+        yield from groups()
+
+    monkeypatch.setattr(source, "tensor_groups", slow_index)
+    monkeypatch.setattr(split_mod, "tqdm", Bar)
+    start = time.perf_counter()
+    split(source, tmp_path / "s", dtype="float32", progress=True)
+    (bar,) = bars
+    assert bar.postfixes[0] == ("reading the checkpoint's index", 0)
+    assert bar.start_t - start >= 1.0  # the shards' rate and ETA leave the index's second out
+    assert bar.n == bar.total

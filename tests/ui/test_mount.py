@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("gradio")
 httpx = pytest.importorskip("httpx")
 
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 from gradio.utils import get_upload_folder  # noqa: E402
 
 from airquant import Provider  # noqa: E402
@@ -17,6 +19,7 @@ from airquant.errors import AirQuantError  # noqa: E402
 from airquant.serve import BackgroundServer, create_app  # noqa: E402
 from airquant.serve.config import ServeConfig  # noqa: E402
 from airquant.ui.jobs import JobRunner, UploadError  # noqa: E402
+from airquant.ui import mount  # noqa: E402
 from airquant.ui.mount import UiMount  # noqa: E402
 
 TIMEOUT = httpx.Timeout(60.0)
@@ -115,3 +118,14 @@ def test_cors_under_ui_follows_cors_origin(ui, provider, jobs, tmp_path):
         assert r.headers.get("access-control-allow-origin") == "http://allowed.example"
         r = httpx.get(f"{url}/ui/config", headers={"Origin": "http://localhost:9999"}, timeout=TIMEOUT)
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_the_root_url_redirects_to_the_ui(monkeypatch, tmp_path):
+    """`airquant ui` printed the server's address, whose / answered a JSON 404; the UI was only at /ui/."""
+    monkeypatch.setattr(mount, "build_blocks", lambda ctx: None)
+    monkeypatch.setattr(mount, "JobRunner", lambda provider, jobs, **kw: None)
+    monkeypatch.setattr(mount.gr, "mount_gradio_app", lambda app, blocks, path, **kw: app)
+    app = FastAPI()
+    mount.UiMount(stores=("s",), results=tmp_path, jobs=tmp_path)(app, provider=None, config=ServeConfig())
+    answer = TestClient(app).get("/", follow_redirects=False)
+    assert answer.status_code in (307, 302) and answer.headers["location"] == "/ui/"
