@@ -13,6 +13,7 @@ group names tensors relative to ``model.norm``; newer stores name them from the 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -137,8 +138,28 @@ def decoder_stack(model: nn.Module, layout: Layout) -> nn.ModuleList:
     return model.get_submodule(layout.stack)
 
 
+def upper_bound_config(config):
+    """``config``, or for a heterogeneous one (transformers' ``per_layer_config``: head dims, head counts ...
+    that vary by layer) a homogeneous copy holding each per-layer attribute's largest value over the layers.
+
+    A heterogeneous config refuses to answer such an attribute globally; size arithmetic (memory plans,
+    expert counts) reads the upper bound instead. The modules themselves are built from the real config.
+    """
+    attrs = getattr(config, "per_layer_attributes", None)
+    if not attrs:
+        return config
+    out = copy.deepcopy(config)
+    out.allow_global_per_layer_attribute_access = True
+    for name in attrs:
+        values = [v for v in (getattr(layer, name, None) for layer in config.per_layer_config) if v is not None]
+        if values and all(isinstance(v, (int, float)) for v in values):
+            setattr(out, name, max(values))
+    return out
+
+
 def moe_counts(config) -> tuple[int, int] | None:
     """(experts per layer, experts per token) of a Mixture-of-Experts config; None for a dense one."""
+    config = upper_bound_config(config)
     cfgs = [config] + [getattr(config, k) for k in ("text_config",) if getattr(config, k, None) is not None]
     for cfg in cfgs:
         num = next((getattr(cfg, a) for a in _NUM_EXPERTS_ATTRS if isinstance(getattr(cfg, a, None), int)), 0)

@@ -41,14 +41,15 @@ SMALL = dict(
     first_k_dense_replace=1, sliding_window=8, linear_num_value_heads=4, linear_num_key_heads=2,
     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, mamba_n_heads=4, mamba_d_head=16,
     mamba_d_state=8, mamba_n_groups=1, ssm_state_size=8, mamba_d_conv=4, decoder_sparse_step=1,
+    index_n_heads=4, index_head_dim=16,
 )
-# MLA attention ropes qk_rope_head_dim channels; the layer pattern of Qwen3.5 / Qwen3-Next puts full
-# attention at every fourth block.
+# MLA attention (a config with kv_lora_rank) keeps one key/value head per query head and ropes
+# qk_rope_head_dim channels.
+MLA = dict(head_dim=8, num_key_value_heads=4)
+# The layer pattern of Qwen3.5 / Qwen3-Next puts full attention at every fourth block.
 OVERRIDES: dict[str, dict] = {
-    "deepseek_v2": dict(head_dim=8, num_key_value_heads=4), "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
     "qwen3_5_text": dict(num_hidden_layers=4), "qwen3_5_moe_text": dict(num_hidden_layers=4),
     "qwen3_next": dict(num_hidden_layers=4),
-    "glm4_moe_lite": dict(head_dim=8, num_key_value_heads=4),
     "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1], [["global"], 1]]),
     "mamba2": dict(num_heads=8), "bamba": dict(mamba_n_heads=8, attn_layer_indices=[1]),
@@ -66,15 +67,35 @@ def tiny_config(model_type: str, tokenizer, *, layers: int = 3, **over):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    # Only sizes the config class has, and can set (some expose head_dim as a derived property).
-    kw = {k: v for k, v in SMALL.items()
-          if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)}
+    sizes = {**SMALL, **(MLA if _settable(base, "kv_lora_rank") else {})}
+    kw = {k: v for k, v in sizes.items() if _settable(base, k)}
+    kw.update(_per_layer_lists(base, layers))
     kw.update(num_hidden_layers=layers, vocab_size=len(tokenizer), tie_word_embeddings=False,
               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
               pad_token_id=tokenizer.pad_token_id)
     kw.update(OVERRIDES.get(model_type, {}))
     kw.update(over)
     return AutoConfig.for_model(model_type, **kw)
+
+
+def _settable(config, key: str) -> bool:
+    """The config class has ``key`` and lets it be set: some expose head_dim as a derived property; a
+    heterogeneous config refuses to read a per-layer attribute globally (a RuntimeError) but sets it."""
+    if isinstance(getattr(type(config), key, None), property):
+        return False
+    try:
+        return hasattr(config, key)
+    except RuntimeError:
+        return True
+
+
+def _per_layer_lists(base, layers: int) -> dict[str, list]:
+    """The default config's lists of one entry per layer (``layer_types``, ``mlp_layer_types`` ...), cut to
+    ``layers`` entries: configs that validate them against ``num_hidden_layers`` refuse the full ones."""
+    n = getattr(base, "num_hidden_layers", None)
+    if not n or n == layers:
+        return {}
+    return {k: v[:layers] for k, v in base.to_dict().items() if isinstance(v, list) and len(v) == n}
 
 
 def make_model(folder: Path, tokenizer, model_type: str, *, seed: int = 0, **over) -> Path:

@@ -133,16 +133,20 @@ class SlotKV:
             ctx.keys, ctx.values = self._plain_update(key, value, layer_idx)
         return tag(key, ctx), value
 
-    def _buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s buffers, sized by its first keys/values: heads and head dims may differ by layer
+        (a heterogeneous config's ``per_layer_config``, a value head dim other than the key's)."""
         if self._k[i] is None:
             home = torch.device("cpu") if i in self.offload else self.device
             pin = self.pin and i in self.offload
-            self._k[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
-            self._v[i] = torch.zeros(self.shape, dtype=self.dtype, device=home, pin_memory=pin)
+            slots, _, cap, _ = self.shape
+            for bufs, t in ((self._k, key), (self._v, value)):  # t: [1, Hkv, T, D]
+                bufs[i] = torch.zeros((slots, t.shape[1], cap, t.shape[-1]), dtype=self.dtype, device=home,
+                                      pin_memory=pin)
         return self._k[i], self._v[i]
 
     def _plain_update(self, key, value, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k_home, v_home = self._buffers(i)
+        k_home, v_home = self._buffers(i, key, value)
         rows = self._new_rows(key, value)
         if i not in self.offload:
             k_dev, v_dev = k_home[:, :, : self.span], v_home[:, :, : self.span]
