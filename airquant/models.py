@@ -300,6 +300,12 @@ def convert_tensors(skeleton, state: dict[str, torch.Tensor]) -> dict[str, torch
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    if info.mismatched_keys:  # transformers leaves those places empty (meta): refused here, not at write time
+        name, want, got = sorted(info.mismatched_keys)[0]
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name} has shape {list(got)}, but the model its config.json describes has "
+            f"{list(want)} ({len(info.mismatched_keys)} tensors differ); the checkpoint and its config.json "
+            "disagree. Fix config.json (or re-save the model with this transformers version).")
     return {name: _take(skeleton, name) for name in sorted(expected - set(info.missing_keys))}
 
 
