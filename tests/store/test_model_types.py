@@ -132,7 +132,6 @@ def _fake_quantized_reference(folder, spec: QuantSpec):
 QUANTIZED_NOT_YET = {
     "aria_text": "NF4 logits 9% off the in-memory quantized model",
     "deepseek_v4": "a quantized linear is multiplied at a shape it was not built for",
-    "doge": "its experts are embedding tables, not an experts module: nothing is quantized as experts",
     "longcat_flash": "no expert tensor is quantized (its experts module is not found)",
     "hy_v4": "the reference swaps a head its ChunkedHead does not expose as .weight",
 }
