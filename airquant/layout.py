@@ -13,6 +13,7 @@ group names tensors relative to ``model.norm``; newer stores name them from the 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +25,8 @@ from airquant.errors import UnsupportedModelError
 _NUM_EXPERTS_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K_ATTRS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 # Architectures that are not a decoder stack fed token by token: refused with the reason.
+# Config attributes that are sizes; one given as a list holds a size per layer.
+_SIZE_SUFFIXES = ("_size", "_dim", "_heads")
 _NOT_DECODER_ONLY = "encoder-decoder models (the decoder reads an encoder's output at every step)"
 
 
@@ -138,8 +141,37 @@ def decoder_stack(model: nn.Module, layout: Layout) -> nn.ModuleList:
     return model.get_submodule(layout.stack)
 
 
+def upper_bound_config(config):
+    """``config``, or for a heterogeneous one (transformers' ``per_layer_config``: head dims, head counts ...
+    that vary by layer; sizes given as one list entry per layer) a homogeneous copy holding each per-layer
+    attribute's largest value over the layers.
+
+    A heterogeneous config refuses to answer such an attribute globally; size arithmetic (memory plans,
+    expert counts) reads the upper bound instead. The modules themselves are built from the real config.
+    """
+    attrs = getattr(config, "per_layer_attributes", None) or ()
+    listed = {k: v for k, v in vars(config).items() if k.endswith(_SIZE_SUFFIXES) and _numbers(v)}
+    if not attrs and not listed:
+        return config
+    out = copy.deepcopy(config)
+    if attrs:
+        out.allow_global_per_layer_attribute_access = True
+    for name in attrs:
+        values = [getattr(layer, name, None) for layer in config.per_layer_config]
+        if _numbers(values):
+            setattr(out, name, max(values))
+    for name, values in listed.items():  # a size given per layer as a list (Gemma 3n's intermediate_size)
+        setattr(out, name, max(values))
+    return out
+
+
+def _numbers(values) -> bool:
+    return isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
+
+
 def moe_counts(config) -> tuple[int, int] | None:
     """(experts per layer, experts per token) of a Mixture-of-Experts config; None for a dense one."""
+    config = upper_bound_config(config)
     cfgs = [config] + [getattr(config, k) for k in ("text_config",) if getattr(config, k, None) is not None]
     for cfg in cfgs:
         num = next((getattr(cfg, a) for a in _NUM_EXPERTS_ATTRS if isinstance(getattr(cfg, a, None), int)), 0)

@@ -21,6 +21,7 @@ from airquant.engine.plan import (GB, WORKSPACE_BYTES, Budgets, PlanError, Reser
                                   expert_intermediate_of, fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for,
                                   top_k_of)
 from airquant.kv.layers import LayerStates
+from airquant.layout import upper_bound_config
 from airquant.store.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class ModelDims:
     @classmethod
     def of(cls, config) -> "ModelDims":
         """From a transformers config (its text part) or a namespace with the same attributes."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = upper_bound_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
         states = LayerStates.of(text)
         hidden = text.hidden_size
         heads = getattr(text, "num_attention_heads", None) or 1  # a pure state-space stack has none

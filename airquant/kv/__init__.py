@@ -16,6 +16,7 @@ import torch
 
 from airquant.kv.config import KVConfig, KVConfigError, Schedule
 from airquant.kv.layers import ATTENTION, NONE, RECURRENT, LayerStates, layer_kind
+from airquant.layout import upper_bound_config
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def model_dims(model_config, *, turboquant: bool = True) -> tuple[int, int, int]
     Hybrid stacks pass: their linear-attention / state-space / conv layers keep transformers' own fixed
     state beside the compressed attention layers (``make_cache``). Sliding-window attention does not.
     """
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    cfg = upper_bound_config(model_config.get_text_config() if hasattr(model_config, "get_text_config")
+                             else model_config)
     layer_types = getattr(cfg, "layer_types", None)
     # layer_types is authoritative where present (Qwen2 keeps a sliding_window value it does not use).
     if layer_types:

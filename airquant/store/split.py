@@ -191,9 +191,10 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
     _save_side_files(store, source)
     manifest.shards.update(keep)
     todo = [g for g in manifest.layer_order if g not in keep]
-    bar = tqdm(total=len(manifest.layer_order), initial=len(keep), desc="split", unit="shard", disable=not progress)
-    if todo:
-        for group, tensors in _timed_from_first(source.tensor_groups(), bar):
+    # The bar is closed (its line ended) before an error propagates, so the CLI prints the error on a line of its own.
+    with tqdm(total=len(manifest.layer_order), initial=len(keep), desc="split", unit="shard",
+              disable=not progress) as bar:
+        for group, tensors in _timed_from_first(source.tensor_groups(), bar) if todo else ():
             if group in keep:
                 continue
             modules: dict[str, dict] = {}
@@ -204,7 +205,6 @@ def split(source: ModelSource, store: str | Path, *, dtype: str = "bfloat16", qu
             manifest.shards[group] = write_shard(store, group, tensors, modules, schemes, source.moe_info(group))
             save_manifest(store, manifest)
             bar.update(1)
-    bar.close()
     missing = [g for g in manifest.layer_order if g not in manifest.shards]
     if missing:
         raise StoreError(f"the source yielded no tensors for {missing}; the checkpoint is incomplete.")

@@ -19,7 +19,8 @@ from airquant.models import resolve
 from airquant.quant import QuantSpec
 from airquant.store.quantize import make_transform
 from airquant.store.split import split
-from tests.zoo import HYBRID_TYPES, MODEL_TYPES, MOE_TYPES, SSM_TYPES, make_model
+from tests.zoo import (ENCODER_DECODER, HYBRID_TYPES, MODEL_TYPES, MOE_TYPES, NEW_MOE_TYPES, NOT_TESTED, SSM_TYPES,
+                       TESTED, catalogue, make_model)
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
 
@@ -126,16 +127,27 @@ def _fake_quantized_reference(folder, spec: QuantSpec):
     return model
 
 
+# New MoE types whose quantized stores do not yet stream like the model quantized in memory (streamed whole
+# and unquantized, they do): each needs a look.
+QUANTIZED_NOT_YET = {
+    "aria_text": "NF4 logits 9% off the in-memory quantized model",
+    "deepseek_v4": "a quantized linear is multiplied at a shape it was not built for",
+    "longcat_flash": "no expert tensor is quantized (its experts module is not found)",
+    "hy_v4": "the reference swaps a head its ChunkedHead does not expose as .weight",
+}
+
+
 @pytest.mark.parametrize("method", ["nf4", "int2"])
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3",
-                                        "qwen3_next", "lfm2", "nemotron_h", "jamba"])
+                                        "qwen3_next", "lfm2", "nemotron_h", "jamba",
+                                        *(t for t in NEW_MOE_TYPES if t not in QUANTIZED_NOT_YET)])
 def test_quantized_moe_streams_like_the_model_quantized_in_memory(tmp_path, real_tokenizer, model_type, method):
     """MoE experts, and the linears of hybrid blocks (their conv / A_log / dt tensors stay dense)."""
     spec = QuantSpec(method=method, group=16, outliers=0.0) if method == "int2" else QuantSpec(method=method)
     folder, store = _shard(tmp_path, real_tokenizer, model_type, spec=spec)
     manifest = json.loads((store / "manifest.json").read_text())
     modules = {m: meta for e in manifest["shards"].values() for m, meta in e["modules"].items()}
-    if model_type in MOE_TYPES:
+    if model_type in MOE_TYPES + NEW_MOE_TYPES:
         assert any("experts" in meta for meta in modules.values()), "no expert tensor was quantized"
     dense = {n for e in manifest["shards"].values() for n, t in e["tensors"].items() if t["scheme"] == "dense"}
     assert modules and not any(m.endswith(("conv1d", "conv", "A_log", "dt_bias")) for m in modules)
@@ -149,6 +161,18 @@ def test_quantized_moe_streams_like_the_model_quantized_in_memory(tmp_path, real
     # the same products, summed in another order.
     streamed = engine.forward(enc["input_ids"], enc["attention_mask"])
     assert _rel_err(streamed, resident.forward(enc["input_ids"], enc["attention_mask"])) <= 1e-5
+
+
+def test_zoo_lists_every_decoder_only_type_of_transformers():
+    """Each decoder-only causal-LM type of the installed transformers is tested or left out with a reason: a
+    transformers upgrade that brings a type fails here until tests/zoo.py names it."""
+    from transformers import AutoConfig
+
+    unlisted = sorted(t for t in catalogue() if t not in TESTED and t not in NOT_TESTED)
+    assert not unlisted, f"transformers has causal-LM types tests/zoo.py neither tests nor leaves out: {unlisted}"
+    assert not TESTED & set(NOT_TESTED)
+    assert set(NOT_TESTED) <= set(catalogue()), "a left-out type is no longer in transformers' causal-LM mapping"
+    assert all(AutoConfig.for_model(t).is_encoder_decoder for t in ENCODER_DECODER)
 
 
 @pytest.mark.parametrize("config, says", [
@@ -182,6 +206,7 @@ def test_readme_lists_the_tested_types():
     generated = subprocess.run([sys.executable, "-m", "tests.zoo"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.strip()
     assert listed and listed.group(1) == generated, "README's model list is stale: regenerate it (python -m tests.zoo)"
+    assert f"({len(TESTED)} model types tested)" in readme.split("\n\n")[1], "README's first paragraph: the type count"
 
 
 def test_info_shows_the_experts_of_a_moe_store(tmp_path, real_tokenizer, capsys):

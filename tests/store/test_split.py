@@ -161,3 +161,22 @@ def test_the_bar_names_the_wait_before_the_first_shard_and_times_from_it(tmp_pat
     assert bar.postfixes[0] == ("reading the checkpoint's index", 0)
     assert bar.start_t - start >= 1.0  # the shards' rate and ETA leave the index's second out
     assert bar.n == bar.total
+
+
+def test_a_refused_split_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_llama, capsys):
+    """The progress bar is closed (its line ended) before the CLI prints the error."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from airquant.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    weights = folder / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if ".layers.1." not in k}
+    save_file(kept, weights, metadata={"format": "pt"})
+    assert main(["shard", str(folder), "--store", str(tmp_path / "store"), "--dtype", "float32"]) == 2
+    lines = capsys.readouterr().err.split("\n")
+    error = [line for line in lines if "airquant: error:" in line]
+    assert len(error) == 1 and error[0].startswith("airquant: error:") and "layer.1" in error[0]
