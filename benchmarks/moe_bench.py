@@ -64,6 +64,7 @@ from benchmarks.stream_bench import (  # noqa: E402
 
 log = logging.getLogger("moe_bench")
 TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
+           "qwen3_30b_a3b_nf4_bs64_link_fraction": 0.8, "qwen3_30b_a3b_nf4_bs256_link_fraction": 0.8,
            "mixtral_nf4_bs1_tok_s": 10, "mixtral_nf4_bs256_tok_s": 500, "mixtral_nf4_max_batch_tok_s": 800,
            "qwen3_30b_nf4_bs1_tok_s": 30, "airllm_over_airquant_mixtral_bs1": 30, "gpt_oss_120b_nf4_bs1_tok_s": 15}
 MAX_TARGETS = {"mixtral_nf4_bs1_bytes_fraction": 0.35, "mixtral_nf4_bs1_step_over_bytes_floor": 1.15,
@@ -198,6 +199,9 @@ def part_whole_layer(b: Bench, name: str) -> None:
     derive_keys(b)
 
 
+LARGE_BATCHES = (64, 256)
+
+
 def derive_keys(b: Bench) -> None:
     """The link-fraction keys from the merged rows: a run of one cap keeps the other cap's rows, and the key
     always reads the batch-1 row at the largest cap measured (every layer streams under each cap; the larger
@@ -207,6 +211,11 @@ def derive_keys(b: Bench) -> None:
                and r.get("link_fraction") is not None]
         if bs1:
             b.results[f"{key}_bs1_link_fraction"] = max(bs1, key=lambda r: r["cap_gb"])["link_fraction"]
+        for batch in LARGE_BATCHES:  # fine-grained MoE at large batches (issue 34): the 15 GB rows
+            row = next((r for r in b.results.get("whole_layer", []) if r["model"] == f"{shape} nf4"
+                        and r["batch"] == batch and r["cap_gb"] == 15.0 and r.get("link_fraction") is not None), None)
+            if row is not None:
+                b.results[f"{key}_bs{batch}_link_fraction"] = row["link_fraction"]
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
