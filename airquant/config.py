@@ -30,6 +30,9 @@ class EngineConfig:
     # Streamed layers' KV cache in pinned host RAM, copied in with the layer's weights and back after it ran.
     # None: when the batch's cache at the planned context does not fit in VRAM but fits that way.
     kv_offload: bool | None = None
+    # The KV cache format the reserve is sized for: "none" (plain) or "tq" (TurboQuant K4/V2, ~4.7x fewer
+    # bytes a token). A batch sized for the compressed cache and planned as plain asks for its 4.7x reserve.
+    kv_cache: Literal["none", "tq"] = "none"
     slots: int = 2  # device buffers for streamed layers
     readahead: int = 2  # layers read ahead from disk (and into the RAM tier on first use)
     profile: bool = False  # record per-layer copy and compute times on CUDA (Engine.layer_profile())

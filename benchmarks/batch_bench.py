@@ -101,12 +101,12 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
     return min(limit, r.max_batch), r.kv, r.kv_offload
 
 
-def open_engine(store: Path, args, slots: int, context: int, offload: bool):
+def open_engine(store: Path, args, slots: int, context: int, offload: bool, kv_cache: str = "none"):
     from airquant.config import EngineConfig
 
     cfg = EngineConfig(device="cpu" if args.quick else "cuda", max_vram_gb=None if args.quick else args.cap_gb * 1e9
                        / (1 << 30), batch_size=slots, context=context, host_embedding=not args.quick,
-                       kv_offload=offload)
+                       kv_offload=offload, kv_cache=kv_cache)
     return Engine.open(store, cfg)
 
 
@@ -144,7 +144,7 @@ def part_batch(args, which: str, results: dict) -> None:
     settings = {"slots": slots, "kv": kv_name, "kv_offload": offload, "requests": len(requests), "context": context,
                 "distribution": f"prompt uniform {args.prompt_range}, new tokens geometric mean {args.mean_new} "
                 f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first"}
-    engine = open_engine(store, args, slots, context, offload)
+    engine = open_engine(store, args, slots, context, offload, kv_cache=kv_name)
     try:
         warm = warm_up(engine, slots, kv, vocab)
         order = longest_first(requests)

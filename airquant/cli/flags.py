@@ -65,7 +65,8 @@ def engine_config(args):
                         profile=args.profile, kv_offload=args.kv_offload, verify_reads=args.verify_reads,
                         experts=args.experts, expert_cache_gb=args.expert_cache, expert_policy=args.expert_policy,
                         expert_prefetch=args.expert_prefetch,
-                        batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None))
+                        batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None),
+                        kv_cache="tq" if getattr(args, "kv", None) == "tq" else "none")
 
 
 # Engine flags that size GPU memory: without a GPU a run has nothing they could apply to.

@@ -235,7 +235,8 @@ class Route:
         # The reserve is passed as computed unless the cache is offloaded: an offloaded cache is sized by
         # the engine itself (a given reserve has no KV part to offload).
         base = replace(base or EngineConfig(), batch_size=self.batch_size, context=self.context,
-                       reserve_gb=None if self.kv_offload else self.reserve_bytes / GIB, kv_offload=self.kv_offload)
+                       reserve_gb=None if self.kv_offload else self.reserve_bytes / GIB, kv_offload=self.kv_offload,
+                       kv_cache=self.kv)
         if self.mode == "resident":
             return replace(base, resident=True)
         gpu = self.hardware.vram_bytes is not None

@@ -62,18 +62,20 @@ def hardware_for(cfg: EngineConfig, device: torch.device) -> Hardware:
 
 def planned_reserve(manifest: Manifest, cfg: EngineConfig, model_config, dtype: torch.dtype) -> Reserve:
     """What the batch needs beside the weights at the planned context (``--batch-size``, ``--context``), on a GPU."""
-    return reserve_of(manifest, ModelDims.of(model_config), workload_for(cfg), "none", dtype.itemsize, gpu=True)
+    return reserve_of(manifest, ModelDims.of(model_config), workload_for(cfg), cfg.kv_cache, dtype.itemsize,
+                      gpu=True)
 
 
 def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
              dtype: torch.dtype | None = None, hardware: Hardware | None = None) -> StreamPlan:
     """The placement of every layer for this device and these budgets, by ``planner.plan`` (what ``airquant
     plan`` places a streamed route with). ``model_config`` sizes the reserve (None: 1 GiB on a GPU);
-    ``hardware``: budgets already detected (default: detected now). The engine sizes the plain KV cache."""
+    ``hardware``: budgets already detected (default: detected now). The reserve holds the KV cache in the format
+    ``cfg.kv_cache`` names (a batch sized for TurboQuant is planned with TurboQuant's bytes)."""
     hw = hardware or hardware_for(cfg, device)
     dims = ModelDims.of(model_config) if model_config is not None else None
     width = dtype.itemsize if dtype is not None else compute_bytes(manifest.dtype, cfg.dtype, device.type == "cuda")
-    return plan(manifest, dims, hw, workload_for(cfg), kv="none", dtype_bytes=width)
+    return plan(manifest, dims, hw, workload_for(cfg), kv=cfg.kv_cache, dtype_bytes=width)
 
 
 class Engine:

@@ -180,6 +180,12 @@ def prompt_lengths(tokenizer, prompts: list[Prompt], chat: bool) -> list[int]:
     return token_counts(tokenizer, [p.prompt for p in prompts], chat)
 
 
+def planned_kv(kv: KVConfig | None) -> str:
+    """The planner's KV scheme for a job's cache: AirQuant's TurboQuant is sized as such; the PyPI turboquant
+    package is sized as plain (a lower bound: it keeps an FP16 copy besides its codes)."""
+    return "tq" if kv is not None and kv.backend == "tq" else "none"
+
+
 def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv: KVConfig | None = None) -> int:
     """The largest batch whose KV cache (plain or TurboQuant) and activations fit beside the weights the
     engine keeps on the GPU, by the router's arithmetic (``airquant plan``), KV offload included."""
@@ -189,8 +195,8 @@ def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv
     if resolve_device(cfg.device).type != "cuda":
         return min(CPU_BATCH, limit)
     hw = Hardware.detect("cuda", max_vram_gb=cfg.max_vram_gb, max_ram_gb=cfg.max_ram_gb)
-    scheme = "tq" if kv is not None and kv.backend == "tq" else "none"  # turboquant: sized as plain (lower bound)
-    wl = workload_for(cfg, context=context, mode="resident" if cfg.resident else "streamed", kv_schemes=(scheme,))
+    wl = workload_for(cfg, context=context, mode="resident" if cfg.resident else "streamed",
+                      kv_schemes=(planned_kv(kv),))
     try:
         batch = route([Candidate.open(store)], hw, wl).max_batch
     except RouteError as exc:
@@ -219,7 +225,9 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     if owned:
         from airquant.engine.runner import Engine
 
-        engine = Engine.open(store, replace(cfg, batch_size=size, context=context))
+        # The reserve in the job's KV format: a batch sized for TurboQuant planned as plain asked for the plain
+        # cache's bytes and did not open (issue 38: a 70B NF4 job under 15 GB).
+        engine = Engine.open(store, replace(cfg, batch_size=size, context=context, kv_cache=planned_kv(job.kv)))
     log.info("batch job: %d prompts (%d already done), batch size %d, context %d", len(todo), report.skipped,
              size, context)
     try:

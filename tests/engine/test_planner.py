@@ -10,7 +10,7 @@ from airquant.cli import main
 from airquant.config import EngineConfig
 from airquant.engine import skeleton
 from airquant.engine.expert_plan import ExpertsError
-from airquant.engine.plan import fixed_bytes
+from airquant.engine.plan import PlanError, fixed_bytes
 from airquant.engine.planner import (GIB, MARGIN_MIN_BYTES, READAHEAD, SLOTS, Hardware, ModelDims, Workload,
                                      allocator_margin, reserve_of)
 from airquant.engine.router import Candidate, route
@@ -208,3 +208,20 @@ def test_route_counts_the_host_embedding_in_the_compute_dtype(mixtral):
         wl = Workload(context=64, mode=mode, host_embedding=True, dtype="bfloat16", kv_schemes=("none",))
         found = route([Candidate.open(mixtral)], hw, wl)
         assert found.mode == mode and found.plan.host_fixed_bytes == held
+
+
+def test_the_engine_plans_the_reserve_in_the_kv_format_it_was_sized_for(llama8b):
+    """A batch sized for TurboQuant K4/V2 (the router's arithmetic) and opened as plain asked for the plain
+    cache's reserve: under 15 GB a 70B NF4 job's engine stopped at open (issue 38). Planned with the format it
+    runs, the reserve holds the compressed cache and the batch fits where the plain one does not."""
+    from airquant.engine.router import Candidate, route, workload_for
+
+    manifest, config = load_manifest(llama8b), skeleton.load_config(llama8b)
+    hw = Hardware(int(10 * GIB), 64 * GIB)
+    base = EngineConfig(max_vram_gb=10, max_ram_gb=64, context=8192, kv_offload=False)
+    tq_batch = route([Candidate.open(llama8b)], hw, workload_for(base, kv_schemes=("tq",), kv_offload=False)).max_batch
+    cfg = replace(base, batch_size=tq_batch)
+    with pytest.raises(PlanError, match="reserve"):
+        plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16, hardware=hw)
+    tq = plan_for(manifest, replace(cfg, kv_cache="tq"), torch.device("cuda"), config, torch.bfloat16, hardware=hw)
+    assert tq_batch > 1 and tq.device_bytes <= hw.plan_vram
