@@ -286,7 +286,8 @@ def synth(store: Path, shape: str, dtype: str, quick: bool) -> None:
     model's tokenizer from tests/data (the device has no model package)."""
     from transformers import AutoTokenizer
 
-    from airquant.store.synth import SynthSpec, synth as write
+    from airquant.store.synth import SynthSpec
+    from airquant.store.synth import synth as write
 
     spec = SynthSpec(shape, dtype, layers=2 if quick else None, overrides=QUICK_SHAPE if quick else ())
     start = time.perf_counter()

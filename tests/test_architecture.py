@@ -6,6 +6,8 @@ and modules inside any package, no underscore names imported across modules. Rea
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import airquant
@@ -185,3 +187,15 @@ def test_no_import_cycles_inside_packages():
                      f"module below them, or take a callable): {new}")
     gone = KNOWN_INNER_CYCLES - found
     assert not gone, f"these cycles are broken now: remove them from KNOWN_INNER_CYCLES: {gone}"
+
+
+def test_ruff_is_configured_and_run_by_make_test():
+    """Lint and import order (issue 39): ``[tool.ruff]`` in pyproject, the pin in requirements-dev.txt, and
+    ``make test`` runs ``ruff check`` before pytest."""
+    root = PACKAGE.parent
+    ruff = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["ruff"]
+    assert ruff["line-length"] == 120
+    assert {"F", "I"} <= set(ruff["lint"]["select"])
+    assert re.search(r"^ruff==\S+$", (root / "requirements-dev.txt").read_text(), re.M)
+    recipe = re.search(r"^test: .*\n((?:\t.*\n)+)", (root / "Makefile").read_text(), re.M).group(1)
+    assert "ruff check" in recipe and recipe.index("ruff check") < recipe.index("pytest"), recipe

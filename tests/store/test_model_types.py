@@ -19,8 +19,18 @@ from airquant.models import resolve
 from airquant.quant import QuantSpec
 from airquant.store.quantize import make_transform
 from airquant.store.split import split
-from tests.zoo import (ENCODER_DECODER, HYBRID_TYPES, MODEL_TYPES, MOE_TYPES, NEW_MOE_TYPES, NOT_TESTED, SSM_TYPES,
-                       TESTED, catalogue, make_model)
+from tests.zoo import (
+    ENCODER_DECODER,
+    HYBRID_TYPES,
+    MODEL_TYPES,
+    MOE_TYPES,
+    NEW_MOE_TYPES,
+    NOT_TESTED,
+    SSM_TYPES,
+    TESTED,
+    catalogue,
+    make_model,
+)
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
 
