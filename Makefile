@@ -37,9 +37,11 @@ run: $(RUN_STAMP)
 	$(BIN)/airquant pipeline --quick --model default --store $(STORE) --results $(RESULTS)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean-env:

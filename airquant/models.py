@@ -23,8 +23,18 @@ from typing import Iterator, Literal
 import torch
 
 from airquant.errors import DependencyError, ModelNotFoundError, UnsupportedModelError
-from airquant.layout import (Layout, check_decoder_only, decoder_stack, expert_modules, find_layout, group_order,
-                             MoEInfo, meta_model, moe_counts, swap_tensor)
+from airquant.layout import (
+    Layout,
+    MoEInfo,
+    check_decoder_only,
+    decoder_stack,
+    expert_modules,
+    find_layout,
+    group_order,
+    meta_model,
+    moe_counts,
+    swap_tensor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +416,12 @@ def gguf_refs(src: ModelSource) -> tuple[dict[str, GGUFGroup], object]:
     dim -2 (``GGUF_FUSED_PARTS``), listed in that order.
     """
     from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
 
     reader = GGUFReader(str(src.path))
     parsed = load_gguf_checkpoint(str(src.path), return_tensors=False)

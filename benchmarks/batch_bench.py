@@ -10,7 +10,7 @@ Parts, each one device command well under the 600 s limit (results merged part b
 * ``bs1_8b``: a llama3-8b-shaped bf16 store under a 4 GB cap (built if absent, ~16 GB), batch-1 decode step
   against the pinned host->GPU link: ``bs1_link_fraction`` = (bytes per step / step) / link.
 * ``cpu_mixed``: the default model on CPU, 48 mixed chat prompts, 16 slots, max 256 new tokens, greedy: static vs
-  continuous utilization and wall time (the README figures). ``report``: the table from the JSON.
+  continuous utilization and wall time (the figures in docs/BATCH_AND_RAY.md). ``report``: the table from the JSON.
 
 Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``max_new_tokens`` drawn (seed 0) from
 a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
@@ -286,7 +286,8 @@ def synth(store: Path, shape: str, dtype: str, quick: bool) -> None:
     model's tokenizer from tests/data (the device has no model package)."""
     from transformers import AutoTokenizer
 
-    from airquant.store.synth import SynthSpec, synth as write
+    from airquant.store.synth import SynthSpec
+    from airquant.store.synth import synth as write
 
     spec = SynthSpec(shape, dtype, layers=2 if quick else None, overrides=QUICK_SHAPE if quick else ())
     start = time.perf_counter()

@@ -452,7 +452,8 @@ def flood(server: ServerProcess, clients: int, seconds: float) -> dict:
 def fuzz(url: str, examples: int, seed: int = 0) -> list[int]:
     """POST ``examples`` malformed requests drawn by hypothesis; their status codes."""
     import httpx
-    from hypothesis import HealthCheck, given, seed as hseed, settings
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
 
     from benchmarks.fault_requests import malformed
 

@@ -59,8 +59,21 @@ from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
-    GB, Bench, bench_device, cap_gpu, decode_step, finish_paths, free_gpu, hf_decode_step, len_vocab, open_engine,
-    part_link, prompt_ids, versions, write_results)
+    GB,
+    Bench,
+    bench_device,
+    cap_gpu,
+    decode_step,
+    finish_paths,
+    free_gpu,
+    hf_decode_step,
+    len_vocab,
+    open_engine,
+    part_link,
+    prompt_ids,
+    versions,
+    write_results,
+)
 
 log = logging.getLogger("moe_bench")
 TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
@@ -187,7 +200,7 @@ def routed_step_bytes(b: Bench, engine, batch: int) -> float:
 
 
 def part_whole_layer(b: Bench, name: str) -> None:
-    a, (shape, key) = b.args, SHAPES[name]
+    a, (shape, _) = b.args, SHAPES[name]
     batches = (1, 2) if b.quick else tuple(int(x) for x in a.batches.split(","))
     caps = tuple(float(x) for x in a.caps.split(","))
     caps = caps[-1:] if b.quick else caps  # a cap means nothing on the CPU: one is enough to run the flow

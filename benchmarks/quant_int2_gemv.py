@@ -180,8 +180,6 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
             "fraction_of_copy_bw": bw / copy_bw, "eager_fraction_of_copy_bw": io_bytes / (ms_eager * 1e-3) / copy_bw,
             "rel_err_vs_torch_fp32": err, "triton_config": cfg,
         })
-    del dense, t
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -195,6 +193,9 @@ def main() -> None:
     for shape in args.shapes:
         out_f, in_f = (int(v) for v in shape.lower().split("x"))
         rows += run_shape(out_f, in_f, args, copy_bw)
+        # The shape's weights were freed when run_shape returned (its timed lambdas close over them, so deleting
+        # the names inside it left closures pointing at emptied cells); hand the blocks back before the next shape.
+        torch.cuda.empty_cache()
     result = {
         "benchmark": "int2_gemv", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

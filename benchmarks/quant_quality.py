@@ -135,8 +135,8 @@ def swap_gguf_keep(model, gguf_path: Path) -> None:
 
 
 def swap_gptq_rtn(model, names: list[str]) -> None:
-    from airquant.quant.swap import replace_linear
     from airquant.quant.rtn import gptq_tensors, rtn_quantize
+    from airquant.quant.swap import replace_linear
 
     meta = {"scheme": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "zero_offset": 1}
     for n in names:

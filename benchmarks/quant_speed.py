@@ -22,7 +22,6 @@ Writes ``results/quant_speed.json``; synthetic weights: speed and memory figures
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time

@@ -295,7 +295,7 @@ def run_resident(b: Bench, folder: Path, ids: torch.Tensor, dev: str) -> dict:
 
 
 def part_70b(b: Bench) -> None:
-    a, details = b.args, {}
+    a = b.args
     batches = (1, 2, 4) if b.quick else tuple(int(x) for x in a.batches.split(","))
     context = a.prompt_len + a.steps + 3
     store = make_store(b, "llama3-70b", "nf4", a.layers_70b)

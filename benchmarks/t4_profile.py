@@ -61,8 +61,18 @@ from airquant.engine.step_bound import StepBound, step_bound  # noqa: E402
 from airquant.eval.perf import RssSampler  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
-from benchmarks.stream_bench import (GB, Bench, bench_device, cap_gpu, decode_step, free_gpu, open_engine,  # noqa: E402
-                                     part_link, prompt_ids, versions)  # noqa: E402
+from benchmarks.stream_bench import (  # noqa: E402
+    GB,
+    Bench,
+    bench_device,
+    cap_gpu,
+    decode_step,
+    free_gpu,
+    open_engine,
+    part_link,  # noqa: E402
+    prompt_ids,
+    versions,
+)
 
 log = logging.getLogger("t4_profile")
 T4 = {"vram_gb": 15.0, "ram_gb": 12.0, "capability": "7.5", "pcie3_gbps": 12.5}

@@ -6,6 +6,8 @@ and modules inside any package, no underscore names imported across modules. Rea
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import airquant
@@ -185,3 +187,48 @@ def test_no_import_cycles_inside_packages():
                      f"module below them, or take a callable): {new}")
     gone = KNOWN_INNER_CYCLES - found
     assert not gone, f"these cycles are broken now: remove them from KNOWN_INNER_CYCLES: {gone}"
+
+
+def test_ruff_is_configured_and_run_by_make_test():
+    """Lint and import order (issue 39): ``[tool.ruff]`` in pyproject, the pin in requirements-dev.txt, and
+    ``make test`` runs ``ruff check`` before pytest."""
+    root = PACKAGE.parent
+    ruff = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["ruff"]
+    assert ruff["line-length"] == 120
+    assert {"F", "I"} <= set(ruff["lint"]["select"])
+    assert re.search(r"^ruff==\S+$", (root / "requirements-dev.txt").read_text(), re.M)
+    recipe = re.search(r"^test: .*\n((?:\t.*\n)+)", (root / "Makefile").read_text(), re.M).group(1)
+    assert "ruff check" in recipe and recipe.index("ruff check") < recipe.index("pytest"), recipe
+
+
+def _architecture_tree() -> set[str]:
+    """The module paths (relative to airquant/) of docs/ARCHITECTURE.md's tree: the ```text block under
+    "## Module tree", two spaces a level, folders ending in "/"."""
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    block = doc.split("## Module tree", 1)[1].split("```text\n", 1)[1].split("\n```", 1)[0]
+    folders: list[str] = []
+    found: set[str] = set()
+    for line in block.splitlines()[1:]:  # the first line is airquant/ itself
+        name = line.split()[0]
+        depth = (len(line) - len(line.lstrip(" "))) // 2 - 1
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            found.add("/".join([*folders, name]))
+    return found
+
+
+def test_architecture_tree_lists_every_module():
+    modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    tree = _architecture_tree()
+    assert not modules - tree, f"modules missing from docs/ARCHITECTURE.md's tree: {sorted(modules - tree)}"
+    assert not tree - modules, f"docs/ARCHITECTURE.md's tree lists modules that are gone: {sorted(tree - modules)}"
+
+
+def test_architecture_tables_scan():
+    """No table cell of docs/ARCHITECTURE.md over 300 characters: a longer one belongs in the tree or a list."""
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    cells = [c.strip() for line in doc.splitlines() if line.startswith("|") for c in line.strip("|").split("|")]
+    long = [c[:60] for c in cells if len(c) > 300]
+    assert not long, f"table cells over 300 characters: {long}"

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from airquant.pipeline import envs
 from airquant.errors import EnvironmentSetupError
+from airquant.pipeline import envs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Tiny random models of many transformers causal-LM types, saved as real checkpoints.
 
-``MODEL_TYPES`` is the list of types the test matrix streams; the README's supported-types list is
+``MODEL_TYPES`` is the list of types the test matrix streams; the supported-types list in docs/MODELS.md is
 generated from it (``python -m tests.zoo``). A type is added by adding its name here (and, when its
 config needs other small sizes, an entry in ``OVERRIDES``).
 """
@@ -41,7 +41,7 @@ MODEL_TYPES = DENSE_TYPES + MOE_TYPES + NEW_MOE_TYPES + SSM_TYPES
 TESTED = frozenset(MODEL_TYPES + HYBRID_TYPES)
 
 # The rest of transformers' causal-LM mapping (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), each with the reason it is
-# not tested (the README lists them); tests/store/test_model_types.py fails on a type listed nowhere.
+# not tested (docs/MODELS.md lists them); tests/store/test_model_types.py fails on a type listed nowhere.
 _MULTIMODAL = ("an image/audio model: its causal-LM class builds the vision/audio parts too; streaming it needs the "
                "engine to take pixel/audio inputs; ")
 NOT_TESTED = {
@@ -209,7 +209,7 @@ def make_model(folder: Path, tokenizer, model_type: str, *, seed: int = 0, **ove
     return folder
 
 
-if __name__ == "__main__":  # the README's list
+if __name__ == "__main__":  # the list in docs/MODELS.md
     print("Dense:", ", ".join(DENSE_TYPES))
     print("Mixture-of-Experts:", ", ".join(MOE_TYPES + NEW_MOE_TYPES))
     print("Hybrid:", ", ".join(HYBRID_TYPES))

@@ -11,8 +11,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from airquant.cli.flags import (add_engine_flags, add_generate_flags, add_kv_flags, add_route_flags, add_scale_flags,
-                                engine_config, generate_config, kv_from_args, route_kv_schemes, scale_config)
+from airquant.cli.flags import (
+    add_engine_flags,
+    add_generate_flags,
+    add_kv_flags,
+    add_route_flags,
+    add_scale_flags,
+    engine_config,
+    generate_config,
+    kv_from_args,
+    route_kv_schemes,
+    scale_config,
+)
 from airquant.errors import AirQuantError
 from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_TOKENS
 

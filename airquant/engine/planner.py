@@ -17,9 +17,21 @@ from types import SimpleNamespace
 from typing import Literal
 
 from airquant.engine import expert_plan
-from airquant.engine.plan import (GB, WORKSPACE_BYTES, Budgets, PlanError, Reserve, StreamPlan, dequant_elems,
-                                  expert_intermediate_of, fixed_bytes, kv_bytes_per_token, plan_layers, reserve_for,
-                                  top_k_of)
+from airquant.engine.plan import (
+    GB,
+    WORKSPACE_BYTES,
+    Budgets,
+    PlanError,
+    Reserve,
+    StreamPlan,
+    dequant_elems,
+    expert_intermediate_of,
+    fixed_bytes,
+    kv_bytes_per_token,
+    plan_layers,
+    reserve_for,
+    top_k_of,
+)
 from airquant.kv.layers import LayerStates
 from airquant.layout import upper_bound_config
 from airquant.store.manifest import Manifest

@@ -29,9 +29,24 @@ from typing import Literal, Sequence
 
 from airquant.engine.expert_plan import first_whole_batch
 from airquant.engine.plan import GB, MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
-from airquant.engine.planner import (DEFAULT_CONTEXT, DTYPE_BYTES, GIB, SLOTS, TQ_SETTINGS, Hardware, KVScheme, Mode,
-                                     ModelDims, Workload, compute_bytes, plan, reserve_of, stream_bytes,
-                                     tq_config, workload_for)
+from airquant.engine.planner import (
+    DEFAULT_CONTEXT,
+    DTYPE_BYTES,
+    GIB,
+    SLOTS,
+    TQ_SETTINGS,
+    Hardware,
+    KVScheme,
+    Mode,
+    ModelDims,
+    Workload,
+    compute_bytes,
+    plan,
+    reserve_of,
+    stream_bytes,
+    tq_config,
+    workload_for,
+)
 from airquant.errors import AirQuantError, StoreError
 from airquant.store.manifest import Manifest, load_manifest
 

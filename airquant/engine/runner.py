@@ -21,8 +21,8 @@ from airquant.engine import expert_plan, experts, skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.plan import Reserve, StreamPlan
-from airquant.engine.prompts import render as render_prompts
 from airquant.engine.planner import GIB, Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
+from airquant.engine.prompts import render as render_prompts
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
 from airquant.kv import cache_kwarg

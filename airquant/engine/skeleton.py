@@ -18,8 +18,8 @@ from torch import nn
 from airquant.engine import expert_compute
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
-from airquant.store.integrity import check_file
 from airquant.store import side_files
+from airquant.store.integrity import check_file
 from airquant.store.manifest import Manifest, ShardEntry, integrity_fix
 
 log = logging.getLogger(__name__)

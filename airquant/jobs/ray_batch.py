@@ -29,8 +29,16 @@ from pathlib import Path
 
 from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, DependencyError, StoreError
-from airquant.jobs.batch import (BatchJob, BatchJobError, BatchReport, Prompt, auto_batch_size, longest_first,
-                                 pending, run_records)
+from airquant.jobs.batch import (
+    BatchJob,
+    BatchJobError,
+    BatchReport,
+    Prompt,
+    auto_batch_size,
+    longest_first,
+    pending,
+    run_records,
+)
 from airquant.store.side_files import load_tokenizer
 
 log = logging.getLogger(__name__)

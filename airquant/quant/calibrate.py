@@ -69,7 +69,7 @@ def _expert_hook(stats: dict, name: str, module: nn.Module, args: tuple) -> None
     down weight (the gated intermediate, recomputed here with the module's own gate). Statistics are
     ``[E, in]`` sums with a count per expert; an expert no token reached has count 0."""
     up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-    w_up, w_down = getattr(module, up_name), module.down_proj
+    w_up = getattr(module, up_name)
     x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, H]
     routed = args[1].reshape(x.shape[0], -1)  # [tokens, k]
     n_experts = w_up.shape[0]

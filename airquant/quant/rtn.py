@@ -8,13 +8,11 @@ with GPTQ's min/max grid (no Hessian), which is all a random-weight store of a r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from airquant.quant.gptq import AWQ_ORDER, n_groups
-
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,12 @@ def _gguf_keep_transform(source: ModelSource) -> GroupTransform:
     everything else (norms, routers, F16/F32 or other-typed weights) is stored dequantized."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    from airquant.quant.gguf_keep import (gguf_expert_tensors, gguf_linear_tensors, keepable_type,
-                                          llama_qk_row_permutation)
+    from airquant.quant.gguf_keep import (
+        gguf_expert_tensors,
+        gguf_linear_tensors,
+        keepable_type,
+        llama_qk_row_permutation,
+    )
 
     refs, processor = gguf_refs(source)
     # transformers un-permutes llama.cpp's q/k row order only for llama-family files; so must we.

@@ -26,8 +26,8 @@ from airquant.errors import DiskSpaceError, StoreError
 from airquant.layout import MoEInfo
 from airquant.models import ModelSource
 from airquant.quant.schemes import canonical_name
-from airquant.store.integrity import checksum_bytes
 from airquant.store.files import refuse_links, remove_stale_temps, replace_folder, write_atomic
+from airquant.store.integrity import checksum_bytes
 from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
-from gradio.utils import get_upload_folder
 from fastapi.responses import RedirectResponse
+from gradio.utils import get_upload_folder
 
 from airquant.errors import AirQuantError
 from airquant.serve.config import ServeConfig, is_loopback

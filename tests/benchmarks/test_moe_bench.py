@@ -5,10 +5,10 @@ import json
 import torch
 from safetensors import safe_open
 
-from airquant.engine.runner import Engine
-from airquant.store.synth import SynthSpec, synth
-from airquant.store.export import export_hf
 from airquant.engine.expert_compute import GEMV_TOKENS
+from airquant.engine.runner import Engine
+from airquant.store.export import export_hf
+from airquant.store.synth import SynthSpec, synth
 from benchmarks.moe_bench import QUICK, main, merge_rows
 
 CASES = {(f"{m} nf4", 4.0, n) for m in ("mixtral-8x7b", "qwen3-30b-a3b") for n in (1, 2)}  # --quick: one cap

@@ -9,8 +9,13 @@ import torch
 from torch import nn
 
 from airquant.engine import capability
-from airquant.engine.capability import (DtypeNotSupportedError, Fp16OverflowError, capability_plan, compute_dtype,
-                                        guard_overflow)
+from airquant.engine.capability import (
+    DtypeNotSupportedError,
+    Fp16OverflowError,
+    capability_plan,
+    compute_dtype,
+    guard_overflow,
+)
 from airquant.quant import kernels
 from airquant.quant.kernels import CapabilityError, dtype_supported, parse_capability
 

@@ -135,7 +135,7 @@ def test_cuda_gather_copy_reads_the_pinned_ram_tier():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeypatch, model_type):
+def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeypatch, model_type):  # noqa: F811
     """A bf16 routed decode on CUDA: the fused kernels ran, the copies went by the gather kernel when asked (the
     probe passed on the RAM tier), and the tokens and logits match the per-expert path with copy-engine copies."""
     from airquant.engine import expert_compute

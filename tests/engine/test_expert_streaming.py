@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from airquant.engine.expert_plan import ExpertsError, plan_experts
 from airquant.engine.expert_layout import LFU_DECAY, SlotTable
+from airquant.engine.expert_plan import ExpertsError, plan_experts
 from airquant.engine.runner import Engine
 from airquant.layout import expert_modules
 from airquant.models import resolve

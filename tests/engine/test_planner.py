@@ -11,8 +11,17 @@ from airquant.config import EngineConfig
 from airquant.engine import skeleton
 from airquant.engine.expert_plan import ExpertsError
 from airquant.engine.plan import PlanError, fixed_bytes
-from airquant.engine.planner import (GIB, MARGIN_MIN_BYTES, READAHEAD, SLOTS, Hardware, ModelDims, Workload,
-                                     allocator_margin, reserve_of)
+from airquant.engine.planner import (
+    GIB,
+    MARGIN_MIN_BYTES,
+    READAHEAD,
+    SLOTS,
+    Hardware,
+    ModelDims,
+    Workload,
+    allocator_margin,
+    reserve_of,
+)
 from airquant.engine.router import Candidate, route
 from airquant.engine.runner import Engine, plan_for
 from airquant.store.manifest import load_manifest

@@ -22,9 +22,8 @@ def engine(tiny_store):
 
 
 def test_streamed_perplexity_matches_the_guide_on_the_hf_model(engine, tiny_llama, small_text_file):
-    from transformers import AutoModelForCausalLM
-
     from test_perplexity import guide_perplexity
+    from transformers import AutoModelForCausalLM
 
     row = run_perplexity(engine, data=small_text_file, limit_tokens=400, max_length=128, stride=64, batch_size=2)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()

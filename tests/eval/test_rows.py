@@ -9,7 +9,7 @@ import pytest
 
 from airquant.errors import ResultsFileError
 from airquant.eval.perplexity import PerplexityRow
-from airquant.eval.rows import (RunInfo, default_row_name, kv_label, read_rows, row_to_dict, write_row, write_rows)
+from airquant.eval.rows import RunInfo, default_row_name, kv_label, read_rows, row_to_dict, write_row, write_rows
 
 
 def make_row(ppl: float = 24.49, **run_fields) -> PerplexityRow:

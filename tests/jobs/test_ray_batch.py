@@ -16,8 +16,15 @@ from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.runner import Engine
 from airquant.errors import DependencyError
 from airquant.jobs.batch import BatchJob, run_batch
-from airquant.jobs.ray_batch import (ACTOR_PREFIX, ScaleConfig, StoreNotSharedError, check_store, require_ray,
-                                     run_batch_ray, store_digest)
+from airquant.jobs.ray_batch import (
+    ACTOR_PREFIX,
+    ScaleConfig,
+    StoreNotSharedError,
+    check_store,
+    require_ray,
+    run_batch_ray,
+    store_digest,
+)
 
 ray = pytest.importorskip("ray", reason="Ray Data is optional: pip install -r requirements-scale.txt")
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from airquant.kv import KVConfig, kv_logits, make_cache
-from airquant.kv import attention
+from airquant.kv import KVConfig, attention, kv_logits, make_cache
 from airquant.kv.cache import TQLayer, context_of
 
 pytestmark = pytest.mark.gpu

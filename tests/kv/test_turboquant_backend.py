@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from airquant.errors import DependencyError
-from airquant.kv import KVConfig, kv_logits, make_cache
-from airquant.kv import turboquant_backend
+from airquant.kv import KVConfig, kv_logits, make_cache, turboquant_backend
 from airquant.kv.config import KVConfigError
 
 

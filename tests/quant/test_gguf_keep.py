@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from airquant.quant import make_linear
-from airquant.quant.gguf_keep import (GGUF_TYPES, dequantize_gguf, gguf_expert_tensors, gguf_layer_linears,
-                                      gguf_linear_tensors, keepable_type, llama_qk_row_permutation)
+from airquant.quant.gguf_keep import (
+    GGUF_TYPES,
+    dequantize_gguf,
+    gguf_expert_tensors,
+    gguf_layer_linears,
+    gguf_linear_tensors,
+    keepable_type,
+    llama_qk_row_permutation,
+)
 
 gguf = pytest.importorskip("gguf")
 

@@ -12,7 +12,6 @@ import torch
 
 from airquant.cli import main
 from airquant.engine.runner import Engine
-from airquant.errors import UnsupportedModelError
 from airquant.models import resolve
 from airquant.quant import make_linear
 from airquant.store.manifest import load_manifest

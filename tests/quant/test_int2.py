@@ -7,8 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from airquant.quant import QuantSpec, make_linear, quantize_linear
-from airquant.quant.int2 import (LLOYD_MAX_4, assign_codes, fit_scale_zero, pack_codes, select_outliers,
-                                 unpack_codes)
+from airquant.quant.int2 import LLOYD_MAX_4, assign_codes, fit_scale_zero, pack_codes, select_outliers, unpack_codes
 
 
 def _module(tensors, meta, in_f, out_f):

@@ -28,10 +28,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from airquant.quant import kernels  # noqa: E402
-from airquant.quant.kernels import SHARED_PER_BLOCK  # noqa: E402
-from airquant.quant.kernels import int2_gluon, int2_triton, packed_triton  # noqa: E402
 from airquant.kv import triton_kernel as tq  # noqa: E402
+from airquant.quant import kernels  # noqa: E402
+from airquant.quant.kernels import (  # noqa: E402
+    SHARED_PER_BLOCK,  # noqa: E402
+    int2_gluon,
+    int2_triton,
+    packed_triton,
+)
 
 pytestmark = pytest.mark.slow  # ~300 compiles, 0.3-1 s each
 

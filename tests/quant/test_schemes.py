@@ -7,8 +7,14 @@ from torch import nn
 from airquant.errors import UnsupportedModelError
 from airquant.eval.references import config_label
 from airquant.quant import QuantSpec, make_linear
-from airquant.quant.schemes import SCHEMES, SUPPORTED_SCHEMES, canonical_name, find_scheme, shard_methods, \
-    workspace_elems
+from airquant.quant.schemes import (
+    SCHEMES,
+    SUPPORTED_SCHEMES,
+    canonical_name,
+    find_scheme,
+    shard_methods,
+    workspace_elems,
+)
 
 
 def test_every_supported_scheme_is_one_registered_object():

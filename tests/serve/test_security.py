@@ -12,8 +12,8 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
 from airquant import Provider  # noqa: E402
-from airquant.config import GenerateConfig  # noqa: E402
 from airquant.cli import main  # noqa: E402
+from airquant.config import GenerateConfig  # noqa: E402
 from airquant.serve import BackgroundServer, create_app  # noqa: E402
 from airquant.serve.config import InsecureBindError, ServeConfig, api_key_from, check_bind, is_loopback  # noqa: E402
 

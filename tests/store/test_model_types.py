@@ -19,8 +19,18 @@ from airquant.models import resolve
 from airquant.quant import QuantSpec
 from airquant.store.quantize import make_transform
 from airquant.store.split import split
-from tests.zoo import (ENCODER_DECODER, HYBRID_TYPES, MODEL_TYPES, MOE_TYPES, NEW_MOE_TYPES, NOT_TESTED, SSM_TYPES,
-                       TESTED, catalogue, make_model)
+from tests.zoo import (
+    ENCODER_DECODER,
+    HYBRID_TYPES,
+    MODEL_TYPES,
+    MOE_TYPES,
+    NEW_MOE_TYPES,
+    NOT_TESTED,
+    SSM_TYPES,
+    TESTED,
+    catalogue,
+    make_model,
+)
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
 
@@ -202,10 +212,12 @@ def test_readme_lists_the_tested_types():
 
     root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
-    listed = re.search(r"<!-- model-types:begin -->\n```text\n(.*?)\n```\n<!-- model-types:end -->", readme, re.S)
+    models = (root / "docs" / "MODELS.md").read_text()
+    listed = re.search(r"<!-- model-types:begin -->\n```text\n(.*?)\n```\n<!-- model-types:end -->", models, re.S)
     generated = subprocess.run([sys.executable, "-m", "tests.zoo"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.strip()
-    assert listed and listed.group(1) == generated, "README's model list is stale: regenerate it (python -m tests.zoo)"
+    assert listed and listed.group(1) == generated, ("docs/MODELS.md's model list is stale: regenerate it "
+                                                     "(python -m tests.zoo)")
     assert f"({len(TESTED)} model types tested)" in readme.split("\n\n")[1], "README's first paragraph: the type count"
 
 

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("gradio")
 webdriver = pytest.importorskip("selenium.webdriver")
 
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from airquant import Provider  # noqa: E402

@@ -18,8 +18,8 @@ from airquant.config import GenerateConfig  # noqa: E402
 from airquant.errors import AirQuantError  # noqa: E402
 from airquant.serve import BackgroundServer, create_app  # noqa: E402
 from airquant.serve.config import ServeConfig  # noqa: E402
-from airquant.ui.jobs import JobRunner, UploadError  # noqa: E402
 from airquant.ui import mount  # noqa: E402
+from airquant.ui.jobs import JobRunner, UploadError  # noqa: E402
 from airquant.ui.mount import UiMount  # noqa: E402
 
 TIMEOUT = httpx.Timeout(60.0)
