@@ -1,34 +1,18 @@
 """Writes into a store go through unguessable temp files; opening writes nothing; links are refused."""
 
-import contextlib
-import io
 import json
 import os
 import shutil
 
 import pytest
 
-from airquant.cli import main
 from airquant.errors import StoreError
 from airquant.models import resolve
 from airquant.store.manifest import Manifest, open_store, save_manifest
 from airquant.store.split import split
+from tests.store.conftest import run_cli
 
 VICTIM_TEXT = "a file outside the store\n"
-
-
-def run_cli(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue(), err.getvalue()
-
-
-@pytest.fixture
-def store(tmp_path, tiny_store):
-    dst = tmp_path / "store"
-    shutil.copytree(tiny_store, dst)
-    return dst
 
 
 @pytest.fixture

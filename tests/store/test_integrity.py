@@ -1,19 +1,17 @@
 """Checksums on every read: recorded at split time, checked as layers are read, named errors, the repair."""
 
-import contextlib
-import io
 import json
 import shutil
 
 import pytest
 
-from airquant.cli import main
 from airquant.engine.runner import Engine
 from airquant.errors import ChecksumError, StoreError
 from airquant.models import resolve
 from airquant.store.integrity import ALGO, checksum_file
 from airquant.store.manifest import load_manifest, open_store, repair_command
 from airquant.store.split import split
+from tests.store.conftest import run_cli
 
 
 def flip(path, offset_from_end=64, n=4):
@@ -23,20 +21,6 @@ def flip(path, offset_from_end=64, n=4):
         data = bytearray(f.read(n))
         f.seek(-offset_from_end, 2)
         f.write(bytes(b ^ 0xFF for b in data))
-
-
-def run_cli(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue(), err.getvalue()
-
-
-@pytest.fixture
-def store(tmp_path, tiny_store):
-    dst = tmp_path / "store"
-    shutil.copytree(tiny_store, dst)
-    return dst
 
 
 def test_split_records_a_read_checksum_per_shard(tiny_store):

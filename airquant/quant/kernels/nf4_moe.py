@@ -34,6 +34,9 @@ import triton.language as tl
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
 BLOCK_M = 16  # rows of one expert a grouped block multiplies (tl.dot's smallest M)
+# Software-pipelined K steps of the grouped kernel: 3 (Triton's default) needs 110 KB of shared memory for the
+# down projection, over an RTX 30/40's 99 KB per block (tests/quant/test_kernel_compile.py).
+GROUPED_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -98,19 +101,26 @@ def stacked_operand(buffers: dict[str, torch.Tensor], n: int, k: int, blocksize:
 
 
 @triton.jit
-def _decode(flat, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mask, DOUBLE: tl.constexpr,
-            BS: tl.constexpr):
-    """The fp32 weights at flat element indices ``flat`` of one expert's NF4 matrix."""
-    byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
-    nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)
-    value = tl.load(qm_ptr + nibble, mask=mask, other=0.0)
-    block = flat // BS
+def _scale(block, a_ptr, na_ptr, nqm_ptr, noff_ptr, mask, DOUBLE: tl.constexpr):
+    """The fp32 absmax of NF4 blocks ``block``: stored as is, or (double quant) an 8-bit code into the nested
+    code book, times its 256-block group's nested absmax, plus the offset."""
     if DOUBLE:
         code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
         scale = tl.load(nqm_ptr + code, mask=mask, other=0.0) * tl.load(na_ptr + block // 256, mask=mask, other=0.0) \
             + tl.load(noff_ptr)
     else:
         scale = tl.load(a_ptr + block, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
+def _decode(flat, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mask, DOUBLE: tl.constexpr,
+            BS: tl.constexpr):
+    """The fp32 weights at flat element indices ``flat`` of one expert's NF4 matrix."""
+    byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+    nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)
+    value = tl.load(qm_ptr + nibble, mask=mask, other=0.0)
+    scale = _scale(flat // BS, a_ptr, na_ptr, nqm_ptr, noff_ptr, mask, DOUBLE)
     return value * scale
 
 
@@ -123,13 +133,7 @@ def _decode_bytes(rows, kk, w_ptr, a_ptr, na_ptr, nqm_ptr, noff_ptr, qm_ptr, mas
     byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
     hi = tl.load(qm_ptr + (byte >> 4), mask=mask, other=0.0)
     lo = tl.load(qm_ptr + (byte & 15), mask=mask, other=0.0)
-    block = flat // BS
-    if DOUBLE:
-        code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(nqm_ptr + code, mask=mask, other=0.0) * tl.load(na_ptr + block // 256, mask=mask, other=0.0) \
-            + tl.load(noff_ptr)
-    else:
-        scale = tl.load(a_ptr + block, mask=mask, other=0.0)
+    scale = _scale(flat // BS, a_ptr, na_ptr, nqm_ptr, noff_ptr, mask, DOUBLE)
     return hi * scale, lo * scale
 
 
@@ -174,8 +178,8 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
 def _grouped_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, rows_ptr, experts_ptr,
                     w_ptr, w_st, a_ptr, a_st, na_ptr, na_st, nqm_ptr, nqm_st, noff_ptr, noff_st, qm_ptr, qm_st,
                     N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    DOUBLE: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A block of ``BLOCK_M`` pairs of one expert (``rows``: pair ids, -1 padding) times a ``BLOCK_N`` slice of
     its matrix: ``out[p] = W[e] @ x[p // TOP_K or p] (+ bias) (* weights[p] when DOWN)``."""
     block = tl.program_id(0)
@@ -195,7 +199,10 @@ def _grouped_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, rows_ptr, experts_ptr
             w = _decode(offs_n.to(tl.int64)[None, :] * K + kk[:, None], w_ptr + e * w_st, a_ptr + e * a_st,
                         na_ptr + e * na_st, nqm_ptr + e * nqm_st, noff_ptr + e * noff_st, qm_ptr + e * qm_st,
                         k_mask[:, None] & n_mask[None, :], DOUBLE, BS)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a, w.to(a.dtype), acc)
+            if IEEE:  # fp32 inputs: exact products, never TF32
+                acc = tl.dot(a, w.to(a.dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc)
         safe = tl.where(row_mask, rows, 0)
         mask = row_mask[:, None] & n_mask[None, :]
         if HAS_BIAS:
@@ -262,8 +269,9 @@ def _run(x, ids, op: Operand, weights, sorted_pairs, down: bool) -> torch.Tensor
     grid = (experts.numel(), triton.cdiv(op.n, block_n))
     _grouped_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out, rows,
                           experts, *op.args(), op.n, op.k, top_k, DOWN=down, HAS_BIAS=bias is not None,
-                          DOUBLE=op.double, BS=op.blocksize, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                          num_warps=4)
+                          DOUBLE=op.double, BS=op.blocksize, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                          BLOCK_N=block_n, BLOCK_K=block_k,
+                          num_warps=4, num_stages=GROUPED_STAGES)
     return out
 
 
