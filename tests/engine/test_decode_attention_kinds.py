@@ -131,7 +131,7 @@ def test_stablelm_turboquant_equals_transformers(stack):
 
 
 # Attention computed in the module's own code, not through transformers' AttentionInterface.
-OWN_ATTENTION = {"gpt_neo", "bloom", "falcon", "mpt"}
+OWN_ATTENTION = {"gpt_neo", "bloom", "falcon", "mpt", "gpt_neox_japanese", "openai-gpt", "xglm"}
 
 
 def test_the_fallback_takes_only_recurrent_state_and_own_attention(real_tokenizer):
