@@ -4,10 +4,10 @@ Who takes this path (``reason`` says which rule, ``None``: the loop takes the st
 
 - **recurrent or convolution state layers**, beside attention or instead of it (``kv.layers.LayerStates.hybrid``):
   Qwen3.5 / Qwen3-Next, LFM2, Nemotron-H, MiniMax, Jamba, Bamba, Falcon-H1, OLMo-hybrid, LFM2-MoE, Mamba,
-  Mamba-2, Falcon-Mamba. The loop's per-slot cache holds keys and values only; these layers keep a fixed
+  Mamba-2, Falcon-Mamba, ZAYA, and the other hybrid types of ``tests/zoo.py``. The loop's per-slot cache holds keys and values only; these layers keep a fixed
   state per sequence that transformers' own cache layers update.
 - **attention outside transformers' AttentionInterface** (``attention_by_name`` false): GPT-Neo, BLOOM, Falcon,
-  MPT compute it in their own module code. The loop's ragged attention is reached through that interface only.
+  MPT, GPT-NeoX-Japanese, OpenAI GPT and XGLM compute it in their own module code. The loop's ragged attention is reached through that interface only.
 
 MLA (DeepSeek-V2/V3, GLM-4-MoE-lite) and attention sinks (gpt-oss) run in the loop (``slots``); the tested
 types each rule takes are checked in ``tests/engine/test_decode_attention_kinds.py``.
