@@ -285,8 +285,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     ctx = context_of(key)
     if slot_kv is not None and slot_kv.prefix:
         ctx = PassContext(slot_kv, module.layer_idx, keys=key, values=value)
-    elif isinstance(ctx, PassContext) and value is not ctx.returned and context_of(value) is not ctx:
-        # Not the value the cache returned, nor its keys (DeepSeek-V4 attends with K = V): the model changed it.
+    elif isinstance(ctx, PassContext) and changed(value, ctx.returned):
         raise CacheOutputChanged(f"layer {ctx.layer}")  # the loop runs the pass again in prefix mode
     if not isinstance(ctx, PassContext):  # another cache (a reference run): transformers' sdpa
         plain = key.as_subclass(torch.Tensor) if ctx is not None else key
@@ -312,6 +311,14 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
         return out.transpose(1, 2).contiguous(), None
     return out.transpose(1, 2), None
+
+
+def changed(value: torch.Tensor, returned: torch.Tensor) -> bool:
+    """Whether the attention got other values than the cache returned, of the same shape: DiffLlama's halves of
+    the value heads (new storage). A view of the same storage (AFMoE) or the keys when K = V (DeepSeek-V4: the
+    cache was given one tensor twice) is the same; JetMoE tiles the values over its attention experts (another
+    shape), which the keys' ``kv_tiles`` already mirror."""
+    return value.shape == returned.shape and value.data_ptr() != returned.data_ptr()
 
 
 def implicit_window(module) -> int | None:
