@@ -310,7 +310,8 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if tiles > 1:  # back to the model's head order, contiguous as JetMoE views it per expert
         out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
         return out.transpose(1, 2).contiguous(), None
-    return out.transpose(1, 2), None
+    # Contiguous, as transformers' own attention functions return it: AFMoE views the output as [B, T, H * D].
+    return out.transpose(1, 2).contiguous(), None
 
 
 def changed(value: torch.Tensor, returned: torch.Tensor) -> bool:
