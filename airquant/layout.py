@@ -2,7 +2,8 @@
 
 AirQuant streams any transformers causal LM whose decoder blocks form one ``nn.ModuleList``. The
 layout is read from the model built on the meta device (nothing per model type): the stack is the
-``ModuleList`` of ``num_hidden_layers`` blocks, the embedding and head are what
+``ModuleList`` of ``num_hidden_layers`` blocks (or the list around it, where a block holds that many
+sublayers in lists), the embedding and head are what
 ``get_input_embeddings`` / ``get_output_embeddings`` return, and every other tensor (final norm,
 learned positions, ...) is the ``norm`` group. Experts of Mixture-of-Experts layers are found the
 same way: a module named ``experts`` inside a block.
@@ -115,6 +116,11 @@ def find_layout(model: nn.Module) -> Layout:
             "blocks cannot be streamed one at a time.")
     # The outermost list (nested lists are parts of a block); of two at one depth, the one with the weights.
     stack = max(stacks, key=lambda s: (-s.count("."), sum(p.numel() for p in model.get_submodule(s).parameters())))
+    # Blocks of several sublayers each (LongCat-Flash: two attention and two MLP sublayers a block, and
+    # num_hidden_layers counts sublayers): the list found is a part of a block, the list around it the stack.
+    outer = [name for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and name and stack.startswith(name + ".")]
+    stack = min(outer, key=len) if outer else stack
     names = {id(m): name for name, m in model.named_modules()}
     embed = names[id(model.get_input_embeddings())]
     head_module = model.get_output_embeddings()
@@ -190,18 +196,35 @@ def linear_modules(block: nn.Module, config) -> list[str]:
     """Names of the block's ``nn.Linear`` modules that are weight matrices worth compressing.
 
     Routers (a linear whose outputs are one score per expert or a single gate) stay dense: they are
-    tiny and their errors change which experts run.
+    tiny and their errors change which experts run. So does a subclass of ``nn.Linear`` whose own
+    ``forward`` does not map ``[N, in]`` to ``[N, out]`` (``multiplies_like_linear``).
     """
     counts = moe_counts(config)
     n_experts = counts[0] if counts else None
     out = []
     for name, m in block.named_modules():
-        if not isinstance(m, nn.Linear):
+        if not isinstance(m, nn.Linear) or not multiplies_like_linear(m):
             continue
         if m.out_features == 1 or (n_experts and m.out_features == n_experts and name.endswith(("gate", "router"))):
             continue
         out.append(name)
     return sorted(out)
+
+
+def multiplies_like_linear(linear: nn.Linear) -> bool:
+    """Whether ``linear`` computes ``x @ W.T`` (+ bias), what a quantized linear computes in its place: nn.Linear's
+    own forward, or a subclass's that maps ``[2, in]`` to ``[2, out]`` (Falcon's ``FalconLinear``; on meta, no
+    compute).
+    DeepSeek-V4's block-diagonal grouped output projection reads its input as groups of ``in`` features and
+    refuses a ``[2, in]`` input or returns another shape; routers (Llama 4's, PhiMoE's) return a tuple."""
+    if type(linear).forward is nn.Linear.forward:
+        return True
+    try:
+        with torch.no_grad():
+            out = linear(torch.zeros(2, linear.in_features, device=linear.weight.device, dtype=linear.weight.dtype))
+    except RuntimeError:  # the shape does not fit its own forward
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, linear.out_features)
 
 
 @dataclass(frozen=True)

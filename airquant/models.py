@@ -60,7 +60,8 @@ class ModelSource:
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        """Blocks of the decoder stack (LongCat-Flash's config counts two sublayers a block)."""
+        return len(decoder_stack(self.skeleton, self.layout))
 
     @cached_property
     def skeleton(self):

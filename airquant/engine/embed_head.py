@@ -46,9 +46,16 @@ class HostEmbedding(nn.Module):
 class ChunkedHead(nn.Module):
     """lm_head as row chunks, each a quantized linear; logits are their concatenation."""
 
-    def __init__(self, chunks: list[nn.Module]):
+    def __init__(self, chunks: list[nn.Module], hidden: int, dtype: torch.dtype):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
+        self.vocab, self.hidden, self.dtype = sum(c.out_features for c in chunks), hidden, dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head's shape and compute dtype, without values (a meta tensor ``[V, H]``): HY-V4's forward casts
+        its hidden states to ``lm_head.weight.dtype``; code reading values from it fails loudly."""
+        return torch.empty(self.vocab, self.hidden, dtype=self.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
         return torch.cat([chunk(x) for chunk in self.chunks], dim=-1)
@@ -64,6 +71,6 @@ def quantized_head(entry: ShardEntry, tensors: dict[str, torch.Tensor], hidden: 
         start, end = meta["rows"]
         with torch.device("meta"):
             modules.append(make_linear(meta, hidden, end - start, False, compute_dtype=dtype))
-    head = ChunkedHead(modules)
+    head = ChunkedHead(modules, hidden, dtype)
     head.load_state_dict(tensors, assign=True, strict=True)
     return head

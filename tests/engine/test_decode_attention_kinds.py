@@ -1,4 +1,5 @@
-"""The decode loop on the stacks it took over from transformers' generate: MLA, attention sinks, StableLM.
+"""The decode loop on the stacks it took over from transformers' generate: MLA, attention sinks, StableLM,
+DiffLlama.
 
 MLA (DeepSeek-V2/V3, GLM-4-MoE-lite) caches a compressed latent and expands it into keys and values of
 different widths; gpt-oss adds a learned sink logit per head to the softmax. Each type is sharded once,
@@ -23,8 +24,9 @@ from airquant.models import resolve
 from airquant.store.split import split
 from tests.zoo import make_model
 
-# MLA, sinks, and StableLM (its attention goes through transformers' registry without the flag that says so).
-TYPES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "stablelm"]
+# MLA, sinks, StableLM (its attention goes through transformers' registry without the flag that says so), and
+# DiffLlama (two attention calls a layer, each over half the value heads the cache returned).
+TYPES = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "stablelm", "diffllama"]
 PROMPTS = ["Once upon a time in a land far far away there lived", "The quick brown fox", "Hi"]
 NEW = 8
 
@@ -104,8 +106,12 @@ def test_turboquant_is_refused_with_the_fix(stack):
     and gpt-oss's sinks and sliding layers are not that, and the error says which backend to use."""
     if stack.type == "stablelm":
         pytest.skip("StableLM's keys are TurboQuant's kind: test_stablelm_turboquant_equals_transformers")
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2)
     with pytest.raises(KVConfigError, match="kv backend 'none'"):
-        stack.engine.decode_loop(1, context=32, kv=KVConfig(backend="tq", bits_k=4, bits_v=2))
+        if stack.type == "diffllama":  # found changing the cache's values at its first pass
+            stack.engine.decode_loop(1, context=32, kv=tq).run([Request(tuple(stack.engine.prompt_ids("Hi")), 1)])
+        else:
+            stack.engine.decode_loop(1, context=32, kv=tq)
 
 
 def test_stablelm_turboquant_equals_transformers(stack):
@@ -131,12 +137,12 @@ def test_stablelm_turboquant_equals_transformers(stack):
 
 
 # Attention computed in the module's own code, not through transformers' AttentionInterface.
-OWN_ATTENTION = {"gpt_neo", "bloom", "falcon", "mpt", "gpt_neox_japanese", "openai-gpt", "xglm"}
+OWN_ATTENTION = {"gpt_neo", "bloom", "falcon", "mpt", "openai-gpt", "gpt_neox_japanese", "xglm"}
 
 
 def test_the_fallback_takes_only_recurrent_state_and_own_attention(real_tokenizer):
     """Which tested types go to transformers' generate (``decode.fallback.reason``), built on meta: the
-    recurrent-state stacks and the four whose attention the loop cannot reach; MLA and sinks stay in the loop."""
+    recurrent-state stacks and those whose attention the loop cannot reach; MLA and sinks stay in the loop."""
     from airquant.engine.decode import fallback
     from tests.zoo import HYBRID_TYPES, MODEL_TYPES, SSM_TYPES, tiny_config
 
@@ -147,8 +153,10 @@ def test_the_fallback_takes_only_recurrent_state_and_own_attention(real_tokenize
             model = AutoModelForCausalLM.from_config(config)
         taken[model_type] = fallback.reason(model, model.config)
     recurrent = {t for t, why in taken.items() if why == "recurrent/conv state layers"}
-    own = {t for t, why in taken.items() if why is not None and t not in recurrent}
-    # MiniMax: lightning (linear) attention; ZAYA: a MoE whose "hybrid" layers keep a convolution state
+    indexed = {t for t, why in taken.items() if why is not None and why.startswith("cache layers beyond")}
+    own = {t for t, why in taken.items() if why is not None and t not in recurrent | indexed}
+    # MiniMax: lightning (linear) attention; ZAYA: a convolution and a delayed value state in its attention.
     assert recurrent == set(HYBRID_TYPES + SSM_TYPES) | {"minimax", "zaya"}
     assert own == OWN_ATTENTION
+    assert indexed == {"axk2", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4", "dots3_note_text"}
     assert all(taken[t] is None for t in TYPES)

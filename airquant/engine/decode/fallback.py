@@ -6,6 +6,8 @@ Who takes this path (``reason`` says which rule, ``None``: the loop takes the st
   Qwen3.5 / Qwen3-Next, LFM2, Nemotron-H, MiniMax, Jamba, Bamba, Falcon-H1, OLMo-hybrid, LFM2-MoE, Mamba,
   Mamba-2, Falcon-Mamba, ZAYA, and the other hybrid types of ``tests/zoo.py``. The loop's per-slot cache holds keys and values only; these layers keep a fixed
   state per sequence that transformers' own cache layers update.
+- **cache layers beyond keys and values** (``plain_kv_layers`` false): DeepSeek-V3.2 / GLM-MoE-DSA / HY-V4's
+  indexer keys (``update_indexer``), DeepSeek-V4's compressed attention. The loop's cache keeps keys and values.
 - **attention outside transformers' AttentionInterface** (``attention_by_name`` false): GPT-Neo, BLOOM, Falcon,
   MPT, GPT-NeoX-Japanese, OpenAI GPT and XGLM compute it in their own module code. The loop's ragged attention is reached through that interface only.
 
@@ -32,9 +34,25 @@ def reason(model, config) -> str | None:
     """Why transformers' ``generate`` runs this stack instead of the decode loop (None: the loop runs it)."""
     if LayerStates.of(config).hybrid:
         return "recurrent/conv state layers"
+    if not plain_kv_layers(config):
+        return "cache layers beyond keys and values (an indexer, compressed attention)"
     if not attention_by_name(model):
         return "attention outside transformers' AttentionInterface"
     return None
+
+
+def plain_kv_layers(config) -> bool:
+    """Whether transformers' own cache for the stack (``DynamicCache(config=...)``) holds keys and values only,
+    what the loop's cache replaces; a layer type it does not know (a KeyError) is a cache the model brings."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        layers = DynamicCache(config=text).layers
+    except KeyError:
+        return False
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 def attention_by_name(model) -> bool:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from airquant.engine.decode.slots import ATTN_NAME, Segment, SlotKV, attention_backends, caches_latents, register
+from airquant.engine.decode.slots import (ATTN_NAME, CacheOutputChanged, Segment, SlotKV, attention_backends,
+                                         caches_latents, register)
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
 
@@ -151,8 +152,9 @@ class DecodeLoop:
         layers, _, _ = model_dims(model.config, turboquant=kv is not None)
         self.kv = SlotKV(layers, slots, context, device, dtype, kv=kv, offload=offload, pin=device.type == "cuda",
                          latent=caches_latents(model.config))
-        # An MLA stack's attention gets keys the model expanded from the cache, untagged: the cache comes along.
-        self._latent = {"slot_kv": self.kv} if self.kv.latent else {}
+        # A stack that changes what the cache returns (MLA's expansion) hands its attention untagged keys: the
+        # cache comes along.
+        self._prefix = {"slot_kv": self.kv} if self.kv.prefix else {}
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.stats = LoopStats()
@@ -261,9 +263,19 @@ class DecodeLoop:
             self.stats.decode_pass_s.append(took)
         return [e for e in events if e is not None]
 
-    @torch.inference_mode()
     def _forward(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
-        """Logits ``[len(keep), V]`` (fp32) at the row positions ``keep``."""
+        """Logits ``[len(keep), V]`` (fp32) at the row positions ``keep``; a stack found changing what the cache
+        returns (at its first pass) runs the pass again with the cache in prefix mode, which rewrites the
+        same positions."""
+        try:
+            return self._model_pass(ids, pos, segments, keep)
+        except CacheOutputChanged:
+            self.kv.use_prefix()
+            self._prefix = {"slot_kv": self.kv}
+            return self._model_pass(ids, pos, segments, keep)
+
+    @torch.inference_mode()
+    def _model_pass(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
         config = self.model.config
         previous = config._attn_implementation
         config._attn_implementation = ATTN_NAME
@@ -274,7 +286,7 @@ class DecodeLoop:
             with self.scope():
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                                 **{self.cache_arg: self.kv}, **self._latent)
+                                 **{self.cache_arg: self.kv}, **self._prefix)
         except BaseException:
             self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
             raise

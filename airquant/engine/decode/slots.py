@@ -19,13 +19,16 @@ what one-at-a-time decoding feeds a batch-1 ``TQLayer`` (a whole prompt, then on
 flush and calibration points, and thus its outputs, are those of generating the sequence alone; the
 decode tokens of all slots are written, attended and flushed in one batch per layer.
 
-Multi-head latent attention (MLA: DeepSeek-V2/V3, GLM-4-MoE-lite) caches a compressed latent and a shared
-rope key, ``[1, 1, T, R]`` and ``[1, 1, T, Dr]``, and expands what the cache returns (``kv_b_proj``) into keys
-and values of different widths before calling the attention function. The plain buffers take whatever
-shapes a layer's first update has, and for such a stack (``caches_latents``) the update returns every
-slot's cached prefix ``[slots, 1, L, R]``: the model's own expansion then hands the attention ``[slots, H, L,
-D]`` keys and values, the layout of the plain buffers, and the pass's context comes in the ``slot_kv``
-keyword the loop passes (the expansion drops the tag on the keys).
+Stacks that change what the cache returns before calling the attention function: multi-head latent
+attention (MLA: DeepSeek-V2/V3, GLM-4-MoE-lite) caches a compressed latent and a shared rope key, ``[1, 1, T,
+R]`` and ``[1, 1, T, Dr]``, and expands them (``kv_b_proj``) into keys and values of different widths;
+DiffLlama attends twice, to each half of the value heads. The plain buffers take whatever shapes a layer's
+first update has, and for such a stack (``SlotKV.prefix``) the update returns every slot's cached prefix
+``[slots, Hkv, L, D]``: the model's own change then hands the attention ``[slots, H, L, D]`` keys and values,
+the layout of the plain buffers, and the pass's context comes in the ``slot_kv`` keyword the loop passes (the
+change drops the tag on the keys). MLA is known from its config (``caches_latents``); any other such stack is
+found at its first pass: the attention function gets another value than the cache returned and raises
+``CacheOutputChanged``, and the loop runs that pass again in prefix mode.
 
 Attention sinks (gpt-oss): a learned logit per query head that takes part in the softmax and adds no value;
 the attention function receives it as ``s_aux`` and applies it as transformers' eager attention does.
@@ -54,6 +57,11 @@ from airquant.kv.config import KVConfig, KVConfigError
 ATTN_NAME = "airquant_ragged"
 
 
+class CacheOutputChanged(Exception):
+    """The model handed the attention function another value than the cache returned (the loop then
+    switches its cache to ``prefix`` mode and runs the pass again); internal, never reaches a caller."""
+
+
 def caches_latents(config) -> bool:
     """Whether the stack's attention caches a compressed latent and expands what the cache returns (MLA)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -80,6 +88,7 @@ class PassContext:
     values: torch.Tensor | None = None
     tq: SlotArena | None = None  # TurboQuant: this layer's arena
     row: tuple[torch.Tensor, torch.Tensor] | None = None  # TurboQuant: the pass's new keys/values [1, Hkv, T, D]
+    returned: torch.Tensor | None = None  # the value update returned: the attention must get this one
 
 
 class SlotKV:
@@ -93,7 +102,7 @@ class SlotKV:
         if latent and kv is not None and kv.backend == "tq":
             raise KVConfigError("the TurboQuant cache compresses keys and values per head; an MLA stack (DeepSeek, "
                                 "GLM-4-MoE-lite) caches one compressed latent per token: use kv backend 'none'")
-        self.num_layers, self.slots, self.cap, self.latent = num_layers, slots, cap, latent
+        self.num_layers, self.slots, self.cap, self.prefix = num_layers, slots, cap, latent
         self.device, self.dtype, self.kv, self.offload, self.pin = device, dtype, kv, set(offload), pin
         self.tq = kv is not None and kv.backend == "tq"
         self._k: list[torch.Tensor | None] = [None] * num_layers
@@ -136,6 +145,13 @@ class SlotKV:
                                 self.device) if dec else None
         self._hist_need = max(self.kv.schedule.quantized_count(s.start + s.n) for s in segments)
 
+    def use_prefix(self) -> None:
+        """From now on ``update`` returns every slot's cached prefix (the model changes what it returns)."""
+        if self.tq:
+            raise KVConfigError("the TurboQuant cache attends to the keys and values it stored; this model changes "
+                                "the cache's values before its attention (DiffLlama's halves): use kv backend 'none'")
+        self.prefix = True
+
     def free(self, slot: int) -> None:
         """A finished sequence's slot: its buffers (and TurboQuant arena rows) are overwritten by the next one."""
         self._seen[slot] = 0
@@ -145,10 +161,10 @@ class SlotKV:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context
-        (an MLA stack: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model expands)."""
-        if self.latent:
+        (``prefix``: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model changes)."""
+        if self.prefix:
             return self._plain_update(key, value, layer_idx)
-        ctx = PassContext(self, layer_idx)
+        ctx = PassContext(self, layer_idx, returned=value)
         if self.tq:
             ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
         else:
@@ -264,11 +280,13 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, Dv], None)``.
 
-    ``slot_kv``: the loop's cache, passed by an MLA stack's loop, whose ``key``/``value`` are then every
-    slot's expanded prefix ``[slots, H, L, D]``; ``s_aux`` (in ``kwargs``): per-head sink logits."""
+    ``slot_kv``: the loop's cache, passed when it is in prefix mode, whose ``key``/``value`` are then every
+    slot's prefix as the model changed it ``[slots, H, L, D]``; ``s_aux`` (in ``kwargs``): per-head sink logits."""
     ctx = context_of(key)
-    if slot_kv is not None and slot_kv.latent:
+    if slot_kv is not None and slot_kv.prefix:
         ctx = PassContext(slot_kv, module.layer_idx, keys=key, values=value)
+    elif isinstance(ctx, PassContext) and changed(value, ctx.returned):
+        raise CacheOutputChanged(f"layer {ctx.layer}")  # the loop runs the pass again in prefix mode
     if not isinstance(ctx, PassContext):  # another cache (a reference run): transformers' sdpa
         plain = key.as_subclass(torch.Tensor) if ctx is not None else key
         return sdpa_attention_forward(module, query, plain, value, attention_mask, dropout=dropout,
@@ -292,7 +310,16 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if tiles > 1:  # back to the model's head order, contiguous as JetMoE views it per expert
         out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
         return out.transpose(1, 2).contiguous(), None
-    return out.transpose(1, 2), None
+    # Contiguous, as transformers' own attention functions return it: AFMoE views the output as [B, T, H * D].
+    return out.transpose(1, 2).contiguous(), None
+
+
+def changed(value: torch.Tensor, returned: torch.Tensor) -> bool:
+    """Whether the attention got other values than the cache returned, of the same shape: DiffLlama's halves of
+    the value heads (new storage). A view of the same storage (AFMoE) or the keys when K = V (DeepSeek-V4: the
+    cache was given one tensor twice) is the same; JetMoE tiles the values over its attention experts (another
+    shape), which the keys' ``kv_tiles`` already mirror."""
+    return value.shape == returned.shape and value.data_ptr() != returned.data_ptr()
 
 
 def implicit_window(module) -> int | None:
