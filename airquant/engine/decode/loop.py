@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from airquant.engine.decode.slots import (ATTN_NAME, CacheOutputChanged, Segment, SlotKV, attention_backends,
-                                         caches_latents, register)
+from airquant.engine.decode.slots import (
+    ATTN_NAME,
+    CacheOutputChanged,
+    Segment,
+    SlotKV,
+    attention_backends,
+    caches_latents,
+    register,
+)
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
 
