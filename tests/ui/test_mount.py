@@ -126,6 +126,8 @@ def test_the_root_url_redirects_to_the_ui(monkeypatch, tmp_path):
     monkeypatch.setattr(mount, "JobRunner", lambda provider, jobs, **kw: None)
     monkeypatch.setattr(mount.gr, "mount_gradio_app", lambda app, blocks, path, **kw: app)
     app = FastAPI()
-    mount.UiMount(stores=("s",), results=tmp_path, jobs=tmp_path)(app, provider=None, config=ServeConfig())
+    # jobs staged apart from the results the UI serves (test_a_jobs_dir_inside_a_served_folder_is_refused)
+    mount.UiMount(stores=("s",), results=tmp_path / "results", jobs=tmp_path / "jobs")(app, provider=None,
+                                                                                     config=ServeConfig())
     answer = TestClient(app).get("/", follow_redirects=False)
     assert answer.status_code in (307, 302) and answer.headers["location"] == "/ui/"
