@@ -208,21 +208,28 @@ class ExpertPool:
                    ids: list[int], slot_of: dict[int, int]) -> torch.Tensor:
         """A few-row call computed by the fused kernels straight from the slots: no gather, no per-expert
         Python; the slots are free for new copies once the kernels ran."""
-        if self.ops is not None:
-            for event in {id(self.ready[s]): self.ready[s] for s in slot_of.values() if self.ready[s] is not None
-                          }.values():
-                self.ops.wait(event)
+        self._wait_ready(slot_of.values())
         # Each pair's slot, [T * k]: a pinned host tensor, so its copy to the device does not block.
         pairs = torch.tensor([slot_of[e] for e in ids], dtype=torch.int32, pin_memory=self.ops is not None)
         spec, operands = fused
         out = expert_compute.run_fused(spec, module, operands, hidden.reshape(-1, hidden.shape[-1]),
                                        pairs.to(self.device, non_blocking=True).view(weights.shape), weights,
                                        self.plan.slots)
+        self._mark_read(slot_of.values())
+        return out
+
+    def _wait_ready(self, slots) -> None:
+        """The compute stream waits for the copies into ``slots`` (no host block)."""
+        if self.ops is not None:
+            for event in {id(self.ready[s]): self.ready[s] for s in slots if self.ready[s] is not None}.values():
+                self.ops.wait(event)
+
+    def _mark_read(self, slots) -> None:
+        """``slots`` are free for new copies once what the compute stream has queued so far has run."""
         if self.ops is not None:
             mark = self.ops.mark()
-            for s in slot_of.values():
+            for s in slots:
                 self.free[s] = mark
-        return out
 
     def _run_dispatched(self, i: int, module, forward, hidden: torch.Tensor) -> torch.Tensor:
         """Llama 4: tokens spread over every expert ([E * T, H]); only experts with a non-zero row run."""
@@ -356,16 +363,11 @@ class ExpertPool:
 
     def _gather(self, layer: LayerExperts, slots: list[int]) -> dict[str, torch.Tensor]:
         """The routed experts packed into [U, ...] tensors (one device gather); the slots are free after it."""
-        if self.ops is not None:
-            for event in {id(self.ready[s]): self.ready[s] for s in slots if self.ready[s] is not None}.values():
-                self.ops.wait(event)
+        self._wait_ready(slots)
         # [U, slot_bytes] by one stack of the slots' rows: an index tensor made from the host list would be a
         # blocking host-to-device copy.
         rows = torch.stack([self.mem[s] for s in slots])
-        if self.ops is not None:
-            mark = self.ops.mark()
-            for s in slots:
-                self.free[s] = mark
+        self._mark_read(slots)
         out = {}
         for name, dtype, shape, off, (start, end), dense in zip(layer.names, layer.dtypes, layer.shapes,
                                                                 layer.offsets, layer.ranges[0], layer.dense):
