@@ -1,7 +1,8 @@
 """Where a routed MoE layer's expert bytes are: in the layer's shard (``LayerExperts``: each expert's byte
-ranges, from the manifest, and where they sit inside a pool slot; ``read_range`` for a disk-tier layer) and in
-the device pool (``SlotTable``: which (shard, layer, expert) key each slot holds and which to evict, LRU or LFU
-with decay). ``engine.experts`` moves the bytes; this module only keeps the books.
+ranges, from the manifest, and where they sit inside a pool slot; ``read_range`` for a disk-tier layer), in the
+RAM tier (``HostArrangement``: arranged once, after the checked read, so that each expert is one contiguous
+copy) and in the device pool (``SlotTable``: which (shard, layer, expert) key each slot holds and which to
+evict, LRU or LFU with decay). ``engine.experts`` moves the bytes; this module only keeps the books.
 """
 
 from __future__ import annotations
@@ -133,10 +134,7 @@ class LayerExperts:
         full = tuple(entry.experts["tensors"])
         module = experts_module(full)
         specs = {name: (dtype, shape) for name, dtype, shape, _, _ in layout.tensors}
-        offsets, at = [], 0
-        for start, end in entry.experts["ranges"][0]:
-            offsets.append(at)
-            at += aligned(end - start)
+        offsets = slot_offsets(entry.experts["ranges"][0])
         return cls(index=index, top_k=int(entry.experts["top_k"]), module=module, names=tuple(n[len(module) + 1:] for n in full),
                    dtypes=tuple(specs[n][0] for n in full), shapes=tuple(tuple(specs[n][1][1:]) for n in full),
                    dense=tuple(entry.tensors[n].get("scheme", "dense") == "dense" and specs[n][0].is_floating_point
@@ -151,6 +149,68 @@ class LayerExperts:
 
     def expert_bytes(self, e: int) -> int:
         return sum(end - start for start, end in self.ranges[e])
+
+
+def slot_offsets(ranges: list) -> tuple[int, ...]:
+    """Where an expert's tensor slices (``ranges``: its [start, end) per tensor) sit inside a pool slot: in
+    tensor order, each on an ``ALIGN`` boundary."""
+    offsets, at = [], 0
+    for start, end in ranges:
+        offsets.append(at)
+        at += aligned(end - start)
+    return tuple(offsets)
+
+
+@dataclass(frozen=True)
+class HostArrangement:
+    """A routed layer's RAM-tier bytes arranged for one copy per transfer: the tensors the layer copy carries,
+    packed exactly as the device slot holds them (``[0, dense_bytes)``), then each expert's pool-slot image
+    (``[expert_start(e), + image_bytes)``, one every ``stride`` bytes).
+
+    A shard stores an MoE layer tensor-major (safetensors orders tensors by dtype, then name): an expert's
+    packed weights, absmax codes and nested absmax sit in six or more places, and so did its copies (~80
+    ``cudaMemcpyAsync`` a Qwen3-30B-A3B layer at batch 1, each with its slicing, more host time than the GPU
+    took). The file order is kept for the read, whose checksum covers it; the bytes are arranged after the
+    check, once, in the read-ahead thread."""
+
+    file_bytes: int  # the data section as read (and checked)
+    dense_runs: tuple[tuple[int, int, int], ...]  # (file start, arranged start, bytes): the layer copy's tensors
+    dense_bytes: int
+    expert_ranges: tuple[tuple[tuple[int, int], ...], ...]  # [expert][tensor] (start, end) in file order
+    offsets: tuple[int, ...]  # each tensor's place inside an expert's image (= its pool slot's)
+    image_bytes: int  # one expert's image, up to the end of its last tensor
+    stride: int
+
+    @classmethod
+    def of(cls, file_bytes: int, dense_runs, dense_bytes: int, expert_ranges: list) -> "HostArrangement":
+        ranges = tuple(tuple(map(tuple, r)) for r in expert_ranges)
+        offsets = slot_offsets(ranges[0])
+        image = offsets[-1] + ranges[0][-1][1] - ranges[0][-1][0]
+        return cls(file_bytes=file_bytes, dense_runs=tuple(map(tuple, dense_runs)), dense_bytes=dense_bytes,
+                   expert_ranges=ranges, offsets=offsets, image_bytes=image, stride=aligned(image))
+
+    @property
+    def experts_start(self) -> int:
+        return aligned(self.dense_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """The host buffer the layer needs: its file's data section, read first, then arranged in place."""
+        return max(self.file_bytes, self.experts_start + len(self.expert_ranges) * self.stride)
+
+    def expert_start(self, e: int) -> int:
+        return self.experts_start + e * self.stride
+
+    def arrange(self, buf: torch.Tensor) -> None:
+        """``buf`` holds the file's data section in ``[0, file_bytes)``; rewrite it in the arranged order.
+        Every byte moves (a transient copy of the section is the source)."""
+        src = buf[:self.file_bytes].clone()
+        for start, at, n in self.dense_runs:
+            buf[at:at + n].copy_(src[start:start + n])
+        for e, ranges in enumerate(self.expert_ranges):
+            base = self.expert_start(e)
+            for (start, end), off in zip(ranges, self.offsets):
+                buf[base + off:base + off + end - start].copy_(src[start:end])
 
 
 def read_range(layer: LayerExperts, start: int, end: int) -> torch.Tensor:

@@ -68,7 +68,7 @@ def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[s
         name = router_weights(model_layers[i], entry, layers[i].module) if plan.speculate else None
         if name is not None:
             routers[i] = load_router(entry, store, name, device, dtype)
-    return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_bytes, routers)
+    return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_image, routers)
 
 
 def open_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
@@ -112,13 +112,14 @@ class RoutedForward:
 class ExpertPool:
     """Owns the device expert slots, their events, the host staging for disk reads and the counters.
 
-    ``host_bytes(i)`` gives layer i's data section in host memory, or None when it is on disk only
-    (the routed experts' ranges are then read from the shard file)."""
+    ``host_image(i)`` gives layer i's data section in host memory, or None when it is on disk only (the
+    routed experts' ranges are then read from the shard file), and its ``HostArrangement`` (None: the bytes
+    are in the file's order, one copy per expert tensor slice; else one copy per expert)."""
 
     def __init__(self, layers: dict[int, LayerExperts], plan: ExpertPlan, device: torch.device,
-                 compute_dtype: torch.dtype, ops, memory, host_bytes, routers: dict[int, torch.Tensor]):
+                 compute_dtype: torch.dtype, ops, memory, host_image, routers: dict[int, torch.Tensor]):
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
-        self.ops, self.host_bytes, self.routers = ops, host_bytes, routers
+        self.ops, self.host_image, self.routers = ops, host_image, routers
         self.table = SlotTable(plan.slots, plan.policy)
         self.mem = (ops.alloc(plan.pool_bytes) if ops is not None else torch.empty(plan.pool_bytes, dtype=torch.uint8)
                     ).view(plan.slots, plan.slot_bytes)
@@ -132,7 +133,6 @@ class ExpertPool:
         # One kernel copies all of a call's slices from the pinned RAM tier (engine/uva_copy), where it can:
         # probed at the first copy from the RAM tier (filled as the first pass reads it); None: not yet.
         self.uva: bool | None = None if ops is not None and UVA_COPY else False
-        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.guessed: dict[int, set[int]] = {}  # layer -> experts speculated for it, not yet routed
         self.current: int | None = None
         self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
@@ -288,22 +288,23 @@ class ExpertPool:
             slots[e] = slot
         if not experts:
             return
-        src = self.host_bytes(i)
+        src, arranged = self.host_image(i)
         targets = [(slots[e], e) for e in experts]
         if self.ops is None:
             for slot, e in targets:
-                for (start, end), off in zip(layer.ranges[e], layer.offsets):
+                for start, end, off in _runs(layer, arranged, e):
                     self.mem[slot, off:off + end - start].copy_(src[start:end] if src is not None else
                                                                 read_range(layer, start, end))
         else:
-            self._copy_cuda(layer, targets, src)
+            self._copy_cuda(layer, targets, src, arranged)
         moved = sum(layer.expert_bytes(e) for e in experts)
         self.stats["bytes_copied"] += moved
         self.stats["copied"] += len(experts)
 
-    def _copy_cuda(self, layer: LayerExperts, targets: list[tuple[int, int]], src) -> None:
-        """The copies of a call in one batch on the copy stream: one per expert tensor slice from the RAM
-        tier, one per expert from a staging buffer (disk), after the gathers that last read the slots."""
+    def _copy_cuda(self, layer: LayerExperts, targets: list[tuple[int, int]], src, arranged) -> None:
+        """The copies of a call in one batch on the copy stream: one per expert from an arranged RAM tier (one
+        per expert tensor slice from an unarranged one), one per expert from a staging buffer (disk), after
+        the gathers that last read the slots."""
         stream = self.ops.stream
         with torch.cuda.stream(stream):
             for event in {id(self.free[s]): self.free[s] for s, _ in targets if self.free[s] is not None}.values():
@@ -313,13 +314,17 @@ class ExpertPool:
                 from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
 
                 self.uva = uva_copy.probe(src, self.device)
-            if src is not None and self.uva:
-                self._copy_uva(layer, targets, src)
-                targets = []
+            by_uva = src is not None and self.uva
+            if by_uva:
+                self._copy_uva(layer, targets, src, arranged)
+            mem = self.mem.view(-1)
             for slot, e in targets:
+                if by_uva:
+                    continue
                 if src is not None:
-                    for (start, end), off in zip(layer.ranges[e], layer.offsets):
-                        self.mem[slot, off:off + end - start].copy_(src[start:end], non_blocking=True)
+                    at = slot * self.plan.slot_bytes
+                    for start, end, off in _runs(layer, arranged, e):
+                        mem[at + off:at + off + end - start].copy_(src[start:end], non_blocking=True)
                 else:
                     k = self._fill_staging(layer, e)
                     self.mem[slot].copy_(self._staging[k], non_blocking=True)
@@ -331,21 +336,16 @@ class ExpertPool:
         for k in staged:
             self._staging_free[k] = done
 
-    def _copy_uva(self, layer: LayerExperts, targets: list[tuple[int, int]], src: torch.Tensor) -> None:
-        """Every slice of ``targets`` (slot, expert) by one kernel reading ``src`` (the RAM tier), on the
-        current (copy) stream: a descriptor row per slice, built from the layer's tables on the host."""
-        if layer.index not in self._slices:
-            ranges = torch.tensor(layer.ranges, dtype=torch.int64)  # [E, tensors, 2]
-            longest = int((ranges[..., 1] - ranges[..., 0]).max())
-            self._slices[layer.index] = (ranges, torch.tensor(layer.offsets, dtype=torch.int64), longest)
+    def _copy_uva(self, layer: LayerExperts, targets: list[tuple[int, int]], src: torch.Tensor,
+                  arranged) -> None:
+        """Every run of ``targets`` (slot, expert) by one kernel reading ``src`` (the RAM tier), on the
+        current (copy) stream: a descriptor row (source, destination, bytes) per run, built on the host."""
         from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
 
-        ranges, offsets, longest = self._slices[layer.index]
-        slots, experts = (torch.tensor(col, dtype=torch.int64) for col in zip(*targets))
-        start = ranges[experts, :, 0]  # [n, tensors]
-        dst = slots[:, None] * self.plan.slot_bytes + offsets[None, :]
-        table = torch.stack((start, dst, ranges[experts, :, 1] - start), dim=-1).reshape(-1, 3).pin_memory()
-        uva_copy.gather(src, self.mem.view(-1), table.to(self.device, non_blocking=True), longest)
+        rows = [(start, slot * self.plan.slot_bytes + off, end - start)
+                for slot, e in targets for start, end, off in _runs(layer, arranged, e)]
+        table = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        uva_copy.gather(src, self.mem.view(-1), table.to(self.device, non_blocking=True), max(r[2] for r in rows))
 
     def _fill_staging(self, layer: LayerExperts, e: int) -> int:
         if not self._staging:
@@ -381,7 +381,7 @@ class ExpertPool:
         blocking read)."""
         router, layer = self.routers.get(j), self.layers.get(j)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if flat.shape[0] > SPECULATE_TOKENS or router is None or layer is None or self.host_bytes(j) is None:
+        if flat.shape[0] > SPECULATE_TOKENS or router is None or layer is None or self.host_image(j)[0] is None:
             return None
         return (flat.to(router.dtype) @ router.t()).topk(min(len(layer.ranges), layer.top_k), dim=-1).indices
 
@@ -398,6 +398,15 @@ class ExpertPool:
         self.stats["guess_bytes"] += self.stats["bytes_copied"] - before
         for slot in slots.values():
             self.table.touch(slot)
+
+
+def _runs(layer: LayerExperts, arranged, e: int) -> list[tuple[int, int, int]]:
+    """Expert e's copies out of host memory, (source start, source end, offset in its slot): one from an
+    arranged RAM tier (``HostArrangement``), else one per tensor slice in the file's order."""
+    if arranged is not None:
+        start = arranged.expert_start(e)
+        return [(start, start + arranged.image_bytes, 0)]
+    return [(start, end, off) for (start, end), off in zip(layer.ranges[e], layer.offsets)]
 
 
 def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[int], list[int] | None]:

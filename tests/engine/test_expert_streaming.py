@@ -69,6 +69,8 @@ def test_routed_equals_whole_layer_and_resident(tmp_path, real_tokenizer, model_
         runs[name] = (_logits(engine), _greedy(engine))
         if name.startswith("routed"):
             assert engine.experts is not None and engine.experts.bytes_copied > 0
+            # Every routed layer ran from the arranged RAM tier (one copy per expert, expert_layout).
+            assert engine.streamer.arranged == set(engine.experts.layers)
         engine.close()
     ref_logits, ref_tokens = runs["whole"]
     for name in ("routed", "routed_lru_nocache", "resident"):
@@ -231,3 +233,33 @@ def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
     roomy = plan_experts(manifest, 100 * base.slot_bytes + base.compute_bytes + base.decode_bytes, speculate=False)
     assert roomy.cache == 3 * 4 - 4  # every other expert of the store, no more
     assert "routed; pool" in roomy.describe()
+
+
+def test_host_arrangement_makes_each_expert_and_the_layer_copy_one_range(tmp_path, real_tokenizer):
+    """The arranged RAM tier holds each expert's pool-slot image in one range, and the layer copy's tensors
+    packed as the device slot holds them: the same bytes the file-order copies would have moved."""
+    from airquant.engine.expert_layout import HostArrangement, LayerExperts
+    from airquant.engine.streamer import read_into, read_layout
+
+    _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")
+    manifest = load_manifest(store)
+    entry = manifest.shards["layer.0"]
+    layout = read_layout(store / entry.file)
+    kept, packed, runs = layout.without(set(entry.experts["tensors"]))
+    arrangement = HostArrangement.of(layout.nbytes, runs, packed.nbytes, entry.experts["ranges"])
+    raw = torch.empty(layout.nbytes, dtype=torch.uint8)
+    read_into(layout, raw)
+    buf = torch.zeros(arrangement.nbytes, dtype=torch.uint8)
+    buf[:layout.nbytes] = raw
+    arrangement.arrange(buf)
+    for name, view in packed.views(buf).items():
+        assert torch.equal(view, kept.views(raw)[name]), name
+    layer = LayerExperts.of(0, entry, layout, store)
+    assert arrangement.offsets == layer.offsets
+    for e, ranges in enumerate(layer.ranges):
+        image = buf[arrangement.expert_start(e):arrangement.expert_start(e) + arrangement.image_bytes]
+        for (start, end), off in zip(ranges, layer.offsets):
+            assert torch.equal(image[off:off + end - start], raw[start:end])
+    # What the arrangement costs in host RAM: the slot alignment of each expert's tensors, a few KB a layer.
+    assert arrangement.nbytes <= layout.nbytes + (len(layer.ranges) + 1) * len(layer.offsets) * 64
+
