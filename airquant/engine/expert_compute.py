@@ -56,9 +56,13 @@ GEMV_TOKENS = 4
 # a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its interpreter in
 # tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
 FUSED = True
-# Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call);
-# a whole layer's call takes the fused kernels at any batch (quant/kernels/nf4_moe: GEMV, then grouped blocks).
+# Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
+# Routed rows per expert, on average, up to which a whole layer's call takes the fused kernels. Each 16-row
+# block of the grouped kernel decodes its expert's tile again: at 16 rows an expert (Qwen3-30B-A3B, batch 256)
+# that is 0.92 of the link, at ~124 (Mixtral, batch 498) it decoded every expert 8 times over, 2.33 s a step
+# against 0.48 s for one bitsandbytes decode and a grouped matmul per expert (H200, moe_bench max_batch_device).
+FUSED_WHOLE_ROWS = 32
 # Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
 # the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
 ROW_INDEX_BYTES = 48
@@ -367,7 +371,7 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
 class FusedWholeExperts:
     """Stands in for a whole streamed layer's quantized experts ``forward``: calls with a routing index run by
     ``run_fused`` on the module's stacked NF4 buffers where the kernels can run (CUDA; the interpreter in
-    tests), any batch; other calls, other devices and modules the kernels do not take: the module's own
+    tests) and the call routes at most ``FUSED_WHOLE_ROWS`` rows an expert on average; other calls, other devices and modules the kernels do not take: the module's own
     forward (transformers' eager loop, one expert decoded at a time)."""
 
     def __init__(self, module, forward):
@@ -377,11 +381,11 @@ class FusedWholeExperts:
         if FUSED and len(args) == 3 and not kwargs and args[1].dim() == 2 and fused_runs_on(args[0]):
             if self._spec is False:
                 self._spec = fused_experts(self.module)
-            if self._spec is not None:
+            experts = getattr(self.module, self._spec.down.name).num_experts if self._spec is not None else 0
+            if self._spec is not None and args[1].numel() <= FUSED_WHOLE_ROWS * experts:
                 hidden, index, weights = args
                 return run_fused(self._spec, self.module, self._spec.module_operands(self.module),
-                                 hidden.reshape(-1, hidden.shape[-1]), index, weights,
-                                 getattr(self.module, self._spec.down.name).num_experts)
+                                 hidden.reshape(-1, hidden.shape[-1]), index, weights, experts)
         return self.forward(*args, **kwargs)
 
 

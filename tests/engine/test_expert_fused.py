@@ -161,3 +161,23 @@ def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeyp
     assert same >= 2  # a bf16 near-tie may flip a later token; compare the logits up to it
     diff = (logits[:same + 1] - want_logits[:same + 1]).abs().max().item()
     assert diff <= 3e-2 * want_logits.abs().max().item()
+
+
+def test_whole_layer_calls_take_the_fused_kernels_only_at_few_rows_an_expert(monkeypatch):
+    """A whole layer's call runs fused up to FUSED_WHOLE_ROWS routed rows an expert on average; above, each
+    16-row block would decode its expert again, so the module's own forward (one decode an expert) runs."""
+    from types import SimpleNamespace
+
+    from airquant.engine import expert_compute as ec
+
+    module = SimpleNamespace(down_proj=SimpleNamespace(num_experts=8))
+    spec = SimpleNamespace(down=SimpleNamespace(name="down_proj"), module_operands=lambda m: ())
+    calls = []
+    monkeypatch.setattr(ec, "fused_runs_on", lambda x: True)
+    monkeypatch.setattr(ec, "fused_experts", lambda m: spec)
+    monkeypatch.setattr(ec, "run_fused", lambda *a: calls.append("fused"))
+    whole = ec.FusedWholeExperts(module, lambda *a: calls.append("module"))
+    hidden, weights = torch.zeros(1, 4), torch.zeros(1, 2)
+    for tokens in (1, ec.FUSED_WHOLE_ROWS * 8 // 2, ec.FUSED_WHOLE_ROWS * 8 // 2 + 1, 1000):
+        whole(hidden.expand(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long), weights.expand(tokens, 2))
+    assert calls == ["fused", "fused", "module", "module"]
