@@ -251,8 +251,10 @@ class MoEInfo:
             head = name[len(module) + 1:].partition(".")[0]
             if head.isdigit():
                 ranges[int(head)].append([start, end])
-            elif t.dim() >= 1 and t.shape[0] == self.num:
-                step = (end - start) // self.num
+            elif t.dim() >= 1 and t.shape[0] == self.num or t.dim() >= 2 and t.shape[0] > self.num:
+                # Rows past ``num`` belong to routing ids with no expert to run (LongCat-Flash sizes gate_up_proj
+                # for its identity "zero" experts too); they are never routed to the pool.
+                step = (end - start) // t.shape[0]
                 for e in range(self.num):
                     ranges[e].append([start + e * step, start + (e + 1) * step])
             else:

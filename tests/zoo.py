@@ -134,10 +134,7 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "lfm2": dict(full_attn_idxs=[1]),  # otherwise every block of a small LFM2 is attention
     "zaya": dict(num_experts_per_tok=1),
-    # Without its zero-computation (identity) experts: router ids from n_routed_experts up skip the experts, and
-    # transformers sizes gate_up_proj for them too (n_routed + zero rows beside down_proj's n_routed); AirQuant's
-    # routed expert pool does not pass such ids through yet (open: "every expert slot is held" on those ids).
-    "longcat_flash": dict(zero_expert_num=0),
+    "longcat_flash": dict(zero_expert_num=2),
     "bailing_hybrid": dict(layer_group_size=3), "beam": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid", "linear_attention"]),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],

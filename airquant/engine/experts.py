@@ -173,19 +173,21 @@ class ExpertPool:
         # A larger call reads only its distinct experts (a long prefill's every id would be a long host list).
         few = index.numel() <= expert_compute.GEMV_TOKENS * len(layer.ranges)
         ids, guessed = _host_read(index if few else torch.unique(index), guess)
-        union = sorted(set(ids))
+        num = len(layer.ranges)
+        union = sorted({e for e in ids if e < num})
+        absent = len(union) < len(set(ids))  # ids without stored bytes: the module's own forward handles them
         slots = self._acquire(i, layer, union)
         if guessed is not None:  # queued behind this layer's copies, before its gather waits on them
-            self._speculate(i + 1, guessed, keep=set(slots))
-        fused = self._fused(i, module, hidden) if few and len(args) == 3 and not kwargs else None
+            self._speculate(i + 1, [e for e in guessed if e < num], keep=set(slots))
+        fused = self._fused(i, module, hidden) if few and len(args) == 3 and not kwargs and not absent else None
         if fused is not None:
             return self._run_fused(fused, module, hidden, args[2], ids, dict(zip(union, slots)))
-        packed = self._gather(layer, slots)
+        packed = self._gather(layer, slots) if slots else _no_experts(layer, self.compute_dtype, self.device)
         row = {e: n for n, e in enumerate(union)}
-        local = [row[e] for e in ids] if few else None  # expert ids -> rows of the packed tensors, host side
-        args, kwargs = _with_index(args, kwargs, _packed_rows(index, len(layer.ranges)))
+        local = [row[e] for e in ids] if few and not absent else None  # ids -> rows of the packed tensors
+        args, kwargs = _with_index(args, kwargs, _packed_rows(index, num))
         grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
-            else None
+            and not absent else None
         with _packed_into(module, packed, len(union)):
             if grouped is None:
                 return forward(*args, **kwargs)
@@ -421,9 +423,20 @@ def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[in
 
 def _packed_rows(index: torch.Tensor, num: int) -> torch.Tensor:
     """``index``'s expert ids as rows of the packed tensors (their rank among the routed experts, which the
-    pool packs in id order), computed on the device: no tensor is made from host data (a blocking copy)."""
-    present = torch.zeros(num, dtype=index.dtype, device=index.device).index_fill_(0, index.reshape(-1), 1)
-    return (present.cumsum(0) - 1)[index]
+    pool packs in id order), computed on the device: no tensor is made from host data (a blocking copy).
+    An id from ``num`` up has no stored expert (LongCat-Flash's identity "zero" experts) and keeps its value,
+    so the module's own forward treats it as it would unstreamed: every packed row is below ``num``."""
+    stored = index < num
+    present = torch.zeros(num + 1, dtype=index.dtype, device=index.device)
+    present.index_fill_(0, torch.where(stored, index, num).reshape(-1), 1)
+    rows = (present[:num].cumsum(0) - 1)[index.clamp(max=num - 1)]
+    return torch.where(stored, rows, index)
+
+
+def _no_experts(layer: LayerExperts, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Packed [0, ...] tensors: a call that routed every token to ids without stored experts."""
+    return {name: torch.empty(0, *shape, dtype=dtype if dense else stored, device=device)
+            for name, stored, shape, dense in zip(layer.names, layer.dtypes, layer.shapes, layer.dense)}
 
 
 def _routing(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -62,12 +62,13 @@ def make_transform(source: ModelSource, spec=None, *, act_scales: dict | None = 
 
 
 def expert_params(block: torch.nn.Module, num_experts: int) -> dict[str, bool]:
-    """Fused 3-D expert weights of a decoder block: name -> stored transposed ([E, in, out], gpt-oss)."""
+    """Fused 3-D expert weights of a decoder block: name -> stored transposed ([E, in, out], gpt-oss).
+    A stack of more than ``num_experts`` is one too: LongCat-Flash sizes gate_up_proj for its zero experts."""
     out = {}
     for module_name in expert_modules(block):
         module = block.get_submodule(module_name)
         for name, p in module.named_parameters(recurse=False):
-            if p.dim() == 3 and p.shape[0] == num_experts:
+            if p.dim() == 3 and p.shape[0] >= num_experts:
                 out[f"{module_name}.{name}"] = bool(getattr(module, "is_transposed", False))
     return out
 

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from airquant.engine.expert_layout import LFU_DECAY, SlotTable
@@ -60,6 +61,10 @@ MATRIX = [pytest.param(t, m, marks=() if (t, m) in (("mixtral", "nf4"), ("qwen3_
 @pytest.mark.parametrize("model_type, method", MATRIX)
 def test_routed_equals_whole_layer_and_resident(tmp_path, real_tokenizer, model_type, method):
     _, store = _store(tmp_path, real_tokenizer, model_type, method)
+    _assert_routed_equals_whole_and_resident(store)
+
+
+def _assert_routed_equals_whole_and_resident(store) -> None:
     runs = {}
     for name, kw in (("whole", dict(experts="whole")), ("routed", dict(experts="routed")),
                      ("routed_lru_nocache", dict(experts="routed", expert_cache_gb=0.0, expert_policy="lru",
@@ -77,6 +82,37 @@ def test_routed_equals_whole_layer_and_resident(tmp_path, real_tokenizer, model_
         logits, tokens = runs[name]
         assert (logits - ref_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()
         assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("method", [None, pytest.param("nf4", marks=pytest.mark.slow),
+                                    pytest.param("int2", marks=pytest.mark.slow)])
+def test_zero_experts_pass_through_as_in_the_model(tmp_path, real_tokenizer, method):
+    """LongCat-Flash's "zero" experts (router ids from n_routed_experts up, identity, no bytes in the store) are
+    routed to by some tokens: routed == whole == resident, and the pool copies only the stored experts."""
+    folder, store = _store(tmp_path, real_tokenizer, "longcat_flash", method)
+    stored = load_manifest(store).shards["layer.0"].experts["num"]
+    routed = _routed_by_reference(folder, real_tokenizer, PROMPTS[1])
+    assert any(e >= stored for ids in routed.values() for e in ids), "no token was routed to a zero expert"
+    _assert_routed_equals_whole_and_resident(store)
+
+
+def test_a_call_routed_only_to_zero_experts(tmp_path, real_tokenizer):
+    """A router biased to the zero experts sends every token there: the call moves no expert bytes."""
+    folder = make_model(tmp_path / "model", real_tokenizer, "longcat_flash")
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            t[-2:] = 10.0  # both zero experts outrank every real one (scores are softmax probabilities)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    split(resolve(str(folder)), tmp_path / "store", dtype="float32", progress=False)
+    engine = Engine.open(tmp_path / "store", device="cpu", experts="routed", expert_prefetch=False)
+    got = _logits(engine)
+    assert engine.experts.bytes_copied == 0 and engine.experts.stats["routed"] == 0
+    whole = Engine.open(tmp_path / "store", device="cpu", experts="whole")
+    assert (got - _logits(whole)).abs().max().item() <= 1e-5
+    engine.close()
+    whole.close()
 
 
 def _routed_by_reference(folder, tokenizer, prompt: str) -> dict[int, set[int]]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from airquant.engine.decode.slots import Segment, SlotKV, ragged_attention
-from airquant.engine.decode.tqslots import SlotArena
+from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena
 from airquant.kv import KVConfig
 from airquant.kv.attention import compressed_attention
 from airquant.kv.cache import TQLayer, context_of
@@ -74,20 +74,45 @@ def _emulated_offload(monkeypatch):
 @pytest.mark.parametrize("offload", [False, True], ids=["on-device", "kv-offload"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batched_decode_attention_equals_per_segment_path(name, offload, monkeypatch):
-    kv, layers = CONFIGS[name], 2
     if offload:
         _emulated_offload(monkeypatch)
-    cache = SlotKV(layers, SLOTS, 64, torch.device("cpu"), torch.float32, kv=kv,
-                   offload={1} if offload else set())
+    batched_with_history, flushed_in_decode, _ = _drive(CONFIGS[name], 2, ARRIVALS, FREE, PASSES, {1} if offload else set())
+    assert batched_with_history and flushed_in_decode  # the scenario reached what it is about
+
+
+def test_histories_of_very_different_lengths_take_their_own_pages():
+    """A 700-token prompt beside 3- and 90-token ones, one freed and its slot reused: outputs and codes equal
+    the per-segment path, each slot holds only its own history's pages, and no attention call reads a short
+    slot's history as long as the long one's."""
+    kv = CONFIGS["plain"]
+    arrivals, free = {0: {0: 700, 1: 3, 2: 90}, 2: {3: 150}, 5: {2: 5}}, {5: [2]}
+    _, _, cache = _drive(kv, 1, arrivals, free, 8, set())
+    arena, page = cache.arena(0), PAGE_TOKENS
+    lengths = [kv.schedule.quantized_count(n) for n in cache._seen]
+    used = sum(-(-h // page) for h in lengths)
+    assert [len(p) for p in arena.pages] == [-(-h // page) for h in lengths]
+    # The pool: the pages in use plus those freed, grown by an eighth at most (padded: slots x the longest).
+    assert arena.pool_pages <= used + -(-90 // page) + -(-arena.pool_pages // 8)
+    assert arena.pool_pages < SLOTS * -(-max(lengths) // page)
+    plan = cache.plan
+    assert len(plan.buckets) > 1
+    read = sum(len(b.rows) * b.hist_len for b in plan.buckets)
+    assert read <= 2 * page * used < len(plan.slots) * plan.hist_len
+
+
+def _drive(kv: KVConfig, layers: int, arrivals: dict, free: dict, passes: int, offload: set) -> tuple:
+    """Runs the scenario against one ``TQLayer`` per slot and layer, checking every pass's outputs and codes;
+    returns (passes that batched slots with history, passes with a flush in decode, the cache)."""
+    cache = SlotKV(layers, SLOTS, 64, torch.device("cpu"), torch.float32, kv=kv, offload=offload)
     refs: dict[int, list[TQLayer]] = {}
     seen: dict[int, int] = {}
     gen = torch.Generator().manual_seed(0)
     scale, flushed_in_decode, batched_with_history = DIM ** -0.5, 0, 0
-    for step in range(PASSES):
-        for slot in FREE.get(step, []):
+    for step in range(passes):
+        for slot in free.get(step, []):
             cache.free(slot)
             del seen[slot]
-        for slot, n in ARRIVALS.get(step, {}).items():
+        for slot, n in arrivals.get(step, {}).items():
             refs[slot] = [TQLayer(kv, i, DIM) for i in range(layers)]
             seen[slot] = -n  # negative: a prompt of n tokens is due
         segments, offset = [], 0
@@ -111,7 +136,7 @@ def test_batched_decode_attention_equals_per_segment_path(name, offload, monkeyp
         batched_with_history += plan is not None and plan.hist_len > 0 and len(plan.slots) > 1
         flushed_in_decode += plan is not None and plan.flush is not None
         _assert_same_histories(cache, refs, seen, layers)
-    assert batched_with_history and flushed_in_decode  # the scenario reached what it is about
+    return batched_with_history, flushed_in_decode, cache
 
 
 def _assert_same_histories(cache: SlotKV, refs, seen, layers) -> None:
@@ -123,6 +148,7 @@ def _assert_same_histories(cache: SlotKV, refs, seen, layers) -> None:
             store = layer.store
             for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
                 if store.length:
-                    assert torch.equal(held[name][slot, :, : store.length], store.tensors[name][0, :, : store.length])
+                    assert torch.equal(arena.history_of(slot, name, store.length, held),
+                                       store.tensors[name][0, :, : store.length])
             window = layer.keys.shape[2]
             assert torch.equal(held["win_k"][slot, :, :window], layer.keys[0]), f"slot {slot} layer {i}"

@@ -110,7 +110,6 @@ class SlotKV:
         self._tq: list[SlotArena | None] = [None] * num_layers
         self._seen = [0] * slots  # tokens cached per slot (TurboQuant: checks the loop feeds them in order)
         self.plan: DecodePlan | None = None  # TurboQuant: the pass's decode tokens
-        self._hist_need = 0
         self.segments: list[Segment] = []
         self.decode_masks: dict[tuple, torch.Tensor] = {}
         self._decode: tuple[torch.Tensor, ...] | None = None
@@ -143,7 +142,6 @@ class SlotKV:
             self._seen[s.slot] += s.n
         self.plan = decode_plan(self.kv, self.slots, [(s.slot, s.start, s.offset) for s in dec],
                                 self.device) if dec else None
-        self._hist_need = max(self.kv.schedule.quantized_count(s.start + s.n) for s in segments)
 
     def use_prefix(self) -> None:
         """From now on ``update`` returns every slot's cached prefix (the model changes what it returns)."""
@@ -153,8 +151,12 @@ class SlotKV:
         self.prefix = True
 
     def free(self, slot: int) -> None:
-        """A finished sequence's slot: its buffers (and TurboQuant arena rows) are overwritten by the next one."""
+        """A finished sequence's slot: its buffers are overwritten by the next one (its TurboQuant pages go back
+        to each layer's pool)."""
         self._seen[slot] = 0
+        for arena in self._tq:
+            if arena is not None:
+                arena.release(slot)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from the loop (position_ids), never from the cache
@@ -237,7 +239,8 @@ class SlotKV:
                                             self.dtype)
         elif i in self.offload:
             arena.prefetch()
-        arena.reserve(self._hist_need)
+        for s in self.segments:
+            arena.reserve(s.slot, self.kv.schedule.quantized_count(s.start + s.n))
         for s in self.segments:
             if s.n > 1:
                 arena.prefill(s.slot, key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
@@ -408,19 +411,21 @@ def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.
 
 
 def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, scale: float) -> torch.Tensor:
-    """``[Hq, nd, D]``: the decode tokens of the packed row ``query`` ``[1, Hq, T, D]`` against their slots."""
-    keys, values, tq = arena.context(plan)
+    """``[Hq, nd, D]``: the decode tokens of the packed row ``query`` ``[1, Hq, T, D]`` against their slots,
+    one call per bucket of similar history lengths (``tqslots.Bucket``)."""
     q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
-    if not plan.hist_len:  # nothing quantized yet: exact attention over the (short) windows of these slots
-        g = q.shape[1] // keys.shape[1]
-        k, v = keys[plan.slots].repeat_interleave(g, 1), values[plan.slots].repeat_interleave(g, 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.keep[plan.slots], scale=scale)[:, :, 0] \
-            .transpose(0, 1)
-    # Every slot's row (idle ones all masked, output 0): the slot batch is the arena's, views, no gather.
-    q_all = q.new_zeros(keys.shape[0], *q.shape[1:])
-    q_all[plan.slots] = q
-    o = compressed_attention(q_all, keys, values, tq, plan.keep, scale)  # [S, 1, Hq, D]
-    return o[plan.slots, 0].transpose(0, 1)
+    out = torch.empty_like(q)
+    for bucket in plan.buckets:
+        keys, values, tq = arena.context(plan, bucket)
+        qb = q[bucket.rows]
+        if not bucket.hist_len:  # nothing quantized yet: exact attention over the (short) windows
+            g = qb.shape[1] // keys.shape[1]
+            out[bucket.rows] = F.scaled_dot_product_attention(
+                qb, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), attn_mask=bucket.keep,
+                scale=scale)
+        else:
+            out[bucket.rows] = compressed_attention(qb, keys, values, tq, bucket.keep, scale).transpose(1, 2)
+    return out[:, :, 0].transpose(0, 1)
 
 
 def attention_backends():

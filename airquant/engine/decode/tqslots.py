@@ -2,12 +2,14 @@
 
 Per layer, every slot's state lives in shared tensors with the slot as the batch dimension:
   ``win_k`` / ``win_v``   ``[slots, Hkv, sink + window + block - 1, D]``: the exact tokens (sink + recent)
-  ``k_codes`` ... ``v_norms``  ``[slots, Hkv, capacity, ...]``: the packed history (capacity grows in chunks)
+  ``k_codes`` ... ``v_norms``  ``[pages, Hkv, PAGE_TOKENS, ...]``: the packed histories, in pages; each slot
+      holds the pages of its own length (``pages[slot]``, ``table()``), returned to the pool when it ends
   ``k_mean`` ... ``v_ref``  ``[slots, Hkv, 1(, D)]``: the per-slot statistics fixed at its first flush
-A decode pass then costs per layer one write of the new tokens, one attention call over the padded batch
-(each slot's valid columns marked in a mask shared by all layers) and, every ``block`` steps of a slot,
-one batched flush: not one ``TQLayer.update`` and one attention call per slot (measured on an H200 at
-batch 32: 91 decode tok/s through ~1000 small per-slot calls per step, against 505 with one batched cache).
+A decode pass then costs per layer one write of the new tokens, a few attention calls (one per bucket of
+decode tokens whose histories have about the same length: each reads its slots' pages, padded only to the
+bucket's longest, never to the longest slot's) and, every ``block`` steps of a slot, one batched flush: not
+one ``TQLayer.update`` and one attention call per slot (measured on an H200 at batch 32: 91 decode tok/s
+through ~1000 small per-slot calls per step, against 505 with one batched cache).
 
 Every slot goes through exactly what a batch-1 ``TQLayer`` fed one prompt then one token per step goes
 through (same flush points, same calibration tokens, same codes), so greedy outputs equal one-at-a-time
@@ -27,9 +29,24 @@ import torch
 from airquant.kv.cache import CompressedContext, layer_codecs
 from airquant.kv.codec import NORM_DTYPE, Encoded
 from airquant.kv.config import KVConfig
-from airquant.kv.store import CHUNK_TOKENS, History, statistics
+from airquant.kv.store import History, statistics
 
-__all__ = ["DecodePlan", "SlotArena", "decode_plan"]
+__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan"]
+
+
+# Tokens per history page: a multiple of the Triton kernel's splits (kv.triton_kernel.SPLIT_QUANTUM), and small
+# enough that a slot's unused tail (< one page per layer) stays small next to its history.
+PAGE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Decode tokens whose histories have about the same length (page counts in one power-of-two range):
+    attended together, each bucket padded only to its own longest history."""
+
+    rows: torch.Tensor  # indices into the pass's decode tokens
+    hist_len: int
+    keep: torch.Tensor  # [n, 1, 1, Wmax + hist_len]: columns [sink | history | recent] each token attends
 
 
 @dataclass(frozen=True)
@@ -37,15 +54,14 @@ class DecodePlan:
     """The decode tokens of one pass, as every layer's arena reads them (built once per pass).
 
     ``slots``/``offsets``/``write``: slot, offset in the packed row and window position of each decode
-    token; ``keep``: ``[slots, 1, 1, Wmax + Hmax]`` columns each slot's query attends (pre-flush layout
-    ``[sink | history | recent]``, rows of slots not decoding all False); ``flush``/``flush_at``: slots that
+    token; ``buckets``: the tokens grouped by history length (``Bucket``); ``flush``/``flush_at``: slots that
     move ``block`` tokens to their history after the attention, and where in the history they go;
     ``calibrate``: those of them flushing for the first time."""
 
     slots: torch.Tensor
     offsets: torch.Tensor
     write: torch.Tensor
-    keep: torch.Tensor
+    buckets: tuple[Bucket, ...]
     win_len: int  # Wmax
     hist_len: int  # Hmax
     flush: torch.Tensor | None
@@ -58,14 +74,7 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
     sched = kv.schedule
     hist = [sched.quantized_count(start) for _, start, _ in decode]
     win = [start + 1 - h for (_, start, _), h in zip(decode, hist)]  # the new token included
-    w_max, h_max = max(win), max(hist)
-    sink = min(kv.sink, w_max)
-    win_ok = torch.zeros(slots, w_max, dtype=torch.bool)
-    hist_ok = torch.zeros(slots, h_max, dtype=torch.bool)
-    for (slot, _, _), h, w in zip(decode, hist, win):
-        win_ok[slot, :w] = True
-        hist_ok[slot, :h] = True
-    keep = torch.cat([win_ok[:, :sink], hist_ok, win_ok[:, sink:]], dim=1)[:, None, None, :]
+    w_max = max(win)
     moving = [(slot, h) for (slot, start, _), h in zip(decode, hist) if sched.quantized_count(start + 1) > h]
 
     def tensor(values):
@@ -73,10 +82,31 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
 
     return DecodePlan(
         slots=tensor([d[0] for d in decode]), offsets=tensor([d[2] for d in decode]),
-        write=tensor([w - 1 for w in win]), keep=keep.to(device), win_len=w_max, hist_len=h_max,
-        flush=tensor([m[0] for m in moving]) if moving else None,
+        write=tensor([w - 1 for w in win]), buckets=_buckets(kv, hist, win, w_max, device), win_len=w_max,
+        hist_len=max(hist), flush=tensor([m[0] for m in moving]) if moving else None,
         flush_at=tensor([m[1] for m in moving]) if moving else None,
         calibrate=tensor([m[0] for m in moving if m[1] == 0]) if any(m[1] == 0 for m in moving) else None)
+
+
+def _buckets(kv: KVConfig, hist: list[int], win: list[int], w_max: int, device) -> tuple[Bucket, ...]:
+    """The decode tokens grouped by the power of two above their history's page count: every bucket reads
+    at most twice its histories' pages, a few calls per layer (log2 of the longest history's pages)."""
+    groups: dict[int, list[int]] = {}
+    for n, h in enumerate(hist):
+        pages = -(-h // PAGE_TOKENS)
+        groups.setdefault(1 << (pages - 1).bit_length() if pages else 0, []).append(n)
+    sink = min(kv.sink, w_max)
+    out = []
+    for _, rows in sorted(groups.items()):
+        h_max = max(hist[n] for n in rows)
+        keep = torch.zeros(len(rows), w_max + h_max, dtype=torch.bool)
+        for r, n in enumerate(rows):  # layout [sink | history | recent]
+            keep[r, :min(sink, win[n])] = True
+            keep[r, sink:sink + hist[n]] = True
+            keep[r, sink + h_max:sink + h_max + win[n] - sink] = True
+        out.append(Bucket(torch.tensor(rows, dtype=torch.long, device=device), h_max,
+                          keep[:, None, None, :].to(device)))
+    return tuple(out)
 
 
 class SlotArena:
@@ -92,7 +122,10 @@ class SlotArena:
             "win_k": zeros(slots, kv_heads, self.win_cap, head_dim, dtype=dtype, device=device),
             "win_v": zeros(slots, kv_heads, self.win_cap, head_dim, dtype=dtype, device=device),
         }
-        self.t.update(self._history(0))
+        self.t.update(self._pages(0))
+        self.pages: list[list[int]] = [[] for _ in range(slots)]  # each slot's history pages, in order
+        self._free: list[int] = []
+        self._table: torch.Tensor | None = None  # [slots, most pages] on the device; None: rebuild
         for name, center in (("k_mean", kv.center_k), ("v_mean", kv.center_v)):
             if center:
                 self.t[name] = zeros(slots, kv_heads, 1, head_dim, device=device)
@@ -100,28 +133,52 @@ class SlotArena:
             self.t["k_ref"] = zeros(slots, kv_heads, 1, device=device)
             self.t["v_ref"] = zeros(slots, kv_heads, 1, device=device)
 
-    def _history(self, capacity: int, device=None) -> dict[str, torch.Tensor]:
+    def _pages(self, count: int, device=None) -> dict[str, torch.Tensor]:
+        """``count`` history pages ``[pages, Hkv, PAGE_TOKENS, ...]`` (codes and norms of keys and values)."""
         device = device or self.device
         norm = NORM_DTYPE if self.kv.norm_bits == 16 else torch.uint8
-        shape = (self.slots, self.heads, capacity)
+        shape = (count, self.heads, PAGE_TOKENS)
         return {"k_codes": torch.zeros(*shape, self.k_codec.width, dtype=torch.uint8, device=device),
                 "k_norms": torch.zeros(shape, dtype=norm, device=device),
                 "v_codes": torch.zeros(*shape, self.v_codec.width, dtype=torch.uint8, device=device),
                 "v_norms": torch.zeros(shape, dtype=norm, device=device)}
 
     @property
-    def capacity(self) -> int:
-        return self.t["k_codes"].shape[2]
+    def pool_pages(self) -> int:
+        return self.t["k_codes"].shape[0]
 
-    def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` history tokens in every slot (grown in whole chunks: amortized O(1))."""
-        if tokens <= self.capacity:
+    def reserve(self, slot: int, tokens: int) -> None:
+        """Pages for ``tokens`` history tokens of ``slot`` (its own length: no slot is padded to another's)."""
+        missing = -(-tokens // PAGE_TOKENS) - len(self.pages[slot])
+        if missing <= 0:
             return
-        old, used = self.capacity, self.t["k_codes"].device
-        grown = self._history(-(-tokens // CHUNK_TOKENS) * CHUNK_TOKENS, used)
+        if len(self._free) < missing:
+            # Grown by an eighth at least: amortized O(1) copies, at most 1/8 of the pages unused.
+            self._grow(max(missing - len(self._free), -(-self.pool_pages // 8)))
+        self.pages[slot] += [self._free.pop() for _ in range(missing)]
+        self._table = None
+
+    def _grow(self, count: int) -> None:
+        old, used = self.pool_pages, self.t["k_codes"].device
+        grown = self._pages(old + count, used)
         for name, t in grown.items():
-            t[:, :, :old] = self.t[name]
+            t[:old] = self.t[name]
         self.t.update(grown)
+        self._free += range(old + count - 1, old - 1, -1)  # popped lowest first
+
+    def release(self, slot: int) -> None:
+        """A finished sequence's pages go back to the pool (the next sequence in the slot takes its own)."""
+        self._free += reversed(self.pages[slot])
+        self.pages[slot] = []
+        self._table = None
+
+    def table(self) -> torch.Tensor:
+        """``[slots, most pages]``: page of each slot's j-th ``PAGE_TOKENS`` history tokens (0 past its end)."""
+        if self._table is None:
+            width = max(1, max(len(p) for p in self.pages))
+            rows = [p + [0] * (width - len(p)) for p in self.pages]
+            self._table = torch.tensor(rows, dtype=torch.long).to(self.device)
+        return self._table
 
     def _stat(self, name: str, rows) -> torch.Tensor | None:
         t = self.t.get(name)
@@ -134,8 +191,9 @@ class SlotArena:
         target = self.kv.schedule.quantized_count(n)
         if target:
             self._calibrate(slice(slot, slot + 1), keys[:, :, sink:], values[:, :, sink:])
-            self._append(slice(slot, slot + 1), keys[:, :, sink: sink + target], values[:, :, sink: sink + target],
-                         at=None)
+            at = torch.zeros(1, dtype=torch.long, device=keys.device)
+            self._append(torch.tensor([slot], device=keys.device), keys[:, :, sink: sink + target],
+                         values[:, :, sink: sink + target], at=at)
         for name, x in (("win_k", keys), ("win_v", values)):
             kept = torch.cat([x[0, :, :sink], x[0, :, sink + target:]], dim=1)
             self.t[name][slot, :, : kept.shape[1]] = kept.to(self.t[name].dtype)
@@ -168,33 +226,44 @@ class SlotArena:
             if value is not None:
                 self.t[name][rows] = value
 
-    def _append(self, rows, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor | None) -> None:
-        """Encode ``[r, Hkv, n, D]`` with the slots' statistics; write at history positions ``at + i`` per
-        row (``at`` None: from 0, a prompt)."""
+    def _append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor) -> None:
+        """Encode ``[r, Hkv, n, D]`` with the slots' statistics; write at history positions ``at + i`` of
+        each row's slot (its pages, reserved before)."""
         n = keys.shape[2]
         k = self.k_codec.encode(keys, self._stat("k_mean", rows), self._stat("k_ref", rows))
         v = self.v_codec.encode(values, self._stat("v_mean", rows), self._stat("v_ref", rows))
-        if at is None:
-            for name, x in (("k_codes", k.codes), ("k_norms", k.norms), ("v_codes", v.codes), ("v_norms", v.norms)):
-                self.t[name][rows, :, :n] = x
-            return
         pos = at[:, None] + torch.arange(n, device=at.device)  # [r, n]
-        idx = rows[:, None]
+        page = self.table().to(pos.device)[rows[:, None], pos // PAGE_TOKENS]  # [r, n]
+        within = pos % PAGE_TOKENS
         for name, x in (("k_codes", k.codes), ("k_norms", k.norms), ("v_codes", v.codes), ("v_norms", v.norms)):
             # Advanced indices around a slice put their dims first: the target reads [r, n, Hkv(, W)].
-            self.t[name][idx, :, pos] = x.transpose(1, 2)
+            self.t[name][page, :, within] = x.transpose(1, 2)
 
     # -- reads ----------------------------------------------------------------------------------
-    def context(self, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
-        """Exact keys/values ``[slots, Hkv, Wmax, D]`` and the padded history of every slot (views)."""
-        t, h = self.t, plan.hist_len
-        hist = History(
-            k=Encoded(codes=t["k_codes"][:, :, :h], norms=t["k_norms"][:, :, :h]),
-            v=Encoded(codes=t["v_codes"][:, :, :h], norms=t["v_norms"][:, :, :h]),
-            k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=h)
+    def context(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
+        """Exact keys/values ``[n, Hkv, Wmax, D]`` of ``bucket``'s decode tokens and their histories, padded to
+        the bucket's longest (its slots' pages gathered: no slot is read past its bucket's length)."""
+        t, h, slots = self.t, bucket.hist_len, plan.slots[bucket.rows]
+        pages = self.table()[slots, : -(-h // PAGE_TOKENS)]  # [n, p]
+
+        def history(name: str) -> torch.Tensor:
+            x = t[name][pages].transpose(1, 2)  # [n, Hkv, p, PAGE(, W)]
+            return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])[:, :, :h]
+
+        def stat(name: str) -> torch.Tensor | None:
+            return None if name not in t else t[name][slots]
+
+        hist = History(k=Encoded(codes=history("k_codes"), norms=history("k_norms")),
+                       v=Encoded(codes=history("v_codes"), norms=history("v_norms")), k_mean=stat("k_mean"),
+                       v_mean=stat("v_mean"), k_ref=stat("k_ref"), v_ref=stat("v_ref"), length=h)
         ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
         ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
-        return t["win_k"][:, :, : plan.win_len], t["win_v"][:, :, : plan.win_len], ctx
+        return t["win_k"][slots, :, : plan.win_len], t["win_v"][slots, :, : plan.win_len], ctx
+
+    def history_of(self, slot: int, name: str, length: int, tensors: dict | None = None) -> torch.Tensor:
+        """``[Hkv, length(, W)]``: slot's first ``length`` history entries of ``name`` (tests, inspection)."""
+        pages = (tensors or self.t)[name][self.pages[slot]]  # [p, Hkv, PAGE(, W)]
+        return pages.transpose(0, 1).reshape(self.heads, -1, *pages.shape[3:])[:, :length]
 
     # -- KV offload -----------------------------------------------------------------------------
     def offload(self) -> None:
