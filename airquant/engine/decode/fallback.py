@@ -27,6 +27,7 @@ import torch
 
 from airquant.engine.decode.loop import Completion, Request
 from airquant.engine.decode.slots import attention_backends
+from airquant.engine.decode.text import Detokenizer
 from airquant.kv.layers import LayerStates
 
 
@@ -117,8 +118,7 @@ def _completion(tokenizer, new_ids: torch.Tensor, prompt_tokens: int, stop: tupl
     ids = new_ids.tolist()
     cut = next((k for k, t in enumerate(ids) if t in eos), len(ids))
     kept = ids[:cut]
-    text = tokenizer.decode(kept, skip_special_tokens=True)
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
-    return Completion(text=text[:min(hits)] if hits else text, prompt_tokens=prompt_tokens,
-                      new_tokens=len(kept) + (cut < len(ids)), token_ids=tuple(kept),
-                      finish_reason="stop" if cut < len(ids) or hits else "length")
+    detok = Detokenizer(tokenizer, stop)  # cuts the text at a stop string, as the decode loop's does
+    detok.push(kept)
+    return Completion(text=detok.text, prompt_tokens=prompt_tokens, new_tokens=len(kept) + (cut < len(ids)),
+                      token_ids=tuple(kept), finish_reason="stop" if cut < len(ids) else detok.finish_reason or "length")

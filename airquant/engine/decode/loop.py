@@ -324,8 +324,8 @@ class DecodeLoop:
             return Event(seq, [], self._finish(seq, "stop"), "stop")
         seq.out.append(token)
         text = seq.detok.push([token])
-        if seq.detok.stopped:
-            return Event(seq, [token], text + self._finish(seq, "stop"), "stop")
+        if seq.detok.finish_reason is not None:  # a stop string (the detokenizer owns them)
+            return Event(seq, [token], text + self._finish(seq, seq.detok.finish_reason), seq.detok.finish_reason)
         if len(seq.out) >= r.max_new_tokens:
             return Event(seq, [token], text + self._finish(seq, "length"), "length")
         return Event(seq, [token], text, None)
