@@ -40,7 +40,7 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
 
     from airquant.config import EngineConfig, GenerateConfig
     from airquant.engine.planner import RAM_FRACTION
-    from airquant.engine.runner import compute_dtype, placement_for, resolve_device
+    from airquant.engine.runner import engine_dtype, placement_for, resolve_device
     from airquant.engine.skeleton import load_config
     from airquant.jobs.batch import BatchJob, longest_first, read_prompts
     from airquant.store.manifest import open_store
@@ -51,7 +51,7 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
     context, _ = longest_first(AutoTokenizer.from_pretrained(store / "tokenizer"), store, read_prompts(prompts), job)
     manifest, dev = open_store(store), resolve_device(device)
     cfg = EngineConfig(device=device, batch_size=batch_size, context=context)
-    plan = placement_for(manifest, cfg, dev, load_config(store), compute_dtype(manifest, None, dev))
+    plan = placement_for(manifest, cfg, dev, load_config(store), engine_dtype(manifest, None, dev))
     parts = plan.host_parts(manifest.layer_bytes)
     per_engine = sum(parts.values())
     ram = psutil.virtual_memory()

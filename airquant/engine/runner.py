@@ -33,7 +33,7 @@ from airquant.units import GIB
 log = logging.getLogger(__name__)
 
 
-__all__ = ["Completion", "Engine", "compute_dtype", "hardware_for", "placement_for", "planned_reserve",
+__all__ = ["Completion", "Engine", "engine_dtype", "hardware_for", "placement_for", "planned_reserve",
            "resolve_device"]
 
 
@@ -47,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def compute_dtype(manifest: Manifest, requested: str | None, device: torch.device) -> torch.dtype:
+def engine_dtype(manifest: Manifest, requested: str | None, device: torch.device) -> torch.dtype:
     """The capability rule's dtype (engine/capability.py): fp16 below sm_80 for bf16 stores, fp32 on CPU for fp16."""
     from airquant.engine.capability import compute_dtype as rule
 
@@ -85,7 +85,7 @@ class Engine:
     def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig, placement: StreamPlan | None = None):
         self.store, self.manifest, self.cfg = store, manifest, cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = compute_dtype(manifest, cfg.dtype, self.device)
+        self.dtype = engine_dtype(manifest, cfg.dtype, self.device)
         # Detected before anything is loaded: the free VRAM is the budget when --max-vram is not given.
         hardware = hardware_for(cfg, self.device) if not cfg.resident else None
         self.config = skeleton.load_config(store)
@@ -261,7 +261,7 @@ class Engine:
 
     def _generate_fallback(self, requests: list[Request], kv) -> list[Completion]:
         start = time.perf_counter()
-        out = fallback.generate(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
+        out = fallback.generate_with_transformers(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
                                 make_cache=lambda: self._make_cache(kv), cache_arg=cache_kwarg(self.model),
                                 offload=self.streamer.kv if self.streamer is not None else None,
                                 check_context=self._check_context, on_error=self._on_error, scope=self.passes)

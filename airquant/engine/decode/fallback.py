@@ -65,7 +65,7 @@ def attention_by_name(model) -> bool:
     return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
-def generate(model, tokenizer, requests: list[Request], *, device: torch.device, eos_ids: list[int],
+def generate_with_transformers(model, tokenizer, requests: list[Request], *, device: torch.device, eos_ids: list[int],
              make_cache: Callable,
              cache_arg: str, offload=None, check_context: Callable[[int, int], None],
              on_error: Callable[[], None], scope: Callable = attention_backends) -> list[Completion]:

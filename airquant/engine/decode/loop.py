@@ -28,7 +28,7 @@ from airquant.engine.decode.slots import (
     SlotKV,
     attention_backends,
     caches_latents,
-    register,
+    register_ragged_attention,
 )
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
@@ -150,7 +150,7 @@ class DecodeLoop:
                  sync=lambda: None, on_error=lambda: None, scope=attention_backends):
         from airquant.kv import model_dims
 
-        register()
+        register_ragged_attention()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
         self.eos = set(eos_ids)
