@@ -1,50 +1,88 @@
-"""Frozen run settings that map one-to-one to CLI flags and notebook parameters."""
+"""Frozen run settings that map one-to-one to CLI flags and notebook parameters.
+
+Each ``EngineConfig`` field that has a flag declares it once, in its metadata (``setting``): the flag, its
+help, its unit and what an unset value means. ``cli/flags.py`` builds the argparse flags from it, so a
+default, a choice or a help text is written here and nowhere else (vLLM's ``engine/arg_utils.py`` does the
+same). Memory settings are GiB (``units.GIB``), as ``--max-vram 15`` plans for a card of 15 GiB.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-Device = Literal["cpu", "cuda", "auto"]
+Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["bfloat16", "float16", "float32"]
+# Tokens per sequence memory is planned for when neither --context nor the model says less.
+DEFAULT_CONTEXT = 2048
+
+
+def setting(default: Any, flag: str | None = None, help: str = "", *, unit: str | None = None,
+            unset: str | None = None, metavar: str | None = None, group: str = "engine",
+            negatable: bool = False, gpu_only: bool = False):
+    """A field and its CLI flag (None: no flag). ``unit``: the unit of a size (shown in the help and as the
+    metavar); ``unset``: what the default means when it is None or needs words; ``group``: the flag group
+    that adds it (``engine``: ``add_engine_flags``, ``route``: ``add_route_flags``); ``negatable``: a
+    ``--x/--no-x`` pair; ``gpu_only``: a flag that sizes GPU memory (a run on the CPU ignores it)."""
+    meta = dict(flag=flag, help=help, unit=unit, unset=unset, metavar=metavar or unit, group=group,
+                negatable=negatable, gpu_only=gpu_only)
+    return field(default=default, metadata={"cli": meta} if flag else {"cli": None, "help": help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --reserve
-    --batch-size --context --host-embedding --kv-offload --readahead --profile --verify --no-verify-reads
-    --experts --expert-cache --expert-policy --expert-prefetch``."""
+    """How a store is run. Fields in the order ``airquant <command> --help`` lists their flags; those
+    without a flag at the end (``batch_size`` is each command's ``--batch``, ``kv_cache`` its ``--kv``)."""
 
-    device: Device = "auto"
-    dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
-    resident: bool = False  # load every layer once and run the plain transformers model
-    max_vram_gb: float | None = None  # cap the GPU as a smaller card would (GiB)
-    # host RAM the engine may use (GiB): pinned layer copies, staging buffers, host embeddings, offloaded KV;
-    # None: half the available RAM (engine/planner.py: ram_tier)
-    max_ram_gb: float | None = None
-    resident_layers: int | None = None  # override the planned number of VRAM-resident layers
-    reserve_gb: float | None = None  # VRAM kept free for KV cache and activations; None: from batch/context
-    batch_size: int = 1  # sequences per batch the VRAM reserve is sized for (--batch-size)
-    context: int | None = None  # tokens per sequence the reserve is sized for; None: min(model's, 2048)
-    host_embedding: bool = False  # keep the embedding table in host RAM, move only the looked-up rows
+    device: Device = setting("auto", "--device", "compute device")
+    dtype: DType | None = setting(None, "--dtype", "compute dtype",
+                                  unset="the store's; fp16 stores compute in fp32 on CPU")
+    resident: bool = setting(False, "--resident", "load every layer once instead of streaming")
+    max_vram_gb: float | None = setting(None, "--max-vram", "cap GPU memory as a smaller card would", unit="GiB",
+                                        gpu_only=True)
+    max_ram_gb: float | None = setting(
+        None, "--max-ram", "host RAM the engine may use: pinned layer copies, read-ahead staging buffers, a "
+        "host-side embedding table, an offloaded KV cache", unit="GiB",
+        unset="half the available RAM")  # planner.RAM_FRACTION
+    resident_layers: int | None = setting(None, "--resident-layers", "keep the first N layers in VRAM",
+                                          metavar="N", unset="planned from --max-vram")
+    host_embedding: bool = setting(False, "--host-embedding",
+                                   "keep the embedding table in host RAM; only the looked-up rows go to the GPU")
+    reserve_gb: float | None = setting(None, "--reserve", "VRAM kept free for KV cache and activations",
+                                       unit="GiB", unset="sized from batch and context")
     # Streamed layers' KV cache in pinned host RAM, copied in with the layer's weights and back after it ran.
-    # None: when the batch's cache at the planned context does not fit in VRAM but fits that way.
-    kv_offload: bool | None = None
+    kv_offload: bool | None = setting(
+        None, "--kv-offload", "keep the streamed layers' KV cache in pinned host RAM, copied in with each layer's "
+        "weights", negatable=True, unset="only when the batch's cache does not fit in VRAM")
+    # Also into the RAM tier on first use; host staging buffers are readahead + 1 (one being copied).
+    readahead: int = setting(2, "--readahead", "layers read ahead from disk", metavar="N")
+    profile: bool = setting(False, "--profile", "time each layer's copy and compute (CUDA)")  # Engine.layer_profile()
+    verify: bool = setting(False, "--verify", "check every shard's sha256 before running")
+    # MoE stores streamed: move only routed experts (engine/experts.py); auto decides by
+    # expert_plan.choose_experts at batch_size.
+    experts: Literal["auto", "whole", "routed"] = setting(
+        "auto", "--experts", "MoE stores streamed: routed moves only the experts a batch routes to, whole moves "
+        "whole layers", unset="auto: routed while a decode step of the run's batch routes few of a layer's "
+        "experts, else whole; airquant plan says which and why")
+    expert_cache_gb: float | None = setting(None, "--expert-cache", "VRAM kept for recently/frequently used experts",
+                                            unit="GiB", unset="what the plan leaves free", gpu_only=True)
+    expert_policy: Literal["lru", "lfu"] = setting(
+        "lfu", "--expert-policy", "expert cache eviction: lru (least recently used) or lfu (least frequently "
+        "used, with decay)")
+    expert_prefetch: bool = setting(True, "--expert-prefetch",
+                                    "guess the next layer's experts with its router at batch <= 8 and copy them early",
+                                    negatable=True)
+    # Each shard's xxh3_128 is checked as it is read (store/integrity.py); off only for benchmarks.
+    verify_reads: bool = setting(True, "--no-verify-reads",
+                                 "benchmarks only: skip the checksum every shard read is checked against")
+    context: int | None = setting(None, "--context", "tokens per sequence (prompt + new) to plan memory for",
+                                  metavar="N", group="route", unset=f"min(model's, {DEFAULT_CONTEXT})")
+    batch_size: int = setting(1, help="sequences per batch the VRAM reserve is sized for (each command's --batch)")
     # The KV cache format the reserve is sized for: "none" (plain) or "tq" (TurboQuant K4/V2, ~4.7x fewer
     # bytes a token). A batch sized for the compressed cache and planned as plain asks for its 4.7x reserve.
-    kv_cache: Literal["none", "tq"] = "none"
-    slots: int = 2  # device buffers for streamed layers
-    readahead: int = 2  # layers read ahead from disk (and into the RAM tier on first use)
-    profile: bool = False  # record per-layer copy and compute times on CUDA (Engine.layer_profile())
-    verify: bool = False  # check every shard's sha256 when opening the store
-    # Check each shard's xxh3_128 as it is read (store/integrity.py); off only for benchmarks (--no-verify-reads).
-    verify_reads: bool = True
-    # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed when a decode step at
-    # batch_size routes few of a layer's experts (expert_plan.choose_experts), else whole layers.
-    experts: Literal["auto", "whole", "routed"] = "auto"
-    expert_cache_gb: float | None = None  # VRAM expert cache (GB); None: what the layer plan leaves free
-    expert_policy: Literal["lru", "lfu"] = "lfu"  # which cached expert to evict: least recently / frequently used
-    expert_prefetch: bool = True  # speculative prefetch of the next layer's experts at batch <= 8
+    kv_cache: Literal["none", "tq"] = setting("none", help="the KV cache format the reserve is sized for")
+    # The streamer double-buffers: one slot is copied into while the other computes.
+    slots: int = setting(2, help="device buffers for streamed layers")
 
 
 @dataclass(frozen=True)

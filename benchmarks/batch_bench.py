@@ -90,14 +90,16 @@ def workload(n: int, vocab: int, seed: int = 0, prompt_range=PROMPT_RANGE, mean_
 
 def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload: bool | None, limit: int):
     """Slots and KV cache the router allows under the cap (CPU: ``limit``)."""
-    from airquant.engine.router import Candidate, Hardware, Workload, route
+    from airquant.config import EngineConfig
+    from airquant.engine.router import Candidate, Hardware, route, workload_for
 
     if cap_gb is None:
         return limit, kv if kv != "auto" else "none", False
     hw = Hardware.detect("cuda", max_vram_gb=cap_gb * 1e9 / (1 << 30))
     schemes = ("none", "tq") if kv == "auto" else (kv,)
-    r = route([Candidate.open(store)], hw, Workload(batch_size=1, context=context, mode="streamed",
-                                                   kv_schemes=schemes, kv_offload=offload, host_embedding=True))
+    wl = workload_for(EngineConfig(), batch_size=1, context=context, mode="streamed", kv_schemes=schemes,
+                      kv_offload=offload, host_embedding=True)
+    r = route([Candidate.open(store)], hw, wl)
     return min(limit, r.max_batch), r.kv, r.kv_offload
 
 

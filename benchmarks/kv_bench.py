@@ -36,10 +36,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from airquant.config import GenerateConfig  # noqa: E402
+from airquant.config import EngineConfig, GenerateConfig  # noqa: E402
 from airquant.engine.router import (  # noqa: E402
     DTYPE_BYTES,
-    GIB,
     Candidate,
     Hardware,
     RouteError,
@@ -47,11 +46,13 @@ from airquant.engine.router import (  # noqa: E402
     _costs,
     route,
     tq_config,
+    workload_for,
 )
 from airquant.errors import DependencyError  # noqa: E402
 from airquant.eval.kvmem import prefill_bytes  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from airquant.units import GIB  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
     GB,
     Bench,
@@ -137,12 +138,12 @@ def part_batch(b: Bench, turboquant_per_token_8b: float | None) -> dict:
     synth(SynthSpec("llama3-70b", "nf4"), store, manifest_only=True, progress=False, tokenizer=tok)
     cand = Candidate.open(store)
     hw = Hardware.detect("cuda", max_vram_gb=a.cap_gb * GB / GIB)
-    wl = Workload(context=a.context, host_embedding=True)
+    wl = workload_for(EngineConfig(kv_offload=False), context=a.context, host_embedding=True)
     out = {}
     for scheme in ("none", "tq"):
         per_token = cand.dims.kv_bytes(scheme, a.context, DTYPE_BYTES["bfloat16"]) / a.context
         try:
-            r = route([cand], hw, replace(wl, kv_schemes=(scheme,)))
+            r = route([cand], hw, wl.updated(kv_schemes=(scheme,)))
             out[scheme] = {"max_batch": r.max_batch, "mode": r.mode, "lines": list(r.lines),
                            "kv_bytes_per_token": per_token}
         except RouteError as exc:

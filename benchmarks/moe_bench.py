@@ -54,10 +54,10 @@ sys.path.insert(0, str(REPO))
 from airquant.engine import expert_compute  # noqa: E402
 from airquant.engine import experts as experts_mod  # noqa: E402
 from airquant.engine.plan import PlanError  # noqa: E402
-from airquant.engine.planner import GIB  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from airquant.units import GIB  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
     GB,
     Bench,

@@ -127,7 +127,7 @@ def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group: int) -> torch.
 
 def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
     from airquant.quant.int2 import n_outlier_channels
-    from airquant.quant.kernels.int2_triton import _gluon_gemv, _int2_gemm_kernel, _int2_gemv_kernel, int2_matmul
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, _int2_gemm_kernel, _int2_gemv_kernel, int2_matmul_triton
 
     dtype = getattr(torch, args.dtype)
     n_out = n_outlier_channels(in_f, args.outliers)
@@ -153,7 +153,7 @@ def run_shape(out_f: int, in_f: int, args, copy_bw: float) -> list[dict]:
             call = lambda: gk.int2_gemv(x[0], t["codes"].view(torch.int32), t["scales"], t["zeros"],  # noqa: E731
                                         t["outlier_weight"], t["outlier_idx"], args.group, path=path)[None]
         else:
-            call = lambda: int2_matmul(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
+            call = lambda: int2_matmul_triton(x, t["codes"], t["scales"], t["zeros"], t["outlier_weight"],  # noqa: E731
                                        t["outlier_idx"], args.group, gemv=gemv)
         ref = reference(x, t, args.group).double()
         err = ((call().double() - ref).norm() / ref.norm()).item()

@@ -4,7 +4,7 @@ pinned host-to-GPU link per GPU while every GPU copies at once (``benchmarks/sca
 Host RAM is planned, not measured: each Ray engine actor opens its own ``Engine``, and each engine pins its
 own RAM tier (nothing is shared between actors), so N engines hold N times what one engine's plan holds in
 host RAM (``StreamPlan.host_parts``, the figure ``airquant plan`` prints). The plan is the engine's own
-(``runner.plan_for``) for the job's batch size and context, made on this machine without opening an engine.
+(``runner.placement_for``) for the job's batch size and context, made on this machine without opening an engine.
 
 The link: one thread per GPU, each with its own 1 GiB pinned host buffer and device buffer, all copying
 host-to-device at once after a barrier, repeated; the median per GPU beside the same copy on each GPU alone
@@ -24,9 +24,9 @@ import torch
 
 from airquant.eval.perf import copy_seconds as link_copy_seconds
 from airquant.eval.perf import link_buffers
+from airquant.units import GB
 
 log = logging.getLogger("scale_bench")
-GB = 1e9
 LINK_BYTES = 1 << 30
 LINK_REPEATS = 10
 BARRIER_TIMEOUT_S = 120.0  # a thread that fails breaks the barrier; the others must not wait forever
@@ -40,7 +40,7 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
 
     from airquant.config import EngineConfig, GenerateConfig
     from airquant.engine.planner import RAM_FRACTION
-    from airquant.engine.runner import compute_dtype, plan_for, resolve_device
+    from airquant.engine.runner import engine_dtype, placement_for, resolve_device
     from airquant.engine.skeleton import load_config
     from airquant.jobs.batch import BatchJob, longest_first, read_prompts
     from airquant.store.manifest import open_store
@@ -51,13 +51,13 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
     context, _ = longest_first(AutoTokenizer.from_pretrained(store / "tokenizer"), store, read_prompts(prompts), job)
     manifest, dev = open_store(store), resolve_device(device)
     cfg = EngineConfig(device=device, batch_size=batch_size, context=context)
-    plan = plan_for(manifest, cfg, dev, load_config(store), compute_dtype(manifest, None, dev))
+    plan = placement_for(manifest, cfg, dev, load_config(store), engine_dtype(manifest, None, dev))
     parts = plan.host_parts(manifest.layer_bytes)
     per_engine = sum(parts.values())
     ram = psutil.virtual_memory()
     total = engines * per_engine
     return {
-        "method": ("planned, not measured: runner.plan_for (the plan `airquant plan` prints) of one engine for "
+        "method": ("planned, not measured: runner.placement_for (the plan `airquant plan` prints) of one engine for "
                    f"this store at batch {batch_size}, context {context}, on this machine's budgets, summed over "
                    "StreamPlan.host_parts; times the engine count, against psutil's available RAM"),
         "shared": False,

@@ -46,11 +46,11 @@ sys.path.insert(0, str(REPO))
 
 from airquant.config import EngineConfig, GenerateConfig  # noqa: E402
 from airquant.engine.profile import profile_table, summarize  # noqa: E402
-from airquant.engine.runner import GIB, Engine  # noqa: E402
+from airquant.engine.runner import Engine  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
+from airquant.units import GB, GIB  # noqa: E402
 
 log = logging.getLogger("stream_bench")
-GB = 1e9
 TARGETS = {  # key: (threshold, "min" | "max")
     "bf16_bs1_link_fraction": (0.85, "min"),
     "airllm_over_airquant_bf16": (30.0, "min"),

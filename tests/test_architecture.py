@@ -232,3 +232,110 @@ def test_architecture_tables_scan():
     cells = [c.strip() for line in doc.splitlines() if line.startswith("|") for c in line.strip("|").split("|")]
     long = [c[:60] for c in cells if len(c) > 300]
     assert not long, f"table cells over 300 characters: {long}"
+
+
+# -- issue 39 items 4 and 5: one name per function, one definition per unit, one declaration per setting --------
+def _top_level_functions() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(_module_name(path))
+    return found
+
+
+def test_no_two_public_functions_share_a_name():
+    """``from x import plan_for`` must say which one: a public function's name is unique in the package
+    (underscore helpers are their module's business)."""
+    twice = {name: where for name, where in _top_level_functions().items() if len(where) > 1}
+    assert not twice, f"public functions defined in more than one module (rename one): {twice}"
+
+
+_UNIT_NAMES = {"GB", "GIB", "GIB_BYTES", "GB_BYTES"}
+
+
+def _constant_value(node: ast.AST):
+    """The value of an expression made only of numbers and arithmetic (``1 << 30``, ``1e9``), else None."""
+    if not all(isinstance(n, (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop))
+               for n in ast.walk(node)):
+        return None
+    try:
+        return eval(compile(ast.Expression(node), "<unit>", "eval"), {"__builtins__": {}})  # numbers only
+    except Exception:  # not a plain number (e.g. a string constant)
+        return None
+
+
+def test_byte_units_are_defined_once():
+    """GB (10^9, reports) and GiB (2^30, every memory setting) are named once, in ``airquant/units.py``: no
+    other module binds a unit's name (``GB = 1e9``, ``gb = 1e9``, ``GIB = 1 << 30``) or the number 10^9.
+    (A budget of 2^30 bytes, such as ``expert_compute.GROUPED_BYTES``, is a size, not a unit.)"""
+    units = PACKAGE / "units.py"
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None or path == units:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id.upper() for t in targets if isinstance(t, ast.Name)}
+            value = _constant_value(node.value)
+            if names & _UNIT_NAMES or (value == 10**9 and not isinstance(value, bool)):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, f"a byte unit defined outside airquant/units.py (import GB or GIB from it): {found}"
+    from airquant.units import GB, GIB
+
+    assert (GB, GIB) == (10**9, 2**30)
+
+
+def _engine_parser():
+    import argparse
+
+    from airquant.cli.flags import add_engine_flags, add_route_flags
+
+    parser = argparse.ArgumentParser()
+    add_route_flags(parser)
+    add_engine_flags(parser)
+    return parser
+
+
+def test_every_engine_flag_comes_from_engine_config():
+    """The parser's defaults are EngineConfig's, every field with a flag has it, and ``cli/flags.py`` spells
+    no engine flag out by hand (``add_argument("--max-vram", ...)``): each setting is declared once. (Other
+    commands' flags of the same name, ``shard --dtype`` or ``pipeline --profile``, are their own settings;
+    argparse refuses a second ``--dtype`` in a parser that has the engine's.)"""
+    from dataclasses import fields
+
+    from airquant.cli import build_parser
+    from airquant.cli.flags import engine_config
+    from airquant.config import EngineConfig
+
+    flagged = {f.metadata["cli"]["flag"]: f.name for f in fields(EngineConfig) if f.metadata["cli"]}
+    parser = _engine_parser()
+    options = {s for action in parser._actions for s in action.option_strings}
+    assert set(flagged) <= options, f"fields whose flag is missing: {set(flagged) - options}"
+    assert engine_config(parser.parse_args([])) == EngineConfig()
+    args = build_parser().parse_args(["plan", "store"])
+    assert engine_config(args) == EngineConfig()
+    by_hand = []
+    for path in [PACKAGE / "cli" / "flags.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value in flagged):
+                by_hand.append(f"{path.name}:{node.lineno} {node.args[0].value}")
+    assert not by_hand, f"engine flags added by hand (declare them in EngineConfig's metadata): {by_hand}"
+
+
+def test_flags_set_the_fields_they_name():
+    """Each flag, given, reaches its own field: ``--max-vram 6`` is ``max_vram_gb=6.0`` (GiB) and so on."""
+    from airquant.cli.flags import engine_config
+
+    argv = ["--device", "cpu", "--dtype", "float32", "--resident", "--max-vram", "6", "--max-ram", "7",
+            "--resident-layers", "3", "--host-embedding", "--reserve", "1.5", "--no-kv-offload", "--readahead", "4",
+            "--profile", "--verify", "--experts", "routed", "--expert-cache", "0.5", "--expert-policy", "lru",
+            "--no-expert-prefetch", "--no-verify-reads", "--context", "512"]
+    cfg = engine_config(_engine_parser().parse_args(argv))
+    assert (cfg.device, cfg.dtype, cfg.resident, cfg.max_vram_gb, cfg.max_ram_gb, cfg.resident_layers) == \
+        ("cpu", "float32", True, 6.0, 7.0, 3)
+    assert (cfg.host_embedding, cfg.reserve_gb, cfg.kv_offload, cfg.readahead, cfg.profile, cfg.verify) == \
+        (True, 1.5, False, 4, True, True)
+    assert (cfg.experts, cfg.expert_cache_gb, cfg.expert_policy, cfg.expert_prefetch, cfg.verify_reads,
+            cfg.context) == ("routed", 0.5, "lru", False, False, 512)

@@ -63,7 +63,7 @@ def test_stage_files_resolve_on_pypi(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
                            "-q", "--report", str(report), *files], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    found = {envs.normalize(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+    found = {envs.normalize_name(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
     wanted = {name for stage in envs.STAGES for name in envs.read_pins(envs.stage_file(stage, ROOT))}
     assert wanted <= found
 

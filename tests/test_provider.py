@@ -11,13 +11,19 @@ import torch
 
 from airquant import Provider
 from airquant.config import EngineConfig
-from airquant.engine.router import GIB, Hardware, StreamingNotAllowedError, Workload, plan_route
-from airquant.engine.runner import Engine, plan_for
+from airquant.engine.router import Hardware, StreamingNotAllowedError, plan_route, workload_for
+from airquant.engine.runner import Engine, placement_for
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.jobs.provider import ProviderClosedError, QueueFullError, RequestCancelledError
+from airquant.units import GIB
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi", "Tell me",
            "A B C D", "Water is"]
+
+
+def _wl(**fields):
+    """A Workload whose KV cache stays on the device unless a test asks otherwise."""
+    return workload_for(EngineConfig(kv_offload=False), **fields)
 
 
 def texts(engine, prompts, **kw) -> list[str]:
@@ -190,7 +196,7 @@ def six_layer_store(tmp_path_factory, real_tokenizer):
 
 def _streaming_only_ram_gb(store, max_batch):
     """A RAM budget that holds the streamed floor plus one layer, but not every layer."""
-    roomy = plan_route([store], Hardware(None, 64 * GIB), Workload(batch_size=max_batch, mode="resident"))
+    roomy = plan_route([store], Hardware(None, 64 * GIB), _wl(batch_size=max_batch, mode="resident"))
     c = roomy.candidate
     return (sum(c.fixed_bytes()) + roomy.reserve_bytes + 4.5 * max(c.layer_bytes)) / GIB
 
@@ -205,9 +211,11 @@ def test_streaming_is_kept_off_interactive_calls(six_layer_store):
             p.sync.generate("Hi")
         got = asyncio.run(p.generate_batch(PROMPTS[:3], max_new_tokens=4))
         assert got == texts(reference, PROMPTS[:3], max_new_tokens=4)
-        # the engine's own planner, given the route's settings, places layers as the router did
+        # the engine's own planner, given the route's settings and budgets, places layers as the router did
         cfg = p.route.engine_config(EngineConfig(device="cpu"))
-        assert plan_for(p.engine.manifest, cfg, torch.device("cpu")).tiers == p.route.plan.tiers
+        again = placement_for(p.engine.manifest, cfg, torch.device("cpu"), p.engine.config, p.engine.dtype,
+                              hardware=p.route.hardware)
+        assert again.tiers == p.route.plan.tiers
     with Provider(six_layer_store, device="cpu", max_batch=2, max_ram_gb=ram, allow_streaming=True) as p:
         assert p.interactive and p.sync.generate("Hi", max_new_tokens=4) == texts(reference, 
             ["Hi"], max_new_tokens=4)[0]

@@ -140,10 +140,10 @@ def test_a_store_that_declares_code_is_refused_at_open(tmp_path, tiny_store, con
         open_store(store)
     with pytest.raises(StoreError, match=str(path)):
         Engine.open(store, device="cpu")
-    from airquant.store.side_files import load_config, load_tokenizer
+    from airquant.store.side_files import load_tokenizer, read_config
 
     with pytest.raises(StoreError, match=str(path)):  # batch jobs, the server and the UI read the tokenizer alone
-        load_tokenizer(store / "tokenizer") if "tokenizer" in config_name else load_config(store)
+        load_tokenizer(store / "tokenizer") if "tokenizer" in config_name else read_config(store)
     assert not marker.exists()
 
 

@@ -15,9 +15,9 @@ import os
 import time
 from pathlib import Path
 
-from airquant.cli.run_cmds import add_plan_flags, plan_for, runs_line
+from airquant.cli.run_cmds import add_plan_flags, route_for_flags, runs_line
+from airquant.units import GB
 
-GB = 1e9
 READ_CHUNK = 16 << 20
 READ_SECONDS = 1.0  # the disk read test stops after this long (or at the end of the store's shards)
 
@@ -109,7 +109,7 @@ def store_lines(store: Path, args: argparse.Namespace, link_gbps: float | None =
     gbps, nbytes, cold = disk_read_speed(store)
     lines = [f"disk      : {gbps:.2f} GB/s reading {nbytes / GB:.2f} GB of {store}"
              + ("" if cold else " (page cache not dropped: may be RAM speed)")]
-    route, engine = plan_for([store], args)
+    route, engine = route_for_flags([store], args)
     runs = runs_line(route, args)
     return lines + ["plan      :"] + [f"  {line}" for line in route.describe(engine).splitlines()] + \
         ([f"  {runs}"] if runs else []) + [bound_line(route, link_gbps, gbps)]

@@ -12,65 +12,75 @@ Two ``--kv`` vocabularies, one meaning per word:
 from __future__ import annotations
 
 import argparse
+from dataclasses import Field, fields
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
+from airquant.config import EngineConfig, GenerateConfig
+
+_HINTS = get_type_hints(EngineConfig)
 KV_RUN_CHOICES = ("none", "tq", "turboquant")
 KV_ROUTE_CHOICES = ("auto", "none", "tq")
 
 
+def _engine_settings(group: str) -> list[Field]:
+    """``EngineConfig``'s fields with a flag in ``group`` (``config.setting``), in declaration order."""
+    return [f for f in fields(EngineConfig) if f.metadata["cli"] and f.metadata["cli"]["group"] == group]
+
+
+def _dest(f: Field) -> str:
+    """Where argparse keeps a field's value: the flag's name (``--max-vram`` -> ``max_vram``), or the field's
+    own for a ``--no-x`` flag."""
+    flag = f.metadata["cli"]["flag"]
+    return f.name if flag.startswith("--no-") else flag[2:].replace("-", "_")
+
+
+def _help(f: Field) -> str:
+    meta = f.metadata["cli"]
+    notes = [meta["unit"]] if meta["unit"] else []
+    if meta["unset"]:
+        notes.append(f"default: {meta['unset']}")
+    elif f.default not in (None, False, True):
+        notes.append(f"default: {f.default}")
+    return meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def add_setting_flag(g, f: Field) -> None:
+    """The flag of one ``EngineConfig`` field, from its metadata: type and choices from its annotation."""
+    meta, hint = f.metadata["cli"], _HINTS[f.name]
+    if get_origin(hint) in (Union, UnionType):  # X | None: the flag takes an X
+        hint = next(t for t in get_args(hint) if t is not type(None))
+    kw = dict(dest=_dest(f), default=f.default, help=_help(f))
+    if meta["negatable"]:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif hint is bool:
+        kw["action"] = "store_false" if f.default else "store_true"
+    elif get_origin(hint) is Literal:
+        kw["choices"] = list(get_args(hint))
+    else:
+        kw.update(type=hint, metavar=meta["metavar"])
+    g.add_argument(meta["flag"], **kw)
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of ``EngineConfig`` (see ``engine_config``)."""
+    """The flags of ``EngineConfig``, built from its fields (see ``engine_config``)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="compute device (default: auto)")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="compute dtype (default: the store's; fp16 stores compute in fp32 on CPU)")
-    g.add_argument("--resident", action="store_true", help="load every layer once instead of streaming")
-    g.add_argument("--max-vram", type=float, default=None, metavar="GB",
-                   help="cap GPU memory as a smaller card would (GiB)")
-    g.add_argument("--max-ram", type=float, default=None, metavar="GB",
-                   help="host RAM the engine may use (GiB): pinned layer copies, read-ahead staging buffers, "
-                        "a host-side embedding table, an offloaded KV cache (default: half the available RAM)")
-    g.add_argument("--resident-layers", type=int, default=None, metavar="N",
-                   help="keep the first N layers in VRAM (default: planned from --max-vram)")
-    g.add_argument("--host-embedding", action="store_true",
-                   help="keep the embedding table in host RAM; only the looked-up rows go to the GPU")
-    g.add_argument("--reserve", type=float, default=None, metavar="GB",
-                   help="VRAM kept free for KV cache and activations (GiB; default: sized from batch and context)")
-    g.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep the streamed layers' KV cache in pinned host RAM, copied in with each layer's weights "
-                        "(default: only when the batch's cache does not fit in VRAM)")
-    g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
-    g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
-    g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
-    g.add_argument("--experts", choices=["auto", "whole", "routed"], default="auto",
-                   help="MoE stores streamed: routed moves only the experts a batch routes to, whole moves whole "
-                        "layers (default auto: routed while a decode step of the run's batch routes few of a layer's "
-                        "experts, else whole; airquant plan says which and why)")
-    g.add_argument("--expert-cache", type=float, default=None, metavar="GB",
-                   help="VRAM kept for recently/frequently used experts (GB; default: what the plan leaves free)")
-    g.add_argument("--expert-policy", choices=["lru", "lfu"], default="lfu",
-                   help="expert cache eviction: least recently used, or least frequently used with decay (default)")
-    g.add_argument("--expert-prefetch", action=argparse.BooleanOptionalAction, default=True,
-                   help="guess the next layer's experts with its router at batch <= 8 and copy them early")
-    g.add_argument("--no-verify-reads", dest="verify_reads", action="store_false",
-                   help="benchmarks only: skip the checksum every shard read is checked against")
+    for f in _engine_settings("engine"):
+        add_setting_flag(g, f)
 
 
-def engine_config(args):
-    """The ``EngineConfig`` of ``add_engine_flags`` (plus ``--batch``/``--context`` where the command has them)."""
-    from airquant.config import EngineConfig
-
-    return EngineConfig(device=args.device, dtype=args.dtype, resident=args.resident, max_vram_gb=args.max_vram,
-                        max_ram_gb=args.max_ram, resident_layers=args.resident_layers, verify=args.verify,
-                        reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
-                        profile=args.profile, kv_offload=args.kv_offload, verify_reads=args.verify_reads,
-                        experts=args.experts, expert_cache_gb=args.expert_cache, expert_policy=args.expert_policy,
-                        expert_prefetch=args.expert_prefetch,
-                        batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None),
+def engine_config(args) -> EngineConfig:
+    """The ``EngineConfig`` of the parsed flags: every field whose flag the command has, plus ``--batch``
+    and a run's ``--kv`` (the cache the reserve is sized for)."""
+    given = {f.name: getattr(args, _dest(f)) for f in fields(EngineConfig)
+             if f.metadata["cli"] and hasattr(args, _dest(f))}
+    return EngineConfig(**given, batch_size=getattr(args, "batch", None) or 1,
                         kv_cache="tq" if getattr(args, "kv", None) == "tq" else "none")
 
 
 # Engine flags that size GPU memory: without a GPU a run has nothing they could apply to.
-GPU_ONLY_FLAGS = (("max_vram", "--max-vram"), ("expert_cache", "--expert-cache"))
+GPU_ONLY_FLAGS = tuple((_dest(f), f.metadata["cli"]["flag"]) for f in _engine_settings("engine")
+                       if f.metadata["cli"]["gpu_only"])
 
 
 def gpu_only_note(args, *, planning: bool = False) -> str | None:
@@ -104,8 +114,6 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def generate_config(args):
-    from airquant.config import GenerateConfig
-
     return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed, chat=args.chat, ignore_eos=getattr(args, "ignore_eos", False))
 
@@ -149,8 +157,8 @@ def kv_from_args(args):
 def add_route_flags(p: argparse.ArgumentParser) -> None:
     """What the router plans for: ``--context`` and the caches it may choose (see ``route_kv_schemes``)."""
     g = p.add_argument_group("routing")
-    g.add_argument("--context", type=int, default=None, metavar="N",
-                   help="tokens per sequence (prompt + new) to plan memory for (default: min(model's, 2048))")
+    for f in _engine_settings("route"):
+        add_setting_flag(g, f)
     g.add_argument("--kv", choices=KV_ROUTE_CHOICES, default="auto",
                    help="KV cache: plain, TurboQuant K4/V2, or auto (plain if it fits; default). The router "
                         "sizes only AirQuant's tq, so the PyPI 'turboquant' of generate/batch/eval is not offered")

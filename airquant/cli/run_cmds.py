@@ -28,7 +28,7 @@ from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, D
 
 
 # -- plan --------------------------------------------------------------------------------------
-def plan_for(stores, args):
+def route_for_flags(stores, args):
     """The route and engine config ``airquant plan`` prints for these flags (``airquant doctor`` prints the same)."""
     from airquant.engine.router import Hardware, plan_route, workload_for
 
@@ -52,7 +52,7 @@ def runs_line(route, args) -> str | None:
 def cmd_plan(args) -> int:
     from airquant.engine.capability import compute_line
 
-    route, engine = plan_for(args.stores, args)
+    route, engine = route_for_flags(args.stores, args)
     print(route.describe(engine))
     if line := runs_line(route, args):
         print(line)

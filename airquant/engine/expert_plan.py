@@ -19,6 +19,7 @@ import torch
 from airquant.engine import expert_compute
 from airquant.errors import AirQuantError
 from airquant.store.manifest import Manifest, ShardEntry
+from airquant.units import GB
 
 log = logging.getLogger(__name__)
 ExpertsMode = Literal["auto", "whole", "routed"]
@@ -71,11 +72,10 @@ class ExpertPlan:
         return self.pool_bytes + self.gather_bytes + self.decode_bytes + self.compute_bytes
 
     def describe(self) -> str:
-        gb = 1e9
         return (f"experts   : routed; pool {self.slots} slots x {self.slot_bytes / 1e6:.1f} MB = "
-                f"{self.pool_bytes / gb:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
-                f"gather {self.gather_bytes / gb:.2f} GB, stacked decode {self.decode_bytes / gb:.2f} GB, "
-                f"expert compute {self.compute_bytes / gb:.2f} GB ({self.call_tokens} tokens a call), "
+                f"{self.pool_bytes / GB:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
+                f"gather {self.gather_bytes / GB:.2f} GB, stacked decode {self.decode_bytes / GB:.2f} GB, "
+                f"expert compute {self.compute_bytes / GB:.2f} GB ({self.call_tokens} tokens a call), "
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
@@ -190,11 +190,11 @@ def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
     return batch
 
 
-def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float | None = None,
+def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: int | None = None,
                  policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
                  tokens: int | None = None) -> ExpertPlan:
     """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
-    routes them, plus one speculated batch), and ``cache`` slots from ``cache_gb`` or, when None, from
+    routes them, plus one speculated batch), and ``cache`` slots from ``cache_bytes`` or, when None, from
     the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
     terms are for a ``width``-byte compute dtype on a ``device`` (``expert_compute.DECODE_TEMP_PER_ELEM``), and
     calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get)."""
@@ -215,8 +215,8 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_gb: float
     compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
     tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
     total = sum(e.experts["num"] for e in moe)
-    if cache_gb is not None:
-        cache = int(cache_gb * 1e9) // slot
+    if cache_bytes is not None:
+        cache = cache_bytes // slot
     elif spare_bytes is None:
         cache = 0
     else:

@@ -13,9 +13,9 @@ from typing import Literal
 from airquant.errors import AirQuantError
 from airquant.kv.layers import LayerStates
 from airquant.quant.schemes import workspace_elems
+from airquant.units import GB
 
 Tier = Literal["vram", "ram", "disk"]
-GB = 1e9
 FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}  # manifest dtype names
 # cuBLAS workspaces, allocator rounding and the sampling temporaries of generate().
 WORKSPACE_BYTES = 256 << 20

@@ -1,7 +1,7 @@
 """The one planner: a store's manifest, the hardware budgets and the workload in, the placement out.
 
 ``airquant plan`` (``router.route``, which also picks the store, mode and KV scheme) and ``Engine.open``
-(``runner.plan_for``) both place a streamed run through ``plan``: one budget rule (``Hardware.detect``,
+(``runner.placement_for``) both place a streamed run through ``plan``: one budget rule (``Hardware.detect``,
 ``allocator_margin``), one ``ModelDims``, one reserve, one RAM-tier rule, one set of constants (``SLOTS``,
 ``READAHEAD``) and one expert-pool sizing. So on the same machine with the same flags they agree.
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Literal
 
+from airquant.config import DEFAULT_CONTEXT, EngineConfig
 from airquant.engine import expert_plan
 from airquant.engine.plan import (
-    GB,
     WORKSPACE_BYTES,
     Budgets,
     PlanError,
@@ -35,15 +35,14 @@ from airquant.engine.plan import (
 from airquant.kv.layers import LayerStates
 from airquant.layout import upper_bound_config
 from airquant.store.manifest import Manifest
+from airquant.units import GB, GIB
 
 log = logging.getLogger(__name__)
-GIB = 1 << 30
 Mode = Literal["auto", "resident", "streamed"]
 KVScheme = Literal["none", "tq"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SLOTS = 2  # device buffers for streamed layers (LayerStreamer double-buffers); EngineConfig.slots
-READAHEAD = 2  # layers read ahead from disk; EngineConfig.readahead. Staging buffers: READAHEAD + 1
-DEFAULT_CONTEXT = 2048
+SLOTS = EngineConfig.slots  # device buffers for streamed layers (declared in airquant/config.py)
+READAHEAD = EngineConfig.readahead  # layers read ahead from disk. Staging buffers: READAHEAD + 1
 RAM_FRACTION = 0.5  # of the available host RAM when --max-ram is not given: the tiers are pinned, and
 # pinning most of the machine's memory starves the page cache the disk tier reads through.
 # The CUDA caching allocator rounds blocks up (512 B, 2 MiB segments for large ones) and fragments between
@@ -184,38 +183,43 @@ def _text_config(cfg: dict):
 # -- the workload ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Workload:
-    batch_size: int = 1
-    context: int | None = None  # prompt + new tokens per sequence; None: min(model context, 2048)
+    """What is placed: the run's settings as given (an ``EngineConfig``: batch, context, dtype, reserve,
+    KV offload, expert settings, ...) and what only the router chooses among."""
+
+    engine: EngineConfig = EngineConfig()
     mode: Mode = "auto"  # the router's choice of resident/streamed (the planner places streamed runs)
     allow_streaming: bool = True  # "auto" only: may the choice be a streamed engine?
     kv_schemes: tuple[KVScheme, ...] = ("none", "tq")
-    resident_layers: int | None = None  # override of the planned VRAM-resident count (streamed)
-    dtype: str | None = None  # compute dtype; None: the store's (fp16 computes in fp32 on CPU)
-    host_embedding: bool = False  # the untied embedding table stays in host RAM (--host-embedding)
-    kv_offload: bool | None = False  # streamed KV cache in host RAM; None: when no cache fits in VRAM
-    reserve_bytes: int | None = None  # --reserve as given (its KV part unknown: nothing offloaded by size)
-    slots: int = SLOTS
-    readahead: int = READAHEAD
-    experts: expert_plan.ExpertsMode = "auto"
-    expert_cache_gb: float | None = None
-    expert_policy: expert_plan.Policy = "lfu"
-    expert_prefetch: bool = True
+
+    @property
+    def reserve_bytes(self) -> int | None:
+        """--reserve as given (its KV part unknown: nothing offloaded by size); None: sized by the planner."""
+        return None if self.engine.reserve_gb is None else int(self.engine.reserve_gb * GIB)
+
+    @property
+    def expert_cache_bytes(self) -> int | None:
+        """--expert-cache as given; None: the cache takes what the layer plan leaves free."""
+        return None if self.engine.expert_cache_gb is None else int(self.engine.expert_cache_gb * GIB)
 
     @property
     def staging(self) -> int:
         """Host staging buffers when layers come from disk (read-ahead, +1 being copied)."""
-        return max(1, self.readahead) + 1
+        return max(1, self.engine.readahead) + 1
+
+    def updated(self, **changes) -> "Workload":
+        """A copy with ``changes``, each a field of the Workload or of its EngineConfig."""
+        return workload_for(self.engine, **{**{k: getattr(self, k) for k in _OWN}, **changes})
 
 
-def workload_for(engine, **fields) -> Workload:
-    """The Workload of an EngineConfig (its flags), ``fields`` overriding (batch, context, mode, ...)."""
-    base = dict(batch_size=engine.batch_size, context=engine.context, resident_layers=engine.resident_layers,
-                dtype=engine.dtype, host_embedding=engine.host_embedding, kv_offload=engine.kv_offload,
-                reserve_bytes=None if engine.reserve_gb is None else int(engine.reserve_gb * GIB),
-                slots=engine.slots, readahead=engine.readahead, experts=engine.experts,
-                expert_cache_gb=engine.expert_cache_gb, expert_policy=engine.expert_policy,
-                expert_prefetch=engine.expert_prefetch)
-    return Workload(**{**base, **fields})
+_OWN = ("mode", "allow_streaming", "kv_schemes")
+
+
+def workload_for(engine: EngineConfig | None = None, **changes) -> Workload:
+    """The Workload of an EngineConfig (its flags), ``changes`` overriding its fields (batch_size, context,
+    kv_offload, ...) or setting the router's own (mode, allow_streaming, kv_schemes)."""
+    engine = engine or EngineConfig()
+    own = {k: v for k, v in changes.items() if k in _OWN}
+    return Workload(engine=replace(engine, **{k: v for k, v in changes.items() if k not in own}), **own)
 
 
 def compute_bytes(store_dtype: str, requested: str | None, gpu: bool) -> int:
@@ -234,8 +238,8 @@ def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVS
     if wl.reserve_bytes is not None or dims is None:
         given = wl.reserve_bytes if wl.reserve_bytes is not None else (GIB if gpu else 0)
         return Reserve(kv=0, activations=0, dequant=0, logits=0, workspace=given)
-    batch = wl.batch_size if batch is None else batch
-    context = dims.context(wl.context)
+    batch = wl.engine.batch_size if batch is None else batch
+    context = dims.context(wl.engine.context)
     config = dims.as_config()
     sized = reserve_for(config, batch=batch, context=context, dtype_bytes=dtype_bytes,
                         dequant_elems=dequant_elems(manifest.shards, config), states=dims.states)
@@ -245,7 +249,7 @@ def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVS
 
 def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
     """What each layer carries through a device slot when streamed: routed MoE layers their dense part."""
-    routed = expert_plan.use_routed(wl.experts, manifest, True, wl.batch_size)
+    routed = expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size)
     entries = [manifest.shards[f"layer.{i}"] for i in range(manifest.num_layers)]
     return [expert_plan.dense_bytes(e) if routed and e.experts else e.bytes for e in entries]
 
@@ -277,14 +281,15 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     to the planner (--expert-cache unset) takes what the layers leave. Raises PlanError when the budgets
     cannot hold the minimum."""
     gpu = hw.vram_bytes is not None
-    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, wl.host_embedding, dtype_bytes)
+    fixed, host_fixed = fixed_bytes(manifest.shards, manifest.tied_lm_head, wl.engine.host_embedding, dtype_bytes)
     reserve = reserve_of(manifest, dims, wl, kv, dtype_bytes, gpu)
     # On CPU an offload is only ever asked for (--kv-offload: the mechanism emulated, for tests); the cache
     # already lives in host RAM, counted in the reserve.
-    offload = wl.kv_offload if gpu else wl.kv_offload is True
+    offload = wl.engine.kv_offload if gpu else wl.engine.kv_offload is True
     tier = ram_tier(hw, wl, manifest.layer_bytes, fixed, host_fixed, reserve.total,
                     reserve.kv if gpu and offload else 0, _expert_staging(manifest, wl, gpu))
-    budgets = Budgets(vram_bytes=hw.plan_vram, ram_bytes=tier, resident_layers=wl.resident_layers, slots=wl.slots,
+    budgets = Budgets(vram_bytes=hw.plan_vram, ram_bytes=tier, resident_layers=wl.engine.resident_layers,
+                      slots=wl.engine.slots,
                       reserve_bytes=reserve.total, kv_bytes=reserve.kv, kv_offload=offload,
                       attention_layers=dims.states.attention_layers if dims is not None else None)
     streamed = stream_bytes(manifest, wl)
@@ -297,8 +302,8 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
         pool = replace(placed.experts, staging=expert_plan.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
         placed = replace(placed, experts=pool)
-    if gpu and wl.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
-        raise PlanError(f"--resident-layers {wl.resident_layers} does not fit: the plan takes "
+    if gpu and wl.engine.resident_layers is not None and placed.experts_fit and placed.device_bytes > hw.plan_vram:
+        raise PlanError(f"--resident-layers {wl.engine.resident_layers} does not fit: the plan takes "
                         f"{placed.device_bytes / GB:.2f} GB of the {hw.plan_vram / GB:.2f} GB it may fill; "
                         "lower --resident-layers or leave it to the planner.")
     return placed
@@ -309,7 +314,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     choice (``expert_plan.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
     layers = manifest.layer_bytes
     whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
-    choice = expert_plan.choose_experts(wl.experts, manifest, True, wl.batch_size)
+    choice = expert_plan.choose_experts(wl.engine.experts, manifest, True, wl.engine.batch_size)
     routed = expert_plan.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
     if routed and choice.why:
         whole.reasons.append(choice.why)
@@ -324,7 +329,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
                              stream_bytes=streamed)
     except PlanError:  # not even the arena fits beside the floor: say so (the engine refuses to open)
         return replace(whole, experts=sizing, experts_fit=False, expert_bytes=arena)
-    if wl.expert_cache_gb is None:  # the cache takes what the resident layers leave
+    if wl.expert_cache_bytes is None:  # the cache takes what the resident layers leave
         left = budgets.vram_bytes - placed.device_bytes
         sizing = _size_pool(manifest, wl, left)
         arena = sizing.arena_bytes
@@ -337,12 +342,14 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
 def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
     working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
-    if not gpu or not expert_plan.use_routed(wl.experts, manifest, True, wl.batch_size):
+    if not gpu or not expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size):
         return 0
     sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes
 
 
 def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> expert_plan.ExpertPlan:
-    return expert_plan.plan_experts(manifest, spare, cache_gb=wl.expert_cache_gb, policy=wl.expert_policy,
-                                speculate=wl.expert_prefetch, tokens=wl.batch_size * (wl.context or 2048))
+    run = wl.engine
+    return expert_plan.plan_experts(manifest, spare, cache_bytes=wl.expert_cache_bytes, policy=run.expert_policy,
+                                    speculate=run.expert_prefetch,
+                                    tokens=run.batch_size * (run.context or DEFAULT_CONTEXT))

@@ -27,13 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
+from airquant.config import EngineConfig
 from airquant.engine.expert_plan import first_whole_batch
-from airquant.engine.plan import GB, MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
+from airquant.engine.plan import MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
 from airquant.engine.planner import (
-    DEFAULT_CONTEXT,
     DTYPE_BYTES,
-    GIB,
-    SLOTS,
     TQ_SETTINGS,
     Hardware,
     KVScheme,
@@ -49,10 +47,11 @@ from airquant.engine.planner import (
 )
 from airquant.errors import AirQuantError, StoreError
 from airquant.store.manifest import Manifest, load_manifest
+from airquant.units import GB
 
 log = logging.getLogger(__name__)
 # Re-exported: the budgets, the model's dimensions and the workload are the planner's (engine/planner.py).
-__all__ = ["DEFAULT_CONTEXT", "DTYPE_BYTES", "GIB", "SLOTS", "TQ_SETTINGS", "Candidate", "Hardware", "KVScheme",
+__all__ = ["DTYPE_BYTES", "TQ_SETTINGS", "Candidate", "Hardware", "KVScheme",
            "Mode", "ModelDims", "Route", "RouteError", "StreamingNotAllowedError", "Workload", "load_candidates",
            "plan_route", "route", "tq_config", "workload_for"]
 
@@ -128,10 +127,10 @@ class _Costs:
     weights: int  # every decoder layer
     slot: int  # what the largest streamed layer carries through a device slot (or host staging buffer)
     one: Reserve  # what one sequence needs beside the weights (planner.reserve_of); offloaded: its device KV
+    buffers: int  # device slots (GPU) or staging buffers (CPU) a streamed run holds
+    fixed_reserve: bool  # --reserve as given: it does not grow with the batch
     kv_host: int = 0  # an offloaded cache: one sequence's KV in host RAM (every layer)
     mlp_cap: int = 0  # MLP intermediates of a full chunk (plan.MLP_CHUNK_TOKENS tokens)
-    buffers: int = SLOTS  # device slots (GPU) or staging buffers (CPU) a streamed run holds
-    fixed_reserve: bool = False  # --reserve as given: it does not grow with the batch
 
     def reserve(self, batch: int) -> Reserve:
         # reserve_for is linear in the batch for KV, activations and logits; the MLP chunk grows with the
@@ -188,23 +187,23 @@ def _compute_bytes(c: Candidate, hw: Hardware, dtype: str | None) -> int:
 
 
 def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int, offload: bool = False) -> _Costs:
-    width = _compute_bytes(c, hw, wl.dtype)
+    width = _compute_bytes(c, hw, wl.engine.dtype)
     gpu = hw.vram_bytes is not None
-    wl = replace(wl, context=context)
+    wl = wl.updated(context=context)
     one = reserve_of(c.manifest, c.dims, wl, kv, width, gpu, batch=1)
     kv_bytes = c.dims.kv_bytes(kv, context, width)
     # Offloaded, the device keeps the cache of the layers in flight: one per slot, and the running one's
     # grown copy (plan.plan_layers adds each VRAM-resident layer's share). Only attention layers have one.
     attention = max(len(c.dims.states.attention_layers), 1)
     if offload and wl.reserve_bytes is None:
-        one = replace(one, kv=(wl.slots + 1) * kv_bytes // attention)
-    device, host = c.fixed_bytes(wl.host_embedding, width)
+        one = replace(one, kv=(wl.engine.slots + 1) * kv_bytes // attention)
+    device, host = c.fixed_bytes(wl.engine.host_embedding, width)
     return _Costs(gpu=gpu, fixed=device if gpu else device + host, host_fixed=host if gpu else 0,
                   weights=sum(c.layer_bytes), slot=max(stream_bytes(c.manifest, wl) if gpu else c.layer_bytes,
                                                        default=0),
                   one=one, kv_host=kv_bytes if offload else 0,
                   mlp_cap=mlp_chunk_bytes(c.dims.as_config(), MLP_CHUNK_TOKENS, width),
-                  buffers=wl.slots if gpu else wl.staging,
+                  buffers=wl.engine.slots if gpu else wl.staging,
                   fixed_reserve=wl.reserve_bytes is not None)
 
 
@@ -224,7 +223,8 @@ class Route:
     lines: tuple[str, ...]  # the arithmetic, in the order it was tried
     kv_offload: bool = False  # the streamed layers' cache lives in pinned host RAM
     dtype_bytes: int = 2  # the compute dtype's width the arithmetic used
-    workload: Workload | None = None  # what planner.plan placed a streamed route with (describe re-plans)
+    # What the route was tried with; a streamed route's is what planner.plan placed it with (describe re-plans).
+    workload: Workload = Workload()
 
     @property
     def store(self) -> Path:
@@ -242,21 +242,17 @@ class Route:
         """The ``kv=`` argument for ``Engine.generate`` (None: the plain cache)."""
         return tq_config() if self.kv == "tq" else None
 
-    def engine_config(self, base=None):
-        """``base`` (an EngineConfig) with this route's mode, workload and host-RAM budget: opened with it
-        (or with ``plan=route.plan``), the engine places layers through the same ``planner.plan``."""
-        from airquant.config import EngineConfig
-
-        # The reserve is passed as computed unless the cache is offloaded: an offloaded cache is sized by
-        # the engine itself (a given reserve has no KV part to offload).
-        base = replace(base or EngineConfig(), batch_size=self.batch_size, context=self.context,
-                       reserve_gb=None if self.kv_offload else self.reserve_bytes / GIB, kv_offload=self.kv_offload,
-                       kv_cache=self.kv)
+    def engine_config(self, base: EngineConfig | None = None) -> EngineConfig:
+        """``base`` (default: the settings the route was planned with) with what the route chose: mode,
+        batch, context, KV cache and offload, resident layers. Budgets stay as the user gave them (GiB):
+        open the engine with ``placement=route.plan`` to run this placement, or plan with
+        ``hardware=route.hardware`` to place it again with the budgets the route detected."""
+        base = replace(base or self.workload.engine, batch_size=self.batch_size, context=self.context,
+                       kv_offload=self.kv_offload, kv_cache=self.kv)
         if self.mode == "resident":
             return replace(base, resident=True)
         gpu = self.hardware.vram_bytes is not None
-        return replace(base, resident=False, resident_layers=self.resident_layers if gpu else None,
-                       max_ram_gb=self.hardware.ram_bytes / GIB)
+        return replace(base, resident=False, resident_layers=self.resident_layers if gpu else None)
 
     def describe(self, engine=None) -> str:
         """What ``airquant plan`` prints; ``engine`` (an EngineConfig) gives other expert settings to size a
@@ -275,7 +271,7 @@ class Route:
             f"choice    : {self.scheme} from {self.store}: {self.mode}, KV cache "
             f"{'TurboQuant K4/V2' if self.kv == 'tq' else 'plain'}"
             + (", offloaded to pinned host RAM (moved with each layer)" if self.kv_offload else ""),
-            self._plan_for(engine).describe(c.layer_bytes),
+            self._replanned(engine).describe(c.layer_bytes),
             f"max batch : {self.max_batch} sequences of {self.context} tokens with this choice"
             + (" (larger batches keep fewer layers in VRAM)" if self.mode == "streamed" and self.resident_layers
                else ""),
@@ -283,12 +279,12 @@ class Route:
         return "\n".join(head + [f"  {line}" for line in self.lines] + tail)
 
 
-    def _plan_for(self, engine) -> StreamPlan:
+    def _replanned(self, engine: EngineConfig | None) -> StreamPlan:
         """The plan, re-placed by the planner when ``engine``'s expert settings differ from the route's."""
-        if engine is None or self.workload is None:
+        if engine is None or self.mode != "streamed":
             return self.plan
-        wl = replace(self.workload, experts=engine.experts, expert_cache_gb=engine.expert_cache_gb,
-                     expert_policy=engine.expert_policy, expert_prefetch=engine.expert_prefetch)
+        wl = self.workload.updated(experts=engine.experts, expert_cache_gb=engine.expert_cache_gb,
+                                   expert_policy=engine.expert_policy, expert_prefetch=engine.expert_prefetch)
         if wl == self.workload:
             return self.plan
         try:
@@ -359,32 +355,32 @@ def _kv_options(mode: str, hw: Hardware, wl: Workload) -> list[tuple[KVScheme, b
     """(KV scheme, offloaded) in the order tried: every scheme in VRAM first, then offloaded (streamed, GPU)."""
     can = mode == "streamed" and hw.vram_bytes is not None
     offloads = {False: (False,), True: (True,) if can else (False,), None: (False, True) if can else (False,)}
-    return [(kv, offload) for offload in offloads[wl.kv_offload] for kv in wl.kv_schemes]
+    return [(kv, offload) for offload in offloads[wl.engine.kv_offload] for kv in wl.kv_schemes]
 
 
 def _context(dims: ModelDims, wl: Workload) -> int:
-    context = wl.context or min(dims.max_context, DEFAULT_CONTEXT)
+    context = dims.context(wl.engine.context)
     if context > dims.max_context:
         raise RouteError(f"context {context} exceeds the model's {dims.max_context} tokens; lower --context.")
-    if wl.batch_size < 1 or context < 1:
-        raise RouteError(f"batch {wl.batch_size} and context {context} must both be >= 1.")
+    if wl.engine.batch_size < 1 or context < 1:
+        raise RouteError(f"batch {wl.engine.batch_size} and context {context} must both be >= 1.")
     return context
 
 
 def _fixes(candidates: Sequence[Candidate], hw: Hardware, wl: Workload, context: int) -> str:
     fixes = []
     budget = hw.vram_bytes if hw.vram_bytes is not None else hw.ram_bytes
-    fixed = min(c.fixed_bytes(wl.host_embedding)[0] for c in candidates)
+    fixed = min(c.fixed_bytes(wl.engine.host_embedding)[0] for c in candidates)
     if fixed > budget / 2:
         fixes.append(f"embeddings/norm/lm_head alone take {fixed / GB:.2f} of the {budget / GB:.2f} GB"
-                     + ("" if wl.host_embedding or hw.vram_bytes is None else
+                     + ("" if wl.engine.host_embedding or hw.vram_bytes is None else
                         ": keep the embedding table in host RAM (--host-embedding) or use a larger GPU"))
     fixes.append("a more compressed store of this model (nf4, int2) passed alongside the others")
     if "tq" not in wl.kv_schemes:
         fixes.append("the TurboQuant KV cache (--kv tq)")
-    if wl.kv_offload is False and hw.vram_bytes is not None:
+    if wl.engine.kv_offload is False and hw.vram_bytes is not None:
         fixes.append("the KV cache in host RAM (--kv-offload)")
-    fixes.append(f"a smaller batch ({wl.batch_size}) or context ({context})" if wl.batch_size > 1
+    fixes.append(f"a smaller batch ({wl.engine.batch_size}) or context ({context})" if wl.engine.batch_size > 1
                  else f"a shorter context ({context} tokens)")
     fixes.append("raise --max-vram/--max-ram" if hw.vram_bytes is not None else "raise --max-ram or use a GPU")
     return "fixes: " + "; ".join(fixes) + "."
@@ -396,41 +392,41 @@ def _attempt(c: Candidate, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, 
     is ``hw.plan_vram``: the VRAM budget less the allocator's margin (planner.allocator_margin)."""
     costs = _costs(c, kv, hw, wl, context, offload)
     budget, where = (hw.plan_vram, "VRAM") if costs.gpu else (hw.ram_bytes, "host RAM")
-    need = costs.need(mode, wl.batch_size)
+    need = costs.need(mode, wl.engine.batch_size)
     label = f"{c.scheme:<9} {mode:<8} KV {kv:<4}{' offloaded' if offload else ''}: " \
-            f"{costs.formula(mode, wl.batch_size)}"
+            f"{costs.formula(mode, wl.engine.batch_size)}"
     if need > budget:
         lines.append(f"{label} > {where} {budget / GB:.2f} GB")
         return None
     try:
-        placed, planned = _placement(c, costs, mode, kv, hw, replace(wl, context=context), offload)
+        placed, planned = _placement(c, costs, mode, kv, hw, wl.updated(context=context), offload)
     except PlanError as exc:
         lines.append(f"{label} fits {where}, but {exc}")
         return None
     if placed is None:
         return None  # the offloaded option whose cache fits on the device after all: the plain option covers it
     lines.append(f"{label} <= {where} {budget / GB:.2f} GB: fits")
-    reserve = placed.reserve_bytes if placed.kv_offload else costs.reserve(wl.batch_size).total
+    reserve = placed.reserve_bytes if placed.kv_offload else costs.reserve(wl.engine.batch_size).total
     max_batch = _max_batch(c, costs, mode, kv, hw, wl, context, offload, budget)
     if costs.kv_host:  # the host holds every sequence's cache beside the read-ahead and expert staging buffers
         host = hw.ram_bytes - costs.host_fixed - wl.staging * max(c.layer_bytes) - placed.expert_staging_bytes
         max_batch = min(max_batch, max(0, host) // costs.kv_host)
-    return Route(candidate=c, mode=mode, kv=kv, plan=placed, hardware=hw, batch_size=wl.batch_size,
+    return Route(candidate=c, mode=mode, kv=kv, plan=placed, hardware=hw, batch_size=wl.engine.batch_size,
                  context=context, reserve_bytes=reserve,
                  ram_tier_bytes=placed.ram_tier_bytes - placed.kv_host_bytes if mode == "streamed" else 0,
                  max_batch=max_batch, lines=tuple(lines), kv_offload=placed.kv_offload,
-                 dtype_bytes=_compute_bytes(c, hw, wl.dtype), workload=planned)
+                 dtype_bytes=_compute_bytes(c, hw, wl.engine.dtype), workload=planned or wl.updated(context=context))
 
 
 def _max_batch(c: Candidate, costs: _Costs, mode: str, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
                offload: bool, budget: int) -> int:
     """The largest batch, counted with the slots of the experts mode the rule picks at that batch: a MoE store
     streamed routed at the planned batch streams whole layers (larger slots) from ``first_whole_batch`` on."""
-    largest = costs.max_batch(mode, budget, wl.batch_size)
-    flip = first_whole_batch(wl.experts, c.manifest) if mode == "streamed" and costs.gpu else None
-    if flip is None or wl.batch_size >= flip or largest < flip:
+    largest = costs.max_batch(mode, budget, wl.engine.batch_size)
+    flip = first_whole_batch(wl.engine.experts, c.manifest) if mode == "streamed" and costs.gpu else None
+    if flip is None or wl.engine.batch_size >= flip or largest < flip:
         return largest
-    whole = _costs(c, kv, hw, replace(wl, batch_size=flip), context, offload).max_batch(mode, budget, flip)
+    whole = _costs(c, kv, hw, wl.updated(batch_size=flip), context, offload).max_batch(mode, budget, flip)
     return whole if whole >= flip else flip - 1
 
 
@@ -444,11 +440,12 @@ def _placement(c: Candidate, costs: _Costs, mode: str, kv: KVScheme, hw: Hardwar
         tier, why = ("vram", "every layer fits in VRAM: loaded once") if costs.gpu else \
             ("ram", "every layer fits in host RAM: loaded once")
         return StreamPlan(tiers=[tier] * n, slot_bytes=costs.slot, slots=0, fixed_bytes=costs.fixed,
-                          reasons=[f"resident: {why}, no streaming"], reserve_bytes=costs.reserve(wl.batch_size).total,
+                          reasons=[f"resident: {why}, no streaming"],
+                          reserve_bytes=costs.reserve(wl.engine.batch_size).total,
                           host_fixed_bytes=costs.host_fixed), None
     # The offloaded option: asked for (--kv-offload), or (None) when the cache does not fit in VRAM.
-    planned = replace(wl, kv_offload=(True if wl.kv_offload else None) if offload else False)
-    placed = plan(c.manifest, c.dims, hw, planned, kv=kv, dtype_bytes=_compute_bytes(c, hw, wl.dtype))
+    planned = wl.updated(kv_offload=(True if wl.engine.kv_offload else None) if offload else False)
+    placed = plan(c.manifest, c.dims, hw, planned, kv=kv, dtype_bytes=_compute_bytes(c, hw, wl.engine.dtype))
     if offload and not placed.kv_offload:
         return None, None
     return placed, planned

@@ -16,23 +16,24 @@ from pathlib import Path
 
 import torch
 
-from airquant.config import EngineConfig, GenerateConfig
+from airquant.config import DEFAULT_CONTEXT, EngineConfig, GenerateConfig
 from airquant.engine import expert_plan, experts, skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.plan import Reserve, StreamPlan
-from airquant.engine.planner import GIB, Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
+from airquant.engine.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
 from airquant.engine.prompts import render as render_prompts
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
 from airquant.kv import cache_kwarg
 from airquant.store.manifest import Manifest, open_store
 from airquant.store.side_files import load_tokenizer
+from airquant.units import GIB
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["Completion", "Engine", "compute_dtype", "hardware_for", "plan_for", "planned_reserve",
+__all__ = ["Completion", "Engine", "engine_dtype", "hardware_for", "placement_for", "planned_reserve",
            "resolve_device"]
 
 
@@ -46,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def compute_dtype(manifest: Manifest, requested: str | None, device: torch.device) -> torch.dtype:
+def engine_dtype(manifest: Manifest, requested: str | None, device: torch.device) -> torch.dtype:
     """The capability rule's dtype (engine/capability.py): fp16 below sm_80 for bf16 stores, fp32 on CPU for fp16."""
     from airquant.engine.capability import compute_dtype as rule
 
@@ -66,7 +67,7 @@ def planned_reserve(manifest: Manifest, cfg: EngineConfig, model_config, dtype: 
                       gpu=True)
 
 
-def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
+def placement_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_config=None,
              dtype: torch.dtype | None = None, hardware: Hardware | None = None) -> StreamPlan:
     """The placement of every layer for this device and these budgets, by ``planner.plan`` (what ``airquant
     plan`` places a streamed route with). ``model_config`` sizes the reserve (None: 1 GiB on a GPU);
@@ -81,10 +82,10 @@ def plan_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, model_
 class Engine:
     """A store opened for inference; streamed by default, resident when asked."""
 
-    def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig, plan: StreamPlan | None = None):
+    def __init__(self, store: Path, manifest: Manifest, cfg: EngineConfig, placement: StreamPlan | None = None):
         self.store, self.manifest, self.cfg = store, manifest, cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = compute_dtype(manifest, cfg.dtype, self.device)
+        self.dtype = engine_dtype(manifest, cfg.dtype, self.device)
         # Detected before anything is loaded: the free VRAM is the budget when --max-vram is not given.
         hardware = hardware_for(cfg, self.device) if not cfg.resident else None
         self.config = skeleton.load_config(store)
@@ -107,7 +108,7 @@ class Engine:
             skeleton.load_layers_resident(self.model, store, manifest, self.device, self.dtype,
                                           verify_reads=cfg.verify_reads)
         else:
-            self.plan = plan or plan_for(manifest, cfg, self.device, self.config, self.dtype, hardware)
+            self.plan = placement or placement_for(manifest, cfg, self.device, self.config, self.dtype, hardware)
             log.info("plan:\n%s", self.plan.describe(manifest.layer_bytes))
             routed = expert_plan.routed_layers(manifest, self.plan.tiers) if routed_mode else {}
             self.streamer = LayerStreamer(store, manifest, self.plan, self.device, self.dtype,
@@ -123,13 +124,13 @@ class Engine:
         self.last_timings: dict = {}
 
     @classmethod
-    def open(cls, store: str | Path, cfg: EngineConfig | None = None, *, plan: StreamPlan | None = None,
+    def open(cls, store: str | Path, cfg: EngineConfig | None = None, *, placement: StreamPlan | None = None,
              **overrides) -> "Engine":
-        """Open a store: ``Engine.open("store/", device="cpu", resident=True)``; ``plan``: a placement
-        ``planner.plan`` made already (a route's), else the engine plans from ``cfg``."""
+        """Open a store: ``Engine.open("store/", device="cpu", resident=True)``; ``placement``: one
+        ``planner.plan`` made already (a route's ``plan``), else the engine plans from ``cfg``."""
         cfg = cfg or EngineConfig(**overrides)
         store = Path(store)
-        return cls(store, open_store(store, verify=cfg.verify), cfg, plan)
+        return cls(store, open_store(store, verify=cfg.verify), cfg, placement)
 
     # -- logits --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -235,7 +236,7 @@ class Engine:
                 f"{type(self.model).__name__} has {why}, which the decode loop does not run; Engine.generate and "
                 "generate_requests run it through transformers' generate (engine/decode/fallback.py).")
         limit = getattr(self.config, "max_position_embeddings", None) or 1 << 30
-        context = min(context or self.cfg.context or 2048, limit)
+        context = min(context or self.cfg.context or DEFAULT_CONTEXT, limit)
         if offload is None and self.plan is not None and self.plan.kv_offload:
             offload = set(self.plan.ram_layers + self.plan.disk_layers)
         return DecodeLoop(self.model, self.tokenizer, slots=slots, context=context,
@@ -260,7 +261,7 @@ class Engine:
 
     def _generate_fallback(self, requests: list[Request], kv) -> list[Completion]:
         start = time.perf_counter()
-        out = fallback.generate(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
+        out = fallback.generate_with_transformers(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
                                 make_cache=lambda: self._make_cache(kv), cache_arg=cache_kwarg(self.model),
                                 offload=self.streamer.kv if self.streamer is not None else None,
                                 check_context=self._check_context, on_error=self._on_error, scope=self.passes)

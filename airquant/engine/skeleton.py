@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def load_config(store: Path):
-    return side_files.load_config(store)
+    return side_files.read_config(store)
 
 
 def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None) -> nn.Module:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from airquant.engine.plan import StreamPlan
+from airquant.units import GB
 
-GB = 1e9
 PCIE3_GBPS = 12.5  # a T4's link (PCIe 3 x16, pinned copies): what a plan for a card without one measured assumes
 
 

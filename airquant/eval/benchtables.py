@@ -88,7 +88,7 @@ def kv_bench(d: dict) -> list[str]:
                        "largest batch, 70B NF4 under 15 GB"], rows), *_targets(d)]
 
 
-def int2_gemv(d: dict) -> list[str]:
+def int2_gemv_table(d: dict) -> list[str]:
     rows = [[f"{r.get('out_features')}×{r.get('in_features')}", r.get("batch"), r.get("kernel"),
              _f(r.get("int2_ms"), "{:.4f}"), _f(r.get("int2_eager_ms"), "{:.4f}"),
              _f(r.get("fp16_dense_ms"), "{:.4f}"),
@@ -269,7 +269,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "verify_bench.json": ("Reliability: checksums on every read (benchmarks/verify_bench.py)", verify_bench),
     "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
     "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
-    "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv),
+    "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv_table),
     "quant_quality.json": ("Weight quantization quality (benchmarks/quant_quality.py)", quant_quality),
     "kv_quality.json": ("KV-cache quantization quality (benchmarks/kv_quality.py)", kv_quality),
 }

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from airquant.config import EngineConfig
 from airquant.errors import AirQuantError, EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_wikitext
@@ -76,14 +77,14 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
 
 def planned_max_batch(store: Path, kv: Any, context: int, vram_budget_gb: float) -> int | None:
     """The router's largest batch for ``store`` on a GPU of ``vram_budget_gb`` GiB (0: nothing fits)."""
-    from airquant.engine.router import Hardware, RouteError, Workload, plan_route
+    from airquant.engine.router import Hardware, RouteError, plan_route, workload_for
 
     scheme = "none" if kv is None or kv.backend == "none" else kv.backend
     if scheme not in ("none", "tq"):
         return None
     try:
         route = plan_route([store], Hardware.detect("cuda", max_vram_gb=vram_budget_gb),
-                           Workload(context=context, kv_schemes=(scheme,)))
+                           workload_for(EngineConfig(kv_offload=False), context=context, kv_schemes=(scheme,)))
     except RouteError:
         return 0
     return route.max_batch

@@ -180,7 +180,7 @@ def run_niah(engine: Any, *, data: str | Path | None = None, context_lengths: Se
         grid = [c for c in answers if c[0] == ctx]
         built = [haystack.fit(ctx - max_new_tokens, NEEDLE.format(answer=a), d) for _, d, _, a in grid]
         for i in range(0, len(grid), batch_size):
-            outs = prompting.generate(engine, [p for p, _, _ in built[i:i + batch_size]], kv=kv,
+            outs = prompting.engine_generate(engine, [p for p, _, _ in built[i:i + batch_size]], kv=kv,
                                                max_new_tokens=max_new_tokens, temperature=0.0, chat=chat)
             for (c, d, t, a), (_, size, pos), out in zip(grid[i:i + batch_size], built[i:i + batch_size], outs):
                 recall, exact = score_response(out.text, a)

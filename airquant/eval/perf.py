@@ -234,7 +234,7 @@ def _measure(engine: Any, prompts: list[str], kv: Any, gen: dict) -> PerfSample:
     _sync(device)
     with RssSampler() as rss:
         t0 = time.perf_counter()
-        completions = prompting.generate(engine, prompts, kv=kv, **gen)
+        completions = prompting.engine_generate(engine, prompts, kv=kv, **gen)
         _sync(device)
         wall = time.perf_counter() - t0
     t, stats = dict(engine.last_timings), engine.stats()
@@ -296,7 +296,7 @@ def run_perf(engine: Any, *, data: str | Path | None = None, prompt_length: int 
     prompts = make_prompts(engine.tokenizer, corpus.text, prompt_length, batch_size)
     gen = dict(max_new_tokens=max_new_tokens, temperature=0.0, chat=False)
     for _ in steps(range(warmup), f"perf bs={batch_size} warm-up", "run"):
-        prompting.generate(engine, prompts, kv=kv, **gen)
+        prompting.engine_generate(engine, prompts, kv=kv, **gen)
     samples = [_measure(engine, prompts, kv, gen) for _ in steps(range(repeats), f"perf bs={batch_size}", "run")]
     link = bandwidth or measure_link_bandwidth(engine.device, kind=default_bandwidth_kind(engine))
     summary = _summarize(engine, samples, link, batch_size)

@@ -24,7 +24,7 @@ def chat_available(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer: Any, prompt: str, chat: bool) -> str:
+def render_prompt(tokenizer: Any, prompt: str, chat: bool) -> str:
     """The text the engine tokenizes for ``prompt`` (the chat template applied when ``chat``)."""
     if not chat:
         return prompt
@@ -34,7 +34,7 @@ def render(tokenizer: Any, prompt: str, chat: bool) -> str:
 
 def count_tokens(tokenizer: Any, prompt: str, chat: bool) -> int:
     """Prompt tokens as the engine will see them; the chat template already holds the special tokens."""
-    return len(tokenizer(render(tokenizer, prompt, chat), add_special_tokens=not chat)["input_ids"])
+    return len(tokenizer(render_prompt(tokenizer, prompt, chat), add_special_tokens=not chat)["input_ids"])
 
 
 def truncate_tokens(tokenizer: Any, text: str, budget: int) -> tuple[str, bool]:
@@ -45,7 +45,7 @@ def truncate_tokens(tokenizer: Any, text: str, budget: int) -> tuple[str, bool]:
     return tokenizer.decode(ids[:budget], skip_special_tokens=True), True
 
 
-def generate(engine: Any, prompts: list[str], *, kv: Any = None, **kwargs) -> list:
+def engine_generate(engine: Any, prompts: list[str], *, kv: Any = None, **kwargs) -> list:
     """``engine.generate``, passing ``kv`` only when set so engines without the argument work."""
     if kv is not None:
         kwargs["kv"] = kv

@@ -87,7 +87,7 @@ def score_summaries(predictions: list[str], references: list[str]) -> list[tuple
     return out
 
 
-def build_prompt(article: str) -> str:
+def summary_prompt(article: str) -> str:
     return f"{INSTRUCTION}\n\n{article}"
 
 
@@ -95,14 +95,14 @@ def fit_prompts(engine: Any, examples: list[SummaryExample], *, context: int, ma
                 chat: bool) -> list[tuple[str, bool]]:
     """Each example's prompt with the article cut so prompt + summary fit ``context``."""
     tok = engine.tokenizer
-    budget = context - max_new_tokens - prompting.count_tokens(tok, build_prompt(""), chat) - _TOKEN_MARGIN
+    budget = context - max_new_tokens - prompting.count_tokens(tok, summary_prompt(""), chat) - _TOKEN_MARGIN
     if budget < 64:
         raise EvalConfigError(f"a context of {context} leaves {budget} tokens for the article after "
                               f"{max_new_tokens} new tokens; raise --max-length or lower --max-new-tokens.")
     out = []
     for ex in examples:
         article, cut = prompting.truncate_tokens(tok, ex.article, budget)
-        out.append((build_prompt(article), cut))
+        out.append((summary_prompt(article), cut))
     return out
 
 
@@ -110,7 +110,7 @@ def _summarize(engine: Any, prompts: list[str], *, batch_size: int, max_new_toke
                kv: Any) -> list:
     completions = []
     for i in steps(range(0, len(prompts), batch_size), "rouge", "batch"):
-        completions += prompting.generate(engine, prompts[i:i + batch_size], kv=kv,
+        completions += prompting.engine_generate(engine, prompts[i:i + batch_size], kv=kv,
                                                    max_new_tokens=max_new_tokens, temperature=0.0, chat=chat)
         log.info("rouge: %d/%d summaries", len(completions), len(prompts))
     return completions

@@ -27,11 +27,11 @@ import torch
 
 import airquant
 from airquant.errors import ResultsFileError
+from airquant.units import GB
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-GB = 1e9
 _CORE_PACKAGES = ("torch", "transformers", "numpy", "safetensors", "bitsandbytes")
 _ROW_TYPES: dict[str, type] = {}
 

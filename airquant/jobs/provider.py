@@ -299,7 +299,7 @@ class Provider:
         try:
             # The route's placement is the engine's (engine/planner.py): no second planning pass.
             self.engine = Engine.open(self.route.store, self.engine_config,
-                                      plan=self.route.plan if self.route.mode == "streamed" else None)
+                                      placement=self.route.plan if self.route.mode == "streamed" else None)
             self._loop = self.engine.decode_loop(self.config.max_batch, context=self.route.context, kv=self._kv)
         except BaseException as exc:  # handed to the constructor, which re-raises it
             self._closed = True

@@ -48,7 +48,7 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, dropou
     return compressed_attention(query, plain_key, value, ctx, attention_mask, scale), None
 
 
-def register() -> None:
+def register_tq_attention() -> None:
     """Register the attention function and its (sdpa-style boolean) mask builder; idempotent."""
     AttentionInterface.register(ATTN_NAME, tq_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
@@ -56,7 +56,7 @@ def register() -> None:
 
 def use_tq_attention(config) -> None:
     """Point a model config (and its sub-configs) at ``airquant_tq``."""
-    register()
+    register_tq_attention()
     if getattr(config, "_attn_implementation", None) != ATTN_NAME:
         logger.debug("setting attention implementation %r -> %r", config._attn_implementation, ATTN_NAME)
         config._attn_implementation = ATTN_NAME

@@ -49,7 +49,7 @@ def stage_file(stage: str, root: Path | None = None) -> Path:
     return (root or repo_root()) / ENV_DIR / f"{check_stage(stage)}.txt"
 
 
-def normalize(name: str) -> str:
+def normalize_name(name: str) -> str:
     """PEP 503 project name: ``Rouge_Score`` and ``rouge-score`` are the same package."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -73,7 +73,7 @@ def read_pins(path: str | Path) -> dict[str, str]:
         match = _PIN.match(line)
         if match is None:
             raise EnvironmentSetupError(f"{path}:{n}: {line!r} is not pinned; write it as name==version.")
-        pins[normalize(match["name"])] = match["version"]
+        pins[normalize_name(match["name"])] = match["version"]
     return pins
 
 

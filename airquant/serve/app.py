@@ -248,8 +248,8 @@ def _include_usage(req: _Sampling) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def _settings(req: _Sampling, max_tokens: int | None, chat: bool) -> tuple[dict, list[str]]:
-    """Provider keywords (as ``Provider.generate`` takes them) and the stop strings of a request."""
+def _settings(req: _Sampling, max_tokens: int | None, chat: bool) -> dict:
+    """Provider keywords (as ``Provider.generate`` takes them), the request's stop strings among them."""
     _check_supported(req)
     kw = {"chat": chat}
     for key, value in (("max_new_tokens", max_tokens), ("temperature", req.temperature),
@@ -257,9 +257,9 @@ def _settings(req: _Sampling, max_tokens: int | None, chat: bool) -> tuple[dict,
         if value is not None:
             kw[key] = value
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if stops:  # the engine ends the sequence there (no tokens spent past it); the app cuts again as a guard
+    if stops:  # the engine's detokenizer ends the sequence there and cuts the text (no tokens spent past it)
         kw["stop"] = tuple(stops)
-    return kw, stops
+    return kw
 
 
 class EventStream(StreamingResponse):
@@ -282,22 +282,19 @@ async def _stream(provider: Provider, prompt, req: _Sampling, max_tokens: int | 
     """Start the stream and wait for its first event before answering, so that a bad request or a full
     queue still gets its 4xx status instead of an error inside a 200 stream."""
     chat = fmt.kind == "chat"
-    kw, stops = _settings(req, max_tokens, chat)
-    events = provider.stream(prompt, **kw)
+    events = provider.stream(prompt, **_settings(req, max_tokens, chat))
     try:
         first = await anext(events, None)
     except BaseException:
         await aclose(events)
         raise
-    return EventStream(sse_lines(first, events, fmt, stops, lambda: count(prompt, chat)))
+    return EventStream(sse_lines(first, events, fmt, lambda: count(prompt, chat)))
 
 
 async def _generate(provider: Provider, prompts: list, req: _Sampling, max_tokens: int | None,
                     chat: bool, http: Request) -> list[tuple[str, str, object]]:
     """(text, finish_reason, Completion) per prompt, in order; the request is cancelled if its client leaves."""
-    kw, stops = _settings(req, max_tokens, chat)
-    limit = kw.get("max_new_tokens", provider.defaults.max_new_tokens)
-    future = provider.submit(prompts, batch_job=False, **kw)
+    future = provider.submit(prompts, batch_job=False, **_settings(req, max_tokens, chat))
     try:
         completions = await _unless_disconnected(provider, future, http)
     except AirQuantError:
@@ -305,7 +302,7 @@ async def _generate(provider: Provider, prompts: list, req: _Sampling, max_token
     except Exception as exc:  # only this request failed; the worker is still serving
         log.exception("generation failed")
         raise _GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
-    return [(*_finish(c, stops, limit), c) for c in completions]
+    return [(c.text, c.finish_reason, c) for c in completions]  # cut and ended by the engine's detokenizer
 
 
 async def _unless_disconnected(provider: Provider, future, http: Request):
@@ -327,15 +324,6 @@ async def _unless_disconnected(provider: Provider, future, http: Request):
         provider.cancel(future)
         raise _ClientGone()
     return result.result()
-
-
-def _finish(completion, stops: list[str], limit: int) -> tuple[str, str]:
-    text = completion.text
-    cuts = [text.find(s) for s in stops if s and s in text]
-    if cuts:
-        return text[: min(cuts)], "stop"
-    hit_eos = completion.new_tokens > len(completion.token_ids)
-    return text, "stop" if hit_eos or completion.new_tokens < limit else "length"
 
 
 def _check_supported(req: _Sampling) -> None:

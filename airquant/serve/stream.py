@@ -2,9 +2,10 @@
 
 ``Provider.stream(prompt, **settings)`` yields ``StreamEvent``s (``text`` is the UTF-8-safe delta since
 the previous event, ``finish_reason`` and ``usage`` arrive on the last one); closing it early frees the
-sequence's slot. Here each event becomes one ``data: {...}`` line, the stream ends with
-``data: [DONE]``, and stop strings are honoured across event boundaries: text that could be the start
-of a stop string is held back until the next event decides.
+sequence's slot. Here each event becomes one ``data: {...}`` line and the stream ends with
+``data: [DONE]``. Stop strings are the engine's detokenizer's (``engine/decode/text.py``): it holds back
+text that could be the start of one and cuts the text at it, so the events' text and ``finish_reason``
+are sent as they are.
 """
 
 from __future__ import annotations
@@ -23,43 +24,6 @@ DONE = "data: [DONE]\n\n"
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class StopScanner:
-    """Cuts streamed text at the first stop string, holding back a possible partial match."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buffer = ""
-        self.stopped = False
-
-    def feed(self, delta: str) -> str:
-        """The text safe to send now; sets ``stopped`` when a stop string appeared."""
-        if self.stopped:
-            return ""
-        self.buffer += delta
-        cuts = [self.buffer.find(s) for s in self.stops if s in self.buffer]
-        if cuts:
-            self.stopped = True
-            out, self.buffer = self.buffer[: min(cuts)], ""
-            return out
-        keep = self._partial_tail()
-        out = self.buffer[: len(self.buffer) - keep]
-        self.buffer = self.buffer[len(out):]
-        return out
-
-    def flush(self) -> str:
-        out, self.buffer = ("" if self.stopped else self.buffer), ""
-        return out
-
-    def _partial_tail(self) -> int:
-        """Length of the longest buffer suffix that is a proper prefix of some stop string."""
-        for n in range(min(self.hold, len(self.buffer)), 0, -1):
-            tail = self.buffer[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
 
 
 @dataclass
@@ -102,34 +66,30 @@ class ChunkFormat:
         return body
 
 
-async def sse_lines(first, events: AsyncIterator, fmt: ChunkFormat, stops: list[str],
+async def sse_lines(first, events: AsyncIterator, fmt: ChunkFormat,
                     prompt_tokens: Callable[[], int]) -> AsyncIterator[str]:
     """SSE text for ``first`` (None: the provider yielded nothing) and the rest of ``events``; always
     closes ``events``, which frees the sequence's slot.
 
-    ``prompt_tokens`` counts the prompt when the usage chunk is wanted but the stream was cut at a stop
-    string before the provider's last event (which carries the usage).
+    ``prompt_tokens`` counts the prompt when the usage chunk is wanted but the stream ended without the
+    provider's last event (which carries the usage).
     """
-    scanner, sent_tokens, usage, event = StopScanner(stops), 0, None, first
+    sent_tokens, usage, event = 0, None, first
     try:
         opening = fmt.start()
         if opening is not None:
             yield sse(opening)
         while True:
             if event is None:  # ended without a finish reason: what was generated is the answer
-                yield sse(fmt.delta(scanner.flush(), "stop"))
+                yield sse(fmt.delta("", "stop"))
                 break
             sent_tokens += len(event.token_ids)
             usage = event.usage or usage
-            text = scanner.feed(event.text)
-            if scanner.stopped or event.finish_reason is not None:
-                text += scanner.flush()
-                if text:
-                    yield sse(fmt.delta(text))
-                yield sse(fmt.delta("", "stop" if scanner.stopped else event.finish_reason))
+            if event.text:
+                yield sse(fmt.delta(event.text))
+            if event.finish_reason is not None:
+                yield sse(fmt.delta("", event.finish_reason))
                 break
-            if text:
-                yield sse(fmt.delta(text))
             try:
                 event = await anext(events, None)
             except Exception as exc:  # the status line is sent already: report in the stream, as OpenAI does

@@ -21,7 +21,7 @@ from airquant.errors import StoreError
 from airquant.layout import Layout, meta_model
 from airquant.store.files import write_atomic
 from airquant.store.manifest import load_manifest
-from airquant.store.side_files import load_config
+from airquant.store.side_files import read_config
 
 
 def _file_groups(manifest, max_file_bytes: int) -> list[list[str]]:
@@ -47,7 +47,7 @@ def export_hf(store: str | Path, folder: str | Path, *, max_file_bytes: int = 2 
         raise StoreError(f"{store} holds quantized modules; only dense stores can be exported as a plain "
                          "Hugging Face checkpoint.")
     layout = Layout.from_dict(manifest.layout)
-    model = meta_model(load_config(store), torch.bfloat16)  # conversions are looked up per class
+    model = meta_model(read_config(store), torch.bfloat16)  # conversions are looked up per class
     files = _file_groups(manifest, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0

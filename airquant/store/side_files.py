@@ -30,7 +30,7 @@ def check_no_code(folder: Path) -> None:
             "otherwise do not use it.")
 
 
-def load_config(store: Path):
+def read_config(store: Path):
     """The store's transformers config."""
     from transformers import AutoConfig
 

@@ -24,6 +24,7 @@ from airquant.quant import QuantSpec
 from airquant.store.manifest import load_manifest
 from airquant.store.quantize import make_transform
 from airquant.store.split import split
+from airquant.units import GIB
 from tests.zoo import make_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
@@ -173,7 +174,7 @@ def test_eviction_and_a_cache_of_one_slot(tmp_path, real_tokenizer, policy):
     _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")
     whole = Engine.open(store, device="cpu", experts="whole")
     tiny = Engine.open(store, device="cpu", experts="routed", expert_policy=policy,
-                       expert_cache_gb=1e-9 * tiny_slot(store))
+                       expert_cache_gb=tiny_slot(store) / GIB)
     assert tiny.experts.plan.cache == 1
     assert _greedy(tiny, 6) == _greedy(whole, 6)
     assert (_logits(tiny) - _logits(whole)).abs().max().item() <= 1e-5

@@ -13,12 +13,17 @@ from airquant.cli import main
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import skeleton
 from airquant.engine.expert_plan import ROUTED_BELOW, choose_experts, first_whole_batch, routed_share, use_routed
-from airquant.engine.planner import GIB, MARGIN_MIN_BYTES
-from airquant.engine.runner import Engine, plan_for
+from airquant.engine.planner import GIB, MARGIN_MIN_BYTES, workload_for
+from airquant.engine.runner import Engine, placement_for
 from airquant.jobs import batch as batch_jobs
 from airquant.store.manifest import load_manifest
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
+
+
+def _wl(**fields):
+    """A Workload whose KV cache stays on the device unless a test asks otherwise."""
+    return workload_for(EngineConfig(kv_offload=False), **fields)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,7 @@ def test_auto_routes_below_the_threshold_and_the_flags_force_a_mode(mixtral):
 def _plan(store, **cfg):
     """The plan of a streamed run (no resident layer) under a mocked 64 GiB GPU budget."""
     config = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, context=64, **cfg)
-    return plan_for(load_manifest(store), config, torch.device("cuda"), skeleton.load_config(store), torch.float32)
+    return placement_for(load_manifest(store), config, torch.device("cuda"), skeleton.load_config(store), torch.float32)
 
 
 def test_plan_streams_routed_at_batch_one_and_whole_layers_at_64(mixtral):
@@ -104,14 +109,14 @@ def test_airquant_plan_batch_says_which_and_why(mixtral, capsys):
 def test_route_max_batch_fits_with_the_mode_of_that_batch(mixtral):
     """Planned at batch 1 (routed, small slots), the largest batch is counted with whole-layer slots, the mode
     the rule picks there: a route at that batch fits."""
-    from airquant.engine.router import Candidate, Hardware, Workload, route
+    from airquant.engine.router import Candidate, Hardware, route
 
     budget = _plan(mixtral, batch_size=64).device_bytes + MARGIN_MIN_BYTES
     hw = Hardware(budget, GIB)
-    wl = Workload(batch_size=1, context=64, kv_schemes=("none",), mode="streamed")
+    wl = _wl(batch_size=1, context=64, kv_schemes=("none",), mode="streamed")
     largest = route([Candidate.open(mixtral)], hw, wl).max_batch
     assert largest >= first_whole_batch("auto", load_manifest(mixtral))
-    at_largest = route([Candidate.open(mixtral)], hw, Workload(batch_size=largest, context=64, kv_schemes=("none",),
+    at_largest = route([Candidate.open(mixtral)], hw, _wl(batch_size=largest, context=64, kv_schemes=("none",),
                                                                 mode="streamed"))
     assert at_largest.plan.experts is None and at_largest.plan.slot_bytes == max(load_manifest(mixtral).layer_bytes)
 

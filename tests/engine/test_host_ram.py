@@ -13,14 +13,19 @@ from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.cuda_ops import HostMemory, pinned_allocator_bytes
 from airquant.engine.experts import ExpertPool
 from airquant.engine.plan import fixed_bytes
-from airquant.engine.planner import GIB, ModelDims, Workload, reserve_of
-from airquant.engine.runner import Engine, plan_for
+from airquant.engine.planner import GIB, ModelDims, reserve_of, workload_for
+from airquant.engine.runner import Engine, placement_for
 from airquant.engine.skeleton import load_config
 from airquant.engine.streamer import read_layout
 from airquant.store.manifest import load_manifest
 
 TINY = (("hidden", 256), ("intermediate", 512), ("heads", 4), ("kv_heads", 2), ("vocab", 4096))
 LAYERS = 6
+
+
+def _wl(**fields):
+    """A Workload whose KV cache stays on the device unless a test asks otherwise."""
+    return workload_for(EngineConfig(kv_offload=False), **fields)
 
 
 def _synth(tmp_path_factory, tokenizer, shape: str, overrides=TINY):
@@ -47,7 +52,7 @@ def moe_store(tmp_path_factory, real_tokenizer):
 def _ram_gib(store, ram_layers: float, experts: str = "auto") -> float:
     """A --max-ram (CPU) that holds the host parts, the staging buffers and ``ram_layers`` layers."""
     manifest = load_manifest(store)
-    wl = Workload(batch_size=2, context=32, host_embedding=True, experts=experts)
+    wl = _wl(batch_size=2, context=32, host_embedding=True, experts=experts)
     reserve = reserve_of(manifest, ModelDims.of(load_config(store)), wl, "none", 4, gpu=False).total
     fixed = sum(fixed_bytes(manifest.shards, manifest.tied_lm_head, True, 4))  # the table held in fp32
     layer = max(manifest.layer_bytes)
@@ -127,7 +132,7 @@ def _gpu_plan(store, ram_gib: float):
     """The plan of a routed run with every layer streamed, for a 64 GiB GPU (none touched)."""
     cfg = EngineConfig(max_vram_gb=64, max_ram_gb=ram_gib, resident_layers=0, batch_size=2, context=32,
                        host_embedding=True, dtype="float32", experts="routed")
-    return plan_for(load_manifest(store), cfg, torch.device("cuda"), load_config(store), torch.float32)
+    return placement_for(load_manifest(store), cfg, torch.device("cuda"), load_config(store), torch.float32)
 
 
 @pytest.mark.parametrize("disk", [True, False], ids=["ram+disk", "all-ram"])

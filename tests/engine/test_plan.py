@@ -70,7 +70,7 @@ def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batc
     from airquant.config import EngineConfig
     from airquant.engine import skeleton
     from airquant.engine.planner import allocator_margin
-    from airquant.engine.runner import GIB, plan_for
+    from airquant.engine.runner import GIB, placement_for
     from airquant.store.manifest import load_manifest
 
     store = shapes[dtype]
@@ -79,9 +79,9 @@ def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batc
                        context=context, max_ram_gb=64, kv_offload=False)
     if isinstance(resident, str):
         with pytest.raises(PlanError, match=resident):
-            plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)
+            placement_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)
         return
-    plan = plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)  # no GPU touched: capped
+    plan = placement_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)  # no GPU touched: capped
     assert len(plan.vram_layers) == resident and plan.vram_layers == list(range(resident))
     peak = plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes + \
         sum(manifest.layer_bytes[i] for i in plan.vram_layers)
@@ -96,13 +96,13 @@ def test_kv_cache_that_does_not_fit_vram_is_offloaded(shapes):
     """Batch 32 x 1024 tokens of 70B: the 10.7 GB cache leaves no room on 15 GB; in host RAM it fits."""
     from airquant.config import EngineConfig
     from airquant.engine import skeleton
-    from airquant.engine.runner import GIB, plan_for
+    from airquant.engine.runner import GIB, placement_for
     from airquant.store.manifest import load_manifest
 
     store = shapes["nf4"]
     manifest, config = load_manifest(store), skeleton.load_config(store)
     base = EngineConfig(max_vram_gb=15 * GB / GIB, host_embedding=True, batch_size=32, context=1024, max_ram_gb=64)
-    plan = plan_for(manifest, base, torch.device("cuda"), config, torch.bfloat16)
+    plan = placement_for(manifest, base, torch.device("cuda"), config, torch.bfloat16)
     n = manifest.num_layers
     kv = 32 * 1024 * 2 * n * 8 * 128 * 2  # K and V of 8 heads of 128 per layer, bf16
     kv_layer = kv // n
@@ -114,10 +114,10 @@ def test_kv_cache_that_does_not_fit_vram_is_offloaded(shapes):
     text = plan.describe(manifest.layer_bytes)
     assert "KV cache                : offloaded" in text and "does not fit in VRAM" in text
     with pytest.raises(PlanError, match="--kv-offload"):
-        plan_for(manifest, replace(base, kv_offload=False), torch.device("cuda"), config, torch.bfloat16)
-    small = plan_for(manifest, replace(base, batch_size=1), torch.device("cuda"), config, torch.bfloat16)
+        placement_for(manifest, replace(base, kv_offload=False), torch.device("cuda"), config, torch.bfloat16)
+    small = placement_for(manifest, replace(base, batch_size=1), torch.device("cuda"), config, torch.bfloat16)
     assert not small.kv_offload and "offloaded" not in small.describe(manifest.layer_bytes)
-    forced = plan_for(manifest, replace(base, batch_size=1, kv_offload=True), torch.device("cuda"), config,
+    forced = placement_for(manifest, replace(base, batch_size=1, kv_offload=True), torch.device("cuda"), config,
                       torch.bfloat16)
     assert forced.kv_offload and len(forced.vram_layers) <= len(small.vram_layers)
     assert "by request" in forced.describe(manifest.layer_bytes)
@@ -216,7 +216,7 @@ def test_engine_plan_of_a_hybrid_store(tmp_path, real_tokenizer):
     from airquant.config import EngineConfig
     from airquant.engine import skeleton
     from airquant.engine.plan import kv_bytes_per_token
-    from airquant.engine.runner import plan_for, planned_reserve
+    from airquant.engine.runner import placement_for, planned_reserve
     from airquant.kv import LayerStates
     from airquant.models import resolve
     from airquant.store.manifest import load_manifest
@@ -230,7 +230,7 @@ def test_engine_plan_of_a_hybrid_store(tmp_path, real_tokenizer):
     sized = planned_reserve(manifest, cfg, config, torch.bfloat16)
     assert sized.state == 8 * LayerStates.of(config).state_bytes(2) > 0
     assert sized.kv == 8 * 128 * kv_bytes_per_token(config, 2) == 8 * 128 * 2 * 1 * 2 * 16 * 2  # 1 layer of 4
-    plan = plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)  # capped: no GPU touched
+    plan = placement_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16)  # capped: no GPU touched
     assert plan.kv_offload and plan.reserve_bytes == sized.total - sized.kv + 3 * sized.kv
 
 

@@ -18,15 +18,20 @@ from airquant.engine.planner import (
     SLOTS,
     Hardware,
     ModelDims,
-    Workload,
     allocator_margin,
     reserve_of,
+    workload_for,
 )
 from airquant.engine.router import Candidate, route
-from airquant.engine.runner import Engine, plan_for
+from airquant.engine.runner import Engine, placement_for
 from airquant.store.manifest import load_manifest
 
 GB = 10**9
+
+
+def _wl(**fields):
+    """A Workload whose KV cache stays on the device unless a test asks otherwise."""
+    return workload_for(EngineConfig(kv_offload=False), **fields)
 
 
 def test_allocator_margin_is_three_percent_or_256_mib():
@@ -38,7 +43,7 @@ def test_allocator_margin_is_three_percent_or_256_mib():
 
 def test_engine_defaults_are_the_planner_constants():
     assert (EngineConfig().slots, EngineConfig().readahead) == (SLOTS, READAHEAD)
-    assert Workload().staging == READAHEAD + 1
+    assert _wl().staging == READAHEAD + 1
 
 
 def _plan_lines(text: str) -> list[str]:
@@ -63,7 +68,7 @@ def test_plan_and_engine_agree_on_cpu(six_layers, capsys):
     tiny_store = six_layers
     manifest = load_manifest(tiny_store)
     dims = ModelDims.of(skeleton.load_config(tiny_store))
-    wl = Workload(batch_size=2, context=64)
+    wl = _wl(batch_size=2, context=64)
     reserve = reserve_of(manifest, dims, wl, "none", 4, gpu=False).total
     fixed = sum(manifest.shards[g].bytes for g in ("embed", "norm", "lm_head") if g in manifest.shards)
     layer = max(manifest.layer_bytes)
@@ -102,7 +107,7 @@ def test_plan_and_engine_agree_under_a_mocked_gpu_budget(llama8b, capsys, cap, b
     assert main(["plan", str(llama8b), "--batch", str(batch)] + flags) == 0
     out = capsys.readouterr().out
     cfg = EngineConfig(max_vram_gb=float(cap), max_ram_gb=64, batch_size=batch, context=context)
-    plan = plan_for(load_manifest(llama8b), cfg, torch.device("cuda"), skeleton.load_config(llama8b),
+    plan = placement_for(load_manifest(llama8b), cfg, torch.device("cuda"), skeleton.load_config(llama8b),
                     torch.bfloat16)
     assert plan.kv_offload == offload
     if cap == "24":  # the router keeps every layer resident without streaming; the engine streams none
@@ -128,7 +133,7 @@ def mixtral(tmp_path_factory, real_tokenizer):
 def _floor(store) -> int:
     """The smallest budget a routed streamed plan of ``store`` needs with no resident layer and no cache."""
     cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64)
-    plan = plan_for(load_manifest(store), cfg, torch.device("cuda"), skeleton.load_config(store), torch.float32)
+    plan = placement_for(load_manifest(store), cfg, torch.device("cuda"), skeleton.load_config(store), torch.float32)
     return plan.device_bytes
 
 
@@ -139,10 +144,10 @@ def test_plan_bytes_never_exceed_the_budget(mixtral, cache_gb, extra_layers):
     budgets from the bare floor to everything resident; the arena comes before resident layers."""
     manifest = load_manifest(mixtral)
     layer = max(manifest.layer_bytes)
-    fill = _floor(mixtral) + int(extra_layers * layer) + (int(cache_gb * 1e9) if cache_gb else 0)
+    fill = _floor(mixtral) + int(extra_layers * layer) + (int(cache_gb * GIB) if cache_gb else 0)
     budget = fill + MARGIN_MIN_BYTES  # small budgets: the margin is its 256 MiB floor
     cfg = EngineConfig(max_vram_gb=budget / GIB, max_ram_gb=1, context=64, expert_cache_gb=cache_gb)
-    plan = plan_for(manifest, cfg, torch.device("cuda"), skeleton.load_config(mixtral), torch.float32)
+    plan = placement_for(manifest, cfg, torch.device("cuda"), skeleton.load_config(mixtral), torch.float32)
     hw = Hardware(int(budget / GIB * GIB), GIB)
     assert plan.experts_fit and plan.margin_bytes == allocator_margin(hw.vram_bytes)
     streamed = [i for i, t in enumerate(plan.tiers) if t != "vram"]
@@ -163,8 +168,8 @@ def test_resident_layers_give_way_to_the_expert_arena(mixtral):
     manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
     fill = _floor(mixtral) + max(manifest.layer_bytes) // 2
     cfg = EngineConfig(max_vram_gb=(fill + MARGIN_MIN_BYTES) / GIB, max_ram_gb=1, context=64)
-    whole = plan_for(manifest, replace(cfg, experts="whole"), torch.device("cuda"), config, torch.float32)
-    routed = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    whole = placement_for(manifest, replace(cfg, experts="whole"), torch.device("cuda"), config, torch.float32)
+    routed = placement_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
     assert whole.vram_layers and whole.experts is None
     assert routed.vram_layers == [] and routed.experts is not None and routed.experts_fit
     assert routed.expert_bytes >= routed.experts.work * routed.experts.slot_bytes + routed.experts.gather_bytes
@@ -177,7 +182,8 @@ def test_plan_and_engine_agree_on_a_routed_moe_store(mixtral, capsys):
     assert main(["plan", str(mixtral), "--device", "cpu"] + flags) == 0
     out = capsys.readouterr().out
     cfg = EngineConfig(max_vram_gb=budget / GIB, max_ram_gb=1, context=64)
-    plan = plan_for(load_manifest(mixtral), cfg, torch.device("cuda"), skeleton.load_config(mixtral), torch.float32)
+    plan = placement_for(load_manifest(mixtral), cfg, torch.device("cuda"), skeleton.load_config(mixtral),
+                         torch.float32)
     assert plan.experts is not None and "streamed" in out and "experts   : routed" in out
     assert all(line in out for line in _plan_lines(plan.describe(load_manifest(mixtral).layer_bytes)))
     assert Candidate.open(mixtral).dims == ModelDims.of(skeleton.load_config(mixtral))  # one ModelDims
@@ -188,22 +194,22 @@ def test_the_engine_refuses_a_plan_whose_expert_arena_does_not_fit(mixtral):
     rather than re-sizing the pool against a second spare-VRAM figure of its own."""
     manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
     floor = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64)
-    arena = plan_for(manifest, floor, torch.device("cuda"), config, torch.float32).expert_bytes
+    arena = placement_for(manifest, floor, torch.device("cuda"), config, torch.float32).expert_bytes
     budget = _floor(mixtral) - arena // 2 + MARGIN_MIN_BYTES  # the layers' floor fits, not the arena beside it
     cfg = replace(floor, max_vram_gb=budget / GIB)
-    plan = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    plan = placement_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
     assert not plan.experts_fit and "does NOT fit" in plan.describe(manifest.layer_bytes)
     with pytest.raises(ExpertsError, match=r"do not fit the .* GB the layer plan leaves; lower --expert-cache"):
-        Engine.open(mixtral, EngineConfig(device="cpu", context=64, expert_cache_gb=0.0), plan=plan)
+        Engine.open(mixtral, EngineConfig(device="cpu", context=64, expert_cache_gb=0.0), placement=plan)
 
 
 def test_the_engine_refuses_a_plan_without_an_expert_pool(mixtral):
     manifest, config = load_manifest(mixtral), skeleton.load_config(mixtral)
     cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, context=64, experts="whole")
-    whole = plan_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
+    whole = placement_for(manifest, cfg, torch.device("cuda"), config, torch.float32)
     assert whole.experts is None
     with pytest.raises(ExpertsError, match="no expert pool.*--experts"):
-        Engine.open(mixtral, EngineConfig(device="cpu", context=64, experts="routed"), plan=whole)
+        Engine.open(mixtral, EngineConfig(device="cpu", context=64, experts="routed"), placement=whole)
 
 
 def test_route_counts_the_host_embedding_in_the_compute_dtype(mixtral):
@@ -214,7 +220,7 @@ def test_route_counts_the_host_embedding_in_the_compute_dtype(mixtral):
     assert held < manifest.shards["embed"].bytes  # narrower than stored
     hw = Hardware(64 * GIB, GIB)
     for mode in ("resident", "streamed"):
-        wl = Workload(context=64, mode=mode, host_embedding=True, dtype="bfloat16", kv_schemes=("none",))
+        wl = _wl(context=64, mode=mode, host_embedding=True, dtype="bfloat16", kv_schemes=("none",))
         found = route([Candidate.open(mixtral)], hw, wl)
         assert found.mode == mode and found.plan.host_fixed_bytes == held
 
@@ -231,6 +237,6 @@ def test_the_engine_plans_the_reserve_in_the_kv_format_it_was_sized_for(llama8b)
     tq_batch = route([Candidate.open(llama8b)], hw, workload_for(base, kv_schemes=("tq",), kv_offload=False)).max_batch
     cfg = replace(base, batch_size=tq_batch)
     with pytest.raises(PlanError, match="reserve"):
-        plan_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16, hardware=hw)
-    tq = plan_for(manifest, replace(cfg, kv_cache="tq"), torch.device("cuda"), config, torch.bfloat16, hardware=hw)
+        placement_for(manifest, cfg, torch.device("cuda"), config, torch.bfloat16, hardware=hw)
+    tq = placement_for(manifest, replace(cfg, kv_cache="tq"), torch.device("cuda"), config, torch.bfloat16, hardware=hw)
     assert tq_batch > 1 and tq.device_bytes <= hw.plan_vram

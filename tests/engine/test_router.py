@@ -6,19 +6,27 @@ import pytest
 import torch
 
 from airquant.cli import main
+from airquant.config import EngineConfig
 from airquant.engine.router import (
-    GIB,
     Candidate,
     Hardware,
     RouteError,
     StreamingNotAllowedError,
-    Workload,
     load_candidates,
     route,
+    workload_for,
 )
 from airquant.store.manifest import Manifest, ShardEntry, save_manifest
+from airquant.units import GIB
 
 GB = 10**9
+
+
+def _wl(**fields):
+    """A Workload whose KV cache stays on the device unless a test asks otherwise."""
+    return workload_for(EngineConfig(kv_offload=False), **fields)
+
+
 SHAPES = {  # the published configs of Llama-3-70B and Llama-3-8B
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256),
@@ -97,10 +105,10 @@ def test_route_table(stores, shape, vram, ram, workload, expected):
     candidates = load_candidates([stores[shape, "nf4"], stores[shape, "bfloat16"]])
     if isinstance(expected, str):
         with pytest.raises(RouteError, match=expected) as err:
-            route(candidates, _hw(vram, ram), Workload(**workload))
+            route(candidates, _hw(vram, ram), _wl(**workload))
         assert "nf4       streamed" in str(err.value)  # the arithmetic of every option is shown
         return
-    r = route(candidates, _hw(vram, ram), Workload(**workload))
+    r = route(candidates, _hw(vram, ram), _wl(**workload))
     assert (r.scheme, r.mode, r.kv, r.resident_layers) == expected
     assert r.max_batch >= r.batch_size
     text = r.describe()
@@ -110,11 +118,11 @@ def test_route_table(stores, shape, vram, ram, workload, expected):
 def test_streaming_refusal_names_the_fix(stores):
     candidates = load_candidates([stores["llama3-70b", "bfloat16"]])
     with pytest.raises(StreamingNotAllowedError, match="allow_streaming=True"):
-        route(candidates, _hw(15, 64), Workload(allow_streaming=False))
+        route(candidates, _hw(15, 64), _wl(allow_streaming=False))
 
 
 def test_placement_fills_vram_then_ram_then_disk(stores):
-    r = route(load_candidates([stores["llama3-70b", "bfloat16"]]), _hw(15, 64), Workload())
+    r = route(load_candidates([stores["llama3-70b", "bfloat16"]]), _hw(15, 64), _wl())
     layer = r.candidate.layer_bytes[0]
     assert r.plan.vram_layers == [0, 1, 2]  # 15 GiB less the allocator margin
     assert len(r.plan.ram_layers) == (64 * GB - 3 * layer) // layer  # the RAM tier less 3 read-ahead buffers
@@ -122,17 +130,23 @@ def test_placement_fills_vram_then_ram_then_disk(stores):
     cfg = r.engine_config()
     assert (cfg.resident, cfg.resident_layers) == (False, 3)
     # --max-ram means the host-RAM budget in the router and the engine alike (planner.ram_tier takes the
-    # read-ahead buffers off it), so the engine gets the budget, not the tier
-    assert cfg.max_ram_gb * GIB == pytest.approx(r.hardware.ram_bytes)
+    # read-ahead buffers off it): given the route's budgets, the engine's planner places the same tiers
+    from airquant.engine import skeleton
+    from airquant.engine.runner import placement_for
+
+    store = stores["llama3-70b", "bfloat16"]
+    again = placement_for(r.candidate.manifest, cfg, torch.device("cuda"), skeleton.load_config(store),
+                          torch.bfloat16, hardware=r.hardware)
+    assert again.tiers == r.plan.tiers and again.ram_tier_bytes == r.plan.ram_tier_bytes
     assert r.ram_tier_bytes == 64 * GB - 3 * layer
 
 
 def test_max_batch_is_the_largest_that_fits(stores):
     candidates = load_candidates([stores["llama3-8b", "bfloat16"]])
-    r = route(candidates, _hw(8, 32), Workload(kv_schemes=("none",)))
-    assert route(candidates, _hw(8, 32), Workload(batch_size=r.max_batch, kv_schemes=("none",))).mode == "streamed"
+    r = route(candidates, _hw(8, 32), _wl(kv_schemes=("none",)))
+    assert route(candidates, _hw(8, 32), _wl(batch_size=r.max_batch, kv_schemes=("none",))).mode == "streamed"
     with pytest.raises(RouteError):
-        route(candidates, _hw(8, 32), Workload(batch_size=r.max_batch + 1, kv_schemes=("none",), mode="streamed"))
+        route(candidates, _hw(8, 32), _wl(batch_size=r.max_batch + 1, kv_schemes=("none",), mode="streamed"))
 
 
 def test_stores_of_different_models_are_refused(stores):
@@ -142,7 +156,7 @@ def test_stores_of_different_models_are_refused(stores):
 
 def test_context_beyond_the_model_is_refused(stores):
     with pytest.raises(RouteError, match="exceeds the model's 8192"):
-        route(load_candidates([stores["llama3-8b", "nf4"]]), _hw(24, 32), Workload(context=10000))
+        route(load_candidates([stores["llama3-8b", "nf4"]]), _hw(24, 32), _wl(context=10000))
 
 
 def test_plain_kv_bytes_equal_a_real_cache(tiny_store):
@@ -187,30 +201,28 @@ def test_cli_plan_default_model_shape(tiny_store, capsys):
 
 def test_kv_cache_is_offloaded_when_no_cache_fits_in_vram(stores):
     """8B bf16, batch 28 x 2048: with the 7.5 GB plain cache 12.84 GB > 10.74; in host RAM it fits."""
-    from dataclasses import replace
 
     from airquant.engine import skeleton
-    from airquant.engine.runner import plan_for
+    from airquant.engine.runner import placement_for
 
     store = stores["llama3-8b", "bfloat16"]
     candidates = load_candidates([store])
-    wl = Workload(batch_size=28, context=2048, kv_schemes=("none",), kv_offload=None)
+    wl = _wl(batch_size=28, context=2048, kv_schemes=("none",), kv_offload=None)
     r = route(candidates, _hw(10, 64), wl)
     assert (r.mode, r.kv, r.kv_offload) == ("streamed", "none", True)
     assert r.plan.kv_host_bytes > 0 and r.resident_layers > 0
     text = r.describe()
     assert "KV none offloaded" in text and "offloaded to pinned host RAM" in text and "does not fit in VRAM" in text
-    # The engine's own plan from the route's settings places the layers the same way.
-    from airquant.config import EngineConfig
-
+    # The engine's own plan from the route's settings and budgets places the layers the same way.
     cfg = r.engine_config(EngineConfig(max_vram_gb=10))
     assert cfg.kv_offload and cfg.resident_layers == r.resident_layers
-    plan = plan_for(r.candidate.manifest, cfg, torch.device("cuda"), skeleton.load_config(store), torch.bfloat16)
+    plan = placement_for(r.candidate.manifest, cfg, torch.device("cuda"), skeleton.load_config(store), torch.bfloat16,
+                         hardware=r.hardware)
     assert plan.tiers == r.plan.tiers and plan.kv_offload and plan.reserve_bytes == pytest.approx(r.reserve_bytes, 1)
     with pytest.raises(RouteError, match="--kv-offload"):
-        route(candidates, _hw(10, 64), replace(wl, kv_offload=False))
+        route(candidates, _hw(10, 64), wl.updated(kv_offload=False))
     assert not route(candidates, _hw(16, 64), wl).kv_offload  # the cache fits: it stays on the device
-    assert not route(candidates, _hw(None, 64), replace(wl, kv_offload=True)).kv_offload  # no GPU: nothing to offload
+    assert not route(candidates, _hw(None, 64), wl.updated(kv_offload=True)).kv_offload  # no GPU: nothing to offload
 
 
 def test_plan_cli_takes_the_kv_offload_flag(stores, capsys):
@@ -247,7 +259,7 @@ def test_hybrid_plan_counts_kv_for_attention_layers_and_a_fixed_state(tmp_path):
     dims = Candidate.open(store).dims
     assert dims.states.attention_layers == tuple(range(3, 48, 4)) and dims.states.state_bytes(2) == QWEN3_NEXT_STATE
     assert dims.kv_bytes("none", 1000, 2) == 1000 * 2 * 12 * 2 * 256 * 2  # 12 attention layers of 48
-    r = route(load_candidates([store]), _hw(80, 256), Workload(batch_size=4, context=8192, kv_schemes=("none",)))
+    r = route(load_candidates([store]), _hw(80, 256), _wl(batch_size=4, context=8192, kv_schemes=("none",)))
     text = r.describe()
     assert "cache     : KV for 12 of 48 layers (attention) + 77.9 MB fixed state per sequence in 36 layers" in text
     assert "+ state 0.078" in text  # in the arithmetic of every option, per sequence
@@ -262,7 +274,7 @@ def test_hybrid_plan_counts_kv_for_attention_layers_and_a_fixed_state(tmp_path):
 
 
 def test_dense_plan_has_no_hybrid_or_expert_lines(stores):
-    text = route(load_candidates([stores["llama3-8b", "bfloat16"]]), _hw(24, 32), Workload()).describe()
+    text = route(load_candidates([stores["llama3-8b", "bfloat16"]]), _hw(24, 32), _wl()).describe()
     assert "cache     :" not in text and "experts   :" not in text and "state" not in text
 
 
@@ -312,7 +324,7 @@ def test_plan_sizes_the_expert_pool_when_a_moe_route_streams(mixtral_store):
 
     candidates = load_candidates([mixtral_store])
     slot, _ = _expert_slot_and_dense(candidates[0].manifest.shards["layer.0"])
-    streamed = route(candidates, _hw(8, 8), Workload(mode="streamed", context=64, resident_layers=0))
+    streamed = route(candidates, _hw(8, 8), _wl(mode="streamed", context=64, resident_layers=0))
     assert streamed.plan.vram_layers == []  # every MoE layer streams, so its experts go through the pool
     # 3 layers of 4 experts, top 2: working slots for a prefill's 4 experts + a speculated batch's 4; roomy VRAM
     # caches every expert of the other two layers (8), never more
@@ -321,9 +333,9 @@ def test_plan_sizes_the_expert_pool_when_a_moe_route_streams(mixtral_store):
     fixed = streamed.describe(EngineConfig(expert_cache_gb=0.0, expert_policy="lru", expert_prefetch=False))
     assert "pool 4 slots" in fixed and "(4 working + 0 cache, LRU)" in fixed and "prefetch off" in fixed
     assert "routed; pool" not in streamed.describe(EngineConfig(experts="whole"))
-    cpu = route(candidates, _hw(None, 8), Workload(mode="streamed", context=64)).describe()
+    cpu = route(candidates, _hw(None, 8), _wl(mode="streamed", context=64)).describe()
     assert "(8 working + 0 cache, LFU)" in cpu  # no GPU: no VRAM left over to cache experts in
-    resident = route(candidates, _hw(8, 8), Workload(mode="resident", context=64)).describe()
+    resident = route(candidates, _hw(8, 8), _wl(mode="resident", context=64)).describe()
     assert "routed; pool" not in resident and "experts   : layer" in resident
 
 
@@ -333,7 +345,7 @@ def test_plan_cli_sizes_the_expert_pool_with_the_expert_flags(mixtral_store, cap
     candidates = load_candidates([mixtral_store])
     entry = candidates[0].manifest.shards["layer.0"]
     slot, dense = _expert_slot_and_dense(entry)
-    plan = route(candidates, _hw(8, 8), Workload(mode="streamed", context=64, resident_layers=0)).plan
+    plan = route(candidates, _hw(8, 8), _wl(mode="streamed", context=64, resident_layers=0)).plan
     # a GPU half a layer above what streaming needs: resident does not fit, and no layer is kept in VRAM
     # (the slots of the route's plan carry dense parts only: whole-layer slots are entry.bytes each)
     fill = plan.fixed_bytes + plan.slots * entry.bytes + plan.reserve_bytes + entry.bytes // 2

@@ -37,7 +37,7 @@ def _torch_path(module, x, monkeypatch):
 @pytest.mark.parametrize("m", [1, 5, 64])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtype, tol):
-    from airquant.quant.kernels.int2_triton import int2_matmul
+    from airquant.quant.kernels.int2_triton import int2_matmul_triton
 
     torch.manual_seed(0)
     w = torch.randn(out_f, in_f) * 0.02
@@ -47,7 +47,7 @@ def test_int2_fused_kernel_matches_fp32_reference(out_f, in_f, outliers, m, dtyp
     reference = x.float() @ module.dequantize().t()  # fp32 dequantized weight, fp32 matmul
     ow = module.outlier_weight if meta["n_outliers"] else None
     oi = module.outlier_idx if meta["n_outliers"] else None
-    y = int2_matmul(x, module.codes, module.scales, module.zeros, ow, oi, 32)
+    y = int2_matmul_triton(x, module.codes, module.scales, module.zeros, ow, oi, 32)
     assert y.dtype == dtype and y.shape == (m, out_f)
     assert rel_err(y, reference) <= tol
     torch.testing.assert_close(module(x), y)  # the module dispatches to the same kernel
@@ -67,7 +67,7 @@ def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outlie
     """The batch-1 kernels: Gluon (lookup tables over x read by warp shuffles, fp32 throughout) with its
     weights through a TMA ring or plain loads, and Triton. The outlier rows are passed as stored (padded
     from 128 outliers up, int2.outlier_cols: the 200x2048 case): the kernels take len(outlier_idx) columns."""
-    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul_triton
 
     if gemv.startswith("gluon") and _gluon_gemv() is None:
         pytest.skip("this Triton has no triton.experimental.gluon")
@@ -81,7 +81,7 @@ def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outlie
     ow = module.outlier_weight if meta["n_outliers"] else None
     oi = module.outlier_idx if meta["n_outliers"] else None
     if gemv == "triton":
-        y = int2_matmul(x, module.codes, module.scales, module.zeros, ow, oi, group, gemv="triton")
+        y = int2_matmul_triton(x, module.codes, module.scales, module.zeros, ow, oi, group, gemv="triton")
     else:
         from airquant.quant.kernels.int2_gluon import int2_gemv, tma_ok
 
@@ -97,7 +97,7 @@ def test_int2_gemv_kernels_match_fp32_reference(gemv, out_f, in_f, group, outlie
 def test_int2_gemv_group_not_power_of_two_words():
     """Groups of 48 inputs (3 words) are outside the Gluon tile shapes: the automatic choice takes the
     Triton GEMV, and asking for Gluon by name says why it cannot."""
-    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul
+    from airquant.quant.kernels.int2_triton import _gluon_gemv, int2_matmul_triton
 
     torch.manual_seed(2)
     w = torch.randn(96, 480) * 0.02
@@ -105,11 +105,11 @@ def test_int2_gemv_group_not_power_of_two_words():
     module = _cuda_module(tensors, meta, 480, 96, torch.float16)
     x = torch.randn(1, 480, device="cuda").half()
     args = (module.codes, module.scales, module.zeros, module.outlier_weight, module.outlier_idx, 48)
-    y = int2_matmul(x, *args)
+    y = int2_matmul_triton(x, *args)
     assert rel_err(y, x.float() @ module.dequantize().t()) <= 1e-3
     if _gluon_gemv() is not None:
         with pytest.raises(ValueError, match="groups of 16"):
-            int2_matmul(x, *args, gemv="gluon")
+            int2_matmul_triton(x, *args, gemv="gluon")
 
 
 @pytest.mark.parametrize("kind", ["gptq", "gptq_act_order", "gptq8", "awq"])

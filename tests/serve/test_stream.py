@@ -1,4 +1,4 @@
-"""SSE streaming: chunk formatting and stop strings (unit), and streamed == non-streamed through a real Provider."""
+"""SSE streaming: chunk formatting (unit), and streamed == non-streamed through a real Provider, stop strings too."""
 
 import asyncio
 import json
@@ -11,33 +11,20 @@ httpx = pytest.importorskip("httpx")
 
 from airquant import Provider  # noqa: E402
 from airquant.serve import BackgroundServer, create_app  # noqa: E402
-from airquant.serve.stream import ChunkFormat, StopScanner, sse_lines  # noqa: E402
+from airquant.serve.stream import ChunkFormat, sse_lines  # noqa: E402
 
 TIMEOUT = httpx.Timeout(120.0)
 needs_stream = pytest.mark.skipif(not hasattr(Provider, "stream"),
                                   reason="waiting for Provider.stream (the decode-loop issue adds it)")
 
 
-@pytest.mark.parametrize("stops, deltas, sent, stopped", [
-    ([], ["Hel", "lo"], ["Hel", "lo"], False),
-    (["\n\n"], ["a\n", "\nb"], ["a", ""], True),  # the stop string spans two events: nothing of it leaks
-    (["END"], ["xE", "N", "Dy"], ["x", "", ""], True),
-    (["END"], ["xE", "Nz"], ["x", "ENz"], False),  # a false start is released once it cannot match
-    (["ab", "b"], ["ab"], [""], True),  # the earliest stop wins
-])
-def test_stop_scanner(stops, deltas, sent, stopped):
-    scanner = StopScanner(stops)
-    assert [scanner.feed(d) for d in deltas] == sent
-    assert scanner.stopped is stopped
-
-
 class Events:
     """A test double of Provider.stream's iterator, for the chunk format alone; records that it was closed."""
 
-    def __init__(self, texts, usage):
+    def __init__(self, texts, usage, finish_reason="length"):
         self.items = [SimpleNamespace(text=t, token_ids=[i], finish_reason=None, usage=None)
                       for i, t in enumerate(texts)]
-        self.items[-1].finish_reason, self.items[-1].usage = "length", usage
+        self.items[-1].finish_reason, self.items[-1].usage = finish_reason, usage
         self.closed = False
 
     def __aiter__(self):
@@ -52,13 +39,13 @@ class Events:
         self.closed = True
 
 
-def _run(fmt, texts, stops=(), usage=None):
+def _run(fmt, texts, usage=None, finish_reason="length"):
     events = Events(texts, usage or {"prompt_tokens": 5, "completion_tokens": len(texts),
-                                     "total_tokens": 5 + len(texts)})
+                                     "total_tokens": 5 + len(texts)}, finish_reason)
 
     async def collect():
         first = await anext(events)
-        return [line async for line in sse_lines(first, events, fmt, list(stops), lambda: 5)]
+        return [line async for line in sse_lines(first, events, fmt, lambda: 5)]
 
     lines = asyncio.run(collect())
     assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
@@ -77,15 +64,16 @@ def test_chat_chunks_role_deltas_finish_usage_done():
     assert len({c["id"] for c in chunks}) == 1
 
 
-def test_completion_chunks_cut_at_stop_and_count_usage():
-    lines, events = _run(ChunkFormat("completion", "m", include_usage=True), ["one ", "two", " STO", "P more", " tail"],
-                         stops=["STOP"])
+def test_completion_chunks_send_the_engines_text_and_finish_reason():
+    """The detokenizer held " STO" back and cut at "STOP": the events carry the cut text and "stop", sent as is."""
+    lines, events = _run(ChunkFormat("completion", "m", include_usage=True), ["one ", "two", "", " "],
+                         finish_reason="stop")
     chunks = [json.loads(x) for x in lines[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "one two "
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["one ", "two", " ", ""]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    # generated tokens up to the stop string's (OpenAI counts them); the prompt counted by the app's tokenizer
+    # generated tokens up to the stop string's (OpenAI counts them), from the provider's last event
     assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
-    assert events.closed and events.items  # closed early: the rest was never read
+    assert events.closed
 
 
 # -- through a real provider --------------------------------------------------------------------------------------
@@ -122,6 +110,23 @@ def test_streamed_equals_non_streamed_greedy(served, path, body, text_of):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == \
         plain["choices"][0]["finish_reason"]
     assert chunks[-1]["usage"] == plain["usage"]
+
+
+@needs_stream
+def test_stop_strings_streamed_equal_non_streamed(served):
+    """A stop string from the middle of the answer: both paths end there with "stop" and the same text."""
+    _, url = served
+    body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    full = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    stop = full[4:7]
+    assert stop and stop not in full[:6]
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=TIMEOUT).json()
+    assert plain["choices"][0]["text"] == full[: full.index(stop)] and plain["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stop": stop, "stream": True},
+                      timeout=TIMEOUT) as r:
+        chunks = [json.loads(d) for d in _read_sse(r)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 @needs_stream

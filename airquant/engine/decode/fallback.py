@@ -27,6 +27,7 @@ import torch
 
 from airquant.engine.decode.loop import Completion, Request
 from airquant.engine.decode.slots import attention_backends
+from airquant.engine.decode.text import Detokenizer
 from airquant.kv.layers import LayerStates
 
 
@@ -64,7 +65,7 @@ def attention_by_name(model) -> bool:
     return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
-def generate(model, tokenizer, requests: list[Request], *, device: torch.device, eos_ids: list[int],
+def generate_with_transformers(model, tokenizer, requests: list[Request], *, device: torch.device, eos_ids: list[int],
              make_cache: Callable,
              cache_arg: str, offload=None, check_context: Callable[[int, int], None],
              on_error: Callable[[], None], scope: Callable = attention_backends) -> list[Completion]:
@@ -117,8 +118,7 @@ def _completion(tokenizer, new_ids: torch.Tensor, prompt_tokens: int, stop: tupl
     ids = new_ids.tolist()
     cut = next((k for k, t in enumerate(ids) if t in eos), len(ids))
     kept = ids[:cut]
-    text = tokenizer.decode(kept, skip_special_tokens=True)
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
-    return Completion(text=text[:min(hits)] if hits else text, prompt_tokens=prompt_tokens,
-                      new_tokens=len(kept) + (cut < len(ids)), token_ids=tuple(kept),
-                      finish_reason="stop" if cut < len(ids) or hits else "length")
+    detok = Detokenizer(tokenizer, stop)  # cuts the text at a stop string, as the decode loop's does
+    detok.push(kept)
+    return Completion(text=detok.text, prompt_tokens=prompt_tokens, new_tokens=len(kept) + (cut < len(ids)),
+                      token_ids=tuple(kept), finish_reason="stop" if cut < len(ids) else detok.finish_reason or "length")

@@ -28,7 +28,7 @@ from airquant.engine.decode.slots import (
     SlotKV,
     attention_backends,
     caches_latents,
-    register,
+    register_ragged_attention,
 )
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
@@ -150,7 +150,7 @@ class DecodeLoop:
                  sync=lambda: None, on_error=lambda: None, scope=attention_backends):
         from airquant.kv import model_dims
 
-        register()
+        register_ragged_attention()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
         self.eos = set(eos_ids)
@@ -324,8 +324,8 @@ class DecodeLoop:
             return Event(seq, [], self._finish(seq, "stop"), "stop")
         seq.out.append(token)
         text = seq.detok.push([token])
-        if seq.detok.stopped:
-            return Event(seq, [token], text + self._finish(seq, "stop"), "stop")
+        if seq.detok.finish_reason is not None:  # a stop string (the detokenizer owns them)
+            return Event(seq, [token], text + self._finish(seq, seq.detok.finish_reason), seq.detok.finish_reason)
         if len(seq.out) >= r.max_new_tokens:
             return Event(seq, [token], text + self._finish(seq, "length"), "length")
         return Event(seq, [token], text, None)

@@ -440,7 +440,7 @@ def attention_backends():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def register() -> None:
+def register_ragged_attention() -> None:
     """The attention function and a mask builder that builds nothing (the loop passes its own 4D mask)."""
     AttentionInterface.register(ATTN_NAME, ragged_attention)
     AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)

@@ -1,9 +1,13 @@
 """Text out of a growing list of token ids: incremental, never a broken UTF-8 character, stop strings cut.
 
+The one owner of stop strings: the decode loop, the transformers fallback, the provider and the server
+all take the text and the ``finish_reason`` from here and never search the text again.
+
 A byte-level BPE token may hold part of a character; decoding such a prefix gives U+FFFD at its end.
 The text is released only up to a point where it decodes cleanly, and (when stop strings are set)
 short of any tail that could still become a stop string, so a streamed client never sees text that a
-later token turns into a stop and removes.
+later token turns into a stop and removes. A stop string found (also across token boundaries) cuts the
+text where it starts and sets ``finish_reason = "stop"``.
 """
 
 from __future__ import annotations
@@ -16,21 +20,22 @@ MAX_STOP_CHARS = 256
 
 
 class Detokenizer:
-    """``push(ids)`` -> the new text since the last call; ``stopped`` once a stop string appeared."""
+    """``push(ids)`` -> the new text since the last call; ``finish_reason`` is "stop" once a stop string
+    appeared (the text is cut before it), else None."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.text = ""  # the full decoded text, cut at a stop string once one appeared
         self.sent = 0  # characters of ``text`` already released
-        self.stopped = False
+        self.finish_reason: str | None = None
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         hit = self._find_stop(text)
         if hit is not None:
-            self.stopped = True
+            self.finish_reason = "stop"
             self.text = text[:hit]
             return self._release(len(self.text))
         self.text = text
@@ -39,7 +44,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """The rest of the text (the sequence ended): a trailing partial character stays out."""
-        text = self.text if self.stopped else self.text.rstrip(REPLACEMENT)
+        text = self.text if self.finish_reason == "stop" else self.text.rstrip(REPLACEMENT)
         return self._release(len(text))
 
     def _release(self, upto: int) -> str:

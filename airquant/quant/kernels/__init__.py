@@ -105,24 +105,24 @@ def outlier_read_cols(ow: torch.Tensor, n_out: int) -> tuple[int, int]:
 
 
 def int2_matmul(x, codes, scales, zeros, outlier_weight, outlier_idx, group):
-    from airquant.quant.kernels.int2_triton import int2_matmul as impl
+    from airquant.quant.kernels.int2_triton import int2_matmul_triton as impl
 
     return impl(x, codes, scales, zeros, outlier_weight, outlier_idx, group)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zero_offset):
-    from airquant.quant.kernels.packed_triton import gptq_matmul as impl
+    from airquant.quant.kernels.packed_triton import gptq_matmul_triton as impl
 
     return impl(x, qweight, qzeros, scales, g_idx, bits, zero_offset)
 
 
 def awq_matmul(x, qweight, qzeros, scales, group_size):
-    from airquant.quant.kernels.packed_triton import awq_matmul as impl
+    from airquant.quant.kernels.packed_triton import awq_matmul_triton as impl
 
     return impl(x, qweight, qzeros, scales, group_size)
 
 
 def gguf_matmul(x, weight_blocks, ggml_type):
-    from airquant.quant.kernels.packed_triton import gguf_matmul as impl
+    from airquant.quant.kernels.packed_triton import gguf_matmul_triton as impl
 
     return impl(x, weight_blocks, ggml_type)

@@ -209,7 +209,7 @@ def _gluon_gemv():
     return _GLUON["impl"]
 
 
-def int2_matmul(
+def int2_matmul_triton(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,

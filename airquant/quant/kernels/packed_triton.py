@@ -144,19 +144,19 @@ def _launch(x, n, k, w, z, s, g, *, fmt, bits=4, zero_offset=0, ts=0, group_size
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits: int, zero_offset: int) -> torch.Tensor:
+def gptq_matmul_triton(x, qweight, qzeros, scales, g_idx, bits: int, zero_offset: int) -> torch.Tensor:
     n, k = scales.shape[1], g_idx.shape[0]
     return _launch(x, n, k, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), g_idx.contiguous(),
                    fmt=FMT_GPTQ, bits=bits, zero_offset=zero_offset)
 
 
-def awq_matmul(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+def awq_matmul_triton(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
     n, k = scales.shape[1], qweight.shape[0]
     return _launch(x, n, k, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), qweight,
                    fmt=FMT_AWQ, group_size=group_size)
 
 
-def gguf_matmul(x, weight_blocks, ggml_type: str) -> torch.Tensor:
+def gguf_matmul_triton(x, weight_blocks, ggml_type: str) -> torch.Tensor:
     fmt, ts = _GGUF_FMT[ggml_type]
     n, k = weight_blocks.shape[0], weight_blocks.shape[1] // ts * 32
     wb = weight_blocks.contiguous()
