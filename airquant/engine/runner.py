@@ -9,6 +9,7 @@ caps PyTorch's allocator during the engine's own passes only, nothing process-wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -128,7 +129,11 @@ class Engine:
              **overrides) -> "Engine":
         """Open a store: ``Engine.open("store/", device="cpu", resident=True)``; ``placement``: one
         ``planner.plan`` made already (a route's ``plan``), else the engine plans from ``cfg``."""
-        cfg = cfg or EngineConfig(**overrides)
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown := sorted(set(overrides) - known):
+            raise TypeError(f"Engine.open got unknown setting(s) {unknown}; the settings are EngineConfig's fields "
+                            "(airquant/config.py), and a plan made already goes in as placement=.")
+        cfg = dataclasses.replace(cfg, **overrides) if cfg is not None else EngineConfig(**overrides)
         store = Path(store)
         return cls(store, open_store(store, verify=cfg.verify), cfg, placement)
 

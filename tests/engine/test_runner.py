@@ -160,3 +160,15 @@ def test_max_vram_caps_the_allocator_inside_the_engines_passes_only(tiny_store, 
     assert entered == [("cpu", GIB)] * 3  # one per pass: prefill and two decode steps
     engine.forward(torch.tensor([[1, 2, 3]]))
     assert len(entered) == 4
+
+
+def test_open_refuses_an_unknown_setting_and_applies_overrides_to_a_config(tiny_store):
+    from airquant.config import EngineConfig
+
+    with pytest.raises(TypeError, match="plan"):
+        Engine.open(tiny_store, EngineConfig(device="cpu"), plan=None)
+    engine = Engine.open(tiny_store, EngineConfig(device="cpu"), resident=True)
+    try:
+        assert engine.cfg.resident and engine.cfg.device == "cpu"
+    finally:
+        engine.close()
