@@ -11,7 +11,7 @@
  * and odd elements, so a byte's two nibbles multiply x_even and x_odd lane by lane; the 16-entry code book is a
  * register permute (AVX-512: one vpermps over 16 lanes; AVX2: two 8-lane permutes and a blend). A block's
  * products are summed unscaled, then scaled once: sum_b scale_b * (sum_j q_j x_j). Rows are split over the
- * OpenMP threads; up to TOKENS rows of x share one pass over a row of W (more go in further passes over the
+ * OpenMP threads; up to TOKENS (4) rows of x share one pass over a row of W (more go in further passes over the
  * row, which is in cache by then: the bytes are read from memory once).
  */
 #include <stdint.h>
@@ -24,7 +24,7 @@
 #include <omp.h>
 #endif
 
-#define TOKENS 8
+#define TOKENS 4
 #define NESTED 256
 
 static inline float block_scale(int64_t b, int dbl, const float *absmax, const uint8_t *codes,
@@ -141,11 +141,7 @@ static void rows_fast(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const f
             case 1: PASS(1); break;
             case 2: PASS(2); break;
             case 3: PASS(3); break;
-            case 4: PASS(4); break;
-            case 5: PASS(5); break;
-            case 6: PASS(6); break;
-            case 7: PASS(7); break;
-            default: PASS(8); break;
+            default: PASS(4); break;
             }
 #undef PASS
             for (int64_t u = 0; u < tn; u++) out[(t0 + u) * n + r] = res[u];
