@@ -13,7 +13,7 @@ DType = Literal["bfloat16", "float16", "float32"]
 class EngineConfig:
     """How a store is run: ``--device --dtype --resident --max-vram --max-ram --resident-layers --reserve
     --batch-size --context --host-embedding --kv-offload --readahead --profile --verify --no-verify-reads
-    --experts --expert-cache --expert-policy --expert-prefetch``."""
+    --experts --expert-cache --expert-policy --expert-prefetch --host-gemv-gbps --link-gbps``."""
 
     device: Device = "auto"
     dtype: DType | None = None  # None: the store's dtype (float32 for float16 stores on CPU)
@@ -39,12 +39,17 @@ class EngineConfig:
     verify: bool = False  # check every shard's sha256 when opening the store
     # Check each shard's xxh3_128 as it is read (store/integrity.py); off only for benchmarks (--no-verify-reads).
     verify_reads: bool = True
-    # MoE stores streamed: move only routed experts (engine/experts.py). auto: routed when a decode step at
-    # batch_size routes few of a layer's experts (expert_plan.choose_experts), else whole layers.
-    experts: Literal["auto", "whole", "routed"] = "auto"
+    # MoE stores streamed: move only routed experts (engine/experts.py), or compute them on the host CPU from
+    # the RAM tier ("cpu": engine/expert_host.py). auto: routed when a decode step at batch_size routes few of
+    # a layer's experts (expert_plan.choose_experts), on the host where the measured figures say it is faster
+    # than the link, else whole layers.
+    experts: Literal["auto", "whole", "routed", "cpu"] = "auto"
     expert_cache_gb: float | None = None  # VRAM expert cache (GB); None: what the layer plan leaves free
     expert_policy: Literal["lru", "lfu"] = "lfu"  # which cached expert to evict: least recently / frequently used
     expert_prefetch: bool = True  # speculative prefetch of the next layer's experts at batch <= 8
+    # The figures auto weighs host against link with (GB/s); None: what airquant doctor last measured here.
+    host_gemv_gbps: float | None = None
+    link_gbps: float | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ KV_ROUTE_CHOICES = ("auto", "none", "tq")
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``EngineConfig`` (see ``engine_config``)."""
+    from airquant.engine.expert_plan import EXPERTS_CHOICES  # here: the engine (and torch) load after parsing
+
     g = p.add_argument_group("engine")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="compute device (default: auto)")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
@@ -41,10 +43,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--readahead", type=int, default=2, metavar="N", help="layers read ahead from disk (default 2)")
     g.add_argument("--profile", action="store_true", help="time each layer's copy and compute (CUDA)")
     g.add_argument("--verify", action="store_true", help="check every shard's sha256 before running")
-    g.add_argument("--experts", choices=["auto", "whole", "routed"], default="auto",
-                   help="MoE stores streamed: routed moves only the experts a batch routes to, whole moves whole "
-                        "layers (default auto: routed while a decode step of the run's batch routes few of a layer's "
-                        "experts, else whole; airquant plan says which and why)")
+    g.add_argument("--experts", choices=list(EXPERTS_CHOICES), default="auto",
+                   help="MoE stores streamed: routed moves only the experts a batch routes to, cpu computes them on "
+                        "the host CPU from the RAM tier, whole moves whole layers (default auto: routed while a "
+                        "decode step of the run's batch routes few of a layer's experts, on the host where the "
+                        "measured host GEMV bandwidth beats the link, else whole; airquant plan says which and why)")
+    g.add_argument("--host-gemv-gbps", type=float, default=None, metavar="GB/S",
+                   help="host NF4 GEMV bandwidth auto weighs against the link (default: airquant doctor's figure)")
+    g.add_argument("--link-gbps", type=float, default=None, metavar="GB/S",
+                   help="pinned host-to-GPU bandwidth auto weighs the host against (default: airquant doctor's)")
     g.add_argument("--expert-cache", type=float, default=None, metavar="GB",
                    help="VRAM kept for recently/frequently used experts (GB; default: what the plan leaves free)")
     g.add_argument("--expert-policy", choices=["lru", "lfu"], default="lfu",
@@ -64,7 +71,8 @@ def engine_config(args):
                         reserve_gb=args.reserve, host_embedding=args.host_embedding, readahead=args.readahead,
                         profile=args.profile, kv_offload=args.kv_offload, verify_reads=args.verify_reads,
                         experts=args.experts, expert_cache_gb=args.expert_cache, expert_policy=args.expert_policy,
-                        expert_prefetch=args.expert_prefetch,
+                        expert_prefetch=args.expert_prefetch, host_gemv_gbps=args.host_gemv_gbps,
+                        link_gbps=args.link_gbps,
                         batch_size=getattr(args, "batch", None) or 1, context=getattr(args, "context", None),
                         kv_cache="tq" if getattr(args, "kv", None) == "tq" else "none")
 

@@ -355,12 +355,7 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
 
     up_op, down_op = operands
     sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(ids, experts)
-    h = nf4_moe.up(hidden, ids, up_op, sorted_pairs)  # [T * k, 2I] or [T * k, I]
-    if spec.gated:
-        gate = getattr(module, "_apply_gate", None)
-        h = gate(h) if gate is not None else _default_gate(module, h)
-    else:
-        h = module.act_fn(h)
+    h = activate(module, nf4_moe.up(hidden, ids, up_op, sorted_pairs), spec.gated)  # [T * k, I]
     return nf4_moe.down(h, ids, weights, down_op, hidden.dtype, sorted_pairs)  # [T, H]
 
 
@@ -390,6 +385,15 @@ def fused_runs_on(x: torch.Tensor) -> bool:
     from airquant.quant import kernels
 
     return kernels.use_triton(x) or kernels.interpreting()
+
+
+def activate(module, h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The module's own activation of its (gate/)up output ``h``: transformers' ``_apply_gate`` (SiLU-GLU,
+    gpt-oss's clamped swiglu), its default gating where it has none, or ``act_fn`` for an ungated expert."""
+    if not gated:
+        return module.act_fn(h)
+    gate = getattr(module, "_apply_gate", None)
+    return gate(h) if gate is not None else _default_gate(module, h)
 
 
 def _default_gate(module, h: torch.Tensor) -> torch.Tensor:

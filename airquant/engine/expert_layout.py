@@ -152,6 +152,20 @@ class LayerExperts:
     def expert_bytes(self, e: int) -> int:
         return sum(end - start for start, end in self.ranges[e])
 
+    def host_views(self, src: torch.Tensor | None, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s tensors (names relative to the module) as typed, shaped host tensors: views into
+        ``src`` (the layer's data section in host memory, uint8), or read from the shard when ``src`` is None
+        (a disk-tier layer, or one the RAM tier has not read yet). The one place the host path reads the
+        ranges: how the RAM tier lays out an expert's bytes may change, this function with it. A slice whose
+        start is not a multiple of its dtype's size is copied (a view must be aligned)."""
+        out = {}
+        for name, dtype, shape, (start, end) in zip(self.names, self.dtypes, self.shapes, self.ranges[e]):
+            raw = src[start:end] if src is not None else read_range(self, start, end)
+            if raw.data_ptr() % dtype.itemsize:
+                raw = raw.clone()
+            out[name] = raw.view(dtype).view(shape)
+        return out
+
 
 def read_range(layer: LayerExperts, start: int, end: int) -> torch.Tensor:
     """Bytes [start, end) of a layer's data section, read from its shard file (a disk-tier layer)."""

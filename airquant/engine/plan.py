@@ -60,6 +60,7 @@ class StreamPlan:
     experts: object | None = None  # expert_plan.ExpertPlan of a routed MoE run: arena and cache (planner.plan)
     expert_bytes: int = 0  # that pool and its gather on the device
     experts_fit: bool = True  # False: the arena does not fit beside the floor (the engine refuses to open)
+    experts_host: bool = False  # routed experts computed on the host CPU (engine/expert_host): no device pool
     vram_budget_bytes: int | None = None  # the GPU budget the plan was made for (None: CPU, or not known)
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
