@@ -310,11 +310,12 @@ class FusedExperts:
 
 
 def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | None = None,
-                  offsets: tuple[int, ...] | None = None) -> FusedExperts | None:
+                  offsets: tuple[int, ...] | None = None, straddling: bool = False) -> FusedExperts | None:
     """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (not NF4, a
     block straddling two rows, a post-expert norm, expert parallelism, another quantized or dense tensor).
     With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors relative to the module) the slot must
-    hold exactly those matrices and biases, and their offsets are recorded."""
+    hold exactly those matrices and biases, and their offsets are recorded. ``straddling``: NF4 blocks may
+    straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any layout; the Triton kernels do not)."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     from airquant.quant.nf4 import NF4Linear
@@ -327,7 +328,7 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     if set(quantized) != {first, "down_proj"} or dense - ({f"{first}_bias", "down_proj_bias"} if biased else set()):
         return None
     templates = [quantized[first].one[0], quantized["down_proj"].one[0]]
-    if not all(isinstance(t, NF4Linear) and t.in_features % t.blocksize == 0 for t in templates) or \
+    if not all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0) for t in templates) or \
             len({(t.blocksize, t.double_quant) for t in templates}) != 1:
         return None
     where = dict(zip(names, zip(offsets, dtypes))) if names is not None else {}

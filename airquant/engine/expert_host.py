@@ -111,7 +111,7 @@ class HostExperts:
     def _spec(self, i: int, module) -> expert_compute.FusedExperts | None:
         """Layer i's NF4 experts as the host kernel takes them (decided once per layer), or None."""
         if i not in self._specs:
-            spec = expert_compute.fused_experts(module)
+            spec = expert_compute.fused_experts(module, straddling=True)
             layer = self.layers[i]
             names = {f"{m.name}.{s}" for m in (spec.up, spec.down) for s in
                      expert_compute.quantized_children(module)[m.name].suffixes} if spec is not None else set()

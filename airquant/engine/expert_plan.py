@@ -155,7 +155,12 @@ class Figures:
     source: str = "given"
 
 
+FIGURES_ENV = "AIRQUANT_FIGURES"  # another file for the figures (tests keep theirs apart from the user's)
+
+
 def figures_path() -> Path:
+    if os.environ.get(FIGURES_ENV):
+        return Path(os.environ[FIGURES_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "airquant" / FIGURES_FILE
 
@@ -204,9 +209,9 @@ class HostCost:
 
     def describe(self, figures: Figures) -> str:
         moved = self.experts * self.expert_bytes / 1e6
-        return (f"host {moved:.1f} MB / {figures.host_gemv_gbps:.1f} GB/s x (1 + {HOST_ROW_COST} x "
-                f"({self.rows:.1f} - 1) rows) + {HOST_CALL_S * 1e3:.1f} ms = {self.host_s * 1e3:.2f} ms vs link "
-                f"{moved:.1f} MB / {figures.link_gbps:.1f} GB/s = {self.link_s * 1e3:.2f} ms a layer")
+        return (f"host {moved:.3g} MB / {figures.host_gemv_gbps:.3g} GB/s x (1 + {HOST_ROW_COST} x "
+                f"({self.rows:.3g} - 1) rows) + {HOST_CALL_S * 1e3:.3g} ms = {self.host_s * 1e3:.3g} ms vs link "
+                f"{moved:.3g} MB / {figures.link_gbps:.3g} GB/s = {self.link_s * 1e3:.3g} ms a layer")
 
 
 def host_cost(entry: ShardEntry, batch: int, figures: Figures) -> HostCost:

@@ -123,6 +123,8 @@ class StreamPlan:
         if self.kv_offload:
             lines.append(f"KV cache                : offloaded, {self.kv_host_bytes / GB:.3f} GB in pinned host RAM; "
                          "each streamed layer's cache moves with its weights")
+        if self.experts_host:
+            lines.append("experts   : routed, computed on the host CPU from the RAM tier (no device expert pool)")
         if self.experts is not None:
             lines.append(self.experts.describe())
             if not self.experts_fit:

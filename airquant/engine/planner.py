@@ -312,7 +312,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     choice (``expert_plan.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
     layers = manifest.layer_bytes
     whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
-    choice = experts_choice(manifest, wl)
+    choice = experts_choice(manifest, wl, budgets.vram_bytes is not None)
     routed = expert_plan.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
     if routed and choice.host:
         choice = _host_tier_check(whole, routed, choice, wl)
@@ -342,9 +342,10 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     return replace(placed, experts=sizing, expert_bytes=arena)
 
 
-def experts_choice(manifest: Manifest, wl: Workload) -> expert_plan.ExpertsChoice:
-    """``expert_plan.choose_experts`` at the workload's batch, with its figures (given, or airquant doctor's)."""
-    figures = expert_plan.figures_for(wl.host_gemv_gbps, wl.link_gbps)
+def experts_choice(manifest: Manifest, wl: Workload, gpu: bool) -> expert_plan.ExpertsChoice:
+    """``expert_plan.choose_experts`` at the workload's batch, with its figures (given, or airquant doctor's) where
+    there is a link to weigh the host against (a GPU)."""
+    figures = expert_plan.figures_for(wl.host_gemv_gbps, wl.link_gbps) if gpu else None
     return expert_plan.choose_experts(wl.experts, manifest, True, wl.batch_size, figures)
 
 
@@ -367,7 +368,7 @@ def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
     working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
     if not gpu or not expert_plan.use_routed(wl.experts, manifest, True, wl.batch_size) or \
-            experts_choice(manifest, wl).host:
+            experts_choice(manifest, wl, gpu).host:
         return 0
     sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes
