@@ -177,7 +177,8 @@ class HostBandwidth:
 
     def describe(self) -> str:
         return (f"host      : NF4 GEMV {self.gemv_gbps:.1f} GB/s of packed bytes, memory copy {self.copy_gbps:.1f} "
-                f"GB/s read ({self.efficiency:.2f} of it); kernel {self.kernel}, {self.threads} threads")
+                f"GB/s read ({self.efficiency:.2f} of it); kernel {self.kernel}, {self.threads} thread"
+                + ("s" if self.threads > 1 else ""))
 
 
 def random_nf4(n: int, k: int, blocksize: int = 64, double: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
