@@ -42,10 +42,15 @@ def threads() -> int:
     given = os.environ.get(THREADS_ENV)
     if given:
         return max(1, int(given))
-    import psutil
-
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    cores = _physical_cores()
     return max(1, cores - (2 if cores >= 8 else 1))
+
+
+@functools.cache
+def _physical_cores() -> int:
+    import psutil  # reads /proc each call: once per process, not per product
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def cache_dir() -> Path:
