@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,8 @@ class HostExperts:
     def __init__(self, layers: dict[int, LayerExperts], host_bytes, device: torch.device):
         self.layers, self.host_bytes, self.device = layers, host_bytes, device
         self._specs: dict[int, expert_compute.FusedExperts | None] = {}
+        # (layer, its host buffer's address) -> the layer's operands: made once, while the buffer holds the layer
+        self._operands_of: dict[tuple[int, int], HostOperands] = {}
         # experts: computed (per call, summed); kernel_experts: of them by the NF4 kernel (the rest: grouped)
         self.stats = {"calls": 0, "experts": 0, "kernel_experts": 0, "pairs": 0, "bytes_read": 0, "host_s": 0.0}
 
@@ -87,26 +90,49 @@ class HostExperts:
 
     def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> torch.Tensor:
-        layer = self.layers[i]
-        experts = torch.unique(ids).tolist()
-        src = self.host_bytes(i)
-        views = {e: layer.host_views(src, e) for e in experts}
-        self.stats["experts"] += len(experts)
-        self.stats["pairs"] += ids.numel()
-        self.stats["bytes_read"] += sum(layer.expert_bytes(e) for e in experts)
+        layer, src = self.layers[i], self.host_bytes(i)
+        flat = ids.reshape(-1)  # [P = T * k]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        self.stats["experts"] += experts.numel()
+        self.stats["pairs"] += flat.numel()
+        self.stats["bytes_read"] += sum(layer.expert_bytes(e) for e in experts.tolist())
         spec = self._spec(i, module)
         if spec is None:
-            return _grouped(module, forward, layer, x, ids, w, experts, views)
-        self.stats["kernel_experts"] += len(experts)
-        out = torch.zeros_like(x)
-        for e in experts:
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            h = expert_compute.activate(module, _product(spec, spec.up, views[e], x[tok]), spec.gated)
-            y = _product(spec, spec.down, views[e], h)  # [n_e, H]
-            # A token routes to an expert once, so ``tok`` has no repeats: an indexed add, not index_add_ (which
-            # took ~6 ms a call for a few rows on a busy 2-core host, in torch's thread pool).
-            out[tok] += y * w[tok, slot].unsqueeze(-1)
-        return out
+            return _grouped(module, forward, layer, x, ids, w, experts.tolist(), src)
+        self.stats["kernel_experts"] += experts.numel()
+        ops, rows_of = self._operands(i, spec, src, experts)
+        rows = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [u + 1]: each expert's pairs
+        # [P]: each sorted pair's row in the operands (for biases; searchsorted, as repeat_interleave took ~5 ms
+        # for a few elements on a busy 2-core host)
+        pair_rows = rows_of[torch.searchsorted(experts, flat[order])] if ops.up_bias is not None or \
+            ops.down_bias is not None else None
+        h = nf4_cpu.matmul_experts(x[order // ids.shape[1]], ops.up, rows_of, rows, spec.up.n, spec.up.k,
+                                   spec.blocksize, spec.double)  # [P, N]
+        if ops.up_bias is not None:
+            h += ops.up_bias[pair_rows]
+        h = expert_compute.activate(module, h, spec.gated)  # [P, I]
+        y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
+                                   spec.double)  # [P, H]
+        if ops.down_bias is not None:
+            y += ops.down_bias[pair_rows]
+        out = torch.empty_like(y)
+        out[order] = y * w.reshape(-1)[order].unsqueeze(-1)  # back to (token, slot) order
+        return out.view(*ids.shape, -1).sum(dim=1)  # [T, H]: a token's k weighted rows summed
+
+    def _operands(self, i: int, spec: expert_compute.FusedExperts, src: torch.Tensor | None,
+                  experts: torch.Tensor) -> tuple["HostOperands", torch.Tensor]:
+        """The call's operands and, per routed expert, its row in them: every expert of the layer's host bytes,
+        made once per layer and buffer (``src``); from the shard (no ``src``): the routed ones, read now."""
+        layer = self.layers[i]
+        if src is None:
+            return HostOperands.of(spec, [layer.host_views(None, e) for e in experts.tolist()]), \
+                torch.arange(experts.numel())
+        key = (i, src.data_ptr())
+        if key not in self._operands_of:
+            self._operands_of = {k: v for k, v in self._operands_of.items() if k[0] != i}  # the layer's old buffer
+            self._operands_of[key] = HostOperands.of(spec, [layer.host_views(src, e) for e in range(len(layer.ranges))])
+        return self._operands_of[key], experts
 
     def _spec(self, i: int, module) -> expert_compute.FusedExperts | None:
         """Layer i's NF4 experts as the host kernel takes them (decided once per layer), or None."""
@@ -120,23 +146,36 @@ class HostExperts:
         return self._specs[i]
 
 
-def _product(spec: expert_compute.FusedExperts, matrix: expert_compute.FusedMatrix, views: dict[str, torch.Tensor],
-             x: torch.Tensor) -> torch.Tensor:
-    """``x`` [n, k] times one expert's NF4 ``matrix`` (+ its bias), fp32 ``[n, matrix.n]``."""
-    prefix = f"{matrix.name}."
-    bufs = {name[len(prefix):]: t for name, t in views.items() if name.startswith(prefix)}
-    y = nf4_cpu.matmul(x, bufs, matrix.n, matrix.k, spec.blocksize, spec.double)
-    bias = views.get(f"{matrix.name}_bias")
-    return y if bias is None else y + bias.float()
+@dataclass(frozen=True)
+class HostOperands:
+    """A layer's NF4 experts as the host kernel reads them: the (gate/)up and down matrices of each expert and
+    their biases, fp32 ``[experts, n]`` (gpt-oss), indexed by a row per expert."""
+
+    up: nf4_cpu.Matrices
+    down: nf4_cpu.Matrices
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, spec: expert_compute.FusedExperts, views: list[dict[str, torch.Tensor]]) -> "HostOperands":
+        parts = []
+        for m in (spec.up, spec.down):
+            prefix = f"{m.name}."
+            parts.append(nf4_cpu.Matrices.of([{n[len(prefix):]: t for n, t in v.items() if n.startswith(prefix)}
+                                              for v in views]))
+        biases = [torch.stack([v[f"{m.name}_bias"] for v in views]).float() if m.bias is not None else None
+                  for m in (spec.up, spec.down)]
+        return cls(parts[0], parts[1], *biases)
 
 
 def _grouped(module, forward, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-             experts: list[int], views: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+             experts: list[int], src: torch.Tensor | None) -> torch.Tensor:
     """Experts the host kernel does not take: transformers' grouped forward (or the module's own) on host
     ``[U, ...]`` tensors of the routed experts, dense ones in fp32; quantized ones decode to their compute
     dtype, which the rows then take."""
     quantized = expert_compute.quantized_children(module)
     dtype = next(iter(quantized.values())).compute_dtype if quantized else torch.float32
+    views = {e: layer.host_views(src, e) for e in experts}
     packed = {}
     for name, dense in zip(layer.names, layer.dense):
         t = torch.stack([views[e][name] for e in experts])

@@ -59,3 +59,17 @@ def test_measure_reports_both_figures():
     bw = nf4_cpu.measure(seconds=0.2, n=256, k=1024)
     assert bw.gemv_gbps > 0 and bw.copy_gbps > 0 and bw.threads >= 1 and bw.kernel
     assert "GB/s" in bw.describe()
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_one_call_for_several_experts_equals_each_alone(double):
+    """``matmul_experts``: rows 0-2 through expert 2, row 3 through expert 0, rows 4-9 through expert 1 (a table of
+    three experts' pointers, gathered per call) equal each expert's own product; the fallback gives the same."""
+    n, k = 40, 192
+    mats = [nf4_cpu.random_nf4(n, k, 64, double, seed=s) for s in range(3)]
+    table = nf4_cpu.Matrices.of(mats)
+    x = torch.randn(10, k)
+    experts, rows = torch.tensor([2, 0, 1]), torch.tensor([0, 3, 4, 10])
+    want = torch.cat([_reference(x[a:b], mats[e], n, k, 64, double)
+                      for e, a, b in zip(experts.tolist(), rows[:-1].tolist(), rows[1:].tolist())])
+    _check(nf4_cpu.matmul_experts(x, table, experts, rows, n, k, 64, double), want)

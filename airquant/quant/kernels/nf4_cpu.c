@@ -150,40 +150,59 @@ static void rows_fast(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const f
 }
 #endif
 
-/* out [t, n] = x [t, k] times the NF4 matrix [n, k]' (see the top of this file). ``absmax`` is fp32 without
- * double quant, uint8 codes with it. Returns 1 where the vector path ran, 0 for the generic one. */
-int nf4_matmul(const uint8_t *w, const void *absmax, const float *nested_absmax, const float *nested_code,
-               const float *nested_offset, const float *quant_map, int64_t n, int64_t k, int64_t bs, int dbl,
-               const float *x, int64_t t, float *out, int threads) {
-    const float *a32 = dbl ? NULL : (const float *)absmax;
-    const uint8_t *codes = dbl ? (const uint8_t *)absmax : NULL;
-    const float offset = dbl ? *nested_offset : 0.0f;
+/* One expert's buffers, as ``nf4_experts`` takes them: data pointers (0 where absent). */
+enum { W, ABSMAX, NESTED_ABSMAX, NESTED_CODE, NESTED_OFFSET, QUANT_MAP, BUFFERS };
+
+/* Rows r0..r1 of expert ``e``'s matrix for its rows of x (``xs``: [rows, k], or their even/odd halves). */
+static void expert_rows(const int64_t *p, int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t bs, int dbl,
+                        int fast, const float *x, const float *xe, const float *xo, int64_t t, float *out) {
+    const uint8_t *w = (const uint8_t *)p[W];
+    const float *a32 = dbl ? NULL : (const float *)p[ABSMAX];
+    const uint8_t *codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL;
+    const float *nested_absmax = (const float *)p[NESTED_ABSMAX], *nested_code = (const float *)p[NESTED_CODE];
+    const float offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f;
+    const float *qm = (const float *)p[QUANT_MAP];
 #ifdef LANES
-    if (k % bs == 0 && bs % (2 * LANES) == 0) {
+    if (fast) {
+        rows_fast(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, xe, xo, t, out);
+        return;
+    }
+#endif
+    (void)xe; (void)xo; (void)fast;
+    rows_generic(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, x, t, out);
+}
+
+/* For each of ``u`` experts (``ptrs`` [u, BUFFERS]: its buffers' data pointers; ``absmax`` fp32 without double
+ * quant, uint8 codes with it), its rows rows[e] .. rows[e + 1] of x [R, k] times its NF4 matrix [n, k]' into the
+ * same rows of out [R, n]: one call, one parallel region over (expert, 16 rows of W) for a call's every expert.
+ * Returns 1 where the vector path ran, 0 for the generic one. */
+int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, int64_t n, int64_t k, int64_t bs, int dbl,
+                const float *x, float *out, int threads) {
+    const int64_t total = rows[u], chunks = (n + 15) / 16;
+    int fast = 0;
+    float *xe = NULL, *xo = NULL;
+#ifdef LANES
+    fast = k % bs == 0 && bs % (2 * LANES) == 0;
+    if (fast) {
         const int64_t half = k / 2;
-        float *xe = malloc(sizeof(float) * (size_t)(t * half * 2));
-        float *xo = xe + t * half;
-        for (int64_t i = 0; i < t * half; i++) {
+        xe = malloc(sizeof(float) * (size_t)(total * half * 2 + 1));
+        xo = xe + total * half;
+        for (int64_t i = 0; i < total * half; i++) {
             xe[i] = x[2 * i];
             xo[i] = x[2 * i + 1];
         }
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t c = 0; c < (n + 15) / 16; c++) {
-            int64_t r1 = (c + 1) * 16 < n ? (c + 1) * 16 : n;
-            rows_fast(c * 16, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, quant_map, n, k, bs, xe,
-                      xo, t, out);
-        }
-        free(xe);
-        return 1;
     }
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < (n + 15) / 16; c++) {
-        int64_t r1 = (c + 1) * 16 < n ? (c + 1) * 16 : n;
-        rows_generic(c * 16, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, quant_map, n, k, bs, x, t,
-                     out);
+    for (int64_t task = 0; task < u * chunks; task++) {
+        const int64_t e = task / chunks, c = task % chunks, t = rows[e + 1] - rows[e];
+        const int64_t r1 = (c + 1) * 16 < n ? (c + 1) * 16 : n, at = rows[e];
+        if (t > 0)
+            expert_rows(ptrs + e * BUFFERS, c * 16, r1, n, k, bs, dbl, fast, x + at * k,
+                        xe ? xe + at * (k / 2) : NULL, xo ? xo + at * (k / 2) : NULL, t, out + at * n);
     }
-    return 0;
+    free(xe);
+    return fast;
 }
 
 /* A plain copy split over ``threads`` (each a contiguous share): the host memory bandwidth ``airquant doctor``

@@ -102,8 +102,8 @@ def library() -> ctypes.CDLL | None:
                     detail.strip()[-500:])
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.nf4_matmul.argtypes = [ptr] * 6 + [i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
-    lib.nf4_matmul.restype = ctypes.c_int
+    lib.nf4_experts.argtypes = [i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    lib.nf4_experts.restype = ctypes.c_int
     lib.host_copy.argtypes = [ptr, ptr, i64, ctypes.c_int]
     lib.nf4_lanes.restype = ctypes.c_int
     return lib
@@ -119,8 +119,24 @@ def kernel_name() -> str:
     return f"C ({isa}, OpenMP)"
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+# The order of an expert's buffer pointers in the kernel's table (nf4_cpu.c: W, ABSMAX, ...).
+BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
+
+
+@dataclass(frozen=True)
+class Matrices:
+    """One NF4 matrix of each of several experts, as the kernel takes them: each one's buffers (``bufs``: host
+    tensors, kept alive here) and a table of their data pointers, ``[experts, len(BUFFERS)]`` int64. Built once
+    per layer's bytes, so a call gathers rows of the table instead of making tensors per expert."""
+
+    bufs: tuple[dict[str, torch.Tensor], ...]
+    ptrs: torch.Tensor
+
+    @classmethod
+    def of(cls, bufs: list[dict[str, torch.Tensor]]) -> "Matrices":
+        kept = tuple({name: t.contiguous() for name, t in b.items()} for b in bufs)
+        table = [[b[name].data_ptr() if name in b else 0 for name in BUFFERS] for b in kept]
+        return cls(kept, torch.tensor(table, dtype=torch.int64).reshape(len(kept), len(BUFFERS)))
 
 
 def matmul(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int,
@@ -128,15 +144,27 @@ def matmul(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, block
     """``[T, n]`` fp32: ``x`` ``[T, k]`` times the NF4 matrix ``[n, k]`` (transposed) held by ``bufs``
     (``weight_packed``, ``absmax``, ``quant_map``; with double quant ``nested_absmax``, ``nested_quant_map``,
     ``nested_offset``: host tensors, any alignment)."""
-    lib = library()
+    rows = torch.tensor([0, x.shape[0]], dtype=torch.int64)
+    return matmul_experts(x, Matrices.of([bufs]), torch.zeros(1, dtype=torch.int64), rows, n, k, blocksize, double)
+
+
+def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows: torch.Tensor, n: int, k: int,
+                   blocksize: int, double: bool) -> torch.Tensor:
+    """``[R, n]`` fp32: rows ``rows[j] .. rows[j + 1]`` of ``x`` ``[R, k]`` times the matrix of ``mats``'s expert
+    ``experts[j]`` (``experts`` ``[u]``, ``rows`` ``[u + 1]`` int64): every expert of a call in one kernel call."""
     x = x.to(torch.float32).contiguous()
+    lib = library()
     if lib is None:
-        return matmul_torch(x, bufs, n, k, blocksize, double)
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for j, e in enumerate(experts.tolist()):
+            a, b = int(rows[j]), int(rows[j + 1])
+            out[a:b] = matmul_torch(x[a:b], mats.bufs[e], n, k, blocksize, double)
+        return out
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
-    b = {name: t.contiguous() for name, t in bufs.items()}
-    lib.nf4_matmul(_ptr(b["weight_packed"]), _ptr(b["absmax"]), _ptr(b.get("nested_absmax")),
-                   _ptr(b.get("nested_quant_map")), _ptr(b.get("nested_offset")), _ptr(b["quant_map"]),
-                   n, k, blocksize, int(double), x.data_ptr(), x.shape[0], out.data_ptr(), threads())
+    table = mats.ptrs.index_select(0, experts).contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(), n, k, blocksize, int(double), x.data_ptr(),
+                    out.data_ptr(), threads())
     return out
 
 
