@@ -110,6 +110,11 @@ NOT_ROUTED = {
 }
 
 
+# Model types whose routed experts the host path cannot compute, and why: ``auto`` copies them to the GPU.
+NOT_HOST = {t: "its experts module takes every token spread over all experts (no routing index)"
+            for t in ("llama4", "llama4_text")}
+
+
 # ``auto`` streams experts routed while one decode step is expected to route fewer than this share of a
 # layer's experts, whole layers from it on. Why 0.6: on the H200 (results/moe_bench.json, Mixtral-8x7B NF4,
 # GPU capped to 15 GB) a whole-layer step took 0.475 s at 0.99 of the link, a routed step at batch 1 0.31 s
@@ -260,6 +265,9 @@ def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch:
             raise ExpertsError(f"--experts {mode} cannot run {model_type}: {why}; use --experts auto (or whole).")
         log.info("experts   : whole layers for %s (%s)", model_type, why)
         return ExpertsChoice(False, f"experts whole layers for {model_type}: {why}")
+    not_host = NOT_HOST.get(model_type)
+    if mode == "cpu" and not_host is not None:
+        raise ExpertsError(f"--experts cpu cannot run {model_type}: {not_host}; use --experts routed (or auto).")
     if mode == "cpu":
         return ExpertsChoice(True, "experts routed, computed on the host CPU (--experts cpu)"
                              + _host_note(moe, batch or 1, figures), host=True)
@@ -276,6 +284,8 @@ def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch:
     routed = share < ROUTED_BELOW
     if not routed:
         return ExpertsChoice(False, f"experts whole layers: {routes}; {rule}")
+    if not_host is not None:
+        return ExpertsChoice(True, f"experts routed: {routes}; {rule}; not on the host CPU: {not_host}")
     if figures is None:
         return ExpertsChoice(True, f"experts routed: {routes}; {rule}; host CPU not weighed (no measured host "
                                    "GEMV / link figures: run airquant doctor, or give --host-gemv-gbps and --link-gbps)")

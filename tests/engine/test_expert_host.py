@@ -169,3 +169,12 @@ def test_the_flags_map_to_the_config():
                                       "--link-gbps", "24"])
     cfg = engine_config(args)
     assert (cfg.experts, cfg.host_gemv_gbps, cfg.link_gbps) == ("cpu", 40.0, 24.0)
+
+
+def test_llama4_experts_stay_off_the_host():
+    manifest = _qwen3_30b_like()
+    manifest.source["model_type"] = "llama4_text"
+    choice = choose_experts("auto", manifest, True, 1, FAST_HOST)
+    assert choice.routed and not choice.host and "no routing index" in choice.why
+    with pytest.raises(ExpertsError, match="--experts cpu cannot run llama4_text"):
+        choose_experts("cpu", manifest, True, 1, FAST_HOST)
