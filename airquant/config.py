@@ -58,12 +58,13 @@ class EngineConfig:
     readahead: int = setting(2, "--readahead", "layers read ahead from disk", metavar="N")
     profile: bool = setting(False, "--profile", "time each layer's copy and compute (CUDA)")  # Engine.layer_profile()
     verify: bool = setting(False, "--verify", "check every shard's sha256 before running")
-    # MoE stores streamed: move only routed experts (engine/experts.py); auto decides by
-    # expert_plan.choose_experts at batch_size.
-    experts: Literal["auto", "whole", "routed"] = setting(
-        "auto", "--experts", "MoE stores streamed: routed moves only the experts a batch routes to, whole moves "
-        "whole layers", unset="auto: routed while a decode step of the run's batch routes few of a layer's "
-        "experts, else whole; airquant plan says which and why")
+    # MoE stores streamed: move only routed experts (engine/experts.py), or compute them on the host CPU from
+    # the RAM tier ("cpu": engine/expert_host.py); auto decides by expert_plan.choose_experts at batch_size.
+    experts: Literal["auto", "whole", "routed", "cpu"] = setting(
+        "auto", "--experts", "MoE stores streamed: routed moves only the experts a batch routes to, cpu computes "
+        "them on the host CPU from the RAM tier, whole moves whole layers",
+        unset="auto: routed while a decode step of the run's batch routes few of a layer's experts, on the host "
+        "where the measured host GEMV bandwidth beats the link, else whole; airquant plan says which and why")
     expert_cache_gb: float | None = setting(None, "--expert-cache", "VRAM kept for recently/frequently used experts",
                                             unit="GiB", unset="what the plan leaves free", gpu_only=True)
     expert_policy: Literal["lru", "lfu"] = setting(
@@ -72,6 +73,12 @@ class EngineConfig:
     expert_prefetch: bool = setting(True, "--expert-prefetch",
                                     "guess the next layer's experts with its router at batch <= 8 and copy them early",
                                     negatable=True)
+    # The figures auto weighs host against link with; None: what airquant doctor last measured here.
+    host_gemv_gbps: float | None = setting(None, "--host-gemv-gbps",
+                                           "host NF4 GEMV bandwidth auto weighs against the link", unit="GB/s",
+                                           unset="airquant doctor's figure")
+    link_gbps: float | None = setting(None, "--link-gbps", "pinned host-to-GPU bandwidth auto weighs the host against",
+                                      unit="GB/s", unset="airquant doctor's figure")
     # Each shard's xxh3_128 is checked as it is read (store/integrity.py); off only for benchmarks.
     verify_reads: bool = setting(True, "--no-verify-reads",
                                  "benchmarks only: skip the checksum every shard read is checked against")

@@ -12,8 +12,11 @@ longer):
   (prompt 128) at batch 1, 64 and 256. A case that does not fit records its error instead of a time.
 * ``qwen3``: the same for a Qwen3-30B-A3B-shaped NF4 store (17.6 GB).
 * ``mixtral_routed`` / ``qwen3_routed``: expert-aware streaming (``ROUTED_CASES``, ``--cases``), forced with
-  ``experts="routed"``, and ``auto_bs256``: the default ``--experts auto`` at batch 256, its row recording the
-  mode the engine chose (``experts_mode``).
+  ``experts="routed"``; ``cpu_bs1/4/16``: the routed experts computed on the host CPU (``experts="cpu"``,
+  engine/expert_host); ``auto_bs1`` and ``auto_bs256``: the default ``--experts auto``, weighing host against
+  link with the figures measured in the same run, its row recording the mode the engine chose (``experts_mode``).
+* ``host``: the host NF4 GEMV bandwidth (packed bytes read a second, quant/kernels/nf4_cpu) and a plain host
+  copy's on the same threads, so the kernel's efficiency shows; run with the routed parts.
 * ``airllm``: a bf16 Mixtral-shaped store of ``--airllm-layers`` layers, exported as the hub's checkpoint
   (per-expert ``block_sparse_moe.experts.N.w1`` names, as Mixtral is published), run by AirLLM 4.0.0, and
   AirQuant bf16 and NF4 on the same layer count: the batch-1 decode step per layer. When AirLLM raises,
@@ -53,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from airquant.engine import expert_compute  # noqa: E402
 from airquant.engine import experts as experts_mod  # noqa: E402
+from airquant.engine.expert_host import HostExperts  # noqa: E402
 from airquant.engine.plan import PlanError  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
@@ -76,7 +80,8 @@ from benchmarks.stream_bench import (  # noqa: E402
 )
 
 log = logging.getLogger("moe_bench")
-TARGETS = {"mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
+TARGETS = {"host_gemv_over_memcpy": 0.5, "qwen3_30b_nf4_bs1_auto_over_best": 0.95,
+           "mixtral_nf4_bs1_link_fraction": 0.9, "qwen3_30b_a3b_nf4_bs1_link_fraction": 0.9,  # minimums
            "qwen3_30b_a3b_nf4_bs64_link_fraction": 0.8, "qwen3_30b_a3b_nf4_bs256_link_fraction": 0.8,
            "mixtral_nf4_bs1_tok_s": 10, "mixtral_nf4_bs256_tok_s": 500, "mixtral_nf4_max_batch_tok_s": 800,
            "qwen3_30b_nf4_bs1_tok_s": 30, "airllm_over_airquant_mixtral_bs1": 30, "gpt_oss_120b_nf4_bs1_tok_s": 15}
@@ -124,11 +129,15 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
                              context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
         if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
-            row["experts_mode"] = "routed" if engine.experts is not None else "whole"
+            row["experts_mode"] = "whole" if engine.experts is None else \
+                "cpu" if isinstance(engine.experts, HostExperts) else "routed"
         step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
         if case is not None and case in (a.trace or "").split(","):
             row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
-        if engine.experts is not None:
+        if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
+            row.update(experts=engine.experts.report(), decode_bytes_per_step=routed_step_bytes(b, engine, batch))
+            step["bytes_per_step"] = row["decode_bytes_per_step"]
+        elif engine.experts is not None:
             row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(), uva=engine.experts.uva,
                        decode_bytes_per_step=routed_step_bytes(b, engine, batch))
             step["bytes_per_step"] = row["decode_bytes_per_step"]
@@ -309,9 +318,15 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_unfused": (1, dict(experts="routed", expert_policy="lfu", fused=False, uva_copy=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
+    "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
     # What a user gets by default: --experts auto at batch 256 (the rule streams whole layers there).
     "auto_bs256": (256, dict(experts="auto")),
+    # Routed experts computed on the host CPU (issue 37), and auto weighing host against link at batch 1 (with
+    # the host GEMV and link figures of this run: part_host, part_link).
+    "cpu_bs1": (1, dict(experts="cpu")), "cpu_bs4": (4, dict(experts="cpu")), "cpu_bs16": (16, dict(experts="cpu")),
+    "auto_bs1": (1, dict(experts="auto")),
 }
+HOST_CASES = ("cpu_bs1", "cpu_bs4", "cpu_bs16", "auto_bs1")
 QUICK_BATCH = 8  # --quick: batches over 8 run at 8 (tiny shapes, 2 of 8 experts: auto streams whole layers)
 
 
@@ -362,11 +377,26 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 
 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
-PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked"),
+PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
+                        "lfu_bs16", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY")}
+
+
+HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)
+
+
+def part_host(b: Bench) -> None:
+    """The host NF4 GEMV bandwidth at batch 1 (packed bytes read a second, over 64 MB of distinct matrices) and a
+    plain copy's on the same threads: the figures ``auto`` weighs against the link, and the kernel's efficiency."""
+    from airquant.quant.kernels import nf4_cpu
+
+    bw = nf4_cpu.measure(HOST_SECONDS / 10 if b.quick else HOST_SECONDS)
+    b.results.update(host_gemv_gbps=bw.gemv_gbps, host_memcpy_gbps=bw.copy_gbps, host_gemv_over_memcpy=bw.efficiency)
+    b.results.setdefault("details", {})["host"] = {"kernel": bw.kernel, "threads": bw.threads}
+    log.info("%s", bw.describe())
 
 
 def part_routed(b: Bench, name: str) -> None:
@@ -385,6 +415,9 @@ def part_routed(b: Bench, name: str) -> None:
                 rows.append(measure_max_batch(b, store, f"{shape} nf4", cap, case))
         elif case in ROUTED_CASES:
             batch, kw = ROUTED_CASES[case]
+            if kw["experts"] == "auto":  # weighed with this run's figures, not a file of another machine's
+                kw = {**kw, "host_gemv_gbps": b.results.get("host_gemv_gbps"),
+                      "link_gbps": b.results.get("link_pinned_gbps") if b.device.type == "cuda" else None}
             with switches(kw):
                 rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch,
                                     case, **kw))
@@ -431,6 +464,9 @@ def derive_routed_keys(b: Bench) -> None:
     oss = target_row(rows, "gpt_oss_120b_nf4_bs1_tok_s")
     if oss and oss.get("tok_s") and oss.get("layers"):
         r["gpt_oss_120b_nf4_bs1_tok_s"] = oss["tok_s"] * oss["layers"] / GPTOSS_ALL_LAYERS
+    speeds = [r.get(k) for k in ("qwen3_30b_nf4_bs1_cpu_experts_tok_s", "qwen3_30b_nf4_bs1_tok_s")]
+    if r.get("qwen3_30b_nf4_bs1_auto_tok_s") and all(speeds):  # auto against the faster of host and GPU routed
+        r["qwen3_30b_nf4_bs1_auto_over_best"] = r["qwen3_30b_nf4_bs1_auto_tok_s"] / max(speeds)
     qwen = rows.get(("qwen3-30b-a3b nf4", "nocache"))
     if qwen and qwen.get("step_s") and link:
         r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB / link)
@@ -451,6 +487,12 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
                "qwen3_30b_nf4_bs1_unfused_tok_s": ("qwen3-30b-a3b nf4", ("nocache_unfused",)),
+               "qwen3_30b_nf4_bs1_cpu_experts_tok_s": ("qwen3-30b-a3b nf4", ("cpu_bs1",)),
+               "qwen3_30b_nf4_bs4_cpu_experts_tok_s": ("qwen3-30b-a3b nf4", ("cpu_bs4",)),
+               "qwen3_30b_nf4_bs16_cpu_experts_tok_s": ("qwen3-30b-a3b nf4", ("cpu_bs16",)),
+               "qwen3_30b_nf4_bs1_auto_tok_s": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
+               "mixtral_nf4_bs1_cpu_experts_tok_s": ("mixtral-8x7b nf4", ("cpu_bs1",)),
+               "qwen3_30b_nf4_bs1_auto_over_best": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
                "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache",)),
                "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache",)),
@@ -476,6 +518,8 @@ def unmeasured_why(results: dict, key: str) -> str | None:
     """Why a target has no value: its row's error, AirLLM's error, or that its part has not run."""
     if key == "airllm_over_airquant_mixtral_bs1":
         return results.get("airllm_error") or "the airllm part has not run"
+    if key == "host_gemv_over_memcpy":
+        return "the host part has not run"
     if key not in TARGET_ROWS:
         return None
     row = target_row({(x["model"], x["case"]): x for x in results.get("expert_aware", [])}, key)
@@ -505,6 +549,8 @@ def print_table(b: Bench) -> None:
     print(f"\nmoe_bench on {r.get('device')} ({'QUICK: tiny shapes, not a measurement' if b.quick else 'real shapes'})")
     print(f"  pinned link {fmt(r.get('link_pinned_gbps'), '{:.1f}')} GB/s; every layer streamed, prompt "
           f"{b.args.prompt_len}")
+    print(f"  host NF4 GEMV {fmt(r.get('host_gemv_gbps'), '{:.1f}')} GB/s, host copy "
+          f"{fmt(r.get('host_memcpy_gbps'), '{:.1f}')} GB/s ({fmt(r.get('host_gemv_over_memcpy'), '{:.2f}')} of it)")
     print(f"  {'model':<22}{'cap GB':>7}{'batch':>6}{'step s':>9}{'GB/step':>9}{'GB/s':>7}{'link':>6}{'peak GB':>8}")
     for row in r.get("whole_layer", []):
         line = (f"  {row['model']:<22}{row['cap_gb']:>7g}{row['batch']:>6}{fmt(row.get('step_s'), '{:.4f}'):>9}"
@@ -538,7 +584,7 @@ def print_table(b: Bench) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["link", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "gptoss_routed",
+    p.add_argument("--part", choices=["link", "host", "mixtral", "qwen3", "mixtral_routed", "qwen3_routed", "gptoss_routed",
                                       "airllm",
                                       "report", "all"], default="all",
                    help="report: no measurement, the keys and table re-derived from the rows in moe_bench.json")
@@ -600,9 +646,11 @@ def main(argv=None) -> int:
     else:
         b.results.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", synthetic=True,
                          quick=args.quick, versions=versions())
+    if any(p.endswith("_routed") for p in parts) and "host" not in parts:
+        parts.insert(0, "host")  # the host rows' efficiency and auto's figures, this machine, this session
     if "link" not in parts and parts and parts != ["airllm"]:
         parts.insert(0, "link")  # every link fraction needs it measured on this machine, in this session
-    run = {"link": part_link, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
+    run = {"link": part_link, "host": part_host, "mixtral": lambda b: part_whole_layer(b, "mixtral"),
            "qwen3": lambda b: part_whole_layer(b, "qwen3"), "airllm": part_airllm,
            "mixtral_routed": lambda b: part_routed(b, "mixtral"), "qwen3_routed": lambda b: part_routed(b, "qwen3"),
            "gptoss_routed": lambda b: part_routed(b, "gptoss")}

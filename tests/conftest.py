@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from airquant.engine.expert_plan import FIGURES_ENV
 from airquant.models import DEFAULT_GGUF, DEFAULT_PACKAGE
+
+# The host/link figures airquant doctor saves steer ``--experts auto``: each test keeps its own file, so neither the
+# user's figures nor a doctor test's change another test's plan.
+FIGURES_DIR = Path(tempfile.mkdtemp(prefix="airquant-figures-"))
+os.environ[FIGURES_ENV] = str(FIGURES_DIR / "session.json")
+
+
+@pytest.fixture(autouse=True)
+def _own_figures(monkeypatch, request):
+    monkeypatch.setenv(FIGURES_ENV, str(FIGURES_DIR / f"{abs(hash(request.node.nodeid))}.json"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,8 @@
 """``airquant doctor [STORE]``: what this runtime gives AirQuant, measured, and what AirQuant will do with it.
 
-GPU, compute capability, VRAM, host RAM, the pinned host->GPU link (measured, under a second), the disk read
+GPU, compute capability, VRAM, host RAM, the pinned host->GPU link (measured, under a second), the host's NF4
+GEMV and memory-copy bandwidths with the kernel and threads in use (about a second; saved with the link's figure
+for ``--experts auto``, expert_plan.figures_for), the disk read
 speed of the store's folder (page cache dropped first), the compute dtype and kernel path of each scheme
 (the capability rule of airquant.engine.capability) and, given a store, the plan ``airquant plan`` would make.
 On a machine without a GPU it says so and reports the CPU side. The first cell after setup of notebook 01 runs
@@ -16,10 +18,12 @@ import time
 from pathlib import Path
 
 from airquant.cli.run_cmds import add_plan_flags, route_for_flags, runs_line
+from airquant.engine.expert_plan import save_figures
 from airquant.units import GB
 
 READ_CHUNK = 16 << 20
 READ_SECONDS = 1.0  # the disk read test stops after this long (or at the end of the store's shards)
+HOST_SECONDS = 0.8  # the host GEMV and copy tests together (plus ~0.2 s to set up their 64 MB)
 
 
 def disk_read_speed(folder: Path, seconds: float = READ_SECONDS) -> tuple[float, int, bool]:
@@ -63,20 +67,31 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object", float | N
     dev = resolve_device(device)
     mem = psutil.virtual_memory()
     ram = f"host RAM  : {mem.total / GB:.1f} GB total, {mem.available / GB:.1f} GB available"
+    host = host_line()
     if dev.type != "cuda":
         why = "--device cpu" if device == "cpu" else "torch sees no CUDA GPU"
         return [f"GPU       : none ({why}): AirQuant runs on the CPU here; the kernels and the streamed "
-                "engine's overlap need a CUDA GPU", ram], dev, None
+                "engine's overlap need a CUDA GPU", ram, host], dev, None
     props = torch.cuda.get_device_properties(dev)
     cap = device_capability(dev)
     forced = f" (forced by {FORCE_ENV}; the GPU is sm_{props.major}{props.minor})" if forced_capability() else ""
     free, total = torch.cuda.mem_get_info(dev)
     link = measure_link_bandwidth(dev, nbytes=128 << 20, repeats=5)
+    save_figures(link_gbps=link.gb_per_s)
     return [f"GPU       : {props.name}, compute capability {cap[0]}.{cap[1]}{forced}",
             f"VRAM      : {total / GB:.1f} GB total, {free / GB:.1f} GB free",
             ram,
-            f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)"], dev, \
-        link.gb_per_s
+            f"link      : pinned host->GPU {link.gb_per_s:.1f} GB/s (measured, {link.nbytes >> 20} MiB copies)",
+            host], dev, link.gb_per_s
+
+
+def host_line() -> str:
+    """The host NF4 GEMV and memory-copy bandwidths (about a second), saved for ``--experts auto``'s rule."""
+    from airquant.quant.kernels import nf4_cpu
+
+    bw = nf4_cpu.measure(HOST_SECONDS)
+    save_figures(host_gemv_gbps=bw.gemv_gbps, host_copy_gbps=bw.copy_gbps)
+    return bw.describe()
 
 
 def plan_args(device: str = "auto", max_vram: float | None = None, max_ram: float | None = None) -> argparse.Namespace:

@@ -314,11 +314,12 @@ class FusedExperts:
 
 
 def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | None = None,
-                  offsets: tuple[int, ...] | None = None) -> FusedExperts | None:
+                  offsets: tuple[int, ...] | None = None, straddling: bool = False) -> FusedExperts | None:
     """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (not NF4, a
     block straddling two rows, a post-expert norm, expert parallelism, another quantized or dense tensor).
     With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors relative to the module) the slot must
-    hold exactly those matrices and biases, and their offsets are recorded."""
+    hold exactly those matrices and biases, and their offsets are recorded. ``straddling``: NF4 blocks may
+    straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any layout; the Triton kernels do not)."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     from airquant.quant.nf4 import NF4Linear
@@ -331,7 +332,7 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     if set(quantized) != {first, "down_proj"} or dense - ({f"{first}_bias", "down_proj_bias"} if biased else set()):
         return None
     templates = [quantized[first].one[0], quantized["down_proj"].one[0]]
-    if not all(isinstance(t, NF4Linear) and t.in_features % t.blocksize == 0 for t in templates) or \
+    if not all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0) for t in templates) or \
             len({(t.blocksize, t.double_quant) for t in templates}) != 1:
         return None
     where = dict(zip(names, zip(offsets, dtypes))) if names is not None else {}
@@ -359,12 +360,7 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
 
     up_op, down_op = operands
     sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(ids, experts)
-    h = nf4_moe.up(hidden, ids, up_op, sorted_pairs)  # [T * k, 2I] or [T * k, I]
-    if spec.gated:
-        gate = getattr(module, "_apply_gate", None)
-        h = gate(h) if gate is not None else _default_gate(module, h)
-    else:
-        h = module.act_fn(h)
+    h = activate(module, nf4_moe.up(hidden, ids, up_op, sorted_pairs), spec.gated)  # [T * k, I]
     return nf4_moe.down(h, ids, weights, down_op, hidden.dtype, sorted_pairs)  # [T, H]
 
 
@@ -394,6 +390,15 @@ def fused_runs_on(x: torch.Tensor) -> bool:
     from airquant.quant import kernels
 
     return kernels.use_triton(x) or kernels.interpreting()
+
+
+def activate(module, h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The module's own activation of its (gate/)up output ``h``: transformers' ``_apply_gate`` (SiLU-GLU,
+    gpt-oss's clamped swiglu), its default gating where it has none, or ``act_fn`` for an ungated expert."""
+    if not gated:
+        return module.act_fn(h)
+    gate = getattr(module, "_apply_gate", None)
+    return gate(h) if gate is not None else _default_gate(module, h)
 
 
 def _default_gate(module, h: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,26 @@ class LayerExperts:
     def expert_bytes(self, e: int) -> int:
         return sum(end - start for start, end in self.ranges[e])
 
+    def host_views(self, src: torch.Tensor | None, e: int, arranged: "HostArrangement | None" = None
+                   ) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s tensors (names relative to the module) as typed, shaped host tensors: views into
+        ``src`` (the layer's data section in host memory, uint8, in the file's order or as ``arranged``), or
+        read from the shard when ``src`` is None (a disk-tier layer, or one the RAM tier has not read yet).
+        The one place the host path reads the ranges. A slice whose start is not a multiple of its dtype's
+        size is copied (a view must be aligned)."""
+        out = {}
+        base = arranged.expert_start(e) if src is not None and arranged is not None else None
+        for name, dtype, shape, (start, end), off in zip(self.names, self.dtypes, self.shapes, self.ranges[e],
+                                                         self.offsets):
+            if base is not None:
+                raw = src[base + off:base + off + end - start]
+            else:
+                raw = src[start:end] if src is not None else read_range(self, start, end)
+            if raw.data_ptr() % dtype.itemsize:
+                raw = raw.clone()
+            out[name] = raw.view(dtype).view(shape)
+        return out
+
 
 def slot_offsets(ranges: list) -> tuple[int, ...]:
     """Where an expert's tensor slices (``ranges``: its [start, end) per tensor) sit inside a pool slot: in

@@ -2,7 +2,9 @@
 
 Whether a streamed MoE run moves whole layers or only the experts a call routes to (``choose_experts``:
 one rule for the planner, ``Engine.open``, the router and ``airquant plan``; ``auto`` streams routed while a
-decode step at the run's batch routes fewer than ``ROUTED_BELOW`` of a layer's experts), and how big the
+decode step at the run's batch routes fewer than ``ROUTED_BELOW`` of a layer's experts), whether routed
+experts are then copied to the GPU or computed on the host CPU from the RAM tier (``host_cost``: measured
+host GEMV and link bandwidths, ``Figures``; ``engine.expert_host`` runs it), and how big the
 routed run's device arena is (``plan_experts``: pool slots of one call plus a cache, the gather, the stacked
 decode and the grouped call's intermediates) with its host staging (``staging_buffers``). Everything here
 reads the manifest alone; the pool that runs such a plan is ``engine.experts``.
@@ -10,8 +12,11 @@ reads the manifest alone; the pool that runs such a plan is ``engine.experts``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -22,9 +27,9 @@ from airquant.store.manifest import Manifest, ShardEntry
 from airquant.units import GB
 
 log = logging.getLogger(__name__)
-ExpertsMode = Literal["auto", "whole", "routed"]
+ExpertsMode = Literal["auto", "whole", "routed", "cpu"]
 Policy = Literal["lru", "lfu"]
-EXPERTS_CHOICES = ("auto", "whole", "routed")
+EXPERTS_CHOICES = ("auto", "whole", "routed", "cpu")
 POLICY_CHOICES = ("lru", "lfu")
 SPECULATE_TOKENS = 8  # speculation pays at decode batch sizes; larger batches route nearly every expert
 ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views reinterpret as any dtype
@@ -105,6 +110,11 @@ NOT_ROUTED = {
 }
 
 
+# Model types whose routed experts the host path cannot compute, and why: ``auto`` copies them to the GPU.
+NOT_HOST = {t: "its experts module takes every token spread over all experts (no routing index)"
+            for t in ("llama4", "llama4_text")}
+
+
 # ``auto`` streams experts routed while one decode step is expected to route fewer than this share of a
 # layer's experts, whole layers from it on. Why 0.6: on the H200 (results/moe_bench.json, Mixtral-8x7B NF4,
 # GPU capped to 15 GB) a whole-layer step took 0.475 s at 0.99 of the link, a routed step at batch 1 0.31 s
@@ -119,10 +129,107 @@ ROUTED_BELOW = 0.6
 
 @dataclass(frozen=True)
 class ExpertsChoice:
-    """How a run streams its experts, and why (the plan's ``why:`` line; empty when there is nothing to say)."""
+    """How a run streams its experts, and why (the plan's ``why:`` line; empty when there is nothing to say).
+    ``routed``: the streamer leaves the experts out of the layer copies; ``host``: they are then computed on
+    the host CPU (``engine.expert_host``), not copied into a device pool."""
 
     routed: bool
     why: str = ""
+    host: bool = False
+
+
+# -- host CPU or link: the measured figures and the cost model -----------------------------------------
+# Host seconds a layer's call costs beyond reading its experts: the routed rows' hidden states to the host and
+# the sum back (a few KB at batch 1, one device sync), the per-expert Python. ~0.3 ms measured on CPU runs of
+# tiny stores (engine/expert_host); the GPU's copies are asynchronous, so it is counted whole.
+HOST_CALL_S = 3e-4
+# Each further row of one expert's call adds this share of a one-row call's time (the C kernel re-reads x from
+# cache per row of W): 1536 x 2048 NF4 matrices on a 2-core EPYC VM took 0.53 ms at 1 row, 1.09 at 4, 2.30 at 8,
+# 3.21 at 16 (quant/kernels/nf4_cpu.c), ~0.4 of a row's time per extra row.
+HOST_ROW_COST = 0.4
+FIGURES_FILE = "figures.json"
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The bandwidths the host-or-link rule weighs: packed NF4 bytes a second the host kernel reads
+    (``airquant doctor``), and pinned host-to-GPU bytes a second."""
+
+    host_gemv_gbps: float
+    link_gbps: float
+    source: str = "given"
+
+
+FIGURES_ENV = "AIRQUANT_FIGURES"  # another file for the figures (tests keep theirs apart from the user's)
+
+
+def figures_path() -> Path:
+    if os.environ.get(FIGURES_ENV):
+        return Path(os.environ[FIGURES_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "airquant" / FIGURES_FILE
+
+
+def save_figures(**values: float) -> None:
+    """Record measured bandwidths (``airquant doctor``) for later plans on this machine."""
+    path = figures_path()
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**old, **values}, indent=1))
+    os.replace(tmp, path)
+
+
+def figures_for(host_gemv_gbps: float | None = None, link_gbps: float | None = None) -> Figures | None:
+    """The figures of a run: those given (``--host-gemv-gbps`` / ``--link-gbps``), the rest from what
+    ``airquant doctor`` last measured here; None where one is still unknown (``auto`` then never picks cpu)."""
+    saved = {}
+    if host_gemv_gbps is None or link_gbps is None:
+        path = figures_path()
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+    host = host_gemv_gbps if host_gemv_gbps is not None else saved.get("host_gemv_gbps")
+    link = link_gbps if link_gbps is not None else saved.get("link_gbps")
+    if not host or not link:
+        return None
+    given = host_gemv_gbps is not None and link_gbps is not None
+    return Figures(float(host), float(link), "given" if given else f"measured by airquant doctor ({figures_path()})")
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """One decode step's routed experts of one MoE layer, on the host or over the link (seconds)."""
+
+    experts: float  # distinct experts the batch routes to (expected)
+    expert_bytes: float
+    rows: float  # rows each of them multiplies
+    host_s: float
+    link_s: float
+
+    @property
+    def host_wins(self) -> bool:
+        return self.host_s < self.link_s
+
+    def describe(self, figures: Figures) -> str:
+        moved = self.experts * self.expert_bytes / 1e6
+        return (f"host {moved:.3g} MB / {figures.host_gemv_gbps:.3g} GB/s x (1 + {HOST_ROW_COST} x "
+                f"({self.rows:.3g} - 1) rows) + {HOST_CALL_S * 1e3:.3g} ms = {self.host_s * 1e3:.3g} ms vs link "
+                f"{moved:.3g} MB / {figures.link_gbps:.3g} GB/s = {self.link_s * 1e3:.3g} ms a layer")
+
+
+def host_cost(entry: ShardEntry, batch: int, figures: Figures) -> HostCost:
+    """The cost model of ``auto``'s host-or-link choice for one MoE layer at ``batch`` one-token sequences: the
+    host reads each routed expert once for all its rows (bytes / host GEMV bandwidth, growing by ``HOST_ROW_COST``
+    per extra row) plus ``HOST_CALL_S``; the link moves the same bytes (no VRAM cache hit assumed: a cache
+    lowers the link's side). The dense part and the attention run on the GPU either way."""
+    num, top_k = entry.experts["num"], entry.experts["top_k"]
+    experts = routed_share(top_k, num, batch) * num
+    per = sum(end - start for ranges in entry.experts["ranges"] for start, end in ranges) / num
+    rows = max(1.0, batch * min(top_k, num) / max(experts, 1e-9))
+    host = experts * per / (figures.host_gemv_gbps * GB) * (1 + HOST_ROW_COST * (rows - 1)) + HOST_CALL_S
+    return HostCost(experts, per, rows, host, experts * per / (figures.link_gbps * GB))
 
 
 def routed_share(top_k: int, num: int, batch: int) -> float:
@@ -132,28 +239,38 @@ def routed_share(top_k: int, num: int, batch: int) -> float:
     return 1.0 - (1.0 - min(top_k, num) / num) ** max(batch, 0)
 
 
-def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> ExpertsChoice:
+def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None,
+                   figures: Figures | None = None) -> ExpertsChoice:
     """The one rule of how a streamed MoE store moves its experts (planner, ``Engine.open``, ``airquant plan``):
     ``whole`` moves whole layers; ``routed`` only the experts a call routes to (forced, whatever the batch);
-    ``auto`` routed while ``batch`` sequences route fewer than ``ROUTED_BELOW`` of a layer's experts a decode
-    step (``batch`` None, not known: routed), and never for types in ``NOT_ROUTED``. The batch is the one the
-    run is opened for: a decode loop whose slots fill and drain keeps the mode chosen then."""
+    ``cpu`` computes the routed experts on the host (forced); ``auto`` routed while ``batch`` sequences route
+    fewer than ``ROUTED_BELOW`` of a layer's experts a decode step (``batch`` None, not known: routed), and
+    never for types in ``NOT_ROUTED``; routed ones on the host where ``figures`` say the host reads them faster
+    than the link moves them (``host_cost``). The batch is the one the run is opened for: a decode loop whose
+    slots fill and drain keeps the mode chosen then."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
-    if mode == "routed" and not moe:
-        raise ExpertsError("--experts routed was asked for, but this store has no Mixture-of-Experts layer; "
+    forced = mode in ("routed", "cpu")
+    if forced and not moe:
+        raise ExpertsError(f"--experts {mode} was asked for, but this store has no Mixture-of-Experts layer; "
                            "use --experts auto (or whole).")
-    if mode == "routed" and not streamed:
-        raise ExpertsError("--experts routed needs a streamed run; drop --resident (or use --experts auto).")
+    if forced and not streamed:
+        raise ExpertsError(f"--experts {mode} needs a streamed run; drop --resident (or use --experts auto).")
     if not moe or not streamed:
         return ExpertsChoice(False)
     if mode == "whole":
         return ExpertsChoice(False, "experts whole layers (--experts whole)")
     model_type = (manifest.source or {}).get("model_type")
     if (why := NOT_ROUTED.get(model_type)) is not None:
-        if mode == "routed":
-            raise ExpertsError(f"--experts routed cannot run {model_type}: {why}; use --experts auto (or whole).")
+        if forced:
+            raise ExpertsError(f"--experts {mode} cannot run {model_type}: {why}; use --experts auto (or whole).")
         log.info("experts   : whole layers for %s (%s)", model_type, why)
         return ExpertsChoice(False, f"experts whole layers for {model_type}: {why}")
+    not_host = NOT_HOST.get(model_type)
+    if mode == "cpu" and not_host is not None:
+        raise ExpertsError(f"--experts cpu cannot run {model_type}: {not_host}; use --experts routed (or auto).")
+    if mode == "cpu":
+        return ExpertsChoice(True, "experts routed, computed on the host CPU (--experts cpu)"
+                             + _host_note(moe, batch or 1, figures), host=True)
     rule = f"auto streams routed below {ROUTED_BELOW * 100:.0f} %"
     if batch is None:
         return ExpertsChoice(True, f"experts routed: the batch is not known ({rule} of a layer's experts a step)")
@@ -165,7 +282,24 @@ def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch:
         return ExpertsChoice(True, f"experts routed (--experts routed): {routes}"
                              + ("" if share < ROUTED_BELOW else f"; {rule}, so auto would stream whole layers"))
     routed = share < ROUTED_BELOW
-    return ExpertsChoice(routed, f"experts {'routed' if routed else 'whole layers'}: {routes}; {rule}")
+    if not routed:
+        return ExpertsChoice(False, f"experts whole layers: {routes}; {rule}")
+    if not_host is not None:
+        return ExpertsChoice(True, f"experts routed: {routes}; {rule}; not on the host CPU: {not_host}")
+    if figures is None:
+        return ExpertsChoice(True, f"experts routed: {routes}; {rule}; host CPU not weighed (no measured host "
+                                   "GEMV / link figures: run airquant doctor, or give --host-gemv-gbps and --link-gbps)")
+    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures)
+    where = "on the host CPU" if cost.host_wins else "copied to the GPU"
+    return ExpertsChoice(True, f"experts routed, {where}: {routes}; {rule}; {cost.describe(figures)} "
+                               f"({figures.source})", host=cost.host_wins)
+
+
+def _host_note(moe: list[ShardEntry], batch: int, figures: Figures | None) -> str:
+    if figures is None:
+        return ""
+    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures)
+    return f"; {cost.describe(figures)}" + ("" if cost.host_wins else ", so auto would copy them to the GPU")
 
 
 def use_routed(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None) -> bool:

@@ -71,7 +71,7 @@ def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[s
     return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_image, routers)
 
 
-def open_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
+def open_pool_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
     """The pool of an ``Engine`` whose streamer leaves ``routed`` layers' experts behind, exactly as its plan
     sized it (``planner.plan``: the arena inside the VRAM budget, the staging inside the host budget).
     Nothing is re-decided here: a plan without a pool, or whose arena does not fit, is refused."""
@@ -161,7 +161,7 @@ class ExpertPool:
     def run(self, i: int, module, forward, args: tuple, kwargs: dict) -> torch.Tensor:
         """The experts module's ``forward`` on the batch, its routed experts brought into the pool first."""
         hidden = args[0] if args else next(iter(kwargs.values()))
-        index = _routing(args, kwargs)
+        index = routing(args, kwargs)
         if index is None:
             if not expert_compute.dispatched(module):
                 raise ExpertsError("an experts module was called without a routing index; "
@@ -188,7 +188,7 @@ class ExpertPool:
         args, kwargs = _with_index(args, kwargs, _packed_rows(index, num))
         grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
             and not absent else None
-        with _packed_into(module, packed, len(union)):
+        with packed_into(module, packed, len(union)):
             if grouped is None:
                 return forward(*args, **kwargs)
             return expert_compute.run_grouped(module, grouped, *args, num=len(union),
@@ -251,7 +251,7 @@ class ExpertPool:
         packed = self._gather(layer, slots)
         # The routed experts' ids in order, on the device without host data: True flags sort first (stable).
         chosen = torch.argsort((~routed).to(torch.uint8), stable=True)[:len(union)]
-        with _packed_into(module, packed, len(union)):
+        with packed_into(module, packed, len(union)):
             part = forward(rows.index_select(0, chosen).reshape(-1, hidden.shape[-1]))
         out.index_copy_(0, chosen, part.reshape(len(union), -1, part.shape[-1]).to(out.dtype))
         return out.reshape(hidden.shape)
@@ -439,7 +439,7 @@ def _no_experts(layer: LayerExperts, dtype: torch.dtype, device: torch.device) -
             for name, stored, shape, dense in zip(layer.names, layer.dtypes, layer.shapes, layer.dense)}
 
 
-def _routing(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def routing(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The experts call's routing index: its second positional argument (every transformers 5 family),
     or the integer tensor among its keywords; None when it has none (Llama 4's dispatched tokens)."""
     if len(args) > 1:
@@ -451,7 +451,7 @@ def _routing(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 @contextmanager
-def _packed_into(module, packed: dict[str, torch.Tensor], num: int):
+def packed_into(module, packed: dict[str, torch.Tensor], num: int):
     """The module computes from the call's packed [U, ...] tensors, and sees U experts (grouped_mm sizes
     its per-expert offsets by it, the eager loop its one_hot classes, Llama 4 its bmm batch)."""
     old = {name: swap_tensor(module, name, t) for name, t in packed.items()}

@@ -60,6 +60,7 @@ class StreamPlan:
     experts: object | None = None  # expert_plan.ExpertPlan of a routed MoE run: arena and cache (planner.plan)
     expert_bytes: int = 0  # that pool and its gather on the device
     experts_fit: bool = True  # False: the arena does not fit beside the floor (the engine refuses to open)
+    experts_host: bool = False  # routed experts computed on the host CPU (engine/expert_host): no device pool
     vram_budget_bytes: int | None = None  # the GPU budget the plan was made for (None: CPU, or not known)
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
@@ -122,6 +123,8 @@ class StreamPlan:
         if self.kv_offload:
             lines.append(f"KV cache                : offloaded, {self.kv_host_bytes / GB:.3f} GB in pinned host RAM; "
                          "each streamed layer's cache moves with its weights")
+        if self.experts_host:
+            lines.append("experts   : routed, computed on the host CPU from the RAM tier (no device expert pool)")
         if self.experts is not None:
             lines.append(self.experts.describe())
             if not self.experts_fit:

@@ -314,8 +314,13 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     choice (``expert_plan.choose_experts`` at the workload's batch) is a ``why:`` line when MoE layers stream."""
     layers = manifest.layer_bytes
     whole = plan_layers(layers, fixed, budgets, stream_bytes=streamed)
-    choice = expert_plan.choose_experts(wl.engine.experts, manifest, True, wl.engine.batch_size)
+    choice = experts_choice(manifest, wl, budgets.vram_bytes is not None)
     routed = expert_plan.routed_layers(manifest, whole.tiers)  # the streamed MoE layers
+    if routed and choice.host:
+        choice = _host_tier_check(whole, routed, choice, wl)
+        if choice.host:
+            whole.reasons.append(choice.why)
+            return replace(whole, experts_host=True)
     if routed and choice.why:
         whole.reasons.append(choice.why)
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
@@ -339,10 +344,33 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     return replace(placed, experts=sizing, expert_bytes=arena)
 
 
+def experts_choice(manifest: Manifest, wl: Workload, gpu: bool) -> expert_plan.ExpertsChoice:
+    """``expert_plan.choose_experts`` at the workload's batch, with its figures (given, or airquant doctor's) where
+    there is a link to weigh the host against (a GPU)."""
+    figures = expert_plan.figures_for(wl.engine.host_gemv_gbps, wl.engine.link_gbps) if gpu else None
+    return expert_plan.choose_experts(wl.engine.experts, manifest, True, wl.engine.batch_size, figures)
+
+
+def _host_tier_check(whole: StreamPlan, routed: dict[int, set[str]], choice: expert_plan.ExpertsChoice,
+                     wl: Workload) -> expert_plan.ExpertsChoice:
+    """Experts computed on the host are read from the RAM tier, so every streamed MoE layer must be in it:
+    ``--experts cpu`` is refused otherwise, ``auto`` copies them to the GPU instead."""
+    on_disk = [i for i in routed if whole.tiers[i] == "disk"]
+    if not on_disk:
+        return choice
+    if wl.engine.experts == "cpu":
+        raise PlanError(f"--experts cpu computes experts from the host RAM tier, but {len(on_disk)} streamed MoE "
+                        f"layers (first: layer {on_disk[0]}) do not fit the RAM budget and would be read from "
+                        "disk at every step; raise --max-ram, or use --experts routed (copied to the GPU).")
+    return replace(choice, host=False, why=f"{choice.why}; but {len(on_disk)} MoE layers are on disk, not in "
+                                           "the RAM tier, so their experts are copied to the GPU")
+
+
 def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     """Host bytes a routed run's expert staging takes when a routed layer comes from disk (one buffer per
     working slot, on a GPU): the RAM tier leaves room for it as for the read-ahead buffers."""
-    if not gpu or not expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size):
+    if not gpu or not expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size) or \
+            experts_choice(manifest, wl, gpu).host:
         return 0
     sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes

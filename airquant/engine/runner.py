@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from airquant.config import DEFAULT_CONTEXT, EngineConfig, GenerateConfig
-from airquant.engine import expert_plan, experts, skeleton
+from airquant.engine import expert_host, expert_plan, experts, skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.plan import Reserve, StreamPlan
@@ -101,7 +101,8 @@ class Engine:
                                   host_embedding=cfg.host_embedding, verify_reads=cfg.verify_reads)
         self.streamer: LayerStreamer | None = None
         self.plan: StreamPlan | None = None
-        self.experts: experts.ExpertPool | None = None  # routed MoE experts (engine/experts.py)
+        # routed MoE experts: the device pool (engine/experts.py) or the host path (engine/expert_host.py)
+        self.experts: experts.ExpertPool | expert_host.HostExperts | None = None
         # The experts rule sees the batch the engine is opened for (--batch-size; a batch job's size): a
         # decode loop whose slots fill and drain, or halve after running out of memory, keeps this mode.
         routed_mode = expert_plan.use_routed(cfg.experts, manifest, not cfg.resident, cfg.batch_size)
@@ -116,8 +117,11 @@ class Engine:
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
-            if routed:
-                self.experts = experts.open_for(self, routed)
+            if routed and self.plan.experts_host:
+                self.experts = expert_host.open_host_experts(self, routed)
+                skeleton.attach_experts(self.model, self.experts)
+            elif routed:
+                self.experts = experts.open_pool_for(self, routed)
                 skeleton.attach_experts(self.model, self.experts)
         from airquant.engine.capability import guard_overflow
 

@@ -46,6 +46,15 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
     assert len(ab) == 4 and all(x["error"] is None and x["step_s"] > 0 for x in ab.values())
     assert {(c, x["gemv_tokens"], x["settings"].get("gemv_tokens")) for (_, c), x in ab.items()} == {
         ("lfu", GEMV_TOKENS, None), ("lfu_stacked", 0, 0)}
+    # the host path (issue 37): its figures measured in the same run, its rows at batch 1, 4 and 16 (16 runs at 8
+    # here) in both routed parts, every one computed on the host; auto's row and the ratio to the faster path
+    assert r["host_gemv_gbps"] > 0 and r["host_memcpy_gbps"] > 0 and r["host_gemv_over_memcpy"] > 0
+    host = {(x["model"], x["case"]): x for x in r["expert_aware"] if x["case"].startswith("cpu_")}
+    assert len(host) == 6 and all(x["error"] is None and x["experts_mode"] == "cpu" and x["tok_s"] > 0
+                                  and x["experts"]["calls"] > 0 for x in host.values())
+    assert r["qwen3_30b_nf4_bs1_cpu_experts_tok_s"] > 0 and r["mixtral_nf4_bs1_cpu_experts_tok_s"] > 0
+    assert r["qwen3_30b_nf4_bs1_auto_over_best"] == r["qwen3_30b_nf4_bs1_auto_tok_s"] / max(
+        r["qwen3_30b_nf4_bs1_cpu_experts_tok_s"], r["qwen3_30b_nf4_bs1_tok_s"])
     traced = [x for x in r["expert_aware"] if x.get("trace")]  # --trace nocache: that case only, both models
     assert {x["case"] for x in traced} == {"nocache"} and all(x["trace"]["top_host"] for x in traced)
     assert len(list((tmp_path / "traces").glob("*nocache.json.gz"))) == len(traced)  # one timeline per traced case

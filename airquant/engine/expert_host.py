@@ -1,0 +1,193 @@
+"""Routed experts computed on the host CPU (``--experts cpu``, or ``auto`` where ``expert_plan.host_cost`` says the
+host reads them faster than the link moves them).
+
+The streamer leaves a streamed MoE layer's experts out of its copies, as for the device pool (engine/experts);
+when the block calls its experts module, the routed rows' hidden states, routing ids and weights go to the host
+in one copy (a few KB at batch 1), each routed expert is computed from the RAM tier's bytes, the weighted sum
+goes back. Attention, norms, router and shared experts stay on the GPU; the streamer's copies of the next layers
+run on meanwhile (the copy engine does not need this thread).
+
+Compute: NF4 experts of the shape the fused kernels take (``expert_compute.fused_experts``: an NF4 (gate/)up and
+down matrix, optional biases, the module's gating) by the host kernel ``quant/kernels/nf4_cpu`` straight from the
+packed bytes, in fp32; any other experts (dense bf16/fp16/fp32, int2, GPTQ) by transformers' own grouped forward
+on host tensors of the routed experts (dense ones in fp32). Either way the values are the GPU path's within fp32
+rounding of the same decoded weights. An expert's tensors come only from ``LayerExperts.host_views``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from airquant.engine import expert_compute
+from airquant.engine.expert_layout import LayerExperts
+from airquant.engine.expert_plan import ExpertsError
+from airquant.engine.experts import packed_into
+from airquant.quant.kernels import nf4_cpu
+
+log = logging.getLogger(__name__)
+
+
+def open_host_experts(engine, routed: dict[int, set[str]]) -> "HostExperts":
+    """The host experts of an ``Engine`` whose streamer leaves ``routed`` layers' experts behind."""
+    layers = {i: LayerExperts.of(i, engine.manifest.shards[f"layer.{i}"], engine.streamer.layouts[i], engine.store)
+              for i in routed}
+    log.info("experts   : routed, computed on the host CPU (%s, %d threads)", nf4_cpu.host_kernel(),
+             nf4_cpu.threads())
+    return HostExperts(layers, engine.streamer.host_image, engine.device)
+
+
+class HostExperts:
+    """Owns the host path's per-layer specs and counters; ``run`` stands in for an experts module's call
+    (``skeleton.attach_experts`` wires it as it wires the device pool). ``host_image(i)``: layer i's data
+    section in host memory, or None (then ``host_views`` reads the shard), and its arrangement."""
+
+    def __init__(self, layers: dict[int, LayerExperts], host_image, device: torch.device):
+        self.layers, self.host_image, self.device = layers, host_image, device
+        self._specs: dict[int, expert_compute.FusedExperts | None] = {}
+        # (layer, its host buffer's address) -> the layer's operands: made once, while the buffer holds the layer
+        self._operands_of: dict[tuple[int, int], HostOperands] = {}
+        # experts: computed (per call, summed); kernel_experts: of them by the NF4 kernel (the rest: grouped)
+        self.stats = {"calls": 0, "experts": 0, "kernel_experts": 0, "pairs": 0, "bytes_read": 0, "host_s": 0.0}
+
+    @property
+    def bytes_copied(self) -> int:
+        return 0  # nothing crosses the link but the rows and their sums
+
+    def staging_held(self) -> int:
+        return 0
+
+    def reset_stats(self) -> None:
+        self.stats = dict.fromkeys(self.stats, 0)
+        self.stats["host_s"] = 0.0
+
+    def report(self) -> dict:
+        return {**self.stats, "where": "host", "kernel": nf4_cpu.host_kernel(), "threads": nf4_cpu.threads()}
+
+    def run(self, i: int, module, forward, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The experts module's output for ``hidden`` [T, H] routed by ``index``/``weights`` [T, k], computed here."""
+        if len(args) != 3 or kwargs or args[1].is_floating_point():
+            raise ExpertsError("--experts cpu needs an experts module called as (hidden, routing index, routing "
+                               "weights); this model's is not (Llama 4's dispatched experts): use --experts routed.")
+        hidden, index, weights = args
+        start = time.perf_counter()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        top_k = index.shape[-1]
+        # One copy to the host: rows, ids (exact as fp32 below 2^24) and weights side by side.
+        both = torch.cat((flat.float(), index.reshape(flat.shape[0], top_k).float(),
+                          weights.reshape(flat.shape[0], top_k).float()), dim=1).cpu()
+        x, ids, w = both.split((flat.shape[1], top_k, top_k), dim=1)  # [T, H], [T, k], [T, k]
+        out = self._compute(i, module, forward, x.contiguous(), ids.long(), w)  # [T, H] fp32
+        out = out.to(hidden.dtype)
+        if self.device.type == "cuda":
+            out = out.pin_memory().to(self.device, non_blocking=True)
+        self.stats["calls"] += 1
+        self.stats["host_s"] += time.perf_counter() - start
+        return out.view(hidden.shape)
+
+    def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> torch.Tensor:
+        layer, (src, arranged) = self.layers[i], self.host_image(i)
+        flat = ids.reshape(-1)  # [P = T * k]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        self.stats["experts"] += experts.numel()
+        self.stats["pairs"] += flat.numel()
+        self.stats["bytes_read"] += sum(layer.expert_bytes(e) for e in experts.tolist())
+        spec = self._spec(i, module)
+        if spec is None:
+            return _grouped(module, forward, layer, x, ids, w, experts.tolist(), src, arranged)
+        self.stats["kernel_experts"] += experts.numel()
+        ops, rows_of = self._operands(i, spec, src, arranged, experts)
+        rows = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [u + 1]: each expert's pairs
+        # [P]: each sorted pair's row in the operands (for biases; searchsorted, as repeat_interleave took ~5 ms
+        # for a few elements on a busy 2-core host)
+        pair_rows = rows_of[torch.searchsorted(experts, flat[order])] if ops.up_bias is not None or \
+            ops.down_bias is not None else None
+        h = nf4_cpu.matmul_experts(x[order // ids.shape[1]], ops.up, rows_of, rows, spec.up.n, spec.up.k,
+                                   spec.blocksize, spec.double)  # [P, N]
+        if ops.up_bias is not None:
+            h += ops.up_bias[pair_rows]
+        h = expert_compute.activate(module, h, spec.gated)  # [P, I]
+        y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
+                                   spec.double)  # [P, H]
+        if ops.down_bias is not None:
+            y += ops.down_bias[pair_rows]
+        out = torch.empty_like(y)
+        out[order] = y * w.reshape(-1)[order].unsqueeze(-1)  # back to (token, slot) order
+        return out.view(*ids.shape, -1).sum(dim=1)  # [T, H]: a token's k weighted rows summed
+
+    def _operands(self, i: int, spec: expert_compute.FusedExperts, src: torch.Tensor | None, arranged,
+                  experts: torch.Tensor) -> tuple["HostOperands", torch.Tensor]:
+        """The call's operands and, per routed expert, its row in them: every expert of the layer's host bytes,
+        made once per layer and buffer (``src``); from the shard (no ``src``): the routed ones, read now."""
+        layer = self.layers[i]
+        if src is None:
+            return HostOperands.of(spec, [layer.host_views(None, e) for e in experts.tolist()]), \
+                torch.arange(experts.numel())
+        key = (i, src.data_ptr())
+        if key not in self._operands_of:
+            self._operands_of = {k: v for k, v in self._operands_of.items() if k[0] != i}  # the layer's old buffer
+            self._operands_of[key] = HostOperands.of(spec, [layer.host_views(src, e, arranged)
+                                                                    for e in range(len(layer.ranges))])
+        return self._operands_of[key], experts
+
+    def _spec(self, i: int, module) -> expert_compute.FusedExperts | None:
+        """Layer i's NF4 experts as the host kernel takes them (decided once per layer), or None."""
+        if i not in self._specs:
+            spec = expert_compute.fused_experts(module, straddling=True)
+            layer = self.layers[i]
+            names = {f"{m.name}.{s}" for m in (spec.up, spec.down) for s in
+                     expert_compute.quantized_children(module)[m.name].suffixes} if spec is not None else set()
+            biases = {f"{m.name}_bias" for m in (spec.up, spec.down) if m.bias is not None} if spec else set()
+            self._specs[i] = spec if spec is not None and names | biases == set(layer.names) else None
+        return self._specs[i]
+
+
+@dataclass(frozen=True)
+class HostOperands:
+    """A layer's NF4 experts as the host kernel reads them: the (gate/)up and down matrices of each expert and
+    their biases, fp32 ``[experts, n]`` (gpt-oss), indexed by a row per expert."""
+
+    up: nf4_cpu.Matrices
+    down: nf4_cpu.Matrices
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, spec: expert_compute.FusedExperts, views: list[dict[str, torch.Tensor]]) -> "HostOperands":
+        parts = []
+        for m in (spec.up, spec.down):
+            prefix = f"{m.name}."
+            parts.append(nf4_cpu.Matrices.of([{n[len(prefix):]: t for n, t in v.items() if n.startswith(prefix)}
+                                              for v in views]))
+        biases = [torch.stack([v[f"{m.name}_bias"] for v in views]).float() if m.bias is not None else None
+                  for m in (spec.up, spec.down)]
+        return cls(parts[0], parts[1], *biases)
+
+
+def _grouped(module, forward, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+             experts: list[int], src: torch.Tensor | None, arranged) -> torch.Tensor:
+    """Experts the host kernel does not take: transformers' grouped forward (or the module's own) on host
+    ``[U, ...]`` tensors of the routed experts, dense ones in fp32; quantized ones decode to their compute
+    dtype, which the rows then take."""
+    quantized = expert_compute.quantized_children(module)
+    dtype = next(iter(quantized.values())).compute_dtype if quantized else torch.float32
+    views = {e: layer.host_views(src, e, arranged) for e in experts}
+    packed = {}
+    for name, dense in zip(layer.names, layer.dense):
+        t = torch.stack([views[e][name] for e in experts])
+        packed[name] = t.to(dtype) if dense else t
+    rank = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+    rank[torch.tensor(experts)] = torch.arange(len(experts))
+    local = rank[ids]
+    fn = expert_compute.grouped_forward(module)
+    with packed_into(module, packed, len(experts)):
+        if fn is None:
+            out = forward(x.to(dtype), local, w.to(dtype))
+        else:
+            out = expert_compute.run_grouped(module, fn, x.to(dtype), local, w.to(dtype), num=len(experts))
+    return out.float()

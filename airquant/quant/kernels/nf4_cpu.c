@@ -1,0 +1,230 @@
+/* NF4 matrix times a few rows on the host CPU: out[t, r] = sum_j W[r, j] * x[t, j], W read once from its packed
+ * bytes (airquant/quant/kernels/nf4_cpu.py compiles this file with gcc -O3 -march=native -fopenmp and calls it
+ * through ctypes).
+ *
+ * The NF4 layout is bitsandbytes' (and nf4_moe.py's Triton ``_decode``): element i of the flat [n, k] matrix is
+ * nibble i % 2 of byte i / 2 (the even element in the high nibble), its value quant_map[nibble] times the
+ * absmax of block i / blocksize; with double quant that absmax is nested_code[absmax_u8[b]] *
+ * nested_absmax[b / 256] + offset. Sums are fp32.
+ *
+ * Fast path (k % blocksize == 0, blocksize % 32 == 0, AVX-512 or AVX2): x is split once per call into its even
+ * and odd elements, so a byte's two nibbles multiply x_even and x_odd lane by lane; the 16-entry code book is a
+ * register permute (AVX-512: one vpermps over 16 lanes; AVX2: two 8-lane permutes and a blend). A block's
+ * products are summed unscaled, then scaled once: sum_b scale_b * (sum_j q_j x_j). Rows are split over the
+ * OpenMP threads; up to TOKENS (4) rows of x share one pass over a row of W (more go in further passes over the
+ * row, which is in cache by then: the bytes are read from memory once).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __x86_64__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TOKENS 4
+#define NESTED 256
+
+static inline float block_scale(int64_t b, int dbl, const float *absmax, const uint8_t *codes,
+                                const float *nested_absmax, const float *nested_code, float offset) {
+    if (dbl)
+        return nested_code[codes[b]] * nested_absmax[b / NESTED] + offset;
+    return absmax[b];
+}
+
+/* Any shape: one element at a time (a block may straddle rows, a byte two rows when k is odd). */
+static void rows_generic(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const float *absmax,
+                         const uint8_t *codes, const float *nested_absmax, const float *nested_code, float offset,
+                         const float *qm, int64_t n, int64_t k, int64_t bs, const float *x, int64_t t, float *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t tt = 0; tt < t; tt++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                int64_t i = r * k + j;
+                uint8_t byte = w[i >> 1];
+                int nib = (i & 1) ? (byte & 15) : (byte >> 4);
+                float s = block_scale(i / bs, dbl, absmax, codes, nested_absmax, nested_code, offset);
+                acc += qm[nib] * s * x[tt * k + j];
+            }
+            out[tt * n + r] = acc;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef struct { __m512 all; } book;
+static inline book load_book(const float *qm) { return (book){_mm512_loadu_ps(qm)}; }
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+/* 16 bytes -> the code book values of their high and low nibbles (16 lanes each). */
+static inline void lookup(const uint8_t *p, book lut, __m512 *hi, __m512 *lo) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut.all);
+    *lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut.all);
+}
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET1(s) _mm512_set1_ps(s)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+typedef struct { __m256 low, high; } book;  /* code book entries 0-7 and 8-15 */
+static inline book load_book(const float *qm) { return (book){_mm256_loadu_ps(qm), _mm256_loadu_ps(qm + 8)}; }
+static inline __m256 lut16(__m256i idx, book lut) {
+    __m256 a = _mm256_permutevar8x32_ps(lut.low, idx);
+    __m256 b = _mm256_permutevar8x32_ps(lut.high, idx);
+    __m256i upper = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7));
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(upper));
+}
+/* 8 bytes -> the code book values of their high and low nibbles (8 lanes each). */
+static inline void lookup(const uint8_t *p, book lut, __m256 *hi, __m256 *lo) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *hi = lut16(_mm256_srli_epi32(b, 4), lut);
+    *lo = lut16(_mm256_and_si256(b, _mm256_set1_epi32(15)), lut);
+}
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET1(s) _mm256_set1_ps(s)
+#endif
+
+#ifdef LANES
+/* One pass over row ``row`` of W for ``tn`` rows of x (xe/xo: their even and odd elements, [t, k/2], from
+ * x row t0): a constant ``tn`` at each call site, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void row_pass(const uint8_t *row, int64_t first_block, int dbl,
+        const float *absmax, const uint8_t *codes, const float *nested_absmax, const float *nested_code,
+        float offset, book lut, int64_t half, int64_t hb, int64_t blocks, const float *xe, const float *xo,
+        int64_t t0, const int tn, float *res) {
+    vec total[TOKENS];
+    for (int u = 0; u < tn; u++) total[u] = VZERO();
+    for (int64_t b = 0; b < blocks; b++) {
+        vec part[TOKENS];
+        for (int u = 0; u < tn; u++) part[u] = VZERO();
+        for (int64_t j = b * hb; j < (b + 1) * hb; j += LANES) {
+            vec hi, lo;
+            lookup(row + j, lut, &hi, &lo);
+            for (int u = 0; u < tn; u++) {
+                const int64_t base = (t0 + u) * half + j;
+                part[u] = VFMA(hi, VLOAD(xe + base), part[u]);
+                part[u] = VFMA(lo, VLOAD(xo + base), part[u]);
+            }
+        }
+        const vec s = VSET1(block_scale(first_block + b, dbl, absmax, codes, nested_absmax, nested_code, offset));
+        for (int u = 0; u < tn; u++) total[u] = VFMA(s, part[u], total[u]);
+    }
+    for (int u = 0; u < tn; u++) res[u] = hsum(total[u]);
+}
+
+/* Rows r0..r1 of a matrix whose blocks lie inside rows. */
+static void rows_fast(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const float *absmax, const uint8_t *codes,
+                      const float *nested_absmax, const float *nested_code, float offset, const float *qm,
+                      int64_t n, int64_t k, int64_t bs, const float *xe, const float *xo, int64_t t, float *out) {
+    const int64_t half = k / 2, hb = bs / 2, blocks = k / bs;
+    const book lut = load_book(qm);
+    float res[TOKENS];
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t0 = 0; t0 < t; t0 += TOKENS) {
+            const int64_t tn = t - t0 < TOKENS ? t - t0 : TOKENS;
+#define PASS(c) row_pass(w + r * half, r * blocks, dbl, absmax, codes, nested_absmax, nested_code, offset, lut, \
+                         half, hb, blocks, xe, xo, t0, c, res)
+            switch (tn) {
+            case 1: PASS(1); break;
+            case 2: PASS(2); break;
+            case 3: PASS(3); break;
+            default: PASS(4); break;
+            }
+#undef PASS
+            for (int64_t u = 0; u < tn; u++) out[(t0 + u) * n + r] = res[u];
+        }
+    }
+}
+#endif
+
+/* One expert's buffers, as ``nf4_experts`` takes them: data pointers (0 where absent). */
+enum { W, ABSMAX, NESTED_ABSMAX, NESTED_CODE, NESTED_OFFSET, QUANT_MAP, BUFFERS };
+
+/* Rows r0..r1 of expert ``e``'s matrix for its rows of x (``xs``: [rows, k], or their even/odd halves). */
+static void expert_rows(const int64_t *p, int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t bs, int dbl,
+                        int fast, const float *x, const float *xe, const float *xo, int64_t t, float *out) {
+    const uint8_t *w = (const uint8_t *)p[W];
+    const float *a32 = dbl ? NULL : (const float *)p[ABSMAX];
+    const uint8_t *codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL;
+    const float *nested_absmax = (const float *)p[NESTED_ABSMAX], *nested_code = (const float *)p[NESTED_CODE];
+    const float offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f;
+    const float *qm = (const float *)p[QUANT_MAP];
+#ifdef LANES
+    if (fast) {
+        rows_fast(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, xe, xo, t, out);
+        return;
+    }
+#endif
+    (void)xe; (void)xo; (void)fast;
+    rows_generic(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, x, t, out);
+}
+
+/* For each of ``u`` experts (``ptrs`` [u, BUFFERS]: its buffers' data pointers; ``absmax`` fp32 without double
+ * quant, uint8 codes with it), its rows rows[e] .. rows[e + 1] of x [R, k] times its NF4 matrix [n, k]' into the
+ * same rows of out [R, n]: one call, one parallel region over (expert, 16 rows of W) for a call's every expert.
+ * Returns 1 where the vector path ran, 0 for the generic one. */
+int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, int64_t n, int64_t k, int64_t bs, int dbl,
+                const float *x, float *out, int threads) {
+    const int64_t total = rows[u], chunks = (n + 15) / 16;
+    int fast = 0;
+    float *xe = NULL, *xo = NULL;
+#ifdef LANES
+    fast = k % bs == 0 && bs % (2 * LANES) == 0;
+    if (fast) {
+        const int64_t half = k / 2;
+        xe = malloc(sizeof(float) * (size_t)(total * half * 2 + 1));
+        xo = xe + total * half;
+        for (int64_t i = 0; i < total * half; i++) {
+            xe[i] = x[2 * i];
+            xo[i] = x[2 * i + 1];
+        }
+    }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < u * chunks; task++) {
+        const int64_t e = task / chunks, c = task % chunks, t = rows[e + 1] - rows[e];
+        const int64_t r1 = (c + 1) * 16 < n ? (c + 1) * 16 : n, at = rows[e];
+        if (t > 0)
+            expert_rows(ptrs + e * BUFFERS, c * 16, r1, n, k, bs, dbl, fast, x + at * k,
+                        xe ? xe + at * (k / 2) : NULL, xo ? xo + at * (k / 2) : NULL, t, out + at * n);
+    }
+    free(xe);
+    return fast;
+}
+
+/* A plain copy split over ``threads`` (each a contiguous share): the host memory bandwidth ``airquant doctor``
+ * sets the kernel's against. */
+void host_copy(uint8_t *dst, const uint8_t *src, int64_t nbytes, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t parts = 1, me = 0;
+#ifdef _OPENMP
+        parts = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+        int64_t a = nbytes * me / parts, b = nbytes * (me + 1) / parts;
+        memcpy(dst + a, src + a, (size_t)(b - a));
+    }
+}
+
+/* Lanes of the vector path this build has: 16 (AVX-512), 8 (AVX2) or 0 (generic only). */
+int nf4_lanes(void) {
+#ifdef LANES
+    return LANES;
+#else
+    return 0;
+#endif
+}

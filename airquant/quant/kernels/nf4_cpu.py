@@ -1,0 +1,270 @@
+"""NF4 matrices times a few rows on the host CPU, from their packed bytes: the routed-experts host path
+(``engine.expert_host``) and ``airquant doctor``'s host GEMV figure.
+
+The kernel is ``nf4_cpu.c``, compiled at first use with ``gcc -O3 -march=native -fopenmp`` into a per-user cache
+(``cache_dir``; the file name carries a hash of the source, the compiler and this CPU's flags, and is written
+under a temporary name then renamed, so parallel processes never load a half-written library), and called
+through ctypes on the tensors' data pointers. gcc is there wherever Triton runs; no wheel is carried. Where it
+is missing or the build fails (said once in the log), ``matmul`` decodes the matrix in torch and multiplies
+(``matmul_torch``): the same values, more memory traffic. ``AIRQUANT_NO_CPU_KERNEL=1`` forces that path (A/B).
+
+Threads: ``AIRQUANT_CPU_THREADS``, else the physical cores less one (less two from 8 cores on), so the
+streamer's read-ahead and copy threads always have a core.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from airquant.units import GB
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("nf4_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+OFF_ENV = "AIRQUANT_NO_CPU_KERNEL"
+THREADS_ENV = "AIRQUANT_CPU_THREADS"
+
+
+def threads() -> int:
+    """Threads the host kernel runs on (see the module docstring)."""
+    given = os.environ.get(THREADS_ENV)
+    if given:
+        return max(1, int(given))
+    cores = _physical_cores()
+    return max(1, cores - (2 if cores >= 8 else 1))
+
+
+@functools.cache
+def _physical_cores() -> int:
+    import psutil  # reads /proc each call: once per process, not per product
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "airquant" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _build(gcc: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([gcc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()
+    path = cache_dir() / f"nf4_cpu-{key[:16]}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([gcc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (``host_kernel`` says why; logged once)."""
+    if os.environ.get(OFF_ENV):
+        return None
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        log.warning("host NF4 kernel: no gcc on PATH; the torch fallback (decode, then matmul) runs instead")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(gcc)))
+    except (subprocess.CalledProcessError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("host NF4 kernel: building %s failed (%s); the torch fallback runs instead", SOURCE,
+                    detail.strip()[-500:])
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.nf4_experts.argtypes = [i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    lib.nf4_experts.restype = ctypes.c_int
+    lib.host_copy.argtypes = [ptr, ptr, i64, ctypes.c_int]
+    lib.nf4_lanes.restype = ctypes.c_int
+    return lib
+
+
+def host_kernel() -> str:
+    """Which host kernel ``matmul`` runs, for ``airquant doctor`` and the log."""
+    lib = library()
+    if lib is None:
+        why = f"{OFF_ENV} set" if os.environ.get(OFF_ENV) else "gcc missing or the build failed"
+        return f"torch decode + matmul ({why})"
+    isa = {16: "AVX-512", 8: "AVX2"}.get(lib.nf4_lanes(), "generic C")
+    return f"C ({isa}, OpenMP)"
+
+
+# The order of an expert's buffer pointers in the kernel's table (nf4_cpu.c: W, ABSMAX, ...).
+BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
+
+
+@dataclass(frozen=True)
+class Matrices:
+    """One NF4 matrix of each of several experts, as the kernel takes them: each one's buffers (``bufs``: host
+    tensors, kept alive here) and a table of their data pointers, ``[experts, len(BUFFERS)]`` int64. Built once
+    per layer's bytes, so a call gathers rows of the table instead of making tensors per expert."""
+
+    bufs: tuple[dict[str, torch.Tensor], ...]
+    ptrs: torch.Tensor
+
+    @classmethod
+    def of(cls, bufs: list[dict[str, torch.Tensor]]) -> "Matrices":
+        kept = tuple({name: t.contiguous() for name, t in b.items()} for b in bufs)
+        table = [[b[name].data_ptr() if name in b else 0 for name in BUFFERS] for b in kept]
+        return cls(kept, torch.tensor(table, dtype=torch.int64).reshape(len(kept), len(BUFFERS)))
+
+
+def matmul(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int,
+           double: bool) -> torch.Tensor:
+    """``[T, n]`` fp32: ``x`` ``[T, k]`` times the NF4 matrix ``[n, k]`` (transposed) held by ``bufs``
+    (``weight_packed``, ``absmax``, ``quant_map``; with double quant ``nested_absmax``, ``nested_quant_map``,
+    ``nested_offset``: host tensors, any alignment)."""
+    rows = torch.tensor([0, x.shape[0]], dtype=torch.int64)
+    return matmul_experts(x, Matrices.of([bufs]), torch.zeros(1, dtype=torch.int64), rows, n, k, blocksize, double)
+
+
+def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows: torch.Tensor, n: int, k: int,
+                   blocksize: int, double: bool) -> torch.Tensor:
+    """``[R, n]`` fp32: rows ``rows[j] .. rows[j + 1]`` of ``x`` ``[R, k]`` times the matrix of ``mats``'s expert
+    ``experts[j]`` (``experts`` ``[u]``, ``rows`` ``[u + 1]`` int64): every expert of a call in one kernel call."""
+    x = x.to(torch.float32).contiguous()
+    lib = library()
+    if lib is None:
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for j, e in enumerate(experts.tolist()):
+            a, b = int(rows[j]), int(rows[j + 1])
+            out[a:b] = matmul_torch(x[a:b], mats.bufs[e], n, k, blocksize, double)
+        return out
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    table = mats.ptrs.index_select(0, experts).contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(), n, k, blocksize, int(double), x.data_ptr(),
+                    out.data_ptr(), threads())
+    return out
+
+
+def decode(bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int, double: bool,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[n, k]`` matrix of NF4 ``bufs`` (bitsandbytes' layout and double-quant absmax), decoded in ``dtype``
+    (fp32: the kernel's values; float64: a reference)."""
+    packed = bufs["weight_packed"].reshape(-1)
+    book = bufs["quant_map"].to(dtype)
+    codes = torch.arange(256)
+    pairs = torch.stack((book[codes >> 4], book[codes & 15]), dim=-1)  # [256, 2]: a byte's two values
+    values = pairs.index_select(0, packed.long()).reshape(-1)[:n * k]
+    absmax = bufs["absmax"].reshape(-1)
+    if double:
+        absmax = bufs["nested_quant_map"].to(dtype)[absmax.long()] * \
+            bufs["nested_absmax"].to(dtype).repeat_interleave(256)[:absmax.numel()] + bufs["nested_offset"].to(dtype)
+    absmax = absmax.to(dtype)
+    if (n * k) % blocksize == 0:
+        return (values.view(-1, blocksize) * absmax[:, None]).view(n, k)
+    return (values * absmax.repeat_interleave(blocksize)[:n * k]).view(n, k)
+
+
+def matmul_torch(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int,
+                 double: bool) -> torch.Tensor:
+    """``matmul`` by a torch decode of the whole matrix, then one product (the fallback)."""
+    return x.to(torch.float32) @ decode(bufs, n, k, blocksize, double).t()
+
+
+# -- measured figures (airquant doctor, the experts planner) ---------------------------------------------
+@dataclass(frozen=True)
+class HostBandwidth:
+    """The host's figures the experts rule weighs: packed NF4 bytes a second the kernel reads at batch 1, and a
+    plain copy's bytes read a second on the same threads (the memory's own pace)."""
+
+    gemv_gbps: float
+    copy_gbps: float
+    kernel: str
+    threads: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.gemv_gbps / self.copy_gbps if self.copy_gbps else 0.0
+
+    def describe(self) -> str:
+        return (f"host      : NF4 GEMV {self.gemv_gbps:.1f} GB/s of packed bytes, memory copy {self.copy_gbps:.1f} "
+                f"GB/s read ({self.efficiency:.2f} of it); kernel {self.kernel}, {self.threads} thread"
+                + ("s" if self.threads > 1 else ""))
+
+
+def random_nf4(n: int, k: int, blocksize: int = 64, double: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    """NF4 buffers of a random ``[n, k]`` matrix in bitsandbytes' layout (no bitsandbytes needed)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-n * k // blocksize)
+    quant_map = torch.sort(torch.rand(16, generator=g) * 2 - 1).values
+    bufs = {"weight_packed": torch.randint(0, 256, ((n * k + 1) // 2, 1), dtype=torch.uint8, generator=g),
+            "quant_map": quant_map}
+    if double:
+        bufs["absmax"] = torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=g)
+        bufs["nested_absmax"] = torch.rand(-(-blocks // 256), generator=g) + 0.5
+        bufs["nested_quant_map"] = torch.sort(torch.rand(256, generator=g) * 2 - 1).values
+        bufs["nested_offset"] = torch.tensor(0.3)
+    else:
+        bufs["absmax"] = torch.rand(blocks, generator=g) + 0.1
+    return bufs
+
+
+def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096) -> HostBandwidth:
+    """``HostBandwidth`` in about ``seconds``: batch-1 products over enough distinct matrices (64 MB of packed
+    bytes) that the caches do not hold them, and copies of as many bytes."""
+    copies = max(1, (64 << 20) // (n * k // 2))
+    # The bytes' values do not change the kernel's pace (every nibble and code indexes its table): one fill, and
+    # the tables of one random matrix shared by all.
+    tables = random_nf4(1, 64, double=True)
+    blocks = n * k // 64
+    mats = [{**tables, "weight_packed": torch.full((n * k // 2, 1), 0x5A, dtype=torch.uint8),
+             "absmax": torch.full((blocks,), 7, dtype=torch.uint8),
+             "nested_absmax": torch.ones(-(-blocks // 256))} for _ in range(copies)]
+    x = torch.randn(1, k)
+    per = mats[0]["weight_packed"].numel() + mats[0]["absmax"].numel()
+    gemv = _rate([lambda m=m: matmul(x, m, n, k, 64, True) for m in mats], per, seconds / 2)
+    src = torch.randint(0, 256, (per * copies,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    lib = library()
+    if lib is not None:
+        copy = _rate([lambda: lib.host_copy(dst.data_ptr(), src.data_ptr(), src.numel(), threads())], src.numel(),
+                     seconds / 2)
+    else:
+        copy = _rate([lambda: dst.copy_(src)], src.numel(), seconds / 2)
+    return HostBandwidth(gemv / GB, copy / GB, host_kernel(), threads())
+
+
+def _rate(calls: list, nbytes: int, seconds: float) -> float:
+    """Bytes a second of ``calls`` (each reading ``nbytes``) run in turn: one warm-up call, then as many as fit
+    in ``seconds`` (two at least)."""
+    calls[0]()
+    done, start = 0, time.perf_counter()
+    while True:
+        calls[done % len(calls)]()
+        done += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and done >= 2:
+            return done * nbytes / elapsed

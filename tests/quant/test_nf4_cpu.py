@@ -1,0 +1,75 @@
+"""The host NF4 kernel (quant/kernels/nf4_cpu.c, through nf4_cpu.matmul) and its torch fallback against a float64
+decode of the same bytes: random NF4 matrices, plain and double-quant absmax, shapes whose blocks lie in rows (the
+vector path) and odd ones (blocks straddling rows, an odd row length: the generic path), 1 to 19 rows of x."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from airquant.quant.kernels import nf4_cpu
+
+CASES = [(64, 128, 64, True, 1), (33, 256, 64, False, 3), (17, 70, 64, True, 2), (5, 9, 64, False, 1),
+         (128, 512, 128, True, 16), (40, 192, 32, False, 9), (300, 1024, 64, True, 19), (7, 64, 64, False, 8)]
+
+
+def _reference(x: torch.Tensor, bufs: dict, n: int, k: int, bs: int, double: bool) -> torch.Tensor:
+    return x.double() @ nf4_cpu.decode(bufs, n, k, bs, double, torch.float64).t()
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # fp32 sums of k products: a few ulps of the largest partial sums
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("n, k, bs, double, t", CASES)
+def test_c_kernel_equals_a_float64_decode(n, k, bs, double, t):
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no gcc on PATH: the C kernel cannot be built here (matmul runs the torch fallback)")
+    assert nf4_cpu.library() is not None, nf4_cpu.host_kernel()
+    bufs = nf4_cpu.random_nf4(n, k, bs, double, seed=n)
+    x = torch.randn(t, k)
+    _check(nf4_cpu.matmul(x, bufs, n, k, bs, double), _reference(x, bufs, n, k, bs, double))
+
+
+@pytest.mark.parametrize("n, k, bs, double, t", CASES[:4])
+def test_torch_fallback_equals_a_float64_decode(n, k, bs, double, t):
+    bufs = nf4_cpu.random_nf4(n, k, bs, double, seed=n)
+    x = torch.randn(t, k)
+    _check(nf4_cpu.matmul_torch(x, bufs, n, k, bs, double), _reference(x, bufs, n, k, bs, double))
+
+
+def test_unaligned_views_of_a_byte_buffer():
+    """An expert's tensors are views into a layer's host bytes at any offset: the kernel reads them as they are."""
+    if nf4_cpu.library() is None:
+        pytest.skip(f"the C kernel is not in use here: {nf4_cpu.host_kernel()}")
+    bufs = nf4_cpu.random_nf4(48, 128, 64, False, seed=3)
+    raw = torch.zeros(1 + bufs["absmax"].numel() * 4, dtype=torch.uint8)
+    raw[1:] = bufs["absmax"].view(torch.uint8)
+    shifted = {**bufs, "absmax": raw[1:]}  # fp32 absmax starting one byte into the buffer, as bytes
+    x = torch.randn(2, 128)
+    want = _reference(x, bufs, 48, 128, 64, False)
+    _check(nf4_cpu.matmul(x, shifted, 48, 128, 64, False), want)
+
+
+def test_measure_reports_both_figures():
+    bw = nf4_cpu.measure(seconds=0.2, n=256, k=1024)
+    assert bw.gemv_gbps > 0 and bw.copy_gbps > 0 and bw.threads >= 1 and bw.kernel
+    assert "GB/s" in bw.describe()
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_one_call_for_several_experts_equals_each_alone(double):
+    """``matmul_experts``: rows 0-2 through expert 2, row 3 through expert 0, rows 4-9 through expert 1 (a table of
+    three experts' pointers, gathered per call) equal each expert's own product; the fallback gives the same."""
+    n, k = 40, 192
+    mats = [nf4_cpu.random_nf4(n, k, 64, double, seed=s) for s in range(3)]
+    table = nf4_cpu.Matrices.of(mats)
+    x = torch.randn(10, k)
+    experts, rows = torch.tensor([2, 0, 1]), torch.tensor([0, 3, 4, 10])
+    want = torch.cat([_reference(x[a:b], mats[e], n, k, 64, double)
+                      for e, a, b in zip(experts.tolist(), rows[:-1].tolist(), rows[1:].tolist())])
+    _check(nf4_cpu.matmul_experts(x, table, experts, rows, n, k, 64, double), want)
