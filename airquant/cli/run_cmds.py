@@ -73,11 +73,11 @@ def job_plan_text(args) -> str:
     from airquant.jobs.batch import (
         BatchJob,
         BatchJobError,
-        context_limit,
         job_shape,
         plan_job,
         prompt_lengths,
         read_prompts,
+        store_context_limit,
     )
     from airquant.store.side_files import load_tokenizer
 
@@ -91,7 +91,7 @@ def job_plan_text(args) -> str:
     job = BatchJob(input=path, output=path, max_batch=args.max_batch, kv=kv,
                    gen=GenerateConfig(max_new_tokens=args.max_new_tokens, chat=args.chat))
     lengths = prompt_lengths(load_tokenizer(store / "tokenizer"), prompts, args.chat)
-    shape = job_shape(lengths, prompts, job, context_limit(store), str(path))
+    shape = job_shape(lengths, prompts, job, store_context_limit(store), str(path))
     gpu = args.device != "cpu" and torch.cuda.is_available()
     mix = plan_job(store, job, engine_config(args), shape, hw=Hardware.detect(args.device, args.max_vram, args.max_ram),
                    device=torch.device("cuda" if gpu else "cpu"))

@@ -272,7 +272,7 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     lengths, context, todo = _measured(tokenizer, store, todo, job)
     owned, placement = engine is None, None
     if owned and job.batch_size is None and not cfg.resident:
-        mix = plan_job(store, job, cfg, job_shape(lengths, todo, job, context_limit(store), str(job.input)))
+        mix = plan_job(store, job, cfg, job_shape(lengths, todo, job, store_context_limit(store), str(job.input)))
         log.info("throughput plan:\n%s", mix.describe())
         size, cfg, placement = mix.choice.slots, mix.engine_config(cfg), mix.choice.plan
         if job.kv == "auto":
@@ -328,11 +328,11 @@ def job_context(store: Path, lengths: list[int], prompts: list[Prompt], job: Bat
     """Tokens per sequence: the longest prompt + its new tokens, at most the model's context (a record over
     it gets an error record)."""
     context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, prompts))
-    limit = context_limit(store)
+    limit = store_context_limit(store)
     return min(context, limit) if limit else context
 
 
-def context_limit(store: Path) -> int | None:
+def store_context_limit(store: Path) -> int | None:
     """The model's context (``max_position_embeddings``; None: not stated)."""
     path = store / "config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else {}
