@@ -271,7 +271,8 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     tokenizer = engine.tokenizer if engine is not None else load_tokenizer(store / "tokenizer")
     lengths, context, todo = _measured(tokenizer, store, todo, job)
     owned, placement = engine is None, None
-    if owned and job.batch_size is None and not cfg.resident:
+    # --resident and --reserve leave the planner out: nothing is streamed, or the reserve does not follow the slots.
+    if owned and job.batch_size is None and not cfg.resident and cfg.reserve_gb is None:
         mix = plan_job(store, job, cfg, job_shape(lengths, todo, job, store_context_limit(store), str(job.input)))
         log.info("throughput plan:\n%s", mix.describe())
         size, cfg, placement = mix.choice.slots, mix.engine_config(cfg), mix.choice.plan
