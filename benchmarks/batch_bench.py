@@ -15,8 +15,11 @@ Parts, each one device command well under the 600 s limit (results merged part b
 Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``max_new_tokens`` drawn (seed 0) from
 a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
 request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
-``airquant batch`` feeds either path. The KV cache and the slots are what the router allows under the cap
-(``--kv``, ``--kv-offload``, ``--slots`` override); both parts record them, and ``continuous_over_static`` is
+``airquant batch`` feeds either path. The slots are what the router allows under the cap for the cache ``--kv``
+names (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``); ``--kv auto`` runs
+the throughput planner's choice of KV format, offload, slots and placement (``engine/throughput.py``, what
+``airquant batch --batch-size auto --kv auto`` runs): ``continuous_auto_*``, ``auto_slots``, ``auto_kv``.
+``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
 written only when the two parts ran with the same settings.
 
 Time budget, no extrapolation: a streamed 70B pass takes ~0.6 s, so all 512 requests (~1300 passes at 64 slots)
@@ -94,22 +97,40 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
     from airquant.engine.router import Candidate, Hardware, route, workload_for
 
     if cap_gb is None:
-        return limit, kv if kv != "auto" else "none", False
+        return limit, kv, False
     hw = Hardware.detect("cuda", max_vram_gb=cap_gb * 1e9 / (1 << 30))
-    schemes = ("none", "tq") if kv == "auto" else (kv,)
-    wl = workload_for(EngineConfig(), batch_size=1, context=context, mode="streamed", kv_schemes=schemes,
+    wl = workload_for(EngineConfig(), batch_size=1, context=context, mode="streamed", kv_schemes=(kv,),
                       kv_offload=offload, host_embedding=True)
     r = route([Candidate.open(store)], hw, wl)
     return min(limit, r.max_batch), r.kv, r.kv_offload
 
 
-def open_engine(store: Path, args, slots: int, context: int, offload: bool, kv_cache: str = "none"):
+def plan_mix(store: Path, args, requests: list[Request]):
+    """``--kv auto``: the throughput planner's KV format, offload, slots and placement for these requests
+    (``engine/throughput.choose_mix``, what ``airquant batch --batch-size auto --kv auto`` runs)."""
+    from airquant.config import EngineConfig
+    from airquant.engine.router import Candidate, Hardware
+    from airquant.engine.throughput import JobShape, choose_mix
+
+    job = JobShape(tuple(len(r.prompt_ids) for r in requests), tuple(r.max_new_tokens for r in requests), "bench")
+    if args.quick:
+        hw, link = Hardware(None, 8 << 30), None
+    else:
+        hw, link = Hardware.detect("cuda", max_vram_gb=args.cap_gb * 1e9 / (1 << 30)), pinned_link_gbps(False)
+    cfg = EngineConfig(host_embedding=not args.quick, kv_offload=args.kv_offload)
+    mix = choose_mix(Candidate.open(store), hw, cfg, job, link_gbps=link, max_slots=args.slots)
+    log.info("throughput plan:\n%s", mix.describe())
+    return mix
+
+
+def open_engine(store: Path, args, slots: int, context: int, offload: bool, kv_cache: str = "none",
+                placement=None):
     from airquant.config import EngineConfig
 
     cfg = EngineConfig(device="cpu" if args.quick else "cuda", max_vram_gb=None if args.quick else args.cap_gb * 1e9
                        / (1 << 30), batch_size=slots, context=context, host_embedding=not args.quick,
                        kv_offload=offload, kv_cache=kv_cache)
-    return Engine.open(store, cfg)
+    return Engine.open(store, cfg, placement=placement)
 
 
 def warm_up(engine, slots: int, kv, vocab: int) -> float:
@@ -140,23 +161,32 @@ def part_batch(args, which: str, results: dict) -> None:
     requests = workload(args.requests, vocab, prompt_range=args.prompt_range, mean_new=args.mean_new,
                         max_new=args.max_new)
     context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    slots, kv_name, offload = plan_slots(store, None if args.quick else args.cap_gb, context, args.kv,
-                                         args.kv_offload, args.slots)
+    placement = None
+    if args.kv == "auto":
+        mix = plan_mix(store, args, requests)
+        slots, kv_name, offload, placement = mix.choice.slots, mix.choice.kv, mix.choice.offload, mix.choice.plan
+    else:
+        slots, kv_name, offload = plan_slots(store, None if args.quick else args.cap_gb, context, args.kv,
+                                             args.kv_offload, args.slots)
     kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=128) if kv_name == "tq" else None
     settings = {"slots": slots, "kv": kv_name, "kv_offload": offload, "requests": len(requests), "context": context,
                 "distribution": f"prompt uniform {args.prompt_range}, new tokens geometric mean {args.mean_new} "
                 f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first"}
-    engine = open_engine(store, args, slots, context, offload, kv_cache=kv_name)
+    engine = open_engine(store, args, slots, context, offload, kv_cache=kv_name, placement=placement)
+    # Each --kv a row of its own: plain keeps the keys it always had; tq and auto (the throughput planner's
+    # choice) get continuous_tq_* / continuous_auto_* and their settings as tq_* / auto_*.
+    prefix = which if args.kv == "none" else f"{which}_{args.kv}"
     try:
         warm = warm_up(engine, slots, kv, vocab)
         order = longest_first(requests)
         if which == "static":
-            measured = run_static(engine, order, slots, kv, args.static_batches, args.seconds)
+            measured = run_static(engine, order, slots, kv, args.static_batches, args.seconds, prefix=prefix)
         else:
-            measured = run_continuous(engine, order, slots, kv, context, args.seconds)
+            measured = run_continuous(engine, order, slots, kv, context, args.seconds, prefix=prefix)
     finally:
         engine.close()
-    results.update({**settings, **measured, f"{which}_settings": settings, f"{which}_warmup_s": warm,
+    shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
+    results.update({**shown, **measured, f"{prefix}_settings": settings, f"{prefix}_warmup_s": warm,
                     "method": METHOD, "synthetic": True, "quick": args.quick,
                     "device": "cpu" if args.quick else torch.cuda.get_device_name()})
     compare(results)
@@ -304,7 +334,8 @@ def report(results: dict) -> None:
             "static_steady_useful_tok_s", "static_slot_utilization", "continuous_requests_finished",
             "continuous_wall_s", "continuous_passes", "continuous_useful_tok_s", "continuous_steady_useful_tok_s",
             "slot_utilization", "continuous_steady_slot_utilization", "continuous_over_static",
-            "continuous_over_static_missing",
+            "continuous_over_static_missing", "tq_slots", "continuous_tq_useful_tok_s", "auto_slots", "auto_kv",
+            "auto_kv_offload", "continuous_auto_useful_tok_s",
             "bs1_8b_step_s", "link_pinned_gbps", "bs1_link_fraction", "cpu_mixed_static_utilization",
             "cpu_mixed_continuous_utilization", "cpu_mixed_static_wall_s", "cpu_mixed_continuous_wall_s"]
     for k in keys:
@@ -327,7 +358,9 @@ def parse_args(argv=None):
     p.add_argument("--static-batches", type=int, default=None,
                    help="at most this many static batches (default: as many as --seconds allows)")
     p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap, decimal GB")
-    p.add_argument("--kv", choices=["auto", "none", "tq"], default="auto")
+    p.add_argument("--kv", choices=["none", "tq", "auto"], default="none",
+                   help="none: plain (continuous_* keys); tq: TurboQuant K4/V2 (continuous_tq_*); auto: the throughput "
+                        "planner's KV format, offload and slots (continuous_auto_*)")
     p.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--mixed-prompts", type=int, default=None, help="default 48 (--quick: 6)")
     p.add_argument("--mixed-slots", type=int, default=None, help="default 16 (--quick: 3)")

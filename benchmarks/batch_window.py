@@ -84,7 +84,7 @@ def step_within(loop, window: Window, deadline: float) -> bool:
     return True
 
 
-def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf):
+def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf, prefix="static"):
     """Static batching (``airquant batch`` before the loop; still its path on stacks the loop does not run):
     ``order`` in batches of ``slots``, each one loop as ``Engine.generate_requests`` makes it (a slot per request,
     every prompt prefilled in the first pass, nobody admitted later), so a batch holds its slots until its longest
@@ -101,21 +101,22 @@ def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf):
         if not step_within(loop, window, deadline):
             break
         completed += 1
-    return {**window.keys("static", seconds), "static_batches_run": -(-len(seqs) // slots),
-            "static_batches_completed": completed, "static_batches_total": -(-len(order) // slots),
-            "static_requests_admitted": len(seqs), "static_requests_finished": sum(s.done for s in seqs)}
+    return {**window.keys(prefix, seconds), f"{prefix}_batches_run": -(-len(seqs) // slots),
+            f"{prefix}_batches_completed": completed, f"{prefix}_batches_total": -(-len(order) // slots),
+            f"{prefix}_requests_admitted": len(seqs), f"{prefix}_requests_finished": sum(s.done for s in seqs)}
 
 
-def run_continuous(engine, order, slots, kv, context, seconds=math.inf):
+def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="continuous"):
     """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent."""
     window = Window(slots)  # from before the loop is made, as for each static batch
     loop = engine.decode_loop(slots, context=context, kv=kv)
     seqs = [loop.submit(r) for r in order]
     step_within(loop, window, window.start + seconds)
     ttft = [s.ttft_s for s in seqs if s.ttft_s is not None]
-    out = window.keys("continuous", seconds)
-    return {**out, "slot_utilization": out["continuous_slot_utilization"],
-            "continuous_requests_admitted": sum(s.slot is not None or s.done for s in seqs),
-            "continuous_requests_finished": sum(s.done for s in seqs),
-            "ttft_median_s": statistics.median(ttft) if ttft else None,
-            "decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0])}
+    out = window.keys(prefix, seconds)
+    tag = "" if prefix == "continuous" else prefix.removeprefix("continuous_") + "_"  # the plain row's keys as before
+    return {**out, f"{tag}slot_utilization": out[f"{prefix}_slot_utilization"],
+            f"{prefix}_requests_admitted": sum(s.slot is not None or s.done for s in seqs),
+            f"{prefix}_requests_finished": sum(s.done for s in seqs),
+            f"{tag}ttft_median_s": statistics.median(ttft) if ttft else None,
+            f"{tag}decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0])}

@@ -125,11 +125,14 @@ def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:BITS_K:BITS_V[,...], e.g. 0:4:4,29:4:3") from exc
 
 
-def add_kv_flags(p: argparse.ArgumentParser) -> None:
-    """The cache a run builds: ``--kv`` and the ``KVConfig`` fields (see ``kv_from_args``)."""
+def add_kv_flags(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
+    """The cache a run builds: ``--kv`` and the ``KVConfig`` fields (see ``kv_from_args``); ``auto``: also
+    ``--kv auto``, the throughput planner's choice of plain or tq (``batch --batch-size auto``)."""
     g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
-    g.add_argument("--kv", choices=KV_RUN_CHOICES, default="none",
-                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)")
+    g.add_argument("--kv", choices=KV_RUN_CHOICES + (("auto",) if auto else ()), default="none",
+                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)"
+                   + ("; auto: plain or tq K4/V2, whichever the throughput planner estimates faster for the job "
+                      "(with --batch-size auto; airquant plan --job prints why)" if auto else ""))
     g.add_argument("--kv-bits-k", type=int, default=None, metavar="B", help="key bits (KVConfig default 4)")
     g.add_argument("--kv-bits-v", type=int, default=None, metavar="B", help="value bits (default 2)")
     g.add_argument("--kv-window", type=int, default=None, metavar="N", help="recent tokens kept exact (default 128)")
@@ -144,9 +147,9 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
 
 
 def kv_from_args(args):
-    """The ``KVConfig`` the flags describe, or None for ``--kv none``."""
-    if args.kv == "none":
-        return None
+    """The ``KVConfig`` the flags describe, None for ``--kv none``, "auto" for the planner's choice."""
+    if args.kv in ("none", "auto"):
+        return None if args.kv == "none" else "auto"
     from airquant.kv import KVConfig
 
     names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits", "rotation")

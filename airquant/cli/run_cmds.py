@@ -52,6 +52,9 @@ def runs_line(route, args) -> str | None:
 def cmd_plan(args) -> int:
     from airquant.engine.capability import compute_line
 
+    if args.job is not None:
+        print(job_plan_text(args))
+        return 0
     route, engine = route_for_flags(args.stores, args)
     print(route.describe(engine))
     if line := runs_line(route, args):
@@ -60,10 +63,53 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def job_plan_text(args) -> str:
+    """``airquant plan STORE --job PROMPTS.jsonl``: the throughput planner's table for that job
+    (``jobs.batch.plan_job``, what ``airquant batch --batch-size auto`` runs)."""
+    import torch
+
+    from airquant.config import GenerateConfig
+    from airquant.engine.router import Hardware, tq_config
+    from airquant.jobs.batch import (
+        BatchJob,
+        BatchJobError,
+        job_shape,
+        plan_job,
+        prompt_lengths,
+        read_prompts,
+        store_context_limit,
+    )
+    from airquant.store.side_files import load_tokenizer
+
+    if len(args.stores) != 1:
+        raise AirQuantError(f"--job plans one store; {len(args.stores)} were given. Pass the store the job will run.")
+    store, path = Path(args.stores[0]), Path(args.job)
+    prompts = read_prompts(path, flag="--job")
+    if not prompts:
+        raise BatchJobError(f'--job {path} has no prompts; each line must be {{"id": ..., "prompt": "..."}}.')
+    kv = {"auto": "auto", "none": None, "tq": tq_config()}[args.kv]
+    job = BatchJob(input=path, output=path, max_batch=args.max_batch, kv=kv,
+                   gen=GenerateConfig(max_new_tokens=args.max_new_tokens, chat=args.chat))
+    lengths = prompt_lengths(load_tokenizer(store / "tokenizer"), prompts, args.chat)
+    shape = job_shape(lengths, prompts, job, store_context_limit(store), str(path))
+    gpu = args.device != "cpu" and torch.cuda.is_available()
+    mix = plan_job(store, job, engine_config(args), shape, hw=Hardware.detect(args.device, args.max_vram, args.max_ram),
+                   device=torch.device("cuda" if gpu else "cpu"))
+    return mix.describe()
+
+
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
     """What ``plan`` and ``doctor`` plan for: batch, interactive use, routing and the engine's flags."""
     p.add_argument("--batch", type=int, default=1, metavar="N", help="sequences per batch to plan for (default 1)")
     p.add_argument("--interactive", action="store_true", help="plan for interactive use: never stream layers")
+    g = p.add_argument_group("batch job (the throughput planner: what airquant batch --batch-size auto runs)")
+    g.add_argument("--job", default=None, metavar="PROMPTS.jsonl",
+                   help="plan KV format, KV offload, slots and resident layers for the useful tok/s of this batch "
+                        "input (airquant batch --input) and print the arithmetic; --kv limits the formats")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="--job: new tokens of a record without its own max_new_tokens (default 64)")
+    g.add_argument("--chat", action="store_true", help="--job: count prompts with the chat template")
+    g.add_argument("--max-batch", type=int, default=256, metavar="N", help="--job: most slots (default 256)")
     add_route_flags(p)
     add_engine_flags(p)
 
@@ -165,12 +211,13 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--input", required=True, help='JSONL of {"id": ..., "prompt": ...} (id optional: line number)')
     p.add_argument("--output", required=True, help="JSONL of records; ids already there are skipped")
     p.add_argument("--batch-size", default="auto", metavar="auto|N", type=_batch_size,
-                   help="sequences per weight pass (auto: as many as the VRAM left for the KV cache holds; 8 on CPU)")
+                   help="sequences per weight pass (auto: the throughput planner's slots, KV offload and resident "
+                        "layers for the job, printed by airquant plan STORE --job INPUT; at most 8 on CPU)")
     p.add_argument("--max-batch", type=int, default=256, metavar="N", help="upper bound of --batch-size auto")
     add_generate_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(p)
-    add_kv_flags(p)
+    add_kv_flags(p, auto=True)
     add_scale_flags(p)
     p.set_defaults(func=cmd_batch)
 

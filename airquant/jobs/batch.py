@@ -20,13 +20,14 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.decode.loop import RequestSettingsError
 from airquant.engine.prompts import token_counts
+from airquant.engine.throughput import JobShape, ThroughputPlan
 from airquant.errors import AirQuantError, DiskSpaceError, PromptTooLongError
 from airquant.store.side_files import load_tokenizer
 
@@ -48,10 +49,11 @@ class BatchJob:
 
     input: Path
     output: Path
-    batch_size: int | None = None  # None: auto (from free VRAM and the KV bytes per token; 8 on CPU)
+    batch_size: int | None = None  # None: auto (the throughput planner's slots, KV offload and placement)
     max_batch: int = 256  # upper bound of the auto batch size
     gen: GenerateConfig = field(default_factory=GenerateConfig)
-    kv: KVConfig | None = None  # the KV cache (airquant.kv.KVConfig); None: the plain one
+    # The KV cache (airquant.kv.KVConfig); None: the plain one; "auto": the planner's format (batch_size auto)
+    kv: KVConfig | Literal["auto"] | None = None
 
 
 # Per-record generation settings a JSONL line may carry, and the types each accepts.
@@ -210,6 +212,54 @@ def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv
     return min(batch, limit)
 
 
+def kv_schemes(kv: KVConfig | Literal["auto"] | None) -> tuple[str, ...]:
+    """The KV formats the throughput planner may choose for a job's ``kv``."""
+    return ("none", "tq") if kv == "auto" else (planned_kv(kv),)
+
+
+def job_shape(lengths: list[int], prompts: list[Prompt], job: BatchJob, limit: int | None, source: str) -> JobShape:
+    """The job's length distribution: each prompt's tokens and its own ``max_new_tokens``; records over the
+    model's context (``limit``) are left out (they get an error record and take no slot)."""
+    rows = [(n, p.gen(job.gen).max_new_tokens) for n, p in zip(lengths, prompts)]
+    rows = [(n, m) for n, m in rows if n > 0 and (limit is None or n + m <= limit)]
+    if not rows:
+        raise BatchJobError(f"no prompt of {source} fits the model's context of {limit} tokens with its new tokens; "
+                            "shorten the prompts or lower --max-new-tokens.")
+    return JobShape(tuple(n for n, _ in rows), tuple(m for _, m in rows), source=source)
+
+
+def link_for(hw, device: torch.device) -> tuple[float | None, str]:
+    """The host->GPU link a plan's passes move layers over: measured on a GPU; PCIe 3 assumed for a plan made
+    for a GPU where there is none (``--max-vram`` on a laptop); none on a CPU run."""
+    from airquant.engine.step_bound import PCIE3_GBPS
+
+    if hw.vram_bytes is None:
+        return None, " (a CPU run: layers are used in host memory)"
+    if device.type != "cuda":
+        return PCIE3_GBPS, " (PCIe 3, assumed: no GPU here to measure)"
+    from airquant.eval.perf import measure_link_bandwidth
+
+    return measure_link_bandwidth(device, nbytes=128 << 20, repeats=5).gb_per_s, " (measured, pinned host->GPU)"
+
+
+def plan_job(store: Path, job: BatchJob, cfg: EngineConfig, shape: JobShape, hw=None,
+             device: torch.device | None = None, disk_gbps: float | None = None) -> ThroughputPlan:
+    """The throughput planner's mix for this job (``engine/throughput.choose_mix``): what ``airquant plan --job``
+    prints and ``--batch-size auto`` runs. ``hw``: budgets detected already (default: this run's); ``disk_gbps``:
+    the store's read speed (``airquant doctor STORE``), for plans that read layers from disk; on the CPU the
+    slots are at most ``CPU_BATCH``."""
+    from airquant.engine.router import Candidate
+    from airquant.engine.runner import hardware_for, resolve_device
+    from airquant.engine.throughput import choose_mix
+
+    device = device or resolve_device(cfg.device)
+    hw = hw or hardware_for(cfg, device)
+    link, note = link_for(hw, device)
+    limit = job.max_batch if hw.vram_bytes is not None else min(CPU_BATCH, job.max_batch)
+    return choose_mix(Candidate.open(store), hw, cfg, shape, link_gbps=link, disk_gbps=disk_gbps, link_note=note,
+                      max_slots=limit, kv_schemes=kv_schemes(job.kv))
+
+
 # -- the job -----------------------------------------------------------------------------------
 def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None, *, engine=None,
               progress: bool = True) -> BatchReport:
@@ -219,15 +269,29 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     if not todo:
         return report
     tokenizer = engine.tokenizer if engine is not None else load_tokenizer(store / "tokenizer")
-    context, todo = longest_first(tokenizer, store, todo, job)
-    size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
-    owned = engine is None
+    lengths, context, todo = _measured(tokenizer, store, todo, job)
+    owned, placement = engine is None, None
+    # --resident and --reserve leave the planner out: nothing is streamed, or the reserve does not follow the slots.
+    if owned and job.batch_size is None and not cfg.resident and cfg.reserve_gb is None:
+        mix = plan_job(store, job, cfg, job_shape(lengths, todo, job, store_context_limit(store), str(job.input)))
+        log.info("throughput plan:\n%s", mix.describe())
+        size, cfg, placement = mix.choice.slots, mix.engine_config(cfg), mix.choice.plan
+        if job.kv == "auto":
+            from airquant.engine.planner import tq_config
+
+            job = replace(job, kv=tq_config() if mix.choice.kv == "tq" else None)
+    elif job.kv == "auto":
+        raise BatchJobError("--kv auto lets the throughput planner choose the cache, which it does for a streamed "
+                            "job with --batch-size auto; pass --kv none or --kv tq here.")
+    else:
+        size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     if owned:
         from airquant.engine.runner import Engine
 
         # The reserve in the job's KV format: a batch sized for TurboQuant planned as plain asked for the plain
         # cache's bytes and did not open (issue 38: a 70B NF4 job under 15 GB).
-        engine = Engine.open(store, replace(cfg, batch_size=size, context=context, kv_cache=planned_kv(job.kv)))
+        engine = Engine.open(store, replace(cfg, batch_size=size, context=context, kv_cache=planned_kv(job.kv)),
+                             placement=placement)
     log.info("batch job: %d prompts (%d already done), batch size %d, context %d", len(todo), report.skipped,
              size, context)
     try:
@@ -241,9 +305,16 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
 def longest_first(tokenizer, store: Path, todo: list[Prompt], job: BatchJob) -> tuple[int, list[Prompt]]:
     """The job's context (``job_context``) and its prompts longest first: a batch that does not fit fails at
     the start, not after hours (``run_batch`` and the Ray driver order a job this way)."""
+    _, context, ordered = _measured(tokenizer, store, todo, job)
+    return context, ordered
+
+
+def _measured(tokenizer, store: Path, todo: list[Prompt], job: BatchJob) -> tuple[list[int], int, list[Prompt]]:
+    """Each prompt's tokens, the job's context and the prompts, all longest first."""
     lengths = prompt_lengths(tokenizer, todo, job.gen.chat)
     context = job_context(store, lengths, todo, job)
-    return context, [p for _, p in sorted(zip(lengths, todo), key=lambda t: -t[0])]
+    ordered = sorted(zip(lengths, todo), key=lambda t: -t[0])
+    return [n for n, _ in ordered], context, [p for _, p in ordered]
 
 
 def pending(job: BatchJob) -> tuple[BatchReport, list[Prompt]]:
@@ -258,10 +329,15 @@ def job_context(store: Path, lengths: list[int], prompts: list[Prompt], job: Bat
     """Tokens per sequence: the longest prompt + its new tokens, at most the model's context (a record over
     it gets an error record)."""
     context = max(n + p.gen(job.gen).max_new_tokens for n, p in zip(lengths, prompts))
+    limit = store_context_limit(store)
+    return min(context, limit) if limit else context
+
+
+def store_context_limit(store: Path) -> int | None:
+    """The model's context (``max_position_embeddings``; None: not stated)."""
     path = store / "config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else {}
-    limit = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
-    return min(context, limit) if limit else context
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
 
 
 def generate_records(engine, prompts: list[Prompt], job: BatchJob, *, slots: int | None = None,

@@ -224,6 +224,9 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
     if not (store / MANIFEST).is_file():
         raise StoreError(f"{store} is not a store (no {MANIFEST}); pass the folder `airquant shard` or "
                          "`airquant synth` wrote.")
+    if job.kv == "auto":
+        raise BatchJobError("--kv auto (the throughput planner's cache) runs in one process, not yet with --ray; "
+                            "pass --kv none or --kv tq.")
     digest = store_digest(store)
     report, todo = pending(job)
     if not todo:

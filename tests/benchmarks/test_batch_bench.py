@@ -100,3 +100,14 @@ def test_cpu_mixed_quick(tmp_path, default_store):
     for k in ("cpu_mixed_static_utilization", "cpu_mixed_continuous_utilization"):
         assert 0 < r[k] <= 1
     assert r["cpu_mixed_useful_tokens"] > 0
+
+
+def test_kv_auto_records_the_planners_row_beside_plain(store_dir):
+    """``--kv auto``: the throughput planner's choice runs, and its row sits beside the plain one."""
+    tmp = fresh(store_dir, "auto")
+    bench(tmp, "continuous", "--seconds", "1e6")
+    r = bench(tmp, "continuous", "--seconds", "1e6", "--kv", "auto")
+    assert r["continuous_auto_useful_tok_s"] > 0 and r["continuous_useful_tok_s"] > 0
+    assert r["continuous_auto_requests_finished"] == r["requests"] == 48
+    assert 1 <= r["auto_slots"] <= 8 and r["auto_kv"] in ("none", "tq") and r["auto_kv_offload"] is False
+    assert r["continuous_auto_settings"]["slots"] == r["auto_slots"] and r["slots"] == 8  # plain's, untouched

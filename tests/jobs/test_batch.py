@@ -269,3 +269,39 @@ def test_a_full_disk_during_a_batch_is_a_named_error_and_loses_nothing(tmp_path,
     monkeypatch.setattr(batch, "_append", real)
     report = run_batch(tiny_store, job, engine=Engine.open(tiny_store, device="cpu"), progress=False)
     assert report.skipped == 2 and sorted(r["id"] for r in _records(out)) == [f"p{k}" for k in range(4)]
+
+
+def test_plan_job_prints_the_throughput_table(tiny_store, tmp_path, capsys):
+    inp = _prompts(tmp_path / "in.jsonl", 5)
+    assert main(["plan", str(tiny_store), "--job", str(inp), "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"job       : 5 requests ({inp})" in out and "new tokens 6-6" in out
+    assert "plain    on device: 5 slots" in out and "TQ K4/V2 on device: 5 slots" in out
+    assert "choice    : plain KV on the device, 5 slots" in out  # a tie: the plainer cache
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "--job {path} does not exist"),
+    ("", "--job {path} has no prompts; each line must be"),
+    ('{"id": 1, "prompt": "a"}\nnot json\n', "{path} line 2 is not JSON"),
+])
+def test_plan_job_names_a_bad_job_file_and_the_fix(tiny_store, tmp_path, capsys, content, message):
+    path = tmp_path / "job.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["plan", str(tiny_store), "--job", str(path), "--device", "cpu"]) != 0
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_batch_size_auto_runs_the_planners_choice(tiny_store, tmp_path, capsys, caplog):
+    """``--batch-size auto --kv auto`` on CPU: the planner's slots and cache, every record written. Ten requests of
+    four new tokens take two waves in 5 slots as in 8 (the CPU's most): the fewer slots are chosen."""
+    inp, out = _prompts(tmp_path / "in.jsonl", 10), tmp_path / "out.jsonl"
+    with caplog.at_level("INFO", logger="airquant.jobs.batch"):
+        assert main(["batch", str(tiny_store), "--input", str(inp), "--output", str(out), "--max-new-tokens", "4",
+                     "--device", "cpu", "--quiet", "--kv", "auto"]) == 0
+    assert "10 new records" in capsys.readouterr().out and len(_records(out)) == 10
+    assert "choice    : plain KV on the device, 5 slots" in caplog.text
+    with pytest.raises(BatchJobError, match="--kv auto lets the throughput planner choose"):
+        run_batch(tiny_store, BatchJob(inp, tmp_path / "fixed.jsonl", batch_size=2, kv="auto", gen=GEN),
+                  progress=False)
