@@ -15,6 +15,9 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["bfloat16", "float16", "float32"]
 # Tokens per sequence memory is planned for when neither --context nor the model says less.
 DEFAULT_CONTEXT = 2048
+# Prefill runs each decoder layer's MLP over at most this many tokens at a time (engine/skeleton.chunk_mlp);
+# the planner sizes MLP intermediates and MoE expert calls by it.
+MLP_CHUNK_TOKENS = 2048
 
 
 def setting(default: Any, flag: str | None = None, help: str = "", *, unit: str | None = None,
@@ -58,8 +61,8 @@ class EngineConfig:
     readahead: int = setting(2, "--readahead", "layers read ahead from disk", metavar="N")
     profile: bool = setting(False, "--profile", "time each layer's copy and compute (CUDA)")  # Engine.layer_profile()
     verify: bool = setting(False, "--verify", "check every shard's sha256 before running")
-    # MoE stores streamed: move only routed experts (engine/experts.py), or compute them on the host CPU from
-    # the RAM tier ("cpu": engine/expert_host.py); auto decides by expert_plan.choose_experts at batch_size.
+    # MoE stores streamed: move only routed experts (engine/moe/pool.py), or compute them on the host CPU from
+    # the RAM tier ("cpu": engine/moe/host.py); auto decides by expert_plan.choose_experts at batch_size.
     experts: Literal["auto", "whole", "routed", "cpu"] = setting(
         "auto", "--experts", "MoE stores streamed: routed moves only the experts a batch routes to, cpu computes "
         "them on the host CPU from the RAM tier, whole moves whole layers",

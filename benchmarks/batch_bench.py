@@ -17,7 +17,7 @@ a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weigh
 request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
 ``airquant batch`` feeds either path. The slots are what the router allows under the cap for the cache ``--kv``
 names (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``); ``--kv auto`` runs
-the throughput planner's choice of KV format, offload, slots and placement (``engine/throughput.py``, what
+the throughput planner's choice of KV format, offload, slots and placement (``engine/memory/throughput.py``, what
 ``airquant batch --batch-size auto --kv auto`` runs): ``continuous_auto_*``, ``auto_slots``, ``auto_kv``.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
 written only when the two parts ran with the same settings.
@@ -94,7 +94,7 @@ def workload(n: int, vocab: int, seed: int = 0, prompt_range=PROMPT_RANGE, mean_
 def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload: bool | None, limit: int):
     """Slots and KV cache the router allows under the cap (CPU: ``limit``)."""
     from airquant.config import EngineConfig
-    from airquant.engine.router import Candidate, Hardware, route, workload_for
+    from airquant.engine.memory.router import Candidate, Hardware, route, workload_for
 
     if cap_gb is None:
         return limit, kv, False
@@ -107,10 +107,10 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
 
 def plan_mix(store: Path, args, requests: list[Request]):
     """``--kv auto``: the throughput planner's KV format, offload, slots and placement for these requests
-    (``engine/throughput.choose_mix``, what ``airquant batch --batch-size auto --kv auto`` runs)."""
+    (``engine/memory/throughput.choose_mix``, what ``airquant batch --batch-size auto --kv auto`` runs)."""
     from airquant.config import EngineConfig
-    from airquant.engine.router import Candidate, Hardware
-    from airquant.engine.throughput import JobShape, choose_mix
+    from airquant.engine.memory.router import Candidate, Hardware
+    from airquant.engine.memory.throughput import JobShape, choose_mix
 
     job = JobShape(tuple(len(r.prompt_ids) for r in requests), tuple(r.max_new_tokens for r in requests), "bench")
     if args.quick:

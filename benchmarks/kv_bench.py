@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from airquant.config import EngineConfig, GenerateConfig  # noqa: E402
-from airquant.engine.router import (  # noqa: E402
+from airquant.engine.memory.router import (  # noqa: E402
     DTYPE_BYTES,
     Candidate,
     Hardware,

@@ -13,7 +13,7 @@ longer):
 * ``qwen3``: the same for a Qwen3-30B-A3B-shaped NF4 store (17.6 GB).
 * ``mixtral_routed`` / ``qwen3_routed``: expert-aware streaming (``ROUTED_CASES``, ``--cases``), forced with
   ``experts="routed"``; ``cpu_bs1/4/16``: the routed experts computed on the host CPU (``experts="cpu"``,
-  engine/expert_host); ``auto_bs1`` and ``auto_bs256``: the default ``--experts auto``, weighing host against
+  engine/moe/host); ``auto_bs1`` and ``auto_bs256``: the default ``--experts auto``, weighing host against
   link with the figures measured in the same run, its row recording the mode the engine chose (``experts_mode``).
 * ``host``: the host NF4 GEMV bandwidth (packed bytes read a second, quant/kernels/nf4_cpu) and a plain host
   copy's on the same threads, so the kernel's efficiency shows; run with the routed parts.
@@ -54,10 +54,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airquant.engine import expert_compute  # noqa: E402
-from airquant.engine import experts as experts_mod  # noqa: E402
-from airquant.engine.expert_host import HostExperts  # noqa: E402
-from airquant.engine.plan import PlanError  # noqa: E402
+from airquant.engine.memory.placement import PlanError  # noqa: E402
+from airquant.engine.moe import compute as expert_compute  # noqa: E402
+from airquant.engine.moe import pool as experts_mod  # noqa: E402
+from airquant.engine.moe.host import HostExperts  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
@@ -303,7 +303,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-# -- expert-aware streaming (engine/experts.py) -----------------------------------------------------------
+# -- expert-aware streaming (engine/moe/pool.py) -----------------------------------------------------------
 ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
     "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False)),
     "lfu": (1, dict(experts="routed", expert_policy="lfu")), "lru": (1, dict(experts="routed", expert_policy="lru")),
@@ -335,7 +335,7 @@ def router_batches(b: Bench, store: Path, cap_gb: float, context: int) -> dict[b
     it, --experts auto, plain KV), by where the KV cache lives: {False: on the device, True: offloaded to host
     RAM}; an option that does not fit is left out."""
     from airquant.config import EngineConfig
-    from airquant.engine.router import Hardware, RouteError, plan_route, workload_for
+    from airquant.engine.memory.router import Hardware, RouteError, plan_route, workload_for
 
     hw = Hardware.detect(b.device.type, cap_gb * GB / GIB, None)
     found = {}

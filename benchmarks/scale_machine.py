@@ -39,7 +39,7 @@ def planned_host_ram(store: Path, prompts: Path, batch_size: int, max_new_tokens
     from transformers import AutoTokenizer
 
     from airquant.config import EngineConfig, GenerateConfig
-    from airquant.engine.planner import RAM_FRACTION
+    from airquant.engine.memory.planner import RAM_FRACTION
     from airquant.engine.runner import engine_dtype, placement_for, resolve_device
     from airquant.engine.skeleton import load_config
     from airquant.jobs.batch import BatchJob, longest_first, read_prompts

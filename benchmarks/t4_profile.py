@@ -8,7 +8,7 @@ bf16 stores, no TMA/Gluon-Hopper paths, the TurboQuant attention kernel only whe
 memory fits), the store on disk. The H200 still computes far faster than a T4 and its host's page cache is not
 capped, so step times here are not a T4's: the T4 step time is *predicted* from the bytes a decode step moves, as
 the slowest of ``streamed bytes / link`` (once with the link measured here, once with PCIe 3's 12.5 GB/s, a T4's
-link) and ``disk-tier bytes / the store folder's measured read speed`` (``airquant.engine.step_bound``; the
+link) and ``disk-tier bytes / the store folder's measured read speed`` (``airquant.engine.memory.step_bound``; the
 layers the 12 GB RAM tier cannot hold are read from disk every step). That is a lower bound on a T4's step
 (compute is left out); each row names what bounds it. A Colab store on Drive reads far slower than a local disk:
 measure its folder with ``airquant doctor STORE``.
@@ -56,8 +56,8 @@ sys.path.insert(0, str(REPO))
 
 from airquant.cli.doctor_cmds import disk_read_speed  # noqa: E402
 from airquant.config import GenerateConfig  # noqa: E402
+from airquant.engine.memory.step_bound import StepBound, step_bound  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
-from airquant.engine.step_bound import StepBound, step_bound  # noqa: E402
 from airquant.eval.perf import RssSampler  # noqa: E402
 from airquant.quant.kernels import FORCE_ENV  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from airquant.engine.expert_plan import FIGURES_ENV
+from airquant.engine.moe.sizing import FIGURES_ENV
 from airquant.models import DEFAULT_GGUF, DEFAULT_PACKAGE
 
 # The host/link figures airquant doctor saves steer ``--experts auto``: each test keeps its own file, so neither the

@@ -38,7 +38,7 @@ def test_doctor_bounds_a_streamed_step_by_link_or_disk():
     from types import SimpleNamespace
 
     from airquant.cli.doctor_cmds import bound_line
-    from airquant.engine.plan import StreamPlan
+    from airquant.engine.memory.placement import StreamPlan
 
     gb = 10**9
     streamed = StreamPlan(tiers=["vram", "ram", "disk", "disk"], slot_bytes=gb, slots=2, fixed_bytes=0)

@@ -11,7 +11,7 @@ import torch
 
 from airquant import Provider
 from airquant.config import EngineConfig
-from airquant.engine.router import Hardware, StreamingNotAllowedError, plan_route, workload_for
+from airquant.engine.memory.router import Hardware, StreamingNotAllowedError, plan_route, workload_for
 from airquant.engine.runner import Engine, placement_for
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.jobs.provider import ProviderClosedError, QueueFullError, RequestCancelledError

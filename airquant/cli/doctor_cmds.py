@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from airquant.cli.run_cmds import add_plan_flags, route_for_flags, runs_line
-from airquant.engine.expert_plan import save_figures
+from airquant.engine.moe.sizing import save_figures
 from airquant.units import GB
 
 READ_CHUNK = 16 << 20
@@ -107,7 +107,7 @@ def bound_line(route, link_gbps: float | None, disk_gbps: float) -> str:
     """The decode step's lower bound under ``route``'s plan: the slower of the link and the disk.
 
     A plan for a GPU made where there is none (``--max-vram`` on a laptop, for a T4) takes PCIe 3's link."""
-    from airquant.engine.step_bound import PCIE3_GBPS, step_bound
+    from airquant.engine.memory.step_bound import PCIE3_GBPS, step_bound
 
     if route.mode == "resident":
         return "step      : resident: every layer is loaded once; a decode step is bound by compute"

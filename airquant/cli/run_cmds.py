@@ -30,7 +30,7 @@ from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, D
 # -- plan --------------------------------------------------------------------------------------
 def route_for_flags(stores, args):
     """The route and engine config ``airquant plan`` prints for these flags (``airquant doctor`` prints the same)."""
-    from airquant.engine.router import Hardware, plan_route, workload_for
+    from airquant.engine.memory.router import Hardware, plan_route, workload_for
 
     hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
     engine = engine_config(args)
@@ -69,7 +69,7 @@ def job_plan_text(args) -> str:
     import torch
 
     from airquant.config import GenerateConfig
-    from airquant.engine.router import Hardware, tq_config
+    from airquant.engine.memory.router import Hardware, tq_config
     from airquant.jobs.batch import (
         BatchJob,
         BatchJobError,

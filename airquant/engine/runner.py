@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 
 from airquant.config import DEFAULT_CONTEXT, EngineConfig, GenerateConfig
-from airquant.engine import expert_host, expert_plan, experts, skeleton
+from airquant.engine import skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
-from airquant.engine.plan import Reserve, StreamPlan
-from airquant.engine.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
+from airquant.engine.memory.placement import Reserve, StreamPlan
+from airquant.engine.memory.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
+from airquant.engine.moe import host as expert_host
+from airquant.engine.moe import pool as experts
+from airquant.engine.moe import sizing as expert_plan
 from airquant.engine.prompts import render as render_prompts
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
@@ -101,7 +104,7 @@ class Engine:
                                   host_embedding=cfg.host_embedding, verify_reads=cfg.verify_reads)
         self.streamer: LayerStreamer | None = None
         self.plan: StreamPlan | None = None
-        # routed MoE experts: the device pool (engine/experts.py) or the host path (engine/expert_host.py)
+        # routed MoE experts: the device pool (engine/moe/pool.py) or the host path (engine/moe/host.py)
         self.experts: experts.ExpertPool | expert_host.HostExperts | None = None
         # The experts rule sees the batch the engine is opened for (--batch-size; a batch job's size): a
         # decode loop whose slots fill and drain, or halve after running out of memory, keeps this mode.
@@ -237,7 +240,7 @@ class Engine:
         ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads).
         A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``expert_plan.choose_experts``),
         whatever ``slots`` is and however many sequences each pass holds."""
-        from airquant.engine.plan import token_budget as planned_budget
+        from airquant.engine.memory.placement import token_budget as planned_budget
 
         why = fallback.reason(self.model, self.config)
         if why is not None:  # it would fail inside the first pass (a recurrent layer asks the cache for its state)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from airquant.engine import expert_compute
+from airquant.engine.moe import compute as expert_compute
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.store import side_files
@@ -31,7 +31,7 @@ def load_config(store: Path):
 
 def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None) -> nn.Module:
     """The model on meta (buffers real), checked against the layout the store was written with."""
-    from airquant.engine.plan import MLP_CHUNK_TOKENS
+    from airquant.config import MLP_CHUNK_TOKENS
 
     model = meta_model(config, dtype)
     if manifest is not None and manifest.layout:
@@ -231,8 +231,8 @@ def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, devi
 
 def attach_experts(model: nn.Module, pool) -> None:
     """Route-then-fetch for the pool's MoE layers: each one's experts module runs through the pool
-    (``engine.experts.RoutedForward``), which moves only the experts the batch routes to."""
-    from airquant.engine.experts import RoutedForward
+    (``engine.moe.pool.RoutedForward``), which moves only the experts the batch routes to."""
+    from airquant.engine.moe.pool import RoutedForward
 
     layers = decoder_layers(model)
     for i, layer in pool.layers.items():

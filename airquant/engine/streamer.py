@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from airquant.engine.cuda_ops import CudaOps, HostMemory
-from airquant.engine.expert_layout import HostArrangement
-from airquant.engine.kv_offload import KVOffload
-from airquant.engine.plan import StreamPlan
+from airquant.engine.memory.kv_offload import KVOffload
+from airquant.engine.memory.placement import StreamPlan
+from airquant.engine.moe.layout import HostArrangement
 from airquant.errors import StoreError
 from airquant.store.header import read_header
 from airquant.store.integrity import CHUNK_BYTES, PendingCheck, ShardChecks

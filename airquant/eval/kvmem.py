@@ -2,7 +2,7 @@
 
 For each context length the engine prefills that many tokens of real text into a fresh cache (the plain
 one, or the compressed one ``kv`` describes) and ``airquant.kv.cache_nbytes`` counts the storage the
-cache keeps. The largest batch is the router's plan (``airquant.engine.router``) for this store on a GPU
+cache keeps. The largest batch is the router's plan (``airquant.engine.memory.router``) for this store on a GPU
 of ``vram_budget_gb`` at each context, with this KV scheme: arithmetic from the manifest, not a run.
 """
 
@@ -77,7 +77,7 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
 
 def planned_max_batch(store: Path, kv: Any, context: int, vram_budget_gb: float) -> int | None:
     """The router's largest batch for ``store`` on a GPU of ``vram_budget_gb`` GiB (0: nothing fits)."""
-    from airquant.engine.router import Hardware, RouteError, plan_route, workload_for
+    from airquant.engine.memory.router import Hardware, RouteError, plan_route, workload_for
 
     scheme = "none" if kv is None or kv.backend == "none" else kv.backend
     if scheme not in ("none", "tq"):

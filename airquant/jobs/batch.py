@@ -26,8 +26,8 @@ import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.decode.loop import RequestSettingsError
+from airquant.engine.memory.throughput import JobShape, ThroughputPlan
 from airquant.engine.prompts import token_counts
-from airquant.engine.throughput import JobShape, ThroughputPlan
 from airquant.errors import AirQuantError, DiskSpaceError, PromptTooLongError
 from airquant.store.side_files import load_tokenizer
 
@@ -191,7 +191,7 @@ def planned_kv(kv: KVConfig | None) -> str:
 def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv: KVConfig | None = None) -> int:
     """The largest batch whose KV cache (plain or TurboQuant) and activations fit beside the weights the
     engine keeps on the GPU, by the router's arithmetic (``airquant plan``), KV offload included."""
-    from airquant.engine.router import Candidate, Hardware, RouteError, route, workload_for
+    from airquant.engine.memory.router import Candidate, Hardware, RouteError, route, workload_for
     from airquant.engine.runner import resolve_device
 
     if resolve_device(cfg.device).type != "cuda":
@@ -231,7 +231,7 @@ def job_shape(lengths: list[int], prompts: list[Prompt], job: BatchJob, limit: i
 def link_for(hw, device: torch.device) -> tuple[float | None, str]:
     """The host->GPU link a plan's passes move layers over: measured on a GPU; PCIe 3 assumed for a plan made
     for a GPU where there is none (``--max-vram`` on a laptop); none on a CPU run."""
-    from airquant.engine.step_bound import PCIE3_GBPS
+    from airquant.engine.memory.step_bound import PCIE3_GBPS
 
     if hw.vram_bytes is None:
         return None, " (a CPU run: layers are used in host memory)"
@@ -244,13 +244,13 @@ def link_for(hw, device: torch.device) -> tuple[float | None, str]:
 
 def plan_job(store: Path, job: BatchJob, cfg: EngineConfig, shape: JobShape, hw=None,
              device: torch.device | None = None, disk_gbps: float | None = None) -> ThroughputPlan:
-    """The throughput planner's mix for this job (``engine/throughput.choose_mix``): what ``airquant plan --job``
+    """The throughput planner's mix for this job (``engine/memory/throughput.choose_mix``): what ``airquant plan --job``
     prints and ``--batch-size auto`` runs. ``hw``: budgets detected already (default: this run's); ``disk_gbps``:
     the store's read speed (``airquant doctor STORE``), for plans that read layers from disk; on the CPU the
     slots are at most ``CPU_BATCH``."""
-    from airquant.engine.router import Candidate
+    from airquant.engine.memory.router import Candidate
+    from airquant.engine.memory.throughput import choose_mix
     from airquant.engine.runner import hardware_for, resolve_device
-    from airquant.engine.throughput import choose_mix
 
     device = device or resolve_device(cfg.device)
     hw = hw or hardware_for(cfg, device)
@@ -277,7 +277,7 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
         log.info("throughput plan:\n%s", mix.describe())
         size, cfg, placement = mix.choice.slots, mix.engine_config(cfg), mix.choice.plan
         if job.kv == "auto":
-            from airquant.engine.planner import tq_config
+            from airquant.engine.memory.planner import tq_config
 
             job = replace(job, kv=tq_config() if mix.choice.kv == "tq" else None)
     elif job.kv == "auto":

@@ -8,7 +8,7 @@ text as it is generated; closing the stream early (a client that went away) free
 next pass. Callers await a ``concurrent.futures.Future`` (wrapped for asyncio), so the provider works
 from any event loop, from several at once, and from plain threads (``provider.sync``).
 
-The router (``airquant.engine.router``) picks the store, mode and KV scheme. Layer-by-layer
+The router (``airquant.engine.memory.router``) picks the store, mode and KV scheme. Layer-by-layer
 streaming is kept off the interactive path: a single ``generate`` call runs streamed only when the
 provider was built with ``allow_streaming=True`` (or ``mode="streamed"``); ``generate_batch`` is a
 batch job and may always stream.
@@ -28,7 +28,7 @@ from typing import AsyncIterator, Callable, Literal, Sequence
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
-from airquant.engine.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
+from airquant.engine.memory.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
 from airquant.errors import AirQuantError
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class Provider:
         from airquant.engine.runner import Engine
 
         try:
-            # The route's placement is the engine's (engine/planner.py): no second planning pass.
+            # The route's placement is the engine's (engine/memory/planner.py): no second planning pass.
             self.engine = Engine.open(self.route.store, self.engine_config,
                                       placement=self.route.plan if self.route.mode == "streamed" else None)
             self._loop = self.engine.decode_loop(self.config.max_batch, context=self.route.context, kv=self._kv)

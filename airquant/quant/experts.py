@@ -97,7 +97,7 @@ class ExpertWeights(nn.Module):
     def stacked(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Every expert's dense matrix at once, ``[E, *inner]`` in the compute dtype: one decode of the stacked
         buffers where the scheme has one (``dequantize_stacked``: NF4), else expert by expert. Grouped expert
-        matmuls run on it (engine/experts.py) instead of decoding and multiplying one expert at a time."""
+        matmuls run on it (engine/moe/pool.py) instead of decoding and multiplying one expert at a time."""
         stop = self.num_experts if stop is None else stop
         decode = getattr(self.one[0], "dequantize_stacked", None)
         if decode is None:

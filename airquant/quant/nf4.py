@@ -104,7 +104,7 @@ class NF4Linear(QuantLinear):
         """Whether ``forward`` runs bitsandbytes' ``matmul_4bit`` on the packed bytes on every device: no NF4 block
         straddles two rows (``in_features % blocksize == 0``). Else the CPU path decodes the weight first and
         bitsandbytes' CUDA kernel falls back to a dequantize (with a warning). Routed experts with few rows are
-        multiplied this way instead of decoded (engine/expert_compute.py: ``run_gemv``)."""
+        multiplied this way instead of decoded (engine/moe/compute.py: ``run_gemv``)."""
         return self.in_features % self.blocksize == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ class NF4Linear(QuantLinear):
         (quantized experts): one pass of batched ops instead of E decodes. The nested absmax is decoded in
         torch (each expert has its own nested state); on CUDA one bitsandbytes decode then covers every
         expert when no NF4 block straddles two of them, written in ``dtype`` directly (no fp32 copy of the
-        experts beside it: engine/expert_compute.py plans the decode's device memory on that)."""
+        experts beside it: engine/moe/compute.py plans the decode's device memory on that)."""
         packed, absmax = tensors["weight_packed"], tensors["absmax"]
         num, numel = packed.shape[0], self.in_features * self.out_features
         if self.double_quant:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from airquant import __version__
 from airquant.engine.decode.loop import SEED_RANGE
 from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
-from airquant.engine.router import StreamingNotAllowedError
+from airquant.engine.memory.router import StreamingNotAllowedError
 from airquant.errors import AirQuantError
 from airquant.jobs.batch import Prompt as JobPrompt
 from airquant.jobs.batch import prompt_lengths

@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from airquant.config import EngineConfig
-from airquant.engine.router import StreamingNotAllowedError
+from airquant.engine.memory.router import StreamingNotAllowedError
 from airquant.jobs.provider import Provider, ProviderConfig, route_for
 from airquant.serve.app import create_app
 from airquant.serve.config import ServeConfig, check_bind

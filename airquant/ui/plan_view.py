@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from airquant.config import EngineConfig
-from airquant.engine.router import Hardware, RouteError, StreamingNotAllowedError, plan_route, workload_for
+from airquant.engine.memory.router import Hardware, RouteError, StreamingNotAllowedError, plan_route, workload_for
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from airquant.engine.expert_compute import GEMV_TOKENS
+from airquant.engine.moe.compute import GEMV_TOKENS
 from airquant.engine.runner import Engine
 from airquant.store.export import export_hf
 from airquant.store.synth import SynthSpec, synth

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from airquant.config import GenerateConfig
-from airquant.engine import expert_compute
+from airquant.engine.moe import compute as expert_compute
 from airquant.engine.runner import Engine
 from airquant.models import resolve
 from airquant.quant import QuantSpec

@@ -1,5 +1,5 @@
 """Routed NF4 experts computed by the fused kernels straight from the pool (expert_compute.run_fused,
-quant/kernels/nf4_moe) and copied by one kernel from the pinned RAM tier (engine/uva_copy).
+quant/kernels/nf4_moe) and copied by one kernel from the pinned RAM tier (engine/moe/uva_copy).
 
 On the CPU the kernels run under Triton's interpreter, in a process of their own (``TRITON_INTERPRET=1`` must be
 set before Triton defines them): a batch-1 routed decode of tiny NF4 stores of four families (gated and
@@ -55,7 +55,7 @@ def test_gather_copy_kernel_copies_each_slice_to_its_place():
     their destinations and nothing else is written (interpreted on CPU tensors)."""
     script = """
 import torch
-from airquant.engine import uva_copy
+from airquant.engine.moe import uva_copy
 src = torch.randint(0, 256, (200_000,), dtype=torch.uint8)
 dst = torch.zeros(300_000, dtype=torch.uint8)
 rows = [(5, 1000, 70_001), (100_000, 200_000, 4), (71_000, 90_000, 3000)]
@@ -80,7 +80,7 @@ print("ok")
 def test_cuda_fused_module_output_equals_the_per_expert_path(monkeypatch, kind, route, double_quant):
     """bf16 on CUDA: the fused kernels (GEMV, or grouped blocks for many rows) on the module's stacked buffers
     and on a pool of the same bytes, against the decoded experts' grouped forward: within bf16 rounding."""
-    from airquant.engine import expert_compute
+    from airquant.engine.moe import compute as expert_compute
     from tests.engine.test_expert_gemv import ROUTES, _module, _stacked
 
     module = _module(kind, 4, torch.bfloat16, "cuda", double_quant)
@@ -116,8 +116,8 @@ def test_cuda_fused_module_output_equals_the_per_expert_path(monkeypatch, kind, 
 
 @pytest.mark.gpu
 def test_cuda_gather_copy_reads_the_pinned_ram_tier():
-    from airquant.engine import uva_copy
     from airquant.engine.cuda_ops import HostMemory
+    from airquant.engine.moe import uva_copy
 
     memory = HostMemory(pinned=True)
     src = memory.empty(3_000_000)
@@ -138,8 +138,8 @@ def test_cuda_gather_copy_reads_the_pinned_ram_tier():
 def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeypatch, model_type):  # noqa: F811
     """A bf16 routed decode on CUDA: the fused kernels ran, the copies went by the gather kernel when asked (the
     probe passed on the RAM tier), and the tokens and logits match the per-expert path with copy-engine copies."""
-    from airquant.engine import expert_compute
-    from airquant.engine import experts as experts_mod
+    from airquant.engine.moe import compute as expert_compute
+    from airquant.engine.moe import pool as experts_mod
     from airquant.engine.runner import Engine
     from tests.engine.test_expert_gemv import _decode
 
@@ -168,7 +168,7 @@ def test_whole_layer_calls_take_the_fused_kernels_only_at_few_rows_an_expert(mon
     16-row block would decode its expert again, so the module's own forward (one decode an expert) runs."""
     from types import SimpleNamespace
 
-    from airquant.engine import expert_compute as ec
+    from airquant.engine.moe import compute as ec
 
     module = SimpleNamespace(down_proj=SimpleNamespace(num_experts=8))
     spec = SimpleNamespace(down=SimpleNamespace(name="down_proj"), module_operands=lambda m: ())

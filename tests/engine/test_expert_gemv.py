@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from airquant.config import GenerateConfig
-from airquant.engine import expert_compute
+from airquant.engine.moe import compute as expert_compute
 from airquant.engine.runner import Engine
 from airquant.models import resolve
 from airquant.quant import QuantSpec

@@ -1,4 +1,4 @@
-"""The expert pool's compute paths and its fit with the rest of the engine (engine/expert_compute.py).
+"""The expert pool's compute paths and its fit with the rest of the engine (engine/moe/compute.py).
 
 Grouped matmuls over experts decoded all at once equal transformers' per-expert loop; routed experts
 under the TurboQuant KV cache and KV offload decode the tokens whole-layer streaming does; Llama 4's
@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from airquant.engine import expert_compute
 from airquant.engine.decode import Request
-from airquant.engine.expert_plan import ExpertsError
+from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.sizing import ExpertsError
 from airquant.engine.runner import Engine
 from airquant.kv.config import KVConfig
 from airquant.quant import QuantSpec
@@ -124,7 +124,7 @@ def test_llama4_quantized_experts_run_decoded(tmp_path, real_tokenizer, monkeypa
 
 def test_a_type_that_cannot_route_streams_whole_under_auto(tmp_path, real_tokenizer, caplog):
     _, store = _store(tmp_path, real_tokenizer, "jetmoe")
-    with caplog.at_level(logging.INFO, logger="airquant.engine.expert_plan"):
+    with caplog.at_level(logging.INFO, logger="airquant.engine.moe.sizing"):
         engine = Engine.open(store, device="cpu")
     assert engine.experts is None and "whole layers for jetmoe" in caplog.text
     engine.close()

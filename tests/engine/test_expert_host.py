@@ -1,4 +1,4 @@
-"""Routed experts computed on the host CPU (engine/expert_host.py, ``--experts cpu``) and the rule that picks it
+"""Routed experts computed on the host CPU (engine/moe/host.py, ``--experts cpu``) and the rule that picks it
 (expert_plan.choose_experts / host_cost, planner.plan).
 
 Tiny MoE stores of four families, NF4 and bf16 (computed in fp32: both paths decode the same bf16 weights), run
@@ -19,10 +19,10 @@ from airquant.cli import build_parser
 from airquant.cli.flags import engine_config
 from airquant.config import EngineConfig
 from airquant.engine import skeleton
-from airquant.engine.expert_host import HostExperts
-from airquant.engine.expert_layout import LayerExperts
-from airquant.engine.expert_plan import HOST_CALL_S, ExpertsError, Figures, choose_experts, host_cost
-from airquant.engine.plan import PlanError
+from airquant.engine.memory.placement import PlanError
+from airquant.engine.moe.host import HostExperts
+from airquant.engine.moe.layout import LayerExperts
+from airquant.engine.moe.sizing import HOST_CALL_S, ExpertsError, Figures, choose_experts, host_cost
 from airquant.engine.runner import Engine, placement_for
 from airquant.models import resolve
 from airquant.quant import QuantSpec

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from airquant.config import GenerateConfig
-from airquant.engine import experts
+from airquant.engine.moe import pool as experts
 from airquant.engine.runner import Engine
 from tests.engine.test_expert_streaming import _store
 

@@ -1,4 +1,4 @@
-"""The device memory of routed experts (engine/expert_compute.py) is what the plan says it is.
+"""The device memory of routed experts (engine/moe/compute.py) is what the plan says it is.
 
 A ``TorchDispatchMode`` counts the bytes of every tensor storage created while a routed forward runs and
 still alive (a storage's Python object lives exactly as long as the storage: its finalizer marks the free),
@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from airquant.config import GenerateConfig
-from airquant.engine import expert_compute
-from airquant.engine.expert_plan import expert_matrices, plan_experts
-from airquant.engine.plan import mlp_chunk_bytes
+from airquant.engine.memory.placement import mlp_chunk_bytes
+from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.sizing import expert_matrices, plan_experts
 from airquant.engine.runner import Engine
 from airquant.quant import QuantSpec
 from airquant.quant.experts import ExpertWeights, quantize_experts

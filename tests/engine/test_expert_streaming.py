@@ -1,4 +1,4 @@
-"""Expert-aware MoE streaming (engine/experts.py): routed == whole-layer == resident, exact bytes, the cache.
+"""Expert-aware MoE streaming (engine/moe/pool.py): routed == whole-layer == resident, exact bytes, the cache.
 
 Tiny MoE models of four families are sharded, then run three ways on the CPU: every layer streamed whole,
 streamed with only the routed experts moved into the expert pool, and resident. The bytes the pool reports
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from airquant.engine.expert_layout import LFU_DECAY, SlotTable
-from airquant.engine.expert_plan import ExpertsError, plan_experts
+from airquant.engine.moe.layout import LFU_DECAY, SlotTable
+from airquant.engine.moe.sizing import ExpertsError, plan_experts
 from airquant.engine.runner import Engine
 from airquant.layout import expert_modules
 from airquant.models import resolve
@@ -275,7 +275,7 @@ def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
 def test_host_arrangement_makes_each_expert_and_the_layer_copy_one_range(tmp_path, real_tokenizer):
     """The arranged RAM tier holds each expert's pool-slot image in one range, and the layer copy's tensors
     packed as the device slot holds them: the same bytes the file-order copies would have moved."""
-    from airquant.engine.expert_layout import HostArrangement, LayerExperts
+    from airquant.engine.moe.layout import HostArrangement, LayerExperts
     from airquant.engine.streamer import read_into, read_layout
 
     _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")

@@ -1,5 +1,5 @@
 """``--experts auto``: routed streaming while a decode step routes few of a layer's experts, whole layers once
-it routes most of them (engine/expert_plan.py ``choose_experts``), one rule for the planner, the engine, ``airquant
+it routes most of them (engine/moe/sizing.py ``choose_experts``), one rule for the planner, the engine, ``airquant
 plan`` and batch jobs; ``--experts routed`` and ``whole`` force a mode whatever the batch."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from airquant.cli import main
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine import skeleton
-from airquant.engine.expert_plan import ROUTED_BELOW, choose_experts, first_whole_batch, routed_share, use_routed
-from airquant.engine.planner import GIB, MARGIN_MIN_BYTES, workload_for
+from airquant.engine.memory.planner import GIB, MARGIN_MIN_BYTES, workload_for
+from airquant.engine.moe.sizing import ROUTED_BELOW, choose_experts, first_whole_batch, routed_share, use_routed
 from airquant.engine.runner import Engine, placement_for
 from airquant.jobs import batch as batch_jobs
 from airquant.store.manifest import load_manifest
@@ -109,7 +109,7 @@ def test_airquant_plan_batch_says_which_and_why(mixtral, capsys):
 def test_route_max_batch_fits_with_the_mode_of_that_batch(mixtral):
     """Planned at batch 1 (routed, small slots), the largest batch is counted with whole-layer slots, the mode
     the rule picks there: a route at that batch fits."""
-    from airquant.engine.router import Candidate, Hardware, route
+    from airquant.engine.memory.router import Candidate, Hardware, route
 
     budget = _plan(mixtral, batch_size=64).device_bytes + MARGIN_MIN_BYTES
     hw = Hardware(budget, GIB)

@@ -11,9 +11,9 @@ import torch
 
 from airquant.config import EngineConfig, GenerateConfig
 from airquant.engine.cuda_ops import HostMemory, pinned_allocator_bytes
-from airquant.engine.experts import ExpertPool
-from airquant.engine.plan import fixed_bytes
-from airquant.engine.planner import GIB, ModelDims, reserve_of, workload_for
+from airquant.engine.memory.placement import fixed_bytes
+from airquant.engine.memory.planner import GIB, ModelDims, reserve_of, workload_for
+from airquant.engine.moe.pool import ExpertPool
 from airquant.engine.runner import Engine, placement_for
 from airquant.engine.skeleton import load_config
 from airquant.engine.streamer import read_layout

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_streamer import SimOps  # tests/engine is on sys.path (no package __init__)
 
-from airquant.engine.plan import StreamPlan
+from airquant.engine.memory.placement import StreamPlan
 from airquant.engine.runner import Engine
 from airquant.engine.streamer import LayerStreamer
 from airquant.kv import KVConfig
@@ -141,7 +141,7 @@ def test_nothing_of_an_offloaded_cache_stays_on_the_device(tiny_store, reference
 
 
 def test_offload_refuses_a_cache_it_cannot_move(tiny_store):
-    from airquant.engine.kv_offload import KVOffloadError
+    from airquant.engine.memory.kv_offload import KVOffloadError
 
     engine = Engine.open(tiny_store, device="cpu", kv_offload=True)
     engine.streamer.kv.bind(type("Odd", (), {"layers": []})())

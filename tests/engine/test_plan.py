@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from airquant.engine.plan import Budgets, PlanError, plan_layers
+from airquant.engine.memory.placement import Budgets, PlanError, plan_layers
 from tests.zoo import HYBRID_TYPES
 
 GB = 10**9
@@ -69,7 +69,7 @@ def shapes(tmp_path_factory, real_tokenizer):
 def test_engine_plan_for_70b_budgets(shapes, dtype, cap_gb, host_embedding, batch, context, resident):
     from airquant.config import EngineConfig
     from airquant.engine import skeleton
-    from airquant.engine.planner import allocator_margin
+    from airquant.engine.memory.planner import allocator_margin
     from airquant.engine.runner import GIB, placement_for
     from airquant.store.manifest import load_manifest
 
@@ -126,7 +126,7 @@ def test_kv_cache_that_does_not_fit_vram_is_offloaded(shapes):
 def test_reserve_grows_with_batch_and_context():
     from types import SimpleNamespace
 
-    from airquant.engine.plan import kv_bytes_per_token, reserve_for
+    from airquant.engine.memory.placement import kv_bytes_per_token, reserve_for
 
     cfg = SimpleNamespace(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                           num_key_value_heads=8, vocab_size=128256)
@@ -139,7 +139,8 @@ def test_reserve_grows_with_batch_and_context():
 def test_mlp_chunk_is_a_constant_part_of_the_reserve():
     from types import SimpleNamespace
 
-    from airquant.engine.plan import MLP_CHUNK_TOKENS, reserve_for
+    from airquant.config import MLP_CHUNK_TOKENS
+    from airquant.engine.memory.placement import reserve_for
 
     cfg = SimpleNamespace(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                           num_hidden_layers=80, vocab_size=128256)
@@ -167,7 +168,7 @@ QWEN3_NEXT_STATE = 36 * (2 * 16 * 128 + 32 * 128) * 4 * 2 + 36 * 32 * 128 * 128 
 def test_hybrid_kv_counts_attention_layers_and_a_fixed_state_per_sequence():
     from transformers import AutoConfig
 
-    from airquant.engine.plan import kv_bytes_per_token, reserve_for
+    from airquant.engine.memory.placement import kv_bytes_per_token, reserve_for
     from airquant.kv import LayerStates
 
     cfg = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_80B)
@@ -194,7 +195,7 @@ def test_hybrid_estimate_equals_the_cache_transformers_allocates(real_tokenizer,
     """The arithmetic against the tensors transformers' own cache holds after a bf16 prefill."""
     from transformers import AutoModelForCausalLM
 
-    from airquant.engine.plan import kv_bytes_per_token
+    from airquant.engine.memory.placement import kv_bytes_per_token
     from airquant.kv import LayerStates
     from tests.zoo import tiny_config
 
@@ -215,7 +216,7 @@ def test_engine_plan_of_a_hybrid_store(tmp_path, real_tokenizer):
     attention layer in flight holds the whole cache (not a quarter of it)."""
     from airquant.config import EngineConfig
     from airquant.engine import skeleton
-    from airquant.engine.plan import kv_bytes_per_token
+    from airquant.engine.memory.placement import kv_bytes_per_token
     from airquant.engine.runner import placement_for, planned_reserve
     from airquant.kv import LayerStates
     from airquant.models import resolve
@@ -236,7 +237,7 @@ def test_engine_plan_of_a_hybrid_store(tmp_path, real_tokenizer):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral"])
 def test_dense_kv_is_unchanged(real_tokenizer, model_type):
-    from airquant.engine.plan import kv_bytes_per_token, reserve_for
+    from airquant.engine.memory.placement import kv_bytes_per_token, reserve_for
     from airquant.kv import LayerStates
     from tests.zoo import tiny_config
 
@@ -270,7 +271,7 @@ def test_dequant_workspace_counts_a_whole_quantized_expert():
     """A quantized expert is decoded whole: Mixtral's gate_up (2 x 14336 x 4096) outgrows the dense MLP term."""
     from types import SimpleNamespace
 
-    from airquant.engine.plan import dequant_elems
+    from airquant.engine.memory.placement import dequant_elems
     from airquant.store.manifest import ShardEntry
 
     config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, head_dim=128)
@@ -289,7 +290,8 @@ def test_a_moe_block_chunk_counts_its_routed_rows():
     bf16) and the weighted rows in fp32; a dense stack of the same widths: gate, up, product of 2048 tokens."""
     from types import SimpleNamespace
 
-    from airquant.engine.plan import MLP_CHUNK_TOKENS, mlp_chunk_bytes
+    from airquant.config import MLP_CHUNK_TOKENS
+    from airquant.engine.memory.placement import mlp_chunk_bytes
 
     dense = SimpleNamespace(hidden_size=4096, intermediate_size=14336)
     moe = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_experts_per_tok=2)
@@ -304,7 +306,7 @@ def test_a_sampling_top_k_is_not_a_moe_top_k():
     """An older config's ``top_k`` (sampling's) leaves a dense stack's MLP term dense."""
     from types import SimpleNamespace
 
-    from airquant.engine.plan import mlp_chunk_bytes, top_k_of
+    from airquant.engine.memory.placement import mlp_chunk_bytes, top_k_of
 
     old = SimpleNamespace(hidden_size=4096, intermediate_size=11008, top_k=50)
     assert top_k_of(old) == 0 and mlp_chunk_bytes(old, 100, 2) == 100 * 3 * 11008 * 2

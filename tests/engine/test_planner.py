@@ -9,9 +9,8 @@ import torch
 from airquant.cli import main
 from airquant.config import EngineConfig
 from airquant.engine import skeleton
-from airquant.engine.expert_plan import ExpertsError
-from airquant.engine.plan import PlanError, fixed_bytes
-from airquant.engine.planner import (
+from airquant.engine.memory.placement import PlanError, fixed_bytes
+from airquant.engine.memory.planner import (
     GIB,
     MARGIN_MIN_BYTES,
     READAHEAD,
@@ -22,7 +21,8 @@ from airquant.engine.planner import (
     reserve_of,
     workload_for,
 )
-from airquant.engine.router import Candidate, route
+from airquant.engine.memory.router import Candidate, route
+from airquant.engine.moe.sizing import ExpertsError
 from airquant.engine.runner import Engine, placement_for
 from airquant.store.manifest import load_manifest
 
@@ -229,7 +229,7 @@ def test_the_engine_plans_the_reserve_in_the_kv_format_it_was_sized_for(llama8b)
     """A batch sized for TurboQuant K4/V2 (the router's arithmetic) and opened as plain asked for the plain
     cache's reserve: under 15 GB a 70B NF4 job's engine stopped at open (issue 38). Planned with the format it
     runs, the reserve holds the compressed cache and the batch fits where the plain one does not."""
-    from airquant.engine.router import Candidate, route, workload_for
+    from airquant.engine.memory.router import Candidate, route, workload_for
 
     manifest, config = load_manifest(llama8b), skeleton.load_config(llama8b)
     hw = Hardware(int(10 * GIB), 64 * GIB)

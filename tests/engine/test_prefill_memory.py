@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from airquant.config import GenerateConfig
-from airquant.engine.plan import MLP_CHUNK_TOKENS, reserve_for
+from airquant.config import MLP_CHUNK_TOKENS, GenerateConfig
+from airquant.engine.memory.placement import reserve_for
 from airquant.engine.runner import Engine
 from airquant.models import resolve
 from airquant.store.split import split

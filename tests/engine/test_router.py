@@ -7,7 +7,7 @@ import torch
 
 from airquant.cli import main
 from airquant.config import EngineConfig
-from airquant.engine.router import (
+from airquant.engine.memory.router import (
     Candidate,
     Hardware,
     RouteError,
@@ -300,7 +300,7 @@ def test_plan_shows_the_experts_of_a_moe_layer(tmp_path, real_tokenizer, capsys)
             "2 routed per token)") in out
 
 
-# -- the expert pool of a streamed MoE route (engine/expert_plan.py sizes it; the plan prints it) ----------------
+# -- the expert pool of a streamed MoE route (engine/moe/sizing.py sizes it; the plan prints it) ----------------
 @pytest.fixture(scope="module")
 def mixtral_store(tmp_path_factory, real_tokenizer):
     from airquant.models import resolve
@@ -340,7 +340,7 @@ def test_plan_sizes_the_expert_pool_when_a_moe_route_streams(mixtral_store):
 
 
 def test_plan_cli_sizes_the_expert_pool_with_the_expert_flags(mixtral_store, capsys):
-    from airquant.engine.planner import MARGIN_MIN_BYTES
+    from airquant.engine.memory.planner import MARGIN_MIN_BYTES
 
     candidates = load_candidates([mixtral_store])
     entry = candidates[0].manifest.shards["layer.0"]

@@ -135,7 +135,7 @@ def test_max_vram_caps_the_allocator_inside_the_engines_passes_only(tiny_store, 
     """``--max-vram`` holds PyTorch's allocator to the budget while a pass runs and gives the previous cap back
     after; opening an engine sets nothing process-wide."""
     from airquant.engine import cuda_ops, runner
-    from airquant.engine.planner import GIB
+    from airquant.engine.memory.planner import GIB
 
     fractions = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))

@@ -1,11 +1,11 @@
-"""A streamed decode step's lower bound: the slower of its link and disk bytes (engine/step_bound.py)."""
+"""A streamed decode step's lower bound: the slower of its link and disk bytes (engine/memory/step_bound.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from airquant.engine.plan import StreamPlan
-from airquant.engine.step_bound import step_bound
+from airquant.engine.memory.placement import StreamPlan
+from airquant.engine.memory.step_bound import step_bound
 
 GB = 10**9
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from airquant.engine.plan import StreamPlan
+from airquant.engine.memory.placement import StreamPlan
 from airquant.engine.runner import Engine
 from airquant.engine.streamer import LayerStreamer
 

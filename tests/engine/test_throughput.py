@@ -1,4 +1,4 @@
-"""The throughput planner (engine/throughput.py): admission counted against a pass-by-pass simulation, and the
+"""The throughput planner (engine/memory/throughput.py): admission counted against a pass-by-pass simulation, and the
 choice flipping with the job and the budgets, on a manifest-only Llama-3-70B NF4 store (arithmetic only)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from airquant.config import EngineConfig
-from airquant.engine.router import Candidate, Hardware
-from airquant.engine.throughput import JobShape, ThroughputError, admit, choose_mix
+from airquant.engine.memory.router import Candidate, Hardware
+from airquant.engine.memory.throughput import JobShape, ThroughputError, admit, choose_mix
 from airquant.store.synth import SynthSpec, synth
 
 LINK = 55.0  # GB/s, the H200's pinned link in batch_bench

@@ -114,6 +114,6 @@ def test_calibrated_int2_experts_rank_outliers_by_their_own_tokens(tmp_path, rea
     streamed = Engine.open(store, device="cpu")
     resident = Engine.open(store, device="cpu", resident=True)
     enc = streamed.encode(["The quick brown fox", "Hi"])
-    # Streamed MoE layers run their routed experts as one grouped matmul (engine/expert_compute.py), which
+    # Streamed MoE layers run their routed experts as one grouped matmul (engine/moe/compute.py), which
     # sums in another order than the resident model's per-expert loop: equal to fp32 rounding, not bit-equal.
     torch.testing.assert_close(streamed.forward(**enc), resident.forward(**enc), rtol=1e-5, atol=1e-5)

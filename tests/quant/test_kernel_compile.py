@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from airquant.engine import uva_copy  # noqa: E402
+from airquant.engine.moe import uva_copy  # noqa: E402
 from airquant.kv import triton_kernel as tq  # noqa: E402
 from airquant.quant import kernels  # noqa: E402
 from airquant.quant.kernels import (  # noqa: E402

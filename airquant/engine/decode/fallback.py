@@ -14,7 +14,7 @@ Who takes this path (``reason`` says which rule, ``None``: the loop takes the st
 MLA (DeepSeek-V2/V3, GLM-4-MoE-lite) and attention sinks (gpt-oss) run in the loop (``slots``); the tested
 types each rule takes are checked in ``tests/engine/test_decode_attention_kinds.py``.
 Here the cache is transformers' ``DynamicCache`` or TurboQuant's ``kv.cache.TQCache`` (``make_cache``),
-moved to host memory between a layer's runs by the streamer's ``engine/kv_offload.KVOffload`` (``offload``).
+moved to host memory between a layer's runs by the streamer's ``engine/memory/kv_offload.KVOffload`` (``offload``).
 A batch is one ``generate`` call per group of requests with equal settings (left-padded).
 """
 

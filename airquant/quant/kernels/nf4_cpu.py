@@ -1,5 +1,5 @@
 """NF4 matrices times a few rows on the host CPU, from their packed bytes: the routed-experts host path
-(``engine.expert_host``) and ``airquant doctor``'s host GEMV figure.
+(``engine.moe.host``) and ``airquant doctor``'s host GEMV figure.
 
 The kernel is ``nf4_cpu.c``, compiled at first use with ``gcc -O3 -march=native -fopenmp`` into a per-user cache
 (``cache_dir``; the file name carries a hash of the source, the compiler and this CPU's flags, and is written

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from airquant.engine.plan import StreamPlan
+from airquant.engine.memory.placement import StreamPlan
 from airquant.units import GB
 
 PCIE3_GBPS = 12.5  # a T4's link (PCIe 3 x16, pinned copies): what a plan for a card without one measured assumes

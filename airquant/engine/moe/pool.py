@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from airquant.engine import expert_compute
-from airquant.engine.expert_layout import LayerExperts, SlotTable, read_range
-from airquant.engine.expert_plan import SPECULATE_TOKENS, ExpertPlan, ExpertsError
+from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
+from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError
 from airquant.layout import swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
 
@@ -313,7 +313,9 @@ class ExpertPool:
                 stream.wait_event(event)
             staged = []
             if src is not None and self.uva is None:
-                from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
+                from airquant.engine.moe import (
+                    uva_copy as uva_copy,  # Triton: imported only where a GPU run copies this way
+                )
 
                 self.uva = uva_copy.probe(src, self.device)
             by_uva = src is not None and self.uva
@@ -342,7 +344,7 @@ class ExpertPool:
                   arranged) -> None:
         """Every run of ``targets`` (slot, expert) by one kernel reading ``src`` (the RAM tier), on the
         current (copy) stream: a descriptor row (source, destination, bytes) per run, built on the host."""
-        from airquant.engine import uva_copy  # Triton: imported only where a GPU run copies this way
+        from airquant.engine.moe import uva_copy  # Triton: imported only where a GPU run copies this way
 
         rows = [(start, slot * self.plan.slot_bytes + off, end - start)
                 for slot, e in targets for start, end, off in _runs(layer, arranged, e)]

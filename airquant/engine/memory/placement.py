@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from airquant.config import MLP_CHUNK_TOKENS
 from airquant.errors import AirQuantError
 from airquant.kv.layers import LayerStates
 from airquant.quant.schemes import workspace_elems
@@ -151,8 +152,6 @@ def _ranges(idx: list[int]) -> str:
     return ",".join(out)
 
 
-# Prefill runs each decoder layer's MLP over at most this many tokens at a time (skeleton.chunk_mlp).
-MLP_CHUNK_TOKENS = 2048
 # Tokens one pass of the decode loop takes (decodes + prefill chunks): a pass of this many tokens costs
 # about one weight pass more than a decode step on a GPU, and its activations fit the reserve below.
 PASS_TOKENS = 2048

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from airquant.engine import expert_compute
+from airquant.engine.moe import compute as expert_compute
 from airquant.errors import AirQuantError
 from airquant.store.manifest import Manifest, ShardEntry
 from airquant.units import GB
@@ -363,7 +363,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
 def call_cap(entry: ShardEntry) -> int | None:
     """The most tokens one call of the layer's experts module gets: a module inside the block's ``mlp`` runs
     ``MLP_CHUNK_TOKENS`` at a time (skeleton.chunk_mlp); elsewhere a call may get the whole prefill."""
-    from airquant.engine.plan import MLP_CHUNK_TOKENS
+    from airquant.config import MLP_CHUNK_TOKENS
 
     return MLP_CHUNK_TOKENS if experts_module(tuple(entry.experts["tensors"])).startswith("mlp.") else None
 

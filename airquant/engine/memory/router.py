@@ -27,10 +27,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
-from airquant.config import EngineConfig
-from airquant.engine.expert_plan import first_whole_batch
-from airquant.engine.plan import MLP_CHUNK_TOKENS, PlanError, Reserve, StreamPlan, fixed_bytes, mlp_chunk_bytes
-from airquant.engine.planner import (
+from airquant.config import MLP_CHUNK_TOKENS, EngineConfig
+from airquant.engine.memory.placement import (
+    PlanError,
+    Reserve,
+    StreamPlan,
+    fixed_bytes,
+    mlp_chunk_bytes,
+)
+from airquant.engine.memory.planner import (
     DTYPE_BYTES,
     TQ_SETTINGS,
     Hardware,
@@ -45,12 +50,13 @@ from airquant.engine.planner import (
     tq_config,
     workload_for,
 )
+from airquant.engine.moe.sizing import first_whole_batch
 from airquant.errors import AirQuantError, StoreError
 from airquant.store.manifest import Manifest, load_manifest
 from airquant.units import GB
 
 log = logging.getLogger(__name__)
-# Re-exported: the budgets, the model's dimensions and the workload are the planner's (engine/planner.py).
+# Re-exported: the budgets, the model's dimensions and the workload are the planner's (engine/memory/planner.py).
 __all__ = ["DTYPE_BYTES", "TQ_SETTINGS", "Candidate", "Hardware", "KVScheme",
            "Mode", "ModelDims", "Route", "RouteError", "StreamingNotAllowedError", "Workload", "load_candidates",
            "plan_route", "route", "tq_config", "workload_for"]

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from airquant.engine import expert_compute
-from airquant.engine.expert_layout import LayerExperts
-from airquant.engine.expert_plan import ExpertsError
-from airquant.engine.experts import packed_into
+from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.layout import LayerExperts
+from airquant.engine.moe.pool import packed_into
+from airquant.engine.moe.sizing import ExpertsError
 from airquant.quant.kernels import nf4_cpu
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, replace
 
 from airquant.config import EngineConfig
 from airquant.engine.decode.tqslots import PAGE_TOKENS
-from airquant.engine.plan import PASS_TOKENS, PlanError, StreamPlan
-from airquant.engine.planner import Hardware, KVScheme, compute_bytes, plan, workload_for
-from airquant.engine.router import Candidate
-from airquant.engine.step_bound import StepBound, step_bound
+from airquant.engine.memory.placement import PASS_TOKENS, PlanError, StreamPlan
+from airquant.engine.memory.planner import Hardware, KVScheme, compute_bytes, plan, workload_for
+from airquant.engine.memory.router import Candidate
+from airquant.engine.memory.step_bound import StepBound, step_bound
 from airquant.errors import AirQuantError
 from airquant.units import GB
 

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 from airquant.config import DEFAULT_CONTEXT, EngineConfig
-from airquant.engine import expert_plan
-from airquant.engine.plan import (
+from airquant.engine.memory.placement import (
     WORKSPACE_BYTES,
     Budgets,
     PlanError,
@@ -32,6 +31,7 @@ from airquant.engine.plan import (
     reserve_for,
     top_k_of,
 )
+from airquant.engine.moe import sizing as expert_plan
 from airquant.kv.layers import LayerStates
 from airquant.layout import upper_bound_config
 from airquant.store.manifest import Manifest

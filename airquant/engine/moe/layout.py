@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from airquant.engine.expert_plan import POLICY_CHOICES, ExpertsError, Policy, aligned, experts_module
+from airquant.engine.moe.sizing import POLICY_CHOICES, ExpertsError, Policy, aligned, experts_module
 from airquant.store.manifest import ShardEntry
 
 LFU_DECAY = 0.9  # per call of the pool: a count from 32 layers (one Mixtral step) ago weighs 0.03
