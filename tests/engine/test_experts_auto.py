@@ -136,7 +136,7 @@ def test_engine_takes_the_mode_of_its_batch_and_greedy_output_is_equal(mixtral):
     assert runs["auto_bs1"][1] == runs["auto_bs64"][1] == runs["routed_bs64"][1]
 
 
-@pytest.mark.parametrize("size", [1, None])  # None: the job's auto size (8 on CPU)
+@pytest.mark.parametrize("size", [1, None])  # None: the job's auto size (the throughput planner's slots)
 def test_batch_job_opens_the_engine_for_the_batch_it_runs(mixtral, tmp_path, monkeypatch, size):
     opened = []
     real_open = Engine.open
@@ -151,7 +151,9 @@ def test_batch_job_opens_the_engine_for_the_batch_it_runs(mixtral, tmp_path, mon
     src.write_text("".join(json.dumps({"id": k, "prompt": p}) + "\n" for k, p in enumerate(PROMPTS)))
     job = batch_jobs.BatchJob(src, tmp_path / "out.jsonl", batch_size=size, gen=GenerateConfig(max_new_tokens=6))
     report = batch_jobs.run_batch(mixtral, job, EngineConfig(device="cpu"), progress=False)
-    want = size or batch_jobs.CPU_BATCH
+    # auto: the planner takes no more slots than the job has requests (engine/memory/throughput.choose_mix),
+    # at most CPU_BATCH on the CPU
+    want = size or min(len(PROMPTS), batch_jobs.CPU_BATCH)
     assert report.done == len(PROMPTS) and report.batch_sizes == [want]
     assert opened == [(want, want < first_whole_batch("auto", load_manifest(mixtral)))]
     outputs = {r["id"]: r["output"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
