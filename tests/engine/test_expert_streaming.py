@@ -113,6 +113,10 @@ def test_a_call_routed_only_to_zero_experts(tmp_path, real_tokenizer):
     whole = Engine.open(tmp_path / "store", device="cpu", experts="whole")
     assert (got - _logits(whole)).abs().max().item() <= 1e-5
     engine.close()
+    host = Engine.open(tmp_path / "store", device="cpu", experts="cpu")
+    with pytest.raises(ExpertsError, match="zero-computation experts"):
+        _logits(host)
+    host.close()
     whole.close()
 
 

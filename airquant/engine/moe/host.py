@@ -91,6 +91,10 @@ class HostExperts:
     def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> torch.Tensor:
         layer, (src, arranged) = self.layers[i], self.host_image(i)
+        if int(ids.max()) >= len(layer.ranges):
+            raise ExpertsError(f"layer {i} routed a token to expert {int(ids.max())}, which holds no weights in the "
+                               f"store ({len(layer.ranges)} stored: LongCat-Flash's zero-computation experts are "
+                               "such ids); --experts cpu does not compute them: use --experts routed or whole.")
         flat = ids.reshape(-1)  # [P = T * k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
