@@ -127,14 +127,14 @@ class LayerStreamer:
         # ``skip``: per layer, tensors not moved with the layer (routed experts, engine.experts moves them).
         whole = [(lay, lay, ((0, 0, lay.nbytes),)) for lay in self.layouts]
         self.parts = [lay.without(skip[i]) if skip and skip.get(i) else whole[i] for i, lay in enumerate(self.layouts)]
-        # RAM-tier layers whose experts stay behind are arranged after their checked read (expert_layout), so
-        # the layer copy and each expert's copy are one range each; ``arranged`` names those done.
+        # RAM-tier layers whose experts stay behind are arranged after their checked read (moe/layout.py), so
+        # the layer copy and each expert's copy are one range each: a RAM-tier buffer of such a layer is
+        # arranged from the moment it is in ``_host`` (``arranged``).
         self.arrangements = {i: HostArrangement.of(lay.nbytes, self.parts[i][2], self.parts[i][1].nbytes,
                                                    entries[i].experts["ranges"])
                              for i, lay in enumerate(self.layouts)
                              if skip and skip.get(i) and entries[i].experts and plan.tiers[i] == "ram"
                              and skip[i] == set(entries[i].experts["tensors"])}
-        self.arranged: set[int] = set()
         # Disk-tier reads are checked every time, RAM-tier and resident layers once (their first read).
         self.checks = ShardChecks({i: (store / e.file, e.checksum) for i, e in enumerate(entries)},
                                   integrity_fix(store, manifest)) if verify_reads else None
@@ -207,7 +207,6 @@ class LayerStreamer:
         read_into(self.layouts[j], buf, self._check(j))
         if arrangement is not None:
             arrangement.arrange(buf)
-            self.arranged.add(j)
         self._host[j] = buf
 
     def _read_staging(self, j: int, k: int, free_event) -> None:
@@ -245,7 +244,7 @@ class LayerStreamer:
         elif self.ops is None:
             flat, k = self._host_flat(i)
             self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
-            in_place = self.parts[i][1] if k is None and i in self.arranged else self.parts[i][0]
+            in_place = self.parts[i][1] if k is None and i in self.arrangements else self.parts[i][0]
             tensors = self._cast(i, in_place.views(flat))
             if self.kv is not None:
                 self.kv.bring_in(i, 0)
@@ -298,11 +297,16 @@ class LayerStreamer:
             if k is not None:
                 self._staging_owner[k] = None
 
+    @property
+    def arranged(self) -> set[int]:
+        """The layers whose RAM-tier bytes are in memory, arranged (``arrangements``)."""
+        return {i for i in self._host if i in self.arrangements}
+
     def host_image(self, i: int) -> tuple[torch.Tensor | None, HostArrangement | None]:
         """``host_bytes(i)``, and the arrangement its bytes are in (None: the file's order)."""
         flat = self.host_bytes(i)
-        arranged = flat is not None and i in self.arranged and self._host.get(i) is flat
-        return flat, self.arrangements[i] if arranged else None
+        in_tier = flat is not None and self._host.get(i) is flat
+        return flat, self.arrangements.get(i) if in_tier else None
 
     def host_bytes(self, i: int) -> torch.Tensor | None:
         """Layer i's data section in host memory now (RAM tier, or a staging buffer in use in place on
@@ -357,7 +361,7 @@ class LayerStreamer:
         self._slot_order.append(slot)
         flat, k = self._host_flat(i)
         started = None
-        runs = ((0, 0, self.parts[i][1].nbytes),) if k is None and i in self.arranged else self.parts[i][2]
+        runs = ((0, 0, self.parts[i][1].nbytes),) if k is None and i in self.arrangements else self.parts[i][2]
         for n, (src, dst, nbytes) in enumerate(runs):  # one run unless experts stay behind, unarranged
             first, done = self.ops.copy(self._slots[slot][dst:dst + nbytes], flat[src:src + nbytes],
                                         self._slot_free[slot] if n == 0 else None)

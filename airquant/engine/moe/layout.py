@@ -2,7 +2,7 @@
 ranges, from the manifest, and where they sit inside a pool slot; ``read_range`` for a disk-tier layer), in the
 RAM tier (``HostArrangement``: arranged once, after the checked read, so that each expert is one contiguous
 copy) and in the device pool (``SlotTable``: which (shard, layer, expert) key each slot holds and which to
-evict, LRU or LFU with decay). ``engine.experts`` moves the bytes; this module only keeps the books.
+evict, LRU or LFU with decay). ``moe.pool`` moves the bytes; this module only keeps the books.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Expert-aware streaming for Mixture-of-Experts layers at run time: route first, then move only the routed
-experts (how big the pool is, and whether a run streams routed at all, ``engine.expert_plan`` decides; where
-each expert's bytes are and which slot holds which, ``engine.expert_layout`` keeps).
+experts (how big the pool is, and whether a run streams routed at all, ``moe.sizing`` decides; where
+each expert's bytes are and which slot holds which, ``moe.layout`` keeps).
 
 A MoE layer's dense part (attention, norms, router, shared experts) goes through the streamer's slots as
 before; its experts stay in host memory. When the block calls its experts module, the routing of the batch
-is known (``top_k_index``): the union of routed experts is copied, one contiguous slice per expert tensor
-(the manifest's byte ranges), into a device **expert pool** of fixed-size slots, and the experts run from
+is known (``top_k_index``): the union of routed experts is copied, one range per expert from the arranged
+RAM tier (``layout.HostArrangement``; else one per expert tensor, the manifest's byte ranges), into a device
+**expert pool** of fixed-size slots, and the experts run from
 there. The pool is the arena of the experts a call needs plus a **cache**: slots keep their (store shard,
 layer, expert) key until the policy (LRU, or LFU with decay) evicts them, and a hit skips the copy.
 
@@ -313,9 +314,7 @@ class ExpertPool:
                 stream.wait_event(event)
             staged = []
             if src is not None and self.uva is None:
-                from airquant.engine.moe import (
-                    uva_copy as uva_copy,  # Triton: imported only where a GPU run copies this way
-                )
+                from airquant.engine.moe import uva_copy  # Triton: imported only where a GPU run copies this way
 
                 self.uva = uva_copy.probe(src, self.device)
             by_uva = src is not None and self.uva
