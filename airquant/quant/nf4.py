@@ -141,28 +141,47 @@ class NF4Linear(QuantLinear):
         torch (each expert has its own nested state); on CUDA one bitsandbytes decode then covers every
         expert when no NF4 block straddles two of them, written in ``dtype`` directly (no fp32 copy of the
         experts beside it: engine/moe/compute.py plans the decode's device memory on that)."""
-        packed, absmax = tensors["weight_packed"], tensors["absmax"]
+        packed = tensors["weight_packed"]
         num, numel = packed.shape[0], self.in_features * self.out_features
-        if self.double_quant:
-            nested = tensors["nested_absmax"].float().repeat_interleave(NESTED_BLOCKSIZE, dim=1)
-            absmax = (torch.gather(tensors["nested_quant_map"].float(), 1, absmax.long())
-                      * nested[:, : absmax.shape[1]] + tensors["nested_offset"].float().reshape(num, 1))
-        absmax = absmax.float()
         if packed.is_cuda and numel % self.blocksize == 0:
+            absmax = nf4_stacked_absmax(tensors, self.double_quant, torch.float32)
             functional = _bnb().functional
             state = functional.QuantState(absmax=absmax.reshape(-1), shape=torch.Size((num * numel,)),
                                           code=tensors["quant_map"][0].float(), blocksize=self.blocksize,
                                           quant_type="nf4", dtype=dtype)
             return functional.dequantize_4bit(packed.reshape(-1), state).reshape(num, self.out_features,
                                                                                   self.in_features)
-        flat = packed.reshape(num, -1)
-        nibbles = torch.stack([flat >> 4, flat & 0x0F], dim=2).reshape(num, -1)[:, :numel].long()
-        values = torch.gather(tensors["quant_map"].float(), 1, nibbles)
-        values *= absmax.repeat_interleave(self.blocksize, dim=1)[:, :numel]
-        return values.reshape(num, self.out_features, self.in_features).to(dtype)
+        return decode_nf4_stacked(tensors, self.out_features, self.in_features, self.blocksize, self.double_quant,
+                              torch.float32).to(dtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, nf4 blocksize={self.blocksize}, "
             f"double_quant={self.double_quant}, bias={self.bias is not None}"
         )
+
+
+
+def nf4_stacked_absmax(tensors: dict[str, torch.Tensor], double: bool, dtype: torch.dtype) -> torch.Tensor:
+    """[E, blocks] absmax of E stacked NF4 matrices in ``dtype``: double quant's codes decoded through each
+    matrix's own nested code book, nested absmax and offset."""
+    absmax = tensors["absmax"]
+    if double:
+        num = absmax.shape[0]
+        nested = tensors["nested_absmax"].to(dtype).repeat_interleave(NESTED_BLOCKSIZE, dim=1)
+        absmax = (torch.gather(tensors["nested_quant_map"].to(dtype), 1, absmax.long())
+                  * nested[:, : absmax.shape[1]] + tensors["nested_offset"].to(dtype).reshape(num, 1))
+    return absmax.to(dtype)
+
+
+def decode_nf4_stacked(tensors: dict[str, torch.Tensor], out_features: int, in_features: int, blocksize: int,
+                   double: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[E, out, in] of E stacked NF4 matrices (bitsandbytes' layout: the first weight in a byte's high nibble;
+    blocks may straddle rows), computed in ``dtype`` by torch ops: the CPU decode of ``dequantize_stacked``,
+    and the host kernel's reference and fallback (quant/kernels/nf4_cpu) in fp32 or float64."""
+    flat = tensors["weight_packed"].reshape(tensors["weight_packed"].shape[0], -1)
+    num, numel = flat.shape[0], out_features * in_features
+    nibbles = torch.stack([flat >> 4, flat & 0x0F], dim=2).reshape(num, -1)[:, :numel].long()
+    values = torch.gather(tensors["quant_map"].to(dtype), 1, nibbles)
+    values *= nf4_stacked_absmax(tensors, double, dtype).repeat_interleave(blocksize, dim=1)[:, :numel]
+    return values.reshape(num, out_features, in_features)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from airquant.quant.nf4 import decode_nf4_stacked
 from airquant.units import GB
 
 log = logging.getLogger(__name__)
@@ -171,21 +172,10 @@ def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows:
 
 def decode(bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int, double: bool,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The ``[n, k]`` matrix of NF4 ``bufs`` (bitsandbytes' layout and double-quant absmax), decoded in ``dtype``
-    (fp32: the kernel's values; float64: a reference)."""
-    packed = bufs["weight_packed"].reshape(-1)
-    book = bufs["quant_map"].to(dtype)
-    codes = torch.arange(256)
-    pairs = torch.stack((book[codes >> 4], book[codes & 15]), dim=-1)  # [256, 2]: a byte's two values
-    values = pairs.index_select(0, packed.long()).reshape(-1)[:n * k]
-    absmax = bufs["absmax"].reshape(-1)
-    if double:
-        absmax = bufs["nested_quant_map"].to(dtype)[absmax.long()] * \
-            bufs["nested_absmax"].to(dtype).repeat_interleave(256)[:absmax.numel()] + bufs["nested_offset"].to(dtype)
-    absmax = absmax.to(dtype)
-    if (n * k) % blocksize == 0:
-        return (values.view(-1, blocksize) * absmax[:, None]).view(n, k)
-    return (values * absmax.repeat_interleave(blocksize)[:n * k]).view(n, k)
+    """The ``[n, k]`` matrix of one expert's NF4 ``bufs`` (bitsandbytes' layout and double-quant absmax), decoded
+    in ``dtype`` (fp32: the kernel's values; float64: a reference) by ``nf4.decode_nf4_stacked`` as a stack of one."""
+    one = {name: t.reshape(1, -1) for name, t in bufs.items()}
+    return decode_nf4_stacked(one, n, k, blocksize, double, dtype)[0]
 
 
 def matmul_torch(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int,
