@@ -51,7 +51,10 @@ class HostExperts:
         # (layer, its host buffer's address) -> the layer's operands: made once, while the buffer holds the layer
         self._operands_of: dict[tuple[int, int], HostOperands] = {}
         # experts: computed (per call, summed); kernel_experts: of them by the NF4 kernel (the rest: grouped)
-        self.stats = {"calls": 0, "experts": 0, "kernel_experts": 0, "pairs": 0, "bytes_read": 0, "host_s": 0.0}
+        # host_s: whole calls; of it to_host_s (the rows' copy: waits for the GPU's work before it), kernel_s (the
+        # NF4 kernel calls) and back_s (the sums' way back)
+        self.stats = {"calls": 0, "experts": 0, "kernel_experts": 0, "pairs": 0, "bytes_read": 0, "host_s": 0.0,
+                      "to_host_s": 0.0, "kernel_s": 0.0, "back_s": 0.0}
 
     @property
     def bytes_copied(self) -> int:
@@ -61,8 +64,7 @@ class HostExperts:
         return 0
 
     def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(self.stats, 0)
-        self.stats["host_s"] = 0.0
+        self.stats = {k: 0.0 if k.endswith("_s") else 0 for k in self.stats}
 
     def report(self) -> dict:
         return {**self.stats, "where": "host", "kernel": nf4_cpu.host_kernel(), "threads": nf4_cpu.threads()}
@@ -80,12 +82,17 @@ class HostExperts:
         both = torch.cat((flat.float(), index.reshape(flat.shape[0], top_k).float(),
                           weights.reshape(flat.shape[0], top_k).float()), dim=1).cpu()
         x, ids, w = both.split((flat.shape[1], top_k, top_k), dim=1)  # [T, H], [T, k], [T, k]
+        landed = time.perf_counter()
         out = self._compute(i, module, forward, x.contiguous(), ids.long(), w)  # [T, H] fp32
+        computed = time.perf_counter()
         out = out.to(hidden.dtype)
         if self.device.type == "cuda":
             out = out.pin_memory().to(self.device, non_blocking=True)
+        end = time.perf_counter()
         self.stats["calls"] += 1
-        self.stats["host_s"] += time.perf_counter() - start
+        self.stats["host_s"] += end - start
+        self.stats["to_host_s"] += landed - start
+        self.stats["back_s"] += end - computed
         return out.view(hidden.shape)
 
     def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
@@ -111,13 +118,17 @@ class HostExperts:
         # for a few elements on a busy 2-core host)
         pair_rows = rows_of[torch.searchsorted(experts, flat[order])] if ops.up_bias is not None or \
             ops.down_bias is not None else None
+        kernel = time.perf_counter()
         h = nf4_cpu.matmul_experts(x[order // ids.shape[1]], ops.up, rows_of, rows, spec.up.n, spec.up.k,
                                    spec.blocksize, spec.double)  # [P, N]
+        self.stats["kernel_s"] += time.perf_counter() - kernel
         if ops.up_bias is not None:
             h += ops.up_bias[pair_rows]
         h = expert_compute.activate(module, h, spec.gated)  # [P, I]
+        kernel = time.perf_counter()
         y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
                                    spec.double)  # [P, H]
+        self.stats["kernel_s"] += time.perf_counter() - kernel
         if ops.down_bias is not None:
             y += ops.down_bias[pair_rows]
         out = torch.empty_like(y)
