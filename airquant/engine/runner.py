@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -130,6 +131,7 @@ class Engine:
 
         self.overflow_guard = guard_overflow(self.model, skeleton.decoder_layers(self.model), self.dtype)
         self.last_timings: dict = {}
+        self._live_kv: weakref.ref | None = None  # the last decode loop's cache (host_memory counts its host part)
 
     @classmethod
     def open(cls, store: str | Path, cfg: EngineConfig | None = None, *, placement: StreamPlan | None = None,
@@ -249,13 +251,20 @@ class Engine:
                 "generate_requests run it through transformers' generate (engine/decode/fallback.py).")
         limit = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         context = min(context or self.cfg.context or DEFAULT_CONTEXT, limit)
-        if offload is None and self.plan is not None and self.plan.kv_offload:
-            offload = set(self.plan.ram_layers + self.plan.disk_layers)
-        return DecodeLoop(self.model, self.tokenizer, slots=slots, context=context,
+        loop = DecodeLoop(self.model, self.tokenizer, slots=slots, context=context,
                           token_budget=token_budget or planned_budget(slots, context), device=self.device,
                           dtype=self.dtype, eos_ids=self.eos_ids(), cache_arg=cache_kwarg(self.model),
-                          kv=kv if kv is not None and kv.backend != "none" else None, offload=offload or set(),
+                          kv=kv if kv is not None and kv.backend != "none" else None,
+                          offload=self.offloaded_layers() if offload is None else offload,
                           sync=self._sync, on_error=self._on_error, scope=self.passes)
+        self._live_kv = weakref.ref(loop.kv)
+        return loop
+
+    def offloaded_layers(self) -> set[int]:
+        """The layers whose keys/values live in host memory: the plan's streamed ones when it offloads the cache."""
+        if self.plan is None or not self.plan.kv_offload:
+            return set()
+        return set(self.plan.ram_layers + self.plan.disk_layers)
 
     def completion(self, seq: Sequence) -> Completion:
         return Completion(text=seq.detok.text, prompt_tokens=seq.prompt_len, new_tokens=len(seq.out) + seq.eos_hit,
@@ -273,10 +282,10 @@ class Engine:
 
     def _generate_fallback(self, requests: list[Request], kv) -> list[Completion]:
         start = time.perf_counter()
-        out = fallback.generate_with_transformers(self.model, self.tokenizer, requests, device=self.device, eos_ids=self.eos_ids(),
-                                make_cache=lambda: self._make_cache(kv), cache_arg=cache_kwarg(self.model),
-                                offload=self.streamer.kv if self.streamer is not None else None,
-                                check_context=self._check_context, on_error=self._on_error, scope=self.passes)
+        out = fallback.generate_with_transformers(
+            self.model, self.tokenizer, requests, device=self.device, dtype=self.dtype, eos_ids=self.eos_ids(), kv=kv,
+            offload=self.offloaded_layers(), cache_arg=cache_kwarg(self.model), check_context=self._check_context,
+            on_error=self._on_error, scope=self.passes)
         self.last_timings = {"ttft_s": None, "prefill_s": None, "decode_s": None, "decode_steps": 0,
                              "batch_size": len(requests), "total_s": time.perf_counter() - start, "step_s": [],
                              "decode_step_median_s": None, "prompt_len": max(len(r.prompt_ids) for r in requests)}
@@ -285,18 +294,6 @@ class Engine:
     def _on_error(self) -> None:
         if self.streamer is not None:  # an OOM or an interrupt cut a forward short
             self.streamer.reset()
-
-    def _make_cache(self, kv):
-        """The cache to decode with: ``kv``'s, a plain one when the streamer offloads it, or None (generate's)."""
-        if kv is not None and kv.backend != "none":
-            from airquant.kv import make_cache
-
-            return make_cache(self.config, kv, device=self.device, dtype=self.dtype)
-        if self.streamer is not None and self.streamer.kv is not None:
-            from transformers import DynamicCache
-
-            return DynamicCache(config=self.config)
-        return None
 
     def _cache_arg(self, cache) -> dict:
         return {} if cache is None else {cache_kwarg(self.model): cache}
@@ -323,7 +320,9 @@ class Engine:
 
         embed = self.model.get_input_embeddings()
         table = embed.table.numel() * embed.table.element_size() if isinstance(embed, HostEmbedding) else 0
-        pool = {"expert_staging": self.experts.staging_held()} if self.experts is not None else {}
+        kv = self._live_kv() if self._live_kv is not None else None
+        pool = {"kv_offload": kv.host_bytes() if kv is not None else 0,
+                **({"expert_staging": self.experts.staging_held()} if self.experts is not None else {})}
         return {"embedding": table, **(self.streamer.host_held(pool) if self.streamer is not None else pool)}
 
     def reset_stats(self) -> None:

@@ -204,12 +204,9 @@ class StreamedLayer(nn.Module):
     def forward(self, *args, **kwargs):
         tensors = self.streamer.fetch(self.index)
         try:
-            out = torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
-        except BaseException:
-            self.streamer.release(self.index, ran=False)
-            raise
-        self.streamer.release(self.index)
-        return out
+            return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
+        finally:
+            self.streamer.release(self.index)
 
 
 def attach_streamer(model: nn.Module, streamer) -> None:

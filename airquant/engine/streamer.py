@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from airquant.engine.cuda_ops import CudaOps, HostMemory
-from airquant.engine.memory.kv_offload import KVOffload
 from airquant.engine.memory.placement import StreamPlan
 from airquant.engine.moe.layout import HostArrangement
 from airquant.errors import StoreError
@@ -163,8 +162,6 @@ class LayerStreamer:
         self.profile: list[tuple[int, object, object, object, object]] = []  # layer, copy start/end, compute start/end
         self._profiling = profile and ops is not None
         self._compute_start: dict[int, object] = {}
-        # The streamed layers' KV cache rides with their weights (plan.kv_offload; bind a cache to use it).
-        self.kv = KVOffload(self.streamed, ops, self.memory, len(self._slots)) if plan.kv_offload else None
 
     def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
         # Page-locked memory is what lets host->device copies run at the link's full speed.
@@ -246,32 +243,24 @@ class LayerStreamer:
             self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
             in_place = self.parts[i][1] if k is None and i in self.arrangements else self.parts[i][0]
             tensors = self._cast(i, in_place.views(flat))
-            if self.kv is not None:
-                self.kv.bring_in(i, 0)
         else:
             if i not in self._inflight:
                 self._issue_copy(i)
             entry = self._inflight[i]
             entry.in_use = True
-            if self.kv is not None:  # a cache bound (or grown) after the layer was prefetched
-                entry.done = self.kv.ensure(i, entry.slot, self._slot_free[entry.slot]) or entry.done
             self.ops.wait(entry.done)
             if self._profiling:
                 self._compute_start[i] = self.ops.mark()
             tensors = self._cast(i, self.parts[i][1].views(self._slots[entry.slot]))
-        if self.kv is not None:
-            self.kv.enter(i)
         self._prefetch_after(i)
         return tensors
 
-    def release(self, i: int, ran: bool = True) -> None:
-        """Layer i's compute is enqueued (``ran``; False: it raised): its slot may be refilled after it."""
+    def release(self, i: int) -> None:
+        """Layer i's compute is enqueued (or it raised): its slot may be refilled after it."""
         entry = self._inflight.get(i)
         if entry is None or not entry.in_use:
             return
         del self._inflight[i]
-        if self.kv is not None and ran:
-            self.kv.leave(i)
         if self.ops is None:
             if entry.staging is not None:  # the layer was used in place from this staging buffer
                 self._staging_owner[entry.staging] = None
@@ -289,8 +278,6 @@ class LayerStreamer:
         """
         for i in [i for i, e in self._inflight.items() if not e.in_use]:
             del self._inflight[i]
-        if self.kv is not None:
-            self.kv.unbind()
         for j, (future, k) in list(self._reads.items()):
             future.exception()  # wait for the read; a failed one is read again when needed
             del self._reads[j]
@@ -367,8 +354,6 @@ class LayerStreamer:
                                         self._slot_free[slot] if n == 0 else None)
             started = first if n == 0 else started
         nbytes = sum(run[2] for run in runs)
-        if self.kv is not None:  # the layer's cache follows its weights; compute waits for both
-            done = self.kv.bring_in(i, slot, self._slot_free[slot]) or done
         if k is not None:  # the read thread may refill this staging buffer once the copy has run
             self._staging_free[k] = done
             self._staging_owner[k] = None
@@ -383,12 +368,11 @@ class LayerStreamer:
 
     # -- reporting -------------------------------------------------------------------------
     def host_held(self, others: dict[str, int] | None = None) -> dict[str, int]:
-        """Host bytes held now: the RAM tier, the staging buffers, an offloaded cache, ``others`` (buffers
-        other owners took from this streamer's memory: a routed run's expert staging), other pinned buffers
-        and what torch's pinned allocator rounded up (a failed registration)."""
+        """Host bytes held now: the RAM tier, the staging buffers, ``others`` (buffers other owners hold in
+        host memory: an offloaded KV cache, a routed run's expert staging), other pinned buffers and what
+        torch's pinned allocator rounded up (a failed registration)."""
         parts = {"ram_tier": sum(b.numel() for b in self._host.values()),
-                 "staging": sum(b.numel() for b in self._staging),
-                 "kv_offload": self.kv.host_bytes() if self.kv is not None else 0, **(others or {})}
+                 "staging": sum(b.numel() for b in self._staging), **(others or {})}
         pinned = self.memory.pinned_bytes()
         other = pinned["registered"] + pinned["allocator"] - pinned["rounding"] - sum(parts.values())
         return {**parts, "other_pinned": max(other, 0) if self.memory.pinned else 0,

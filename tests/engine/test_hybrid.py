@@ -4,7 +4,7 @@ Each type of ``tests.zoo.HYBRID_TYPES`` is sharded once and streamed. The refere
 transformers model loaded from the same folder: streamed logits and greedy tokens must match it, a
 left-padded batch must decode each prompt as it decodes alone (padding must not leak into the
 recurrent or conv state), the TurboQuant cache must compress the attention layers only, and the KV
-offload must carry the fixed states with the layers.
+offload must move the attention layers' keys/values (the loop's store) and leave the fixed states to transformers.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_kv_offload import KVSimOps, decode_logits, offload_engine  # tests/engine is on sys.path
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from airquant.engine.decode.slot_cache import SlotAndStateLayer, SlotCache, SlotLayer
 from airquant.engine.runner import Engine
 from airquant.errors import UnsupportedModelError
 from airquant.kv import KVConfig, LayerStates, kv_logits, make_cache
@@ -135,30 +135,70 @@ def test_turboquant_decoding_matches_its_one_forward_simulation(hybrid):
 
 
 @pytest.mark.parametrize("kv", [None, TQ_SMALL], ids=["plain", "tq"])
-def test_offloaded_hybrid_cache_gives_the_same_logits(hybrid, kv):
-    """The fixed states travel whole with their layers (lazy copies: a missing wait changes the logits)."""
-    want, _ = decode_logits(hybrid.engine, kv)  # the cache on the "device"
-    n = len(hybrid.states.kinds)
-    engine = offload_engine(hybrid.store, ["ram", "disk"] * (n // 2) + ["ram"] * (n % 2), KVSimOps(lazy=True))
-    got, cache = decode_logits(engine, kv)
-    assert torch.equal(got, want)
-    host = engine.streamer.kv.host_storages()
-    for i in hybrid.states.recurrent_layers:  # between steps the states are the host copies
-        assert all(t.untyped_storage().data_ptr() in host for t in _state_tensors(cache.layers[i]))
+def test_offloaded_hybrid_decodes_as_on_the_device(hybrid, kv):
+    engine = Engine.open(hybrid.store, device="cpu", kv_offload=True)
+    assert engine.offloaded_layers() == set(range(len(hybrid.states.kinds)))
+    assert _greedy(engine, PROMPTS, kv) == _greedy(hybrid.engine, PROMPTS, kv)
     engine.close()
 
 
+def test_turboquant_batch_decodes_each_prompt_as_alone(hybrid):
+    """The padding of a left-padded row is neither calibrated on nor quantized (``slot_cache``)."""
+    alone = [_greedy(hybrid.engine, [p], TQ_SMALL)[0] for p in PROMPTS]
+    assert _greedy(hybrid.engine, PROMPTS, TQ_SMALL) == alone
+
+
+def test_turboquant_decodes_as_generate_through_tq_cache(hybrid):
+    """The loop's TurboQuant arenas under transformers' generate give the tokens of ``kv.cache.TQCache``."""
+    engine, prompt = hybrid.engine, PROMPTS[1]
+    ids = engine.encode([prompt])["input_ids"]
+    config = engine.model.config
+    previous = config._attn_implementation  # make_cache sets TurboQuant's attention on the config
+    try:
+        with torch.inference_mode():
+            want = engine.model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                         pad_token_id=engine.tokenizer.pad_token_id,
+                                         **engine._cache_arg(make_cache(config, TQ_SMALL)))
+    finally:
+        config._attn_implementation = previous
+    assert _greedy(engine, [prompt], TQ_SMALL) == [tuple(want[0, ids.shape[1]:].tolist())]
+
+
+def test_slot_cache_keeps_keys_in_the_store_and_states_in_transformers(hybrid):
+    engine = hybrid.engine
+    enc = engine.encode(PROMPTS)
+    n = len(hybrid.states.kinds)
+    cache = SlotCache(engine.config, rows=len(PROMPTS), cap=enc["input_ids"].shape[1] + 4, device=engine.device,
+                      dtype=engine.dtype, offload=set(range(n)))
+    decode(engine, enc, cache, steps=3)
+    own = DynamicCache(config=engine.config).layers
+    for i in range(n):
+        if i in hybrid.states.attention_layers:
+            assert isinstance(cache.layers[i], SlotLayer) and cache.store._k[i] is not None, f"layer {i}"
+            assert cache.layers[i].get_seq_length() == enc["input_ids"].shape[1] + 3
+        else:
+            assert type(cache.layers[i]) is type(own[i]) and cache.store._k[i] is None, f"layer {i}"
+    assert cache.store.host_bytes() > 0
+
+
 def test_offload_carries_a_layer_with_attention_and_a_state(tmp_path, real_tokenizer):
-    """Falcon-H1 keeps keys/values and a Mamba-2 state in one cache layer: both travel with it."""
+    """Falcon-H1 keeps keys/values and a Mamba-2 state in one cache layer: keys/values in the store, the state in
+    transformers' class, the tokens those of transformers' own cache."""
     split(resolve(str(make_model(tmp_path / "model", real_tokenizer, "falcon_h1"))), tmp_path / "store",
           dtype="float32", progress=False)
-    want, _ = decode_logits(Engine.open(tmp_path / "store", device="cpu"), None)
-    engine = offload_engine(tmp_path / "store", ("ram", "disk", "ram"), KVSimOps(lazy=True))
-    got, cache = decode_logits(engine, None)
+    engine = Engine.open(tmp_path / "store", device="cpu", kv_offload=True)
+    enc = engine.encode(PROMPTS[1:2])
+    cache = SlotCache(engine.config, rows=1, cap=enc["input_ids"].shape[1] + NEW, device=engine.device,
+                      dtype=engine.dtype, offload=engine.offloaded_layers())
+    with torch.inference_mode():
+        args = dict(**enc, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                    pad_token_id=engine.tokenizer.pad_token_id)
+        want = engine.model.generate(**args)
+        got = engine.model.generate(**args, **engine._cache_arg(cache))
     assert torch.equal(got, want)
-    host = engine.streamer.kv.host_storages()
     layer = cache.layers[1]
-    assert all(t.untyped_storage().data_ptr() in host for t in [layer.keys, layer.values, *_state_tensors(layer)])
+    assert isinstance(layer, SlotAndStateLayer) and cache.store._k[1] is not None and _state_tensors(layer)
+    assert _greedy(engine, PROMPTS[1:2]) == [tuple(want[0, enc["input_ids"].shape[1]:].tolist())]
     engine.close()
 
 def decode(engine, enc, cache, steps: int) -> None:

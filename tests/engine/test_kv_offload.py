@@ -1,115 +1,109 @@
-"""KV offload: the streamed layers' cache in host memory, moved with each layer, against the cache on the device.
-
-The CUDA ordering is driven on CPU through the streamer tests' ``SimOps`` (eager: a copy into a buffer
-still in use clobbers it; lazy: a copy runs only when something waits for its event), so a missing
-wait or a buffer reused too early changes the logits, which must equal the on-device cache's exactly.
+"""KV offload: the offloaded layers' keys/values in host memory between their passes, in the loop's store
+(``decode.slots.SlotKV``), which the decode loop and transformers' generate (``decode.fallback`` through
+``decode.slot_cache.SlotCache``) both use: offloaded or not, on either path, the tokens are the loop's.
 """
 
 import pytest
 import torch
-from test_streamer import SimOps  # tests/engine is on sys.path (no package __init__)
 
-from airquant.engine.memory.placement import StreamPlan
+from airquant.config import GenerateConfig
+from airquant.engine.decode import fallback
+from airquant.engine.decode.slot_cache import KVOffloadError, SlotCache, SlotLayer
 from airquant.engine.runner import Engine
-from airquant.engine.streamer import LayerStreamer
-from airquant.kv import KVConfig
+from airquant.kv import KVConfig, cache_kwarg
+from airquant.kv.config import KVConfigError
 
 PROMPTS = ["Once upon a time in a land far far away there lived a king who", "Hi"]  # batch 2, left-padded
 # A window shorter than the prompt: blocks are quantized at prefill and again while decoding.
 TQ = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=2)
 KVS = {"plain": None, "tq": TQ}
-STEPS = 6
+NEW = 8
 
 
-class KVSimOps(SimOps):
-    def retire(self, tensor):
-        pass  # the simulated copy stream keeps its own references
+@pytest.fixture(scope="module")
+def engines(tiny_store):
+    on = Engine.open(tiny_store, device="cpu", kv_offload=False)
+    off = Engine.open(tiny_store, device="cpu", kv_offload=True)
+    yield on, off
+    on.close()
+    off.close()
 
 
-def offload_engine(store, tiers, ops, slots=2):
-    """A CPU engine with the KV cache offloaded, its streamer following ``tiers`` through ``ops``."""
-    engine = Engine.open(store, device="cpu", kv_offload=True)
-    layer_bytes = engine.manifest.layer_bytes
-    plan = StreamPlan(tiers=list(tiers), slot_bytes=max(layer_bytes), slots=slots, fixed_bytes=0, kv_offload=True)
-    streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=ops)
-    engine.streamer.close()
-    for layer in engine.model.model.layers:
-        layer.streamer = streamer
-    engine.streamer, engine.plan = streamer, plan
-    return engine
+def _requests(engine, prompts=PROMPTS):
+    gen = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    return [engine.request(engine.prompt_ids(p), gen) for p in prompts]
 
 
-def decode_logits(engine, kv, steps=STEPS, announced=None):
-    """Prefill and ``steps`` greedy decode steps through the engine's cache; the logits of each, and the cache.
-
-    ``announced``: the tokens the offloaded cache is told to expect (default: all of them)."""
-    enc = engine.encode(PROMPTS)
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    cache = engine._make_cache(kv) or __import__("transformers").DynamicCache(config=engine.config)
-    offload = engine.streamer.kv if engine.streamer is not None else None
-    if offload is not None:
-        offload.bind(cache, tokens=ids.shape[1] + steps if announced is None else announced)
-    out, arg = [], engine._cache_arg(cache)
-    with torch.inference_mode():
-        for _ in range(steps + 1):
-            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            logits = engine.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                                  **arg).logits[:, -1]
-            out.append(logits)
-            ids = logits.argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-    return torch.stack(out), cache
+def _loop_tokens(engine, kv, prompts=PROMPTS):
+    return [c.token_ids for c in engine.generate_requests(_requests(engine, prompts), kv=kv)]
 
 
-@pytest.fixture(scope="module", params=list(KVS))
-def reference(request, tiny_store):
-    kv = KVS[request.param]
-    engine = Engine.open(tiny_store, device="cpu", kv_offload=False)
-    assert engine.streamer.kv is None
-    logits, cache = decode_logits(engine, kv)
-    if kv is not None:
-        assert cache.layers[0].store.length > 0  # blocks were quantized: the packed store travels too
-    tokens = [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)]
-    return kv, logits, tokens
+def _fallback_tokens(engine, kv, offload: set[int], prompts=PROMPTS):
+    """transformers' generate over the loop's store, as ``Engine`` runs the stacks the loop does not take."""
+    out = fallback.generate_with_transformers(
+        engine.model, engine.tokenizer, _requests(engine, prompts), device=engine.device, dtype=engine.dtype,
+        eos_ids=engine.eos_ids(), kv=kv, offload=offload, cache_arg=cache_kwarg(engine.model),
+        check_context=engine._check_context, on_error=lambda: None)
+    return [c.token_ids for c in out]
 
 
-def _points_at_host(engine, cache, i) -> bool:
-    host = engine.streamer.kv.host_storages()
-    layer = cache.layers[i]
-    tensors = layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values]
-    return all(t.untyped_storage().data_ptr() in host for t in tensors if t is not None and t.numel())
+@pytest.mark.parametrize("kv", list(KVS))
+def test_offloaded_loop_gives_the_same_tokens(engines, kv):
+    on, off = engines
+    assert not on.offloaded_layers() and off.offloaded_layers() == {0, 1, 2}  # CPU: every layer streamed
+    want = _loop_tokens(on, KVS[kv])
+    assert _loop_tokens(off, KVS[kv]) == want and all(len(t) == NEW for t in want)
 
 
-@pytest.mark.parametrize("tiers, ops", [
-    (("ram", "ram", "ram"), None),  # CPU: the same path with plain copies
-    (("ram", "disk", "ram"), lambda: KVSimOps(lazy=False)),
-    (("ram", "ram", "disk"), lambda: KVSimOps(lazy=True)),
-    (("vram", "ram", "disk"), lambda: KVSimOps(lazy=True)),  # a VRAM layer keeps its cache on the device
-], ids=["cpu", "eager", "lazy", "vram+lazy"])
-def test_offloaded_cache_gives_the_same_logits(tiny_store, reference, tiers, ops):
-    kv, want, tokens = reference
-    engine = offload_engine(tiny_store, tiers, ops() if ops else None, slots=1 if ops is None else 2)
-    for _ in range(2):  # the second generation reuses the host buffers of the first
-        got, cache = decode_logits(engine, kv)
-        assert torch.equal(got, want)
-        for i, tier in enumerate(tiers):
-            assert _points_at_host(engine, cache, i) == (tier != "vram"), f"layer {i} ({tier})"
-    host = []
-    for _ in range(2):
-        got = engine.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
-        assert [c.token_ids for c in got] == tokens
-        host.append(engine.streamer.kv.host_bytes())
-    assert host[0] == host[1]  # sized once for prompt + new tokens, then reused
-    engine.close()
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("kv", list(KVS))
+def test_generate_over_the_loops_store_gives_the_loops_tokens(engines, kv, offload):
+    """A left-padded batch through transformers' generate: plain keys/values with the padding masked by the model,
+    TurboQuant with the padding left out of each row's slot, so each row is decoded as the loop decodes it."""
+    on, _ = engines
+    want = _loop_tokens(on, KVS[kv])
+    assert _fallback_tokens(on, KVS[kv], {0, 1, 2} if offload else set()) == want
 
 
-def test_host_buffers_grow_past_the_announced_tokens(tiny_store, reference):
-    """Told to expect 1 token, the host buffers double as the cache grows (lazy copies: growth must wait)."""
-    kv, want, _ = reference
-    engine = offload_engine(tiny_store, ("ram", "disk", "ram"), KVSimOps(lazy=True))
-    got, cache = decode_logits(engine, kv, announced=1)
-    assert torch.equal(got, want)
-    assert all(_points_at_host(engine, cache, i) for i in range(3))
+def test_the_loops_offloaded_cache_is_counted_in_host_memory(engines):
+    _, off = engines
+    loop = off.decode_loop(2, context=64)
+    assert loop.kv.offload == {0, 1, 2}
+    loop.run(_requests(off))
+    held = off.host_memory()["kv_offload"]
+    assert held == loop.kv.host_bytes() > 0
+    assert held == sum(t.numel() * t.element_size() for t in loop.kv._k + loop.kv._v)  # every layer's buffers
+
+
+def test_slot_cache_holds_attention_layers_and_refuses_what_it_cannot_offload():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                         use_sliding_window=True, sliding_window=4)
+    cpu = dict(rows=1, cap=8, device=torch.device("cpu"), dtype=torch.float32)
+    cache = SlotCache(config, offload={1}, **cpu)
+    assert not isinstance(cache.layers[0], SlotLayer) and isinstance(cache.layers[1], SlotLayer)
+    with pytest.raises(KVOffloadError, match=r"\{0: 'DynamicSlidingWindowLayer'\}.*--no-kv-offload"):
+        SlotCache(config, offload={0, 1}, **cpu)
+    with pytest.raises(KVConfigError, match="kv backend 'none'"):
+        SlotCache(config, kv=TQ, **cpu)
+
+
+def test_turboquant_needs_attention_the_loop_reaches():
+    """GPT-Neo computes attention in its module code: the TurboQuant arenas would never be read."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(num_layers=2, hidden_size=16, num_heads=2, attention_types=[[["global"], 2]],
+                          vocab_size=32, max_position_embeddings=32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert not fallback.attention_by_name(model)
+    cpu = dict(rows=1, cap=8, pads=[0], device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(KVConfigError, match="own module code.*kv backend 'none'"):
+        fallback._cache(model, TQ, set(), **cpu)
+    with pytest.raises(KVOffloadError, match="--no-kv-offload"):
+        fallback._cache(model, KVConfig(backend="turboquant", bits_k=4, bits_v=4), {0}, **cpu)
 
 
 def test_generate_cli_takes_the_kv_offload_flag(tiny_store, capsys):
@@ -124,66 +118,32 @@ def test_generate_cli_takes_the_kv_offload_flag(tiny_store, capsys):
     assert capsys.readouterr().out.strip()
 
 
-def test_nothing_of_an_offloaded_cache_stays_on_the_device(tiny_store, reference):
-    """Between steps the cache's tensors are the host buffers; the device holds only the pass-through buffers."""
-    kv, _, _ = reference
-    engine = Engine.open(tiny_store, device="cpu", kv_offload=True)
-    _, cache = decode_logits(engine, kv)
-    offload = engine.streamer.kv
-    from airquant.kv import cache_nbytes
-
-    held = cache_nbytes(cache)
-    assert held > 0 and all(_points_at_host(engine, cache, i) for i in range(len(cache.layers)))
-    assert offload.host_bytes() >= held
-    # One buffer (CPU, used in place: one slot) with one layer's cache, plus room to append (tq).
-    per_layer = held // len(cache.layers)
-    assert 0 < offload.device_bytes() <= 2 * per_layer + 64 * 1024
-
-
-def test_offload_refuses_a_cache_it_cannot_move(tiny_store):
-    from airquant.engine.memory.kv_offload import KVOffloadError
-
-    engine = Engine.open(tiny_store, device="cpu", kv_offload=True)
-    engine.streamer.kv.bind(type("Odd", (), {"layers": []})())
-    engine.streamer.kv._records.clear()
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-
-    layer = DynamicSlidingWindowLayer(sliding_window=4)
-    layer.lazy_initialization(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
-    engine.streamer.kv.cache.layers.append(layer)
-    with pytest.raises(KVOffloadError, match="--no-kv-offload"):
-        engine.streamer.kv.leave(0)
-
-
 def test_resident_and_default_engines_do_not_offload(tiny_store):
-    assert Engine.open(tiny_store, device="cpu").streamer.kv is None  # auto: no GPU, nothing to offload
-    assert Engine.open(tiny_store, device="cpu", resident=True).streamer is None
+    assert not Engine.open(tiny_store, device="cpu").offloaded_layers()  # auto: no GPU, nothing to offload
+    assert not Engine.open(tiny_store, device="cpu", resident=True).offloaded_layers()
 
 
-# -- CUDA: the copy stream, pinned host buffers, and the VRAM it saves --------------------------------
+# -- CUDA: pinned host buffers, and the VRAM it saves --------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(resident_layers=0), dict(resident_layers=1, slots=3),
                                 dict(resident_layers=0, max_ram_gb=0.0)], ids=["ram", "vram1-slots3", "disk"])
-def test_cuda_offloaded_cache_equals_the_cache_on_the_device(tiny_store, reference, kw):
+@pytest.mark.parametrize("kv", list(KVS))
+def test_cuda_offloaded_cache_equals_the_cache_on_the_device(tiny_store, kw, kv):
     from airquant.config import EngineConfig
 
-    kv = reference[0]
     on = Engine.open(tiny_store, EngineConfig(device="cuda", kv_offload=False, **kw))
     off = Engine.open(tiny_store, EngineConfig(device="cuda", kv_offload=True, **kw))
-    assert off.plan.kv_offload and off.streamer.kv is not None and on.streamer.kv is None
-    want, _ = decode_logits(on, kv)
-    for _ in range(2):  # the second pass reuses the pinned buffers and the device buffers
-        got, cache = decode_logits(off, kv)
-        assert torch.equal(got, want)
-        for i, tier in enumerate(off.plan.tiers):
-            layer = cache.layers[i]
-            tensors = [t for t in (layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values])
-                       if t is not None and t.numel()]
-            on_host = [t.device.type == "cpu" and t.is_pinned() for t in tensors]
-            assert all(on_host) if tier != "vram" else not any(on_host), f"layer {i} ({tier})"
-    ga = on.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
-    gb = off.generate(PROMPTS, max_new_tokens=8, kv=kv, ignore_eos=True)
-    assert [c.token_ids for c in gb] == [c.token_ids for c in ga]
+    assert off.plan.kv_offload and off.offloaded_layers() and not on.offloaded_layers()
+    want = _loop_tokens(on, KVS[kv])
+    for _ in range(2):
+        assert _loop_tokens(off, KVS[kv]) == want
+        assert _fallback_tokens(off, KVS[kv], off.offloaded_layers()) == want
+    loop = off.decode_loop(2, context=64)
+    loop.run(_requests(off))
+    for i in range(off.config.num_hidden_layers):
+        on_host = [t.device.type == "cpu" and t.is_pinned() for t in (loop.kv._k[i], loop.kv._v[i])
+                   if t is not None] if kv == "plain" else [loop.kv.arena(i).t["win_k"].device.type == "cpu"]
+        assert all(on_host) == (i in off.offloaded_layers()), f"layer {i}"
     off.close()
     on.close()
 
@@ -210,7 +170,7 @@ def _long_context_store(folder, tokenizer):
 def test_cuda_offload_lowers_peak_vram_at_long_context(tmp_path, real_tokenizer):
     import gc
 
-    from airquant.config import EngineConfig, GenerateConfig
+    from airquant.config import EngineConfig
 
     store = _long_context_store(tmp_path, real_tokenizer)
     batch, prompt, new = 4, 2048, 4

@@ -2,7 +2,8 @@
 
 ``loop`` (scheduler, sampling, timing), ``slots`` (the per-slot KV cache and the ragged attention),
 ``text`` (incremental detokenization, stop strings); ``fallback``: the stacks the loop does not take
-(recurrent-state layers, attention outside transformers' AttentionInterface), through transformers' ``generate``.
+(recurrent-state layers, attention outside transformers' AttentionInterface), through transformers' ``generate``
+with ``slot_cache`` (transformers' Cache over the same per-slot KV cache).
 """
 
 from airquant.engine.decode.loop import Completion, DecodeLoop, Event, LoopStats, Request, Sequence

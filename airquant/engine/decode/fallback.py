@@ -13,22 +13,33 @@ Who takes this path (``reason`` says which rule, ``None``: the loop takes the st
 
 MLA (DeepSeek-V2/V3, GLM-4-MoE-lite) and attention sinks (gpt-oss) run in the loop (``slots``); the tested
 types each rule takes are checked in ``tests/engine/test_decode_attention_kinds.py``.
-Here the cache is transformers' ``DynamicCache`` or TurboQuant's ``kv.cache.TQCache`` (``make_cache``),
-moved to host memory between a layer's runs by the streamer's ``engine/memory/kv_offload.KVOffload`` (``offload``).
+Here the attention layers keep their keys and values in the loop's own store (``slot_cache.SlotCache`` over
+``slots.SlotKV``: its KV offload, its TurboQuant arenas and attention); the other layers keep transformers' own
+cache layers. Backend "turboquant" (the PyPI package, a peer to compare with) brings its own cache (``make_cache``);
+MiniMax (a cache class of its own) and OpenAI GPT (no cache) take no transformers Cache (``takes_cache``) and
+generate with their own.
 A batch is one ``generate`` call per group of requests with equal settings (left-padded).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import sys
 from typing import Callable
 
 import torch
 
 from airquant.engine.decode.loop import Completion, Request
-from airquant.engine.decode.slots import attention_backends
+from airquant.engine.decode.slot_cache import KVOffloadError, SlotCache
+from airquant.engine.decode.slots import ATTN_NAME, attention_backends, register_ragged_attention
 from airquant.engine.decode.text import Detokenizer
+from airquant.kv import model_dims
+from airquant.kv.config import KVConfig, KVConfigError
 from airquant.kv.layers import LayerStates
+
+log = logging.getLogger(__name__)
 
 
 def reason(model, config) -> str | None:
@@ -65,15 +76,28 @@ def attention_by_name(model) -> bool:
     return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
-def generate_with_transformers(model, tokenizer, requests: list[Request], *, device: torch.device, eos_ids: list[int],
-             make_cache: Callable,
-             cache_arg: str, offload=None, check_context: Callable[[int, int], None],
-             on_error: Callable[[], None], scope: Callable = attention_backends) -> list[Completion]:
-    """``requests`` through ``model.generate``: ``make_cache()`` gives each call's cache (None: generate's own);
-    ``offload`` (``KVOffload`` or None) is bound to it for the call; each call runs inside ``scope()``;
-    ``on_error`` runs when a call is cut short."""
+def takes_cache(model) -> bool:
+    """Whether ``generate`` can hand the stack a transformers ``Cache``: its forward takes one, and it brings no
+    cache class of its own (MiniMax's lightning attention; transformers' own check)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    own = getattr(model, "_supports_default_dynamic_cache", lambda: True)
+    return ("cache" in params or "past_key_values" in params) and own()
+
+
+def generate_with_transformers(model, tokenizer, requests: list[Request], *, device: torch.device,
+                               dtype: torch.dtype, eos_ids: list[int], kv: KVConfig | None = None,
+                               offload: set[int] | frozenset = frozenset(), cache_arg: str,
+                               check_context: Callable[[int, int], None], on_error: Callable[[], None],
+                               scope: Callable = attention_backends) -> list[Completion]:
+    """``requests`` through ``model.generate``, each call's cache a ``SlotCache`` (``kv``: TurboQuant's settings,
+    None or backend "none": plain keys/values; ``offload``: layers whose keys/values live in host memory); each
+    call runs inside ``scope()``; ``on_error`` runs when a call is cut short."""
     from transformers import GenerationConfig
 
+    kv = kv if kv is not None and kv.backend != "none" else None
     groups: dict[Request, list[int]] = {}
     for k, r in enumerate(requests):
         groups.setdefault(Request((), *[getattr(r, f) for f in ("max_new_tokens", "temperature", "top_p",
@@ -82,10 +106,9 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
     pad = tokenizer.pad_token_id
     for key, members in groups.items():
         width = max(len(requests[k].prompt_ids) for k in members)
-        ids = torch.tensor([[pad] * (width - len(requests[k].prompt_ids)) + list(requests[k].prompt_ids)
-                            for k in members], device=device)
-        mask = torch.tensor([[0] * (width - len(requests[k].prompt_ids)) + [1] * len(requests[k].prompt_ids)
-                             for k in members], device=device)
+        pads = [width - len(requests[k].prompt_ids) for k in members]
+        ids = torch.tensor([[pad] * p + list(requests[k].prompt_ids) for p, k in zip(pads, members)], device=device)
+        mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads], device=device)
         check_context(width, key.max_new_tokens)
         if key.seed is not None:
             torch.manual_seed(key.seed)
@@ -93,24 +116,64 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
         config = GenerationConfig(
             max_new_tokens=key.max_new_tokens, do_sample=sample, temperature=key.temperature if sample else None,
             top_p=key.top_p if sample else None, top_k=None, pad_token_id=pad, eos_token_id=eos_ids,
-            min_new_tokens=key.max_new_tokens if key.ignore_eos else None, stop_strings=list(key.stop) or None)
-        cache = make_cache()
-        if offload is not None:
-            offload.bind(cache, tokens=width + key.max_new_tokens)
+            min_new_tokens=key.max_new_tokens if key.ignore_eos else None, stop_strings=list(key.stop) or None,
+            use_cache=True)  # MPT's config says False: it would run every step over the whole sequence
+        cache = _cache(model, kv, offload, rows=len(members), cap=width + key.max_new_tokens, pads=pads,
+                       device=device, dtype=dtype)
         try:
-            with scope():
+            with scope(), _attention_for(model, cache):
                 rows = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                       tokenizer=tokenizer if key.stop else None,
                                       **({cache_arg: cache} if cache is not None else {}))
         except BaseException:
             on_error()  # an OOM or an interrupt cut a forward short
             raise
-        finally:
-            if offload is not None:
-                offload.unbind()
         for k, row in zip(members, rows):
             out[k] = _completion(tokenizer, row[width:], len(requests[k].prompt_ids), key.stop, set(eos_ids))
     return out
+
+
+def _cache(model, kv: KVConfig | None, offload: set[int] | frozenset, *, rows: int, cap: int, pads: list[int],
+           device: torch.device, dtype: torch.dtype):
+    """One ``generate`` call's cache: the loop's store (``SlotCache``), the turboquant package's, or None for a
+    stack that takes no transformers ``Cache`` (generate then runs it with its own, or none)."""
+    if not takes_cache(model):
+        if kv is not None:
+            raise KVConfigError(f"{type(model).__name__} takes no transformers Cache (it keeps a cache of its own, or "
+                                "none), so no compressed one: use kv backend 'none'")
+        if offload:
+            log.warning("%s keeps a cache of its own (or none): its KV cache is not offloaded", type(model).__name__)
+        return None
+    if kv is not None and kv.backend == "turboquant":
+        if offload:
+            raise KVOffloadError("KV offload holds AirQuant's caches, not the turboquant package's: use --kv tq "
+                                 "or --no-kv-offload")
+        from airquant.kv import make_cache
+
+        return make_cache(model.config, kv)
+    if kv is not None and not attention_by_name(model):
+        raise KVConfigError(f"{type(model).__name__} computes its attention in its own module code, which does not "
+                            "read the TurboQuant cache: use kv backend 'none'")
+    if kv is not None:
+        model_dims(model.config)  # the layouts the TurboQuant cache refuses (sliding windows), named
+    return SlotCache(model.config, rows=rows, cap=cap, device=device, dtype=dtype, kv=kv, offload=offload,
+                     pads=pads)
+
+
+@contextlib.contextmanager
+def _attention_for(model, cache):
+    """The loop's attention (it reads the TurboQuant arenas) while ``cache``'s store compresses, as in the loop."""
+    if not (isinstance(cache, SlotCache) and cache.store.tq):
+        yield
+        return
+    register_ragged_attention()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def _completion(tokenizer, new_ids: torch.Tensor, prompt_tokens: int, stop: tuple[str, ...],

@@ -260,6 +260,12 @@ class SlotKV:
         if i in self.offload:
             self._tq[i].offload()
 
+    def host_bytes(self) -> int:
+        """Bytes the offloaded layers keep in host memory between their passes."""
+        plain = sum(t.numel() * t.element_size() for i in self.offload for t in (self._k[i], self._v[i])
+                    if t is not None)
+        return plain + sum(self._tq[i].nbytes() for i in self.offload if self._tq[i] is not None)
+
     def nbytes(self) -> int:
         """Bytes of the cache's tensors (device and host)."""
         plain = sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
@@ -281,7 +287,8 @@ def _scatter(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: list[tuple], decode
 # -- attention ---------------------------------------------------------------------------------
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, slot_kv=None,
                      **kwargs):
-    """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, Dv], None)``.
+    """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, Dv], None)``;
+    ``[B, Hq, T, D]``: a batch of rows (``slot_cache``, transformers' generate), attended as their packed row.
 
     ``slot_kv``: the loop's cache, passed when it is in prefix mode, whose ``key``/``value`` are then every
     slot's prefix as the model changed it ``[slots, H, L, D]``; ``s_aux`` (in ``kwargs``): per-head sink logits."""
@@ -294,6 +301,9 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         plain = key.as_subclass(torch.Tensor) if ctx is not None else key
         return sdpa_attention_forward(module, query, plain, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    rows = query.shape[0]
+    if rows > 1:  # row b's tokens at offsets b * T of the packed row, as slot_cache wrote them
+        query = query.transpose(0, 1).reshape(1, query.shape[1], rows * query.shape[2], query.shape[3])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else implicit_window(module)
     tiles = getattr(key, "kv_tiles", 1)  # keys tiled over heads (JetMoE): query head h reads key head h mod Hkv
@@ -314,7 +324,8 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = out.view(1, hq // tiles, tiles, t, dim).transpose(1, 2).reshape(1, hq, t, dim)
         return out.transpose(1, 2).contiguous(), None
     # Contiguous, as transformers' own attention functions return it: AFMoE views the output as [B, T, H * D].
-    return out.transpose(1, 2).contiguous(), None
+    out = out.transpose(1, 2).contiguous()  # [1, T, Hq, Dv]
+    return out.view(rows, -1, *out.shape[2:]), None
 
 
 def changed(value: torch.Tensor, returned: torch.Tensor) -> bool:
@@ -392,8 +403,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tenso
 
 def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
     """Prompts (whole, nothing cached before them) attend causally to their own exact keys; the decode
-    tokens of all slots in one call over the padded slot batch."""
-    out = torch.empty_like(query)
+    tokens of all slots in one call over the padded slot batch; a row's padding (``slot_cache``) gets zeros."""
+    out = torch.zeros_like(query)
     key, value = ctx.row
     g = query.shape[1] // key.shape[1]
     for s in ctx.kv.segments:
