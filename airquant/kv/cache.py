@@ -159,20 +159,6 @@ class TQLayer(CacheLayerMixin):
         own = [t for t in (self.keys, self.values) if t is not None]
         return own + self.store.all_tensors()
 
-    def offload_state(self) -> tuple[dict[str, torch.Tensor], int, dict[str, torch.Tensor | None]]:
-        """What KV offload moves: (the store's append-only ``[B, H, capacity, ...]`` tensors, tokens of them
-        in use, the parts a step rewrites whole: the exact window ``keys``/``values`` and the store's statistics)."""
-        whole = {"keys": self.keys, "values": self.values}
-        whole.update(self.store.stats())
-        return dict(self.store.tensors), self.store.length, whole
-
-    def load_state(self, append: dict[str, torch.Tensor], whole: dict[str, torch.Tensor | None]) -> None:
-        """Point this layer at the tensors ``offload_state`` gave, moved to other memory (same shapes and
-        names; the length stands)."""
-        self.store.tensors = dict(append)
-        self.keys, self.values = whole["keys"], whole["values"]
-        self.store.set_stats(whole)
-
     def _map(self, fn) -> None:
         if not self.is_initialized:
             return

@@ -122,15 +122,6 @@ class PackedStore:
             value = getattr(self, name)
             setattr(self, name, None if value is None else fn(value))
 
-    def stats(self) -> dict[str, torch.Tensor | None]:
-        """The statistics by name (None where not calibrated or not centered)."""
-        return {name: getattr(self, name) for name in self.STATS}
-
-    def set_stats(self, stats: dict[str, torch.Tensor | None]) -> None:
-        """Replace the statistics (the same ones moved to other memory)."""
-        for name in self.STATS:
-            setattr(self, name, stats[name])
-
     def all_tensors(self) -> list[torch.Tensor]:
         stats = [m for m in (self.k_mean, self.v_mean, self.k_ref, self.v_ref) if m is not None]
         return list(self.tensors.values()) + stats
