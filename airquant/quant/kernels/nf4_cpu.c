@@ -10,9 +10,7 @@
  * Fast path (k % blocksize == 0, blocksize % 32 == 0, AVX-512 or AVX2): x is split once per call into its even
  * and odd elements, so a byte's two nibbles multiply x_even and x_odd lane by lane; the 16-entry code book is a
  * register permute (AVX-512: one vpermps over 16 lanes; AVX2: two 8-lane permutes and a blend). A block's
- * products are summed unscaled, then scaled once: sum_b scale_b * (sum_j q_j x_j); the high and low nibbles sum in
- * two chains (one chain waited on each FMA's latency: 5.2 against 7.4 GB/s on one Zen core), and the row is
- * prefetched PREFETCH_BLOCKS blocks ahead. Rows are split over the
+ * products are summed unscaled, then scaled once: sum_b scale_b * (sum_j q_j x_j). Rows are split over the
  * OpenMP threads; up to TOKENS (4) rows of x share one pass over a row of W (more go in further passes over the
  * row, which is in cache by then: the bytes are read from memory once).
  */
@@ -28,7 +26,6 @@
 
 #define TOKENS 4
 #define NESTED 256
-#define PREFETCH_BLOCKS 16 /* blocks ahead of the one being read (1 KB at blocksize 64) */
 
 static inline float block_scale(int64_t b, int dbl, const float *absmax, const uint8_t *codes,
                                 const float *nested_absmax, const float *nested_code, float offset) {
@@ -72,7 +69,6 @@ typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSET1(s) _mm512_set1_ps(s)
-#define _mm_add(a, b) _mm512_add_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 static inline float hsum(__m256 v) {
@@ -100,7 +96,6 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSET1(s) _mm256_set1_ps(s)
-#define _mm_add(a, b) _mm256_add_ps(a, b)
 #endif
 
 #ifdef LANES
@@ -113,21 +108,19 @@ static inline __attribute__((always_inline)) void row_pass(const uint8_t *row, i
     vec total[TOKENS];
     for (int u = 0; u < tn; u++) total[u] = VZERO();
     for (int64_t b = 0; b < blocks; b++) {
-        /* two chains (high and low nibbles) so that consecutive FMAs do not wait on each other */
-        vec even[TOKENS], odd[TOKENS];
-        for (int u = 0; u < tn; u++) even[u] = odd[u] = VZERO();
-        _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * hb), _MM_HINT_T0);
+        vec part[TOKENS];
+        for (int u = 0; u < tn; u++) part[u] = VZERO();
         for (int64_t j = b * hb; j < (b + 1) * hb; j += LANES) {
             vec hi, lo;
             lookup(row + j, lut, &hi, &lo);
             for (int u = 0; u < tn; u++) {
                 const int64_t base = (t0 + u) * half + j;
-                even[u] = VFMA(hi, VLOAD(xe + base), even[u]);
-                odd[u] = VFMA(lo, VLOAD(xo + base), odd[u]);
+                part[u] = VFMA(hi, VLOAD(xe + base), part[u]);
+                part[u] = VFMA(lo, VLOAD(xo + base), part[u]);
             }
         }
         const vec s = VSET1(block_scale(first_block + b, dbl, absmax, codes, nested_absmax, nested_code, offset));
-        for (int u = 0; u < tn; u++) total[u] = VFMA(s, _mm_add(even[u], odd[u]), total[u]);
+        for (int u = 0; u < tn; u++) total[u] = VFMA(s, part[u], total[u]);
     }
     for (int u = 0; u < tn; u++) res[u] = hsum(total[u]);
 }
