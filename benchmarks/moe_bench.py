@@ -455,8 +455,9 @@ def derive_routed_keys(b: Bench) -> None:
     full = whole.get(("mixtral-8x7b nf4", 15.0, 1))
     if mix and mix.get("step_s") and full and full.get("bytes_per_step"):
         r["mixtral_nf4_bs1_bytes_fraction"] = mix["decode_bytes_per_step"] / full["bytes_per_step"]
-        if link:
-            r["mixtral_nf4_bs1_step_over_bytes_floor"] = mix["step_s"] / (mix["decode_bytes_per_step"] / GB / link)
+        if row_link(mix, link):
+            r["mixtral_nf4_bs1_step_over_bytes_floor"] = mix["step_s"] / (mix["decode_bytes_per_step"] / GB
+                                                                          / row_link(mix, link))
     for key in TOK_S_KEYS:
         row = target_row(rows, key)
         if row and row.get("tok_s"):
@@ -468,12 +469,21 @@ def derive_routed_keys(b: Bench) -> None:
     if r.get("qwen3_30b_nf4_bs1_auto_tok_s") and all(speeds):  # auto against the faster of host and GPU routed
         r["qwen3_30b_nf4_bs1_auto_over_best"] = r["qwen3_30b_nf4_bs1_auto_tok_s"] / max(speeds)
     qwen = rows.get(("qwen3-30b-a3b nf4", "nocache"))
-    if qwen and qwen.get("step_s") and link:
-        r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB / link)
+    if qwen and qwen.get("step_s") and row_link(qwen, link):
+        r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB
+                                                                      / row_link(qwen, link))
     air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
         r["airllm_over_airquant_mixtral_bs1"] = air * layers / mix["step_s"]
+
+
+def row_link(row: dict, link: float | None) -> float | None:
+    """The pinned link bandwidth of the run that measured ``row`` (its effective GB/s over its link fraction),
+    else ``link`` (the file's latest): a floor is set against the link of the same run."""
+    if row.get("effective_gbps") and row.get("link_fraction"):
+        return row["effective_gbps"] / row["link_fraction"]
+    return link
 
 
 # -- reporting -------------------------------------------------------------------------------------
