@@ -73,3 +73,23 @@ def test_one_call_for_several_experts_equals_each_alone(double):
     want = torch.cat([_reference(x[a:b], mats[e], n, k, 64, double)
                       for e, a, b in zip(experts.tolist(), rows[:-1].tolist(), rows[1:].tolist())])
     _check(nf4_cpu.matmul_experts(x, table, experts, rows, n, k, 64, double), want)
+
+
+@pytest.mark.parametrize("n, k, bs, double", [(40, 192, 64, True), (17, 70, 64, False)])
+def test_experts_with_many_rows_are_decoded_and_multiplied(n, k, bs, double, monkeypatch):
+    """An expert with ``GEMM_ROWS`` rows or more goes through the C decode and torch's product (in row chunks of
+    ``DECODE_BYTES``), the others through the kernel, in one call: every row equals a float64 decode's product,
+    on a straddling shape too (blocks across rows, an odd row length)."""
+    if nf4_cpu.library() is None:
+        pytest.skip(f"the C kernel is not in use here: {nf4_cpu.host_kernel()}")
+    monkeypatch.setattr(nf4_cpu, "DECODE_BYTES", 4 * k * 6)  # 6 rows decoded at a time: several chunks
+    mats = [nf4_cpu.random_nf4(n, k, bs, double, seed=s) for s in range(3)]
+    table = nf4_cpu.Matrices.of(mats)
+    many = nf4_cpu.GEMM_ROWS
+    experts, rows = torch.tensor([1, 2, 0]), torch.tensor([0, many + 3, many + 5, 2 * many + 5])
+    x = torch.randn(int(rows[-1]), k)
+    want = torch.cat([_reference(x[a:b], mats[e], n, k, bs, double)
+                      for e, a, b in zip(experts.tolist(), rows[:-1].tolist(), rows[1:].tolist())])
+    _check(nf4_cpu.matmul_experts(x, table, experts, rows, n, k, bs, double), want)
+    whole = nf4_cpu.matmul_experts(x[:many + 3], table, experts[:1], rows[:2], n, k, bs, double)  # decoded only
+    _check(whole, want[:many + 3])

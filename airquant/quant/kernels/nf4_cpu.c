@@ -64,6 +64,13 @@ static inline void lookup(const uint8_t *p, book lut, __m512 *hi, __m512 *lo) {
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut.all);
     *lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut.all);
 }
+/* hi/lo nibble values of 16 bytes -> the 32 elements in order (element 2m: hi[m], 2m + 1: lo[m]), stored at o. */
+static inline void store_pairs(float *o, __m512 hi, __m512 lo, __m512 s) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(hi, first, lo), s));
+    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(hi, second, lo), s));
+}
 typedef __m512 vec;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -90,6 +97,12 @@ static inline void lookup(const uint8_t *p, book lut, __m256 *hi, __m256 *lo) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     *hi = lut16(_mm256_srli_epi32(b, 4), lut);
     *lo = lut16(_mm256_and_si256(b, _mm256_set1_epi32(15)), lut);
+}
+/* hi/lo nibble values of 8 bytes -> the 16 elements in order (element 2m: hi[m], 2m + 1: lo[m]), stored at o. */
+static inline void store_pairs(float *o, __m256 hi, __m256 lo, __m256 s) {
+    const __m256 a = _mm256_unpacklo_ps(hi, lo), b = _mm256_unpackhi_ps(hi, lo);  /* pairs 0,1,4,5 and 2,3,6,7 */
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x20), s));
+    _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x31), s));
 }
 typedef __m256 vec;
 #define VZERO() _mm256_setzero_ps()
@@ -175,9 +188,10 @@ static void expert_rows(const int64_t *p, int64_t r0, int64_t r1, int64_t n, int
 /* For each of ``u`` experts (``ptrs`` [u, BUFFERS]: its buffers' data pointers; ``absmax`` fp32 without double
  * quant, uint8 codes with it), its rows rows[e] .. rows[e + 1] of x [R, k] times its NF4 matrix [n, k]' into the
  * same rows of out [R, n]: one call, one parallel region over (expert, 16 rows of W) for a call's every expert.
+ * ``skip`` (or NULL): experts whose rows this call leaves alone (the caller multiplies them another way).
  * Returns 1 where the vector path ran, 0 for the generic one. */
-int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, int64_t n, int64_t k, int64_t bs, int dbl,
-                const float *x, float *out, int threads) {
+int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, const uint8_t *skip, int64_t n, int64_t k,
+                int64_t bs, int dbl, const float *x, float *out, int threads) {
     const int64_t total = rows[u], chunks = (n + 15) / 16;
     int fast = 0;
     float *xe = NULL, *xo = NULL;
@@ -195,7 +209,7 @@ int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, int64_t n, 
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < u * chunks; task++) {
-        const int64_t e = task / chunks, c = task % chunks, t = rows[e + 1] - rows[e];
+        const int64_t e = task / chunks, c = task % chunks, t = skip && skip[e] ? 0 : rows[e + 1] - rows[e];
         const int64_t r1 = (c + 1) * 16 < n ? (c + 1) * 16 : n, at = rows[e];
         if (t > 0)
             expert_rows(ptrs + e * BUFFERS, c * 16, r1, n, k, bs, dbl, fast, x + at * k,
@@ -203,6 +217,53 @@ int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, int64_t n, 
     }
     free(xe);
     return fast;
+}
+
+/* Rows r0..r1 of one expert's NF4 matrix [n, k] (``p``: its buffers, as ``nf4_experts`` takes them) decoded to
+ * fp32 into dst [r1 - r0, k], split over ``threads``: quant_map[nibble] x the block's absmax, the values the
+ * kernel above multiplies by. For calls with many rows an expert, where a BLAS product of the decoded rows is
+ * faster than the kernel, which decodes each byte once per TOKENS rows of x. */
+void nf4_decode(const int64_t *p, int64_t r0, int64_t r1, int64_t k, int64_t bs, int dbl, float *dst, int threads) {
+    const uint8_t *w = (const uint8_t *)p[W];
+    const float *a32 = dbl ? NULL : (const float *)p[ABSMAX];
+    const uint8_t *codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL;
+    const float *nested_absmax = (const float *)p[NESTED_ABSMAX], *nested_code = (const float *)p[NESTED_CODE];
+    const float offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f;
+    const float *qm = (const float *)p[QUANT_MAP];
+#ifdef LANES
+    if (k % bs == 0 && bs % (2 * LANES) == 0) {  /* blocks inside rows: LANES bytes a step */
+        const book lut = load_book(qm);
+        const int64_t half = k / 2, hb = bs / 2, blocks = k / bs;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + r * half;
+            float *o = dst + (r - r0) * k;
+            for (int64_t b = 0; b < blocks; b++) {
+                const vec s = VSET1(block_scale(r * blocks + b, dbl, a32, codes, nested_absmax, nested_code, offset));
+                for (int64_t j = b * hb; j < (b + 1) * hb; j += LANES) {
+                    vec hi, lo;
+                    lookup(row + j, lut, &hi, &lo);
+                    store_pairs(o + 2 * j, hi, lo, s);
+                }
+            }
+        }
+        return;
+    }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        float *o = dst + (r - r0) * k;
+        int64_t i = r * k;
+        const int64_t end = i + k;
+        while (i < end) {  /* one absmax block (or the part of it in this row) at a time */
+            const int64_t b = i / bs, stop = (b + 1) * bs < end ? (b + 1) * bs : end;
+            const float s = block_scale(b, dbl, a32, codes, nested_absmax, nested_code, offset);
+            for (; i < stop; i++) {
+                const uint8_t byte = w[i >> 1];
+                o[i - r * k] = qm[(i & 1) ? (byte & 15) : (byte >> 4)] * s;
+            }
+        }
+    }
 }
 
 /* A plain copy split over ``threads`` (each a contiguous share): the host memory bandwidth ``airquant doctor``
