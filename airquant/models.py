@@ -20,7 +20,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Literal
 
+import numpy as np
 import torch
+from safetensors import safe_open
 
 from airquant.errors import DependencyError, ModelNotFoundError, UnsupportedModelError
 from airquant.layout import (
@@ -278,8 +280,6 @@ def weight_file(folder: Path, entry, where: Path) -> Path:
 
 def _tensor_names(file: Path) -> list[str]:
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(file, framework="pt") as f:
             return list(f.keys())
     return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
@@ -383,8 +383,6 @@ def _folder_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tens
 
 def _read_tensor(file: Path, name: str) -> torch.Tensor:
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(file, framework="pt") as f:
             return f.get_tensor(name)
     return torch.load(file, map_location="cpu", weights_only=True, mmap=True)[name].clone()
@@ -459,7 +457,6 @@ def _fused_order(parts: list[GGUFTensorRef], path: Path) -> tuple[GGUFTensorRef,
 
 def dequantize_ref(ref: GGUFTensorRef, processor) -> torch.Tensor:
     """The tensor as transformers would load it (dequantized, q/k rows un-permuted for llama)."""
-    import numpy as np
     from gguf import dequantize
 
     weights = dequantize(ref.data, ref.ggml_type)

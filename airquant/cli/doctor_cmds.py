@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from airquant.cli.run_cmds import add_plan_flags, route_for_flags, runs_line
 from airquant.engine.moe.sizing import save_figures
 from airquant.units import GB
@@ -57,12 +59,11 @@ def _head_dim(store: Path) -> int:
 
 def hardware_lines(device: str = "auto") -> tuple[list[str], "object", float | None]:
     """The GPU/RAM/link lines, the torch device they describe and the measured link (GB/s; None: no GPU)."""
-    import psutil
-    import torch
+    import psutil  # lazy: --help startup
 
     from airquant.engine.runner import resolve_device
-    from airquant.eval.perf import measure_link_bandwidth
-    from airquant.quant.kernels import FORCE_ENV, device_capability, forced_capability
+    from airquant.eval.perf import measure_link_bandwidth  # lazy: --help startup
+    from airquant.quant.kernels import FORCE_ENV, device_capability, forced_capability  # lazy: --help startup
 
     dev = resolve_device(device)
     mem = psutil.virtual_memory()
@@ -87,7 +88,7 @@ def hardware_lines(device: str = "auto") -> tuple[list[str], "object", float | N
 
 def host_line() -> str:
     """The host NF4 GEMV and memory-copy bandwidths (about a second), saved for ``--experts auto``'s rule."""
-    from airquant.quant.kernels import nf4_cpu
+    from airquant.quant.kernels import nf4_cpu  # lazy: --help startup
 
     bw = nf4_cpu.measure(HOST_SECONDS)
     save_figures(host_gemv_gbps=bw.gemv_gbps, host_copy_gbps=bw.copy_gbps)
@@ -107,7 +108,7 @@ def bound_line(route, link_gbps: float | None, disk_gbps: float) -> str:
     """The decode step's lower bound under ``route``'s plan: the slower of the link and the disk.
 
     A plan for a GPU made where there is none (``--max-vram`` on a laptop, for a T4) takes PCIe 3's link."""
-    from airquant.engine.memory.step_bound import PCIE3_GBPS, step_bound
+    from airquant.engine.memory.step_bound import PCIE3_GBPS, step_bound  # lazy: --help startup
 
     if route.mode == "resident":
         return "step      : resident: every layer is loaded once; a decode step is bound by compute"
@@ -135,8 +136,8 @@ def doctor_text(store: str | Path | None = None, device: str = "auto", max_vram:
     """The whole report (what ``airquant doctor`` prints and notebook 01 shows). ``args``: the plan's flags
     (``plan_args``; ``airquant doctor`` passes its own), else plan's defaults with ``device``/``max_*``."""
     from airquant.engine.capability import capability_plan
-    from airquant.quant.kernels import device_capability
-    from airquant.store.manifest import open_store
+    from airquant.quant.kernels import device_capability  # lazy: --help startup
+    from airquant.store.manifest import open_store  # lazy: --help startup
 
     args = args if args is not None else plan_args(device, max_vram, max_ram)
     lines, dev, link_gbps = hardware_lines(args.device)

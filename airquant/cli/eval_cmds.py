@@ -7,6 +7,7 @@ The commands import the engine and the eval modules (torch, transformers) inside
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import replace
 
@@ -40,7 +41,7 @@ _FLAG_OF = {"batch_size": "batch", "vram_budget_gb": "vram_budget"}
 
 
 def _metric_call(args, engine, kv):
-    from airquant.eval.metrics import metric_spec
+    from airquant.eval.metrics import metric_spec  # lazy: --help startup
 
     spec = metric_spec(args.metric)
     settings = {name: getattr(args, _FLAG_OF.get(name, name)) for name in spec.params}
@@ -68,8 +69,8 @@ def _open_reference(args, engine, kv):
 
 def cmd_eval(args) -> int:
     from airquant.engine.runner import Engine
-    from airquant.eval import write_row, write_rows
-    from airquant.pipeline.suite import headline, row_path
+    from airquant.eval import write_row, write_rows  # lazy: --help startup
+    from airquant.pipeline.suite import headline, row_path  # lazy: --help startup
 
     kv = kv_from_args(args)
     batch = max(getattr(args, "batch_sizes", None) or (args.batch,))
@@ -149,7 +150,7 @@ def _add_metric_flags(m: argparse.ArgumentParser, name: str) -> None:
 
 # -- report, env, pipeline --------------------------------------------------------------------------
 def cmd_report(args) -> int:
-    from airquant.eval import build_report
+    from airquant.eval import build_report  # lazy: --help startup
 
     path = build_report(args.results_dir, make_plots=False if args.no_plots else None)
     print(f"wrote {path}")
@@ -185,9 +186,7 @@ def add_env_parser(sub) -> None:
 
 
 def cmd_pipeline(args) -> int:
-    import json
-
-    from airquant.pipeline.runner import PipelineConfig, run_pipeline
+    from airquant.pipeline.runner import PipelineConfig, run_pipeline  # lazy: --help startup
 
     logging.getLogger("airquant.pipeline").setLevel(logging.INFO)  # one line per stage, whatever -v says
     # jupyter_client logs "Could not destroy zmq context" through traitlets when papermill's kernel client is

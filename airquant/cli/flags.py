@@ -16,7 +16,10 @@ from dataclasses import Field, fields
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
+import torch
+
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.errors import AirQuantError
 
 _HINTS = get_type_hints(EngineConfig)
 KV_RUN_CHOICES = ("none", "tq", "turboquant")
@@ -92,7 +95,6 @@ def gpu_only_note(args, *, planning: bool = False) -> str | None:
     device = getattr(args, "device", None)
     if not given or device not in ("auto", "cpu"):
         return None
-    import torch
 
     if device == "auto" and torch.cuda.is_available():
         return None
@@ -150,7 +152,7 @@ def kv_from_args(args):
     """The ``KVConfig`` the flags describe, None for ``--kv none``, "auto" for the planner's choice."""
     if args.kv in ("none", "auto"):
         return None if args.kv == "none" else "auto"
-    from airquant.kv import KVConfig
+    from airquant.kv import KVConfig  # lazy: --help startup
 
     names = ("bits_k", "bits_v", "window", "block", "sink", "seed", "center_k", "layer_bits", "rotation")
     given = {n: getattr(args, f"kv_{n}") for n in names if getattr(args, f"kv_{n}") is not None}
@@ -183,8 +185,6 @@ def scale_config(args):
     """The ``ScaleConfig`` of ``add_scale_flags``, or None without ``--ray``."""
     if args.ray is None:
         if args.engines is not None or args.gpus_per_engine is not None:
-            from airquant.errors import AirQuantError
-
             raise AirQuantError("--engines and --gpus-per-engine need --ray (add --ray to run on Ray).")
         return None
     from airquant.jobs.ray_batch import ScaleConfig

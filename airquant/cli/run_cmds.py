@@ -11,6 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from airquant.cli.flags import (
     add_engine_flags,
     add_generate_flags,
@@ -23,6 +25,7 @@ from airquant.cli.flags import (
     route_kv_schemes,
     scale_config,
 )
+from airquant.config import GenerateConfig
 from airquant.errors import AirQuantError
 from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_TOKENS
 
@@ -30,7 +33,7 @@ from airquant.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS, D
 # -- plan --------------------------------------------------------------------------------------
 def route_for_flags(stores, args):
     """The route and engine config ``airquant plan`` prints for these flags (``airquant doctor`` prints the same)."""
-    from airquant.engine.memory.router import Hardware, plan_route, workload_for
+    from airquant.engine.memory.router import Hardware, plan_route, workload_for  # lazy: --help startup
 
     hardware = Hardware.detect(args.device, args.max_vram, args.max_ram)
     engine = engine_config(args)
@@ -66,10 +69,7 @@ def cmd_plan(args) -> int:
 def job_plan_text(args) -> str:
     """``airquant plan STORE --job PROMPTS.jsonl``: the throughput planner's table for that job
     (``jobs.batch.plan_job``, what ``airquant batch --batch-size auto`` runs)."""
-    import torch
-
-    from airquant.config import GenerateConfig
-    from airquant.engine.memory.router import Hardware, tq_config
+    from airquant.engine.memory.router import Hardware, tq_config  # lazy: --help startup
     from airquant.jobs.batch import (
         BatchJob,
         BatchJobError,
@@ -79,7 +79,7 @@ def job_plan_text(args) -> str:
         read_prompts,
         store_context_limit,
     )
-    from airquant.store.side_files import load_tokenizer
+    from airquant.store.side_files import load_tokenizer  # lazy: --help startup
 
     if len(args.stores) != 1:
         raise AirQuantError(f"--job plans one store; {len(args.stores)} were given. Pass the store the job will run.")
@@ -159,7 +159,7 @@ def cmd_generate(args) -> int:
     print(f"[{mode} on {engine.device}, batch {len(prompts)}: {new} new tokens in {t.get('total_s', 0):.2f} s "
           f"({rate:.2f} tok/s), first token {t.get('ttft_s', 0):.2f} s{vram}]", file=sys.stderr)
     if args.profile:
-        from airquant.engine.profile import profile_table
+        from airquant.engine.profile import profile_table  # lazy: --help startup
 
         print(profile_table(engine.layer_profile()), file=sys.stderr)
     return 0
@@ -225,8 +225,8 @@ def add_batch_parser(sub) -> None:
 # -- serve and ui ------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
     from airquant.jobs.provider import ProviderConfig
-    from airquant.serve import require_serve
-    from airquant.serve.config import ServeConfig, api_key_from, check_bind
+    from airquant.serve import require_serve  # lazy: --help startup
+    from airquant.serve.config import ServeConfig, api_key_from, check_bind  # lazy: --help startup
 
     sc = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key), insecure=args.insecure,
                      max_body_mb=args.max_body_mb, body_timeout_s=args.body_timeout_s,
@@ -236,7 +236,7 @@ def cmd_serve(args) -> int:
     require_serve()
     mount = None
     if args.ui:
-        from airquant.ui import UiMount, require_ui
+        from airquant.ui import UiMount, require_ui  # lazy: --help startup
 
         require_ui()
         mount = UiMount(stores=tuple(args.stores), results=Path(args.results), jobs=Path(args.jobs_dir))

@@ -15,14 +15,14 @@ from airquant.errors import AirQuantError
 # -- shard -------------------------------------------------------------------------------------
 def cmd_shard(args) -> int:
     from airquant.engine.calibration import calibrate_streamed
-    from airquant.models import resolve
-    from airquant.store.quantize import make_transform
-    from airquant.store.split import split
+    from airquant.models import resolve  # lazy: --help startup
+    from airquant.store.quantize import make_transform  # lazy: --help startup
+    from airquant.store.split import split  # lazy: --help startup
 
     source = resolve(args.model, trust_remote_code=args.trust_remote_code)
     spec = None
     if args.quant != "none":
-        from airquant.quant import QuantSpec
+        from airquant.quant import QuantSpec  # lazy: --help startup
 
         spec = QuantSpec(method=args.quant, blocksize=args.blocksize, double_quant=args.double_quant,
                          group=args.group, outliers=args.outliers, calib=args.calib,
@@ -65,7 +65,7 @@ def add_shard_parser(sub) -> None:
 
 # -- info --------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
-    from airquant.store.manifest import load_manifest, open_store, record_checksums
+    from airquant.store.manifest import load_manifest, open_store, record_checksums  # lazy: --help startup
 
     if args.store and args.store_flag and args.store != args.store_flag:
         raise AirQuantError(f"two stores given ({args.store} and --store {args.store_flag}); name one.")
@@ -114,13 +114,13 @@ def add_info_parser(sub) -> None:
 
 # -- synth -------------------------------------------------------------------------------------
 def cmd_synth(args) -> int:
-    from airquant.store.synth import SynthSpec, synth
+    from airquant.store.synth import SynthSpec, synth  # lazy: --help startup
 
     spec = SynthSpec(shape=args.shape, dtype=args.dtype, layers=args.layers, dense_head=args.dense_head,
                      seed=args.seed)
     tokenizer = None
     if args.tokenizer:
-        from airquant.store.side_files import load_tokenizer
+        from airquant.store.side_files import load_tokenizer  # lazy: --help startup
 
         tokenizer = load_tokenizer(Path(args.tokenizer))
     start = time.perf_counter()

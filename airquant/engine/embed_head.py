@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from airquant.quant import make_linear
 from airquant.store.head import ordered_chunks
 from airquant.store.manifest import ShardEntry
 
@@ -64,8 +65,6 @@ class ChunkedHead(nn.Module):
 def quantized_head(entry: ShardEntry, tensors: dict[str, torch.Tensor], hidden: int,
                    dtype: torch.dtype) -> ChunkedHead:
     """Build the head from its shard's modules (meta from the manifest) and load the tensors as they are."""
-    from airquant.quant import make_linear
-
     modules = []
     for _, meta in ordered_chunks(entry.modules):
         start, end = meta["rows"]

@@ -22,7 +22,9 @@ from airquant.config import DEFAULT_CONTEXT, EngineConfig, GenerateConfig
 from airquant.engine import skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
+from airquant.engine.embed_head import HostEmbedding
 from airquant.engine.memory.placement import Reserve, StreamPlan
+from airquant.engine.memory.placement import token_budget as planned_budget
 from airquant.engine.memory.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
 from airquant.engine.moe import host as expert_host
 from airquant.engine.moe import pool as experts
@@ -30,7 +32,7 @@ from airquant.engine.moe import sizing as expert_plan
 from airquant.engine.prompts import render as render_prompts
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
-from airquant.kv import cache_kwarg
+from airquant.kv import cache_kwarg, kv_logits
 from airquant.store.manifest import Manifest, open_store
 from airquant.store.side_files import load_tokenizer
 from airquant.units import GIB
@@ -157,8 +159,6 @@ class Engine:
         attention_mask = attention_mask.to(self.device)
         self._check_context(input_ids.shape[1], 0)
         if kv is not None and kv.backend != "none":
-            from airquant.kv import kv_logits
-
             with self.passes():
                 return kv_logits(self.model, input_ids, attention_mask, kv)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
@@ -242,8 +242,6 @@ class Engine:
         ``offload``: layers whose KV lives in host memory (default: the plan's streamed layers when it offloads).
         A MoE store's experts stream as chosen at open for ``cfg.batch_size`` (``expert_plan.choose_experts``),
         whatever ``slots`` is and however many sequences each pass holds."""
-        from airquant.engine.memory.placement import token_budget as planned_budget
-
         why = fallback.reason(self.model, self.config)
         if why is not None:  # it would fail inside the first pass (a recurrent layer asks the cache for its state)
             raise UnsupportedModelError(
@@ -316,8 +314,6 @@ class Engine:
     def host_memory(self) -> dict[str, int]:
         """Host bytes the engine's buffers hold now, by the parts ``plan.host_parts`` plans (and what it
         does not: other pinned buffers, pinned-allocator rounding)."""
-        from airquant.engine.embed_head import HostEmbedding
-
         embed = self.model.get_input_embeddings()
         table = embed.table.numel() * embed.table.element_size() if isinstance(embed, HostEmbedding) else 0
         kv = self._live_kv() if self._live_kv is not None else None

@@ -15,9 +15,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from airquant.config import MLP_CHUNK_TOKENS
+from airquant.engine import embed_head
 from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.pool import RoutedForward
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
+from airquant.quant import make_linear
+from airquant.quant.experts import ExpertWeights
 from airquant.store import side_files
 from airquant.store.integrity import check_file
 from airquant.store.manifest import Manifest, ShardEntry, integrity_fix
@@ -31,8 +36,6 @@ def load_config(store: Path):
 
 def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None) -> nn.Module:
     """The model on meta (buffers real), checked against the layout the store was written with."""
-    from airquant.config import MLP_CHUNK_TOKENS
-
     model = meta_model(config, dtype)
     if manifest is not None and manifest.layout:
         stored, found = Layout.from_dict(manifest.layout), find_layout(model)
@@ -102,8 +105,6 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
     (from the manifest) computes with."""
     if not entry.modules:
         return
-    from airquant.quant import make_linear
-    from airquant.quant.experts import ExpertWeights
 
     for name, meta in entry.modules.items():
         parent_name, _, child = name.rpartition(".")
@@ -136,8 +137,6 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
     ``host_embedding`` keeps an untied embedding table in host memory (``embed_head.HostEmbedding``); a tied
     table is the lm_head weight too and stays on ``device``.
     """
-    from airquant.engine import embed_head
-
     layout = Layout.from_dict(manifest.layout)
     on_host = host_embedding and not manifest.tied_lm_head
     for group in ("embed", "norm", "lm_head"):
@@ -229,8 +228,6 @@ def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, devi
 def attach_experts(model: nn.Module, pool) -> None:
     """Route-then-fetch for the pool's MoE layers: each one's experts module runs through the pool
     (``engine.moe.pool.RoutedForward``), which moves only the experts the batch routes to."""
-    from airquant.engine.moe.pool import RoutedForward
-
     layers = decoder_layers(model)
     for i, layer in pool.layers.items():
         block = layers[i].layer if isinstance(layers[i], StreamedLayer) else layers[i]

@@ -17,11 +17,13 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from airquant.config import EngineConfig
+from airquant.engine.memory.router import Hardware, RouteError, plan_route, workload_for
 from airquant.errors import AirQuantError, EvalConfigError
 from airquant.eval import prompting
 from airquant.eval.data import load_wikitext
 from airquant.eval.progress import steps
 from airquant.eval.rows import RunInfo, collect_run_info, register_row, write_row
+from airquant.kv import cache_kwarg, cache_nbytes, make_cache
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ class KVMemoryRow:
 
 def _new_cache(engine: Any, kv: Any):
     if kv is not None and kv.backend != "none":
-        from airquant.kv import make_cache
-
         return make_cache(engine.model.config, kv, device=engine.device, dtype=engine.dtype)
     from transformers import DynamicCache
 
@@ -59,7 +59,6 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
     from transformers import GenerationConfig
 
     from airquant.engine.runner import attention_backends
-    from airquant.kv import cache_kwarg, cache_nbytes
 
     cache = _new_cache(engine, kv)
     config = GenerationConfig(max_new_tokens=1, do_sample=False, pad_token_id=engine.tokenizer.pad_token_id)
@@ -77,8 +76,6 @@ def prefill_bytes(engine: Any, ids: torch.Tensor, kv: Any) -> int:
 
 def planned_max_batch(store: Path, kv: Any, context: int, vram_budget_gb: float) -> int | None:
     """The router's largest batch for ``store`` on a GPU of ``vram_budget_gb`` GiB (0: nothing fits)."""
-    from airquant.engine.memory.router import Hardware, RouteError, plan_route, workload_for
-
     scheme = "none" if kv is None or kv.backend == "none" else kv.backend
     if scheme not in ("none", "tq"):
         return None

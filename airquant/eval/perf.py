@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import statistics
 import sys
 import threading
@@ -172,7 +173,6 @@ def host_maxrss_gb() -> float | None:
     """Lifetime peak RSS of this process (the OS's own counter), or None where it does not exist."""
     if sys.platform == "win32":
         return None
-    import resource
 
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss / GB if sys.platform == "darwin" else maxrss * 1024 / GB  # bytes on macOS, KiB on Linux

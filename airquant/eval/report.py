@@ -19,6 +19,7 @@ from typing import Any, Callable
 from airquant.errors import ResultsFileError
 from airquant.eval import headline, kvmem, plots, run_summary
 from airquant.eval import references as ref
+from airquant.eval.benchtables import RENDERERS
 from airquant.eval.progress import steps
 from airquant.eval.results import LoadedRow, ResultsDir, best_row, load_results, md_table, render_json
 from airquant.eval.rows import slug, write_text_atomic
@@ -256,7 +257,6 @@ def _niah_section(results: ResultsDir, plot_links: dict) -> list[str]:
 def _extras_section(results: ResultsDir) -> list[str]:
     if not results.extras:
         return []
-    from airquant.eval.benchtables import RENDERERS
 
     known = [(p, d) for p, d in results.extras if p.name in RENDERERS and isinstance(d, dict)]
     other = [(p, d) for p, d in results.extras if (p, d) not in known]

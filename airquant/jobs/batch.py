@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine import runner  # runner.resolve_device at call time: tests give it a fake GPU
 from airquant.engine.decode.loop import RequestSettingsError
-from airquant.engine.memory.throughput import JobShape, ThroughputPlan
+from airquant.engine.memory.planner import tq_config
+from airquant.engine.memory.router import Candidate, Hardware, RouteError, route, workload_for
+from airquant.engine.memory.step_bound import PCIE3_GBPS
+from airquant.engine.memory.throughput import JobShape, ThroughputPlan, choose_mix
 from airquant.engine.prompts import token_counts
+from airquant.engine.runner import Engine, hardware_for
 from airquant.errors import AirQuantError, DiskSpaceError, PromptTooLongError
+from airquant.eval.perf import measure_link_bandwidth
 from airquant.store.side_files import load_tokenizer
 
 if TYPE_CHECKING:
@@ -191,10 +198,7 @@ def planned_kv(kv: KVConfig | None) -> str:
 def auto_batch_size(store: Path, cfg: EngineConfig, context: int, limit: int, kv: KVConfig | None = None) -> int:
     """The largest batch whose KV cache (plain or TurboQuant) and activations fit beside the weights the
     engine keeps on the GPU, by the router's arithmetic (``airquant plan``), KV offload included."""
-    from airquant.engine.memory.router import Candidate, Hardware, RouteError, route, workload_for
-    from airquant.engine.runner import resolve_device
-
-    if resolve_device(cfg.device).type != "cuda":
+    if runner.resolve_device(cfg.device).type != "cuda":
         return min(CPU_BATCH, limit)
     hw = Hardware.detect("cuda", max_vram_gb=cfg.max_vram_gb, max_ram_gb=cfg.max_ram_gb)
     wl = workload_for(cfg, context=context, mode="resident" if cfg.resident else "streamed",
@@ -231,13 +235,10 @@ def job_shape(lengths: list[int], prompts: list[Prompt], job: BatchJob, limit: i
 def link_for(hw, device: torch.device) -> tuple[float | None, str]:
     """The host->GPU link a plan's passes move layers over: measured on a GPU; PCIe 3 assumed for a plan made
     for a GPU where there is none (``--max-vram`` on a laptop); none on a CPU run."""
-    from airquant.engine.memory.step_bound import PCIE3_GBPS
-
     if hw.vram_bytes is None:
         return None, " (a CPU run: layers are used in host memory)"
     if device.type != "cuda":
         return PCIE3_GBPS, " (PCIe 3, assumed: no GPU here to measure)"
-    from airquant.eval.perf import measure_link_bandwidth
 
     return measure_link_bandwidth(device, nbytes=128 << 20, repeats=5).gb_per_s, " (measured, pinned host->GPU)"
 
@@ -248,11 +249,7 @@ def plan_job(store: Path, job: BatchJob, cfg: EngineConfig, shape: JobShape, hw=
     prints and ``--batch-size auto`` runs. ``hw``: budgets detected already (default: this run's); ``disk_gbps``:
     the store's read speed (``airquant doctor STORE``), for plans that read layers from disk; on the CPU the
     slots are at most ``CPU_BATCH``."""
-    from airquant.engine.memory.router import Candidate
-    from airquant.engine.memory.throughput import choose_mix
-    from airquant.engine.runner import hardware_for, resolve_device
-
-    device = device or resolve_device(cfg.device)
+    device = device or runner.resolve_device(cfg.device)
     hw = hw or hardware_for(cfg, device)
     link, note = link_for(hw, device)
     limit = job.max_batch if hw.vram_bytes is not None else min(CPU_BATCH, job.max_batch)
@@ -277,8 +274,6 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
         log.info("throughput plan:\n%s", mix.describe())
         size, cfg, placement = mix.choice.slots, mix.engine_config(cfg), mix.choice.plan
         if job.kv == "auto":
-            from airquant.engine.memory.planner import tq_config
-
             job = replace(job, kv=tq_config() if mix.choice.kv == "tq" else None)
     elif job.kv == "auto":
         raise BatchJobError("--kv auto lets the throughput planner choose the cache, which it does for a streamed "
@@ -286,8 +281,6 @@ def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None,
     else:
         size = job.batch_size or auto_batch_size(store, cfg, context, job.max_batch, job.kv)
     if owned:
-        from airquant.engine.runner import Engine
-
         # The reserve in the job's KV format: a batch sized for TurboQuant planned as plain asked for the plain
         # cache's bytes and did not open (issue 38: a 70B NF4 job under 15 GB).
         engine = Engine.open(store, replace(cfg, batch_size=size, context=context, kv_cache=planned_kv(job.kv)),
@@ -441,8 +434,6 @@ def static_records(engine, prompts: list[Prompt], job: BatchJob, size: int, on_r
 def _drain(engine, todo: list[Prompt], slots: int, job: BatchJob, report: BatchReport, progress: bool,
            context: int) -> None:
     """``todo`` through ``run_records``, every record appended (and fsynced) to the output as it finishes."""
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="batch", unit="prompt", disable=not progress)
     job.output.parent.mkdir(parents=True, exist_ok=True)

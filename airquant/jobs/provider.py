@@ -26,9 +26,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
 
+import torch
+
 from airquant.config import EngineConfig, GenerateConfig
+from airquant.engine import runner  # runner.resolve_device at call time: tests give it a fake GPU
 from airquant.engine.decode.text import MAX_STOP_CHARS, MAX_STOPS
 from airquant.engine.memory.router import Hardware, Mode, Route, StreamingNotAllowedError, plan_route, workload_for
+from airquant.engine.runner import Engine
 from airquant.errors import AirQuantError
 
 log = logging.getLogger(__name__)
@@ -294,8 +298,6 @@ class Provider:
 
     # -- the worker thread ---------------------------------------------------------------------
     def _serve(self) -> None:
-        from airquant.engine.runner import Engine
-
         try:
             # The route's placement is the engine's (engine/memory/planner.py): no second planning pass.
             self.engine = Engine.open(self.route.store, self.engine_config,
@@ -447,7 +449,6 @@ class Provider:
 def _vram(engine) -> dict:
     if engine is None or engine.device.type != "cuda":
         return {"vram_allocated_gb": None, "vram_reserved_gb": None, "vram_peak_gb": None}
-    import torch
 
     return {"vram_allocated_gb": torch.cuda.memory_allocated(engine.device) / 1e9,
             "vram_reserved_gb": torch.cuda.memory_reserved(engine.device) / 1e9,
@@ -470,9 +471,7 @@ def _split_overrides(config: ProviderConfig, engine: EngineConfig,
 
 def route_for(stores: Sequence[str | Path], config: ProviderConfig, engine: EngineConfig) -> tuple[Route, bool]:
     """The route the provider runs, and whether single (interactive) calls may use it."""
-    from airquant.engine.runner import resolve_device
-
-    device = resolve_device(engine.device)
+    device = runner.resolve_device(engine.device)
     hardware = Hardware.detect(device.type, engine.max_vram_gb if device.type == "cuda" else None,
                                engine.max_ram_gb)
     kv = ("none", "tq") if config.kv == "auto" else (config.kv,)

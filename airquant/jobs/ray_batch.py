@@ -27,7 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
 from airquant.config import EngineConfig
+from airquant.engine.runner import Engine
 from airquant.errors import AirQuantError, DependencyError, StoreError
 from airquant.jobs.batch import (
     BatchJob,
@@ -137,10 +141,6 @@ class EngineActor:
 
     def __init__(self, store: str, cfg: EngineConfig, job: BatchJob, digest: str, cpus: float = 1.0,
                  gpus: float = 0.0):
-        import torch
-
-        from airquant.engine.runner import Engine
-
         torch.set_num_threads(engine_threads(cpus, gpus))
         check_store(Path(store), digest)
         self.job, self.slots = job, job.batch_size
@@ -302,8 +302,6 @@ def _actor_name() -> dict:
 
 def _write(ray, records, todo: list[Prompt], job: BatchJob, report: BatchReport, progress: bool) -> None:
     """Append each record once as it streams back; one fsync per returned batch."""
-    from tqdm.auto import tqdm
-
     start, written, engine_s = time.perf_counter(), set(), [0.0, 0.0]  # engine_s: opening, generating
     bar = tqdm(total=len(todo), desc="batch (ray)", unit="prompt", disable=not progress)
     job.output.parent.mkdir(parents=True, exist_ok=True)

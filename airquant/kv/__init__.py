@@ -14,8 +14,10 @@ import logging
 
 import torch
 
+from airquant.kv.codec import fake_quantize
 from airquant.kv.config import KVConfig, KVConfigError, Schedule
 from airquant.kv.layers import ATTENTION, NONE, RECURRENT, LayerStates, layer_kind
+from airquant.kv.turboquant_backend import make_turboquant_cache, turboquant_fake
 from airquant.layout import upper_bound_config
 
 logger = logging.getLogger(__name__)
@@ -86,8 +88,6 @@ def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
         return None
     num_layers, _, head_dim = model_dims(model_config)
     if kv.backend == "turboquant":
-        from airquant.kv.turboquant_backend import make_turboquant_cache
-
         if LayerStates.of(model_config).hybrid:
             raise KVConfigError(f"kv backend 'turboquant' (the PyPI package) has no place for the recurrent state of "
                                 f"{type(model_config).__name__}'s linear-attention/state-space layers; use 'tq'")
@@ -103,12 +103,9 @@ def make_cache(model_config, kv: KVConfig, *, device=None, dtype=None):
 def _fake_fns(kv: KVConfig, head_dim: int):
     """(fake_k, fake_v, schedule) reproducing the real cache's reconstruction per layer."""
     if kv.backend == "turboquant":
-        from airquant.kv.turboquant_backend import turboquant_fake
-
         fake = turboquant_fake(kv)
         return fake, fake, Schedule(window=kv.window, block=1, sink=0)
     from airquant.kv.cache import layer_codecs
-    from airquant.kv.codec import fake_quantize
 
     def fake_k(x: torch.Tensor, layer_idx: int) -> torch.Tensor:
         # The real cache measures the mean at its first flush, over the non-sink tokens it holds then.

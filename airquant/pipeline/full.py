@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from airquant.errors import EvalDataError, PipelineError
 from airquant.eval import build_report
 from airquant.eval.data import file_source, find_local
@@ -145,8 +147,6 @@ def _device_name(device: str) -> str:
 
     dev = resolve_device(device)
     if dev.type == "cuda":
-        import torch
-
         return torch.cuda.get_device_name(dev)
     return "cpu"
 

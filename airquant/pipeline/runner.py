@@ -24,6 +24,7 @@ from pathlib import Path
 from airquant.errors import DependencyError, PipelineError
 from airquant.pipeline.config import PipelineConfig, PipelineResult, StageRun
 from airquant.pipeline.envs import STAGES, find_kernel, repo_root
+from airquant.pipeline.full import run_in_process
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ def run_stage(stage: str, cfg: PipelineConfig, out_dir: Path, kernel_dir: Path, 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     """Run the stages in order; the report is the one stage 04 wrote (in process: the one built last)."""
     if cfg.in_process:
-        from airquant.pipeline.full import run_in_process
-
         return run_in_process(cfg)
     unknown = [s for s in cfg.stages if s not in NOTEBOOKS]
     if unknown:

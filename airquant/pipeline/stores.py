@@ -17,9 +17,18 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from airquant.config import EngineConfig
 from airquant.errors import DependencyError, StoreError
 from airquant.eval.data import data_dirs
+from airquant.kv import KVConfig
+from airquant.layout import linear_modules
+from airquant.models import resolve
 from airquant.pipeline.sizes import QUICK, Sizes
+from airquant.quant import QuantSpec
+from airquant.quant.rtn import gptq_tensors, rtn_quantize
+from airquant.store.manifest import load_manifest, open_store
+from airquant.store.quantize import make_transform
+from airquant.store.split import split
 
 Scheme = Literal["bf16", "nf4", "gguf", "gptq", "int2"]
 SCHEMES: tuple[Scheme, ...] = ("bf16", "nf4", "gguf", "gptq", "int2")
@@ -69,9 +78,6 @@ def calibration_file() -> Path:
 
 def gptq_transform(source: Any):
     """Every decoder linear in the GPTQ layout (``GPTQ_META``), filled by round-to-nearest of its weight."""
-    from airquant.layout import linear_modules
-    from airquant.quant.rtn import gptq_tensors, rtn_quantize
-
     def transform(group: str, tensors: dict):
         if not group.startswith("layer."):
             return tensors, {}
@@ -88,9 +94,6 @@ def gptq_transform(source: Any):
 
 def store_transform(source: Any, scheme: Scheme, device: str = "cpu") -> tuple[Any, dict]:
     """(transform for ``split``, the manifest's quant record) that make ``scheme``'s store of ``source``."""
-    from airquant.quant import QuantSpec
-    from airquant.store.quantize import make_transform
-
     if scheme == "gptq":
         return gptq_transform(source), {"method": "gptq", **GPTQ_META}
     if scheme == "int2":
@@ -105,10 +108,6 @@ def store_transform(source: Any, scheme: Scheme, device: str = "cpu") -> tuple[A
 
 def shard(model: str, store_root: str | Path, scheme: Scheme, *, progress: bool = False, device: str = "cpu") -> dict:
     """Split ``model`` into ``<store_root>/<model>-<scheme>`` (resumable; a finished store is re-verified only)."""
-    from airquant.models import resolve
-    from airquant.store.manifest import load_manifest
-    from airquant.store.split import split
-
     if scheme not in SCHEMES:
         raise StoreError(f"scheme {scheme!r} is not one of {SCHEMES}.")
     if scheme == "nf4" and not nf4_available():
@@ -128,8 +127,6 @@ def shard(model: str, store_root: str | Path, scheme: Scheme, *, progress: bool 
 
 def verify(store: str | Path) -> dict:
     """Every shard's sha256 checked against the manifest; the store's summary."""
-    from airquant.store.manifest import open_store
-
     manifest = open_store(Path(store), verify=True)
     return {"store": str(store), "complete": manifest.complete, "scheme": manifest.scheme,
             "shards": len(manifest.shards), "sha256": "ok"}
@@ -137,8 +134,6 @@ def verify(store: str | Path) -> dict:
 
 def find_stores(store_root: str | Path, model: str) -> dict[str, Path]:
     """The finished stores stage 01 left for ``model``, by scheme."""
-    from airquant.store.manifest import load_manifest
-
     found = {}
     for scheme in SCHEMES:
         path = store_path(store_root, model, scheme)
@@ -152,14 +147,11 @@ def find_stores(store_root: str | Path, model: str) -> dict[str, Path]:
 
 def layer_sizes(store: str | Path) -> list[float]:
     """MB of each decoder-layer shard (the bytes one streamed layer moves)."""
-    from airquant.store.manifest import load_manifest
-
     return [b / 1e6 for b in load_manifest(store).layer_bytes]
 
 
 def open_engine(store: str | Path, device: str = "auto", **settings):
     """A streamed engine on ``store`` (``settings``: more ``EngineConfig`` fields)."""
-    from airquant.config import EngineConfig
     from airquant.engine.runner import Engine
 
     return Engine.open(store, EngineConfig(device=device, **settings))
@@ -176,7 +168,6 @@ def kv_config(backend: str = "tq", sizes: Sizes | None = None, num_layers: int =
     <= 3 bits per element, for a model of ``num_layers``)."""
     if backend == "none":
         return None
-    from airquant.kv import KVConfig
 
     if backend == "mixed":
         return KVConfig.mixed(num_layers, window=(sizes or QUICK).kv_window)

@@ -15,11 +15,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
+from airquant.eval import default_row_name, write_row
 from airquant.eval.metrics import METRICS as METRIC_SPECS
 from airquant.eval.metrics import metric_spec
+from airquant.eval.results import load_results, md_table
+from airquant.eval.rows import kv_label
 from airquant.eval.run_summary import headline  # noqa: F401  (suite.headline: the notebooks' and CLI's name)
 from airquant.pipeline.sizes import Metric, Sizes
 from airquant.pipeline.stores import kv_config, open_engine
+from airquant.store.manifest import load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,6 @@ def settings(metric: Metric, sizes: Sizes) -> tuple[dict, dict]:
 
 def row_path(results_dir: str | Path, row: Any, label: str = "full") -> Path:
     """``results_dir/<default_row_name>``, with ``__<label>`` before ``.json`` for other than full sizes."""
-    from airquant.eval import default_row_name
-
     name = default_row_name(row)
     return Path(results_dir) / (name if label == "full" else name.replace(".json", f"__{label}.json"))
 
@@ -64,8 +66,6 @@ def _same(a: Any, b: Any) -> bool:
 
 def _identity(store: Path, kv: Any, device: str) -> dict:
     from airquant.engine.runner import resolve_device
-    from airquant.eval.rows import kv_label
-    from airquant.store.manifest import load_manifest
 
     manifest = load_manifest(store)
     return {"model": str(manifest.source.get("name")), "store_scheme": manifest.scheme, "kv_scheme": kv_label(kv),
@@ -76,8 +76,6 @@ def find_rows(results_dir: str | Path, store: Path, metric: Metric, sizes: Sizes
               reference: Path | None = None, device: str = "auto", since: str | None = None) -> list:
     """Rows already in ``results_dir`` that measured exactly this (empty when any is missing); with ``since``
     (ISO 8601) only rows measured from then on, so a run never passes off an earlier run's rows as its own."""
-    from airquant.eval.results import load_results
-
     if not Path(results_dir).is_dir():
         return []
     want = _identity(store, kv, device)
@@ -144,7 +142,6 @@ def evaluate(store: str | Path, metrics: Sequence[Metric], sizes: Sizes, *, kv: 
                 continue
             if engine is None:
                 engine = open_engine(store, device, batch_size=max(sizes.batch, sizes.rouge_batch, *sizes.perf_batches))
-            from airquant.eval import write_row
 
             for row in _run(metric, engine, sizes, kv, reference, device, (data or {}).get(metric)):
                 write_row(row, row_path(results_dir, row, sizes.label))
@@ -165,8 +162,6 @@ def summary(rows: Sequence[Any]) -> list[dict]:
 # -- notebook tables --------------------------------------------------------------------------------
 def table(records: Sequence[dict]) -> str:
     """Markdown table of records (the keys of the first record are the columns)."""
-    from airquant.eval.results import md_table
-
     if not records:
         return "(nothing)"
     columns = list(records[0])

@@ -62,11 +62,11 @@ def make_linear(
 def __getattr__(name: str):
     # Heavier helpers (transformers hooks, model walks) load on first use, keeping the import light.
     if name == "quantize_model_inplace":
-        from airquant.quant.swap import quantize_model_inplace
+        from airquant.quant.swap import quantize_model_inplace  # lazy: cycle (quant.swap imports airquant.quant)
 
         return quantize_model_inplace
     if name in ("calibrate_act_scales", "calibrate_hessians"):
-        from airquant.quant import calibrate
+        from airquant.quant import calibrate  # lazy: cycle (quant.calibrate -> quant.swap -> airquant.quant)
 
         return getattr(calibrate, name)
     raise AttributeError(f"module 'airquant.quant' has no attribute {name!r}")

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
 from airquant.quant.base import QuantLinear
+from airquant.quant.kernels import gguf_matmul, use_triton
 
 # ggml type name -> (ggml type id, weights per block, bytes per block), from ggml.h / GGML_QUANT_SIZES.
 GGUF_TYPES: dict[str, tuple[int, int, int]] = {
@@ -192,8 +193,6 @@ class GGUFLinear(QuantLinear):
         return dequantize_gguf(self.weight_blocks, self.ggml_type, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from airquant.quant.kernels import gguf_matmul, use_triton
-
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         xc = x.to(self.compute_dtype)
         if self.ggml_type in TRITON_GGUF_TYPES and use_triton(x):

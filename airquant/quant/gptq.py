@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from airquant.errors import UnsupportedModelError
 from airquant.quant.base import QuantLinear
+from airquant.quant.kernels import awq_matmul, gptq_matmul, use_triton
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE_ORDER[j]
@@ -88,8 +89,6 @@ class _PackedIntLinear(QuantLinear):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from airquant.quant.kernels import use_triton
-
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         xc = x.to(self.compute_dtype)
         if use_triton(x):
@@ -133,8 +132,6 @@ class GPTQLinear(_PackedIntLinear):
         return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.zero_offset)
 
     def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from airquant.quant.kernels import gptq_matmul
-
         return gptq_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.zero_offset)
 
     def extra_repr(self) -> str:
@@ -164,8 +161,6 @@ class AWQLinear(_PackedIntLinear):
         return dequantize_awq(self.qweight, self.qzeros, self.scales, self.group_size)
 
     def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from airquant.quant.kernels import awq_matmul
-
         group = self.in_features if self.group_size in (-1, 0) else self.group_size
         return awq_matmul(x, self.qweight, self.qzeros, self.scales, group)
 

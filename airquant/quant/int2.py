@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from airquant.errors import UnsupportedModelError
 from airquant.quant.base import QuantLinear
 from airquant.quant.int2_levels import LLOYD_MAX_4, THRESHOLDS
+from airquant.quant.kernels import int2_matmul, use_triton
 
 
 def n_outlier_channels(in_features: int, fraction: float) -> int:
@@ -196,8 +197,6 @@ class Int2Linear(QuantLinear):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from airquant.quant.kernels import int2_matmul, use_triton
-
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         xc = x.to(self.compute_dtype)
         if use_triton(x):

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from airquant.errors import UnsupportedModelError
+from airquant.quant.gguf_keep import GGUFLinear
+from airquant.quant.gptq import AWQLinear, GPTQLinear
+from airquant.quant.int2 import Int2Linear, quantize_int2
+from airquant.quant.int2_gptq import quantize_int2_gptq
+from airquant.quant.nf4 import NF4Linear, quantize_nf4
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +59,6 @@ class Dense(Scheme):
         return {"weight": weight.contiguous()}, {"scheme": "none"}
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from torch import nn
-
         return nn.Linear(in_features, out_features, bias=bias, dtype=compute_dtype)
 
     def workspace_elems(self, meta, dense_elems):
@@ -64,13 +69,9 @@ class NF4(Scheme):
     name, label, shard_time = "nf4", "NF4", True
 
     def quantize(self, spec, weight, act_scale, hessian):
-        from airquant.quant.nf4 import quantize_nf4
-
         return quantize_nf4(weight, spec.blocksize, spec.double_quant)
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from airquant.quant.nf4 import NF4Linear
-
         return NF4Linear(in_features=in_features, out_features=out_features, bias=bias,
                          blocksize=meta["blocksize"], double_quant=meta["double_quant"], compute_dtype=compute_dtype)
 
@@ -79,8 +80,6 @@ class GPTQ(Scheme):
     name, label = "gptq", "GPTQ"
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from airquant.quant.gptq import GPTQLinear
-
         return GPTQLinear(in_features=in_features, out_features=out_features, bias=bias, bits=meta["bits"],
                           group_size=meta["group_size"], zero_offset=meta["zero_offset"], compute_dtype=compute_dtype)
 
@@ -89,8 +88,6 @@ class AWQ(Scheme):
     name, label = "awq", "AWQ"
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from airquant.quant.gptq import AWQLinear
-
         return AWQLinear(in_features=in_features, out_features=out_features, bias=bias,
                          group_size=meta["group_size"], compute_dtype=compute_dtype)
 
@@ -104,8 +101,6 @@ class GGUF(Scheme):
             "airquant.quant.gguf_keep.gguf_linear_tensors on the file's raw bytes instead of quantize_linear")
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from airquant.quant.gguf_keep import GGUFLinear
-
         return GGUFLinear(in_features=in_features, out_features=out_features, bias=bias,
                           ggml_type=meta["ggml_type"], compute_dtype=compute_dtype)
 
@@ -117,16 +112,12 @@ class Int2(Scheme):
         if spec.error_feedback:
             if hessian is None:
                 raise ValueError("QuantSpec(error_feedback=True) needs hessian=X^T X/n (see calibrate_hessians)")
-            from airquant.quant.int2_gptq import quantize_int2_gptq
 
             return quantize_int2_gptq(weight, hessian, spec.group, spec.outliers, act_scale)
-        from airquant.quant.int2 import quantize_int2
 
         return quantize_int2(weight, spec.group, spec.outliers, act_scale)
 
     def make_module(self, meta, in_features, out_features, bias, compute_dtype):
-        from airquant.quant.int2 import Int2Linear
-
         return Int2Linear(in_features=in_features, out_features=out_features, bias=bias, group=meta["group"],
                           n_outliers=meta["n_outliers"], outlier_cols=meta.get("outlier_cols"),
                           compute_dtype=compute_dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from airquant.quant import quantize_linear
+
 # 16384 rows x 8192 columns of bf16 = 268 MB: the largest temporary a quantized head then needs.
 HEAD_CHUNK_ROWS = 16384
 
@@ -20,8 +22,6 @@ def head_chunk_rows(vocab: int, chunk_rows: int = HEAD_CHUNK_ROWS) -> list[tuple
 
 def quantize_head(weight: torch.Tensor, spec, chunk_rows: int = HEAD_CHUNK_ROWS) -> tuple[dict, dict]:
     """(tensors, modules) of an [V, H] head quantized per row chunk with ``airquant.quant.quantize_linear``."""
-    from airquant.quant import quantize_linear
-
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}
     for k, (start, end) in enumerate(head_chunk_rows(weight.shape[0], chunk_rows)):

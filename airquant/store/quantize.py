@@ -26,7 +26,17 @@ import torch
 from airquant.errors import AirQuantError
 from airquant.layout import expert_modules, linear_modules, moe_counts
 from airquant.models import ModelSource, gguf_refs
-from airquant.store.split import GroupTransform
+from airquant.quant import calibrate_act_scales, calibrate_hessians, prequant, quantize_linear
+from airquant.quant.experts import quantize_experts
+from airquant.quant.gguf_keep import (
+    gguf_expert_tensors,
+    gguf_linear_tensors,
+    keepable_type,
+    llama_qk_row_permutation,
+)
+from airquant.quant.prequant import should_convert
+from airquant.store.head import quantize_head
+from airquant.store.split import GroupTransform, split
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +52,6 @@ def quant_record(spec) -> dict:
 def make_transform(source: ModelSource, spec=None, *, act_scales: dict | None = None,
                    hessians: dict | None = None) -> tuple[GroupTransform | None, dict]:
     """(transform for ``split``, the manifest's quant record) for this source and request."""
-    from airquant.quant import prequant
-
     method = spec.method if spec is not None else "none"
     detected = prequant.detect(source.config.to_dict())
     if detected is not None:
@@ -74,10 +82,6 @@ def expert_params(block: torch.nn.Module, num_experts: int) -> dict[str, bool]:
 
 
 def _quantize_transform(source: ModelSource, spec, act_scales: dict, hessians: dict) -> GroupTransform:
-    from airquant.quant import quantize_linear
-    from airquant.quant.experts import quantize_experts
-    from airquant.store.head import quantize_head
-
     counts = moe_counts(source.config)
     # Error feedback needs each expert's own Hessian, which calibration does not collect: experts get int2
     # with calibrated outliers (per expert) but no error feedback.
@@ -108,8 +112,6 @@ def _quantize_transform(source: ModelSource, spec, act_scales: dict, hessians: d
 
 
 def _prequant_transform(detected: dict) -> GroupTransform:
-    from airquant.quant.prequant import should_convert
-
     def transform(group: str, tensors: dict[str, torch.Tensor]):
         if not group.startswith("layer."):
             return tensors, {}
@@ -128,13 +130,6 @@ def _gguf_keep_transform(source: ModelSource) -> GroupTransform:
     """Linears and fused experts whose GGUF tensors are all of one keepable type stay as their blocks;
     everything else (norms, routers, F16/F32 or other-typed weights) is stored dequantized."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
-
-    from airquant.quant.gguf_keep import (
-        gguf_expert_tensors,
-        gguf_linear_tensors,
-        keepable_type,
-        llama_qk_row_permutation,
-    )
 
     refs, processor = gguf_refs(source)
     # transformers un-permutes llama.cpp's q/k row order only for llama-family files; so must we.
@@ -183,9 +178,6 @@ def calibrate(source: ModelSource, spec, *, open_model: OpenModel, n_tokens: int
     store as ``(model, tokenizer, close)``: the store sits below the engine, so the caller supplies
     it (``airquant.engine.calibration.calibrate_streamed`` opens an ``Engine``).
     """
-    from airquant.quant import calibrate_act_scales, calibrate_hessians
-    from airquant.store.split import split
-
     if not spec.calib:
         raise AirQuantError("--quant int2 ranks outlier channels by activations: pass --calib FILE with sample "
                             "text (other than what you evaluate, e.g. the WikiText-2 validation split).")

@@ -31,12 +31,17 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from airquant import __version__
 from airquant.errors import StoreError
 from airquant.layout import MoEInfo, decoder_stack, expert_modules, find_layout, linear_modules, meta_model, moe_counts
-from airquant.models import group_order
+from airquant.models import default_gguf_path, group_order, require_gguf
+from airquant.quant import QuantSpec, make_linear, quantize_linear
+from airquant.quant.experts import quantize_experts
+from airquant.quant.rtn import RTNResult, gptq_tensors
 from airquant.store.files import refuse_links, replace_folder, write_atomic
+from airquant.store.head import head_chunk_rows, quantize_head
 from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
 from airquant.store.quantize import expert_params
 from airquant.store.split import check_disk, shard_file, write_shard
@@ -259,9 +264,6 @@ class _Groups:
         return (torch.ones if t.fill == "ones" else torch.zeros)(t.shape, dtype=t.dtype, device=self.device)
 
     def _pack(self, w: torch.Tensor, transposed: bool | None) -> tuple[dict[str, torch.Tensor], dict]:
-        from airquant.quant import QuantSpec, quantize_linear
-        from airquant.quant.experts import quantize_experts
-
         if transposed is not None:
             return quantize_experts(QuantSpec(method="nf4"), w, transposed=transposed)
         if self.spec.dtype == "gptq":
@@ -274,9 +276,6 @@ class _Groups:
         tensors = {name: self._value(gen, t) for name, t in self.model.groups[group].items()}
         modules: dict[str, dict] = {}
         if group == "lm_head" and self.spec.quant_head:
-            from airquant.quant import QuantSpec
-            from airquant.store.head import quantize_head
-
             tensors, modules = quantize_head(tensors["weight"], QuantSpec(method="nf4"))
         elif self.spec.dtype != "bfloat16":
             for weight, module, transposed in self.model.packed(group):
@@ -290,8 +289,6 @@ class _Groups:
         out = {name: (str(t.dtype).removeprefix("torch."), t.shape) for name, t in self.model.groups[group].items()}
         modules = {}
         if group == "lm_head" and self.spec.quant_head:
-            from airquant.store.head import head_chunk_rows
-
             vocab, hidden = out.pop("weight")[1]
             for k, (start, end) in enumerate(head_chunk_rows(vocab)):
                 part = _nf4_metas(end - start, hidden)
@@ -319,8 +316,6 @@ def _packed_metas(dtype: str, shape: tuple[int, ...], transposed: bool | None) -
 @functools.lru_cache(maxsize=None)
 def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The tensors ``quantize_linear`` writes for an nf4 [out, in] weight, from ``make_linear`` on meta."""
-    from airquant.quant import make_linear
-
     with torch.device("meta"):
         module = make_linear(NF4_META, inp, out, False, compute_dtype=torch.bfloat16)
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in module.state_dict().items()}
@@ -329,8 +324,6 @@ def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
 def _gptq_pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """GPTQ checkpoint tensors of a [out, in] weight: symmetric round-to-nearest per group of 128 input
     channels (GPTQ's min/max grid, as ``quant.rtn.rtn_quantize`` without act-order), on w's device."""
-    from airquant.quant.rtn import RTNResult, gptq_tensors
-
     g = GPTQ_META["group_size"]
     out_f, in_f = w.shape
     if in_f % g:
@@ -387,8 +380,6 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     """Write (or resume) a synthetic store; ``manifest_only`` writes byte counts and config.json only.
 
     ``tokenizer`` (default: the default model's, loaded from its GGUF) is what store/tokenizer holds."""
-    from tqdm.auto import tqdm
-
     shape = spec.resolved()
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
@@ -467,8 +458,6 @@ def _existing(store: Path, identity: dict, quant: dict) -> Manifest | None:
 def default_tokenizer():
     """The default model's tokenizer (read from its GGUF: a few seconds, so once per process)."""
     from transformers import AutoTokenizer
-
-    from airquant.models import default_gguf_path, require_gguf
 
     require_gguf()
     path = default_gguf_path()

@@ -30,12 +30,14 @@ import sys
 from typing import Callable
 
 import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from airquant.engine.decode.loop import Completion, Request
 from airquant.engine.decode.slot_cache import KVOffloadError, SlotCache
 from airquant.engine.decode.slots import ATTN_NAME, attention_backends, register_ragged_attention
 from airquant.engine.decode.text import Detokenizer
-from airquant.kv import model_dims
+from airquant.kv import make_cache, model_dims
 from airquant.kv.config import KVConfig, KVConfigError
 from airquant.kv.layers import LayerStates
 
@@ -56,9 +58,6 @@ def reason(model, config) -> str | None:
 def plain_kv_layers(config) -> bool:
     """Whether transformers' own cache for the stack (``DynamicCache(config=...)``) holds keys and values only,
     what the loop's cache replaces; a layer type it does not know (a KeyError) is a cache the model brings."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
         layers = DynamicCache(config=text).layers
@@ -95,8 +94,6 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
     """``requests`` through ``model.generate``, each call's cache a ``SlotCache`` (``kv``: TurboQuant's settings,
     None or backend "none": plain keys/values; ``offload``: layers whose keys/values live in host memory); each
     call runs inside ``scope()``; ``on_error`` runs when a call is cut short."""
-    from transformers import GenerationConfig
-
     kv = kv if kv is not None and kv.backend != "none" else None
     groups: dict[Request, list[int]] = {}
     for k, r in enumerate(requests):
@@ -148,7 +145,6 @@ def _cache(model, kv: KVConfig | None, offload: set[int] | frozenset, *, rows: i
         if offload:
             raise KVOffloadError("KV offload holds AirQuant's caches, not the turboquant package's: use --kv tq "
                                  "or --no-kv-offload")
-        from airquant.kv import make_cache
 
         return make_cache(model.config, kv)
     if kv is not None and not attention_by_name(model):

@@ -32,6 +32,7 @@ from airquant.engine.decode.slots import (
 )
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
+from airquant.kv import model_dims
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,6 @@ class DecodeLoop:
     def __init__(self, model, tokenizer, *, slots: int, context: int, token_budget: int, device: torch.device,
                  dtype: torch.dtype, eos_ids: list[int], cache_arg: str, kv=None, offload: set[int] = frozenset(),
                  sync=lambda: None, on_error=lambda: None, scope=attention_backends):
-        from airquant.kv import model_dims
-
         register_ragged_attention()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -446,8 +447,6 @@ def attention_backends():
     decode step (the KV cache grows by one token). The stall holds back the next layer copies: on an
     H200 a streamed step of 8 bf16 layers took 123 ms instead of the 64 ms its copies need.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Literal
 
+import psutil
+import torch
+
 from airquant.config import DEFAULT_CONTEXT, EngineConfig
 from airquant.engine.memory.placement import (
     WORKSPACE_BYTES,
@@ -32,6 +35,7 @@ from airquant.engine.memory.placement import (
     top_k_of,
 )
 from airquant.engine.moe import sizing as expert_plan
+from airquant.kv import KVConfig
 from airquant.kv.layers import LayerStates
 from airquant.layout import upper_bound_config
 from airquant.store.manifest import Manifest
@@ -61,8 +65,6 @@ def allocator_margin(vram_bytes: int) -> int:
 
 
 def tq_config():
-    from airquant.kv import KVConfig
-
     return KVConfig(**TQ_SETTINGS)
 
 
@@ -87,8 +89,6 @@ class Hardware:
         """The one budget rule. VRAM: ``max_vram_gb`` (GiB; plans for a GPU of that size even without one),
         else the free VRAM now (what other processes and the CUDA context hold is not ours). RAM:
         ``max_ram_gb`` (GiB), else ``RAM_FRACTION`` of the available RAM."""
-        import psutil
-
         if max_ram_gb is not None:
             ram, ram_note = int(max_ram_gb * GIB), f"--max-ram {max_ram_gb:g} GiB"
         else:
@@ -98,7 +98,6 @@ class Hardware:
             return cls(int(max_vram_gb * GIB), ram, f"--max-vram {max_vram_gb:g} GiB", ram_note)
         if device == "cpu":
             return cls(None, ram, "--device cpu", ram_note)
-        import torch
 
         if not torch.cuda.is_available():
             return cls(None, ram, "torch sees no CUDA GPU", ram_note)
