@@ -200,16 +200,6 @@ LAZY_MODULES = {
     "turboquant": "optional (KV backend 'turboquant'); 2.6 s",
 }
 
-# Function-level imports in files another change owns (engine/moe/, under rework), without a reason yet. The
-# test fails once one is gone, so the set only shrinks: (file under airquant/, module imported).
-UNMARKED_ELSEWHERE = {
-    ("engine/moe/compute.py", "airquant.quant.kernels"),
-    ("engine/moe/compute.py", "airquant.quant.nf4"),
-    ("engine/moe/pool.py", "airquant.layout"),
-    ("engine/moe/sizing.py", "airquant.config"),
-    ("engine/moe/sizing.py", "airquant.quant"),
-}
-
 _LAZY_MARK = re.compile(r"#\s*lazy:\s*\S")
 
 
@@ -327,11 +317,9 @@ def test_function_level_imports_have_a_reason():
     names that the file does not load already (an optional package, a measured cost), or when its line says
     why (``# lazy: cycle (quant <-> quant.swap)``). Everything else goes at the top of the file."""
     bad, used = _unjustified_lazy_imports()
-    new = [f"{f}:{line} {m}" for f, m, line in bad if (f, m) not in UNMARKED_ELSEWHERE]
+    new = [f"{f}:{line} {m}" for f, m, line in bad]
     assert not new, ("function-level imports with no reason (move them to the top of the file, or add the "
                      f"module and its measured cost to LAZY_MODULES, or mark the line '# lazy: <why>'): {new}")
-    gone = UNMARKED_ELSEWHERE - {(f, m) for f, m, _ in bad}
-    assert not gone, f"these imports moved or got a reason: remove them from UNMARKED_ELSEWHERE: {gone}"
     stale = set(LAZY_MODULES) - used
     assert not stale, f"no function imports these lazily any more: remove them from LAZY_MODULES: {stale}"
 

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from airquant.layout import swap_tensor
+from airquant.quant import kernels
 from airquant.quant.experts import ExpertWeights
+from airquant.quant.nf4 import NF4Linear
 
 log = logging.getLogger(__name__)
 GROUPED_BYTES = 1 << 30  # stacked dense expert weights decoded at once; more experts run in further chunks
@@ -322,8 +324,6 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any layout; the Triton kernels do not)."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
-    from airquant.quant.nf4 import NF4Linear
-
     gated = getattr(module, "has_gate", True)
     first = "gate_up_proj" if gated else "up_proj"
     quantized = quantized_children(module)
@@ -387,8 +387,6 @@ class FusedWholeExperts:
 
 def fused_runs_on(x: torch.Tensor) -> bool:
     """Whether the fused kernels can run on ``x``'s device and dtype (Triton on CUDA, or its interpreter)."""
-    from airquant.quant import kernels
-
     return kernels.use_triton(x) or kernels.interpreting()
 
 

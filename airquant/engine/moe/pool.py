@@ -31,7 +31,7 @@ from safetensors import safe_open
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
 from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError
-from airquant.layout import swap_tensor
+from airquant.layout import find_layout, swap_tensor
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,6 @@ def open_pool_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
 
 
 def skeleton_layers(model) -> list:
-    from airquant.layout import find_layout
-
     return list(model.get_submodule(find_layout(model).stack))
 
 

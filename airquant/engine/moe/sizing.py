@@ -21,8 +21,10 @@ from typing import Literal
 
 import torch
 
+from airquant.config import MLP_CHUNK_TOKENS
 from airquant.engine.moe import compute as expert_compute
 from airquant.errors import AirQuantError
+from airquant.quant import make_linear
 from airquant.store.manifest import Manifest, ShardEntry
 from airquant.units import GB
 
@@ -363,16 +365,12 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
 def call_cap(entry: ShardEntry) -> int | None:
     """The most tokens one call of the layer's experts module gets: a module inside the block's ``mlp`` runs
     ``MLP_CHUNK_TOKENS`` at a time (skeleton.chunk_mlp); elsewhere a call may get the whole prefill."""
-    from airquant.config import MLP_CHUNK_TOKENS
-
     return MLP_CHUNK_TOKENS if experts_module(tuple(entry.experts["tensors"])).startswith("mlp.") else None
 
 
 def expert_matrices(entry: ShardEntry) -> expert_compute.ExpertMatrices:
     """One expert's matrices of a MoE layer, from its manifest entry: quantized modules (their dense
     ``shape``, and whether their scheme decodes stacked) and dense [E, a, b] expert tensors."""
-    from airquant.quant import make_linear
-
     module = experts_module(tuple(entry.experts["tensors"]))
     shapes, quantized, stacks = [], [], []
     for name, meta in entry.modules.items():
