@@ -7,13 +7,15 @@ Either bug changes the logits, which are compared with the resident model's.
 """
 
 import threading
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from airquant.engine.memory.placement import StreamPlan
 from airquant.engine.runner import Engine
-from airquant.engine.streamer import LayerStreamer
+from airquant.engine.streamer import LayerStreamer, ShardLayout
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far far away there lived", "Hi"]
 
@@ -196,3 +198,21 @@ def test_cuda_nf4_store_with_host_embedding_equals_resident(tmp_path, real_token
     rows = streamed.layer_profile()
     assert rows and all(r["copy_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
     streamed.close()
+
+
+def test_a_layers_views_of_a_buffer_are_made_once_and_read_its_current_bytes():
+    """``_views_of``: the same tensors each time a layer is in one buffer (no slicing per fetch), aliasing it, so
+    new bytes written there show; a layout with a misaligned tensor (copied by ``ShardLayout.views``) is made
+    again each time, and another buffer or layout gets its own views."""
+    lay = ShardLayout(Path("shard"), 0, 16, (("a", torch.float32, (2,), 0, 8), ("b", torch.int32, (2,), 8, 16)))
+    streamer = SimpleNamespace(_views={})
+    flat = torch.zeros(16, dtype=torch.uint8)
+    first = LayerStreamer._views_of(streamer, 3, lay, flat)
+    assert LayerStreamer._views_of(streamer, 3, lay, flat) is first
+    flat[:8] = torch.tensor([1.5, -2.0]).view(torch.uint8)
+    assert first["a"].tolist() == [1.5, -2.0]
+    other = torch.zeros(16, dtype=torch.uint8)
+    assert LayerStreamer._views_of(streamer, 3, lay, other)["a"].tolist() == [0.0, 0.0]
+    odd = ShardLayout(Path("shard"), 0, 16, (("c", torch.int16, (2,), 1, 5),))
+    assert lay.aligned and not odd.aligned
+    assert LayerStreamer._views_of(streamer, 3, odd, flat) is not LayerStreamer._views_of(streamer, 3, odd, flat)
