@@ -109,3 +109,15 @@ def test_generate_takes_the_kv_cache_flags(tiny_store, capsys):
     assert capsys.readouterr().out == plain
     assert main(base + ["--kv", "tq", "--kv-bits-k", "9"]) == 2
     assert "bits" in capsys.readouterr().err
+
+
+def test_batch_offers_the_loops_caches_and_generate_the_turboquant_package_too(capsys):
+    """A batch job runs the decode loop (plain or tq cache): ``--kv turboquant`` is refused there with the choices,
+    and stays offered to generate, which runs the package's cache through transformers' generate."""
+    from airquant.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["batch", "store", "--input", "a.jsonl", "--output", "b.jsonl", "--kv", "turboquant"])
+    assert "invalid choice: 'turboquant'" in capsys.readouterr().err
+    assert parser.parse_args(["generate", "store", "--prompt", "hi", "--kv", "turboquant"]).kv == "turboquant"

@@ -128,11 +128,15 @@ def _layer_bits(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def add_kv_flags(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
-    """The cache a run builds: ``--kv`` and the ``KVConfig`` fields (see ``kv_from_args``); ``auto``: also
-    ``--kv auto``, the throughput planner's choice of plain or tq (``batch --batch-size auto``)."""
+    """The cache a run builds: ``--kv`` and the ``KVConfig`` fields (see ``kv_from_args``); ``auto`` (batch jobs):
+    also ``--kv auto``, the throughput planner's choice of plain or tq (``batch --batch-size auto``), and no
+    ``turboquant``: a batch job runs the decode loop, whose cache is plain or tq (the PyPI package brings its own
+    cache, which runs through generate and eval only)."""
     g = p.add_argument_group("KV cache (airquant.kv.KVConfig; unset flags keep its defaults)")
-    g.add_argument("--kv", choices=KV_RUN_CHOICES + (("auto",) if auto else ()), default="none",
-                   help="none (plain cache), tq (AirQuant TurboQuant), turboquant (the PyPI package)"
+    choices = ("none", "tq", "auto") if auto else KV_RUN_CHOICES
+    g.add_argument("--kv", choices=choices, default="none",
+                   help="none (plain cache), tq (AirQuant TurboQuant)"
+                   + ("" if auto else ", turboquant (the PyPI package)")
                    + ("; auto: plain or tq K4/V2, whichever the throughput planner estimates faster for the job "
                       "(with --batch-size auto; airquant plan --job prints why)" if auto else ""))
     g.add_argument("--kv-bits-k", type=int, default=None, metavar="B", help="key bits (KVConfig default 4)")

@@ -33,6 +33,7 @@ from airquant.engine.prompts import render as render_prompts
 from airquant.engine.streamer import LayerStreamer
 from airquant.errors import AirQuantError, PromptTooLongError, UnsupportedModelError
 from airquant.kv import cache_kwarg, kv_logits
+from airquant.kv.config import KVConfigError
 from airquant.store.manifest import Manifest, open_store
 from airquant.store.side_files import load_tokenizer
 from airquant.units import GIB
@@ -218,8 +219,8 @@ class Engine:
         transformers' generate)."""
         if not requests:
             return []
-        if not self.loop_supported:
-            return self._generate_fallback(requests, kv)
+        if not self.loop_supported or (kv is not None and kv.backend == "turboquant"):
+            return self._generate_fallback(requests, kv)  # the PyPI turboquant's cache lives in generate only
         longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
         loop = self.decode_loop(len(requests), context=longest, kv=kv,
@@ -247,6 +248,11 @@ class Engine:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has {why}, which the decode loop does not run; Engine.generate and "
                 "generate_requests run it through transformers' generate (engine/decode/fallback.py).")
+        if kv is not None and kv.backend == "turboquant":  # the loop's cache would be a plain one, silently
+            raise KVConfigError(
+                "kv backend 'turboquant' (the PyPI package, a comparison backend) brings its own cache, which runs "
+                "through Engine.generate / generate_requests (airquant generate, airquant eval) only; the decode "
+                "loop (batch jobs, the server) keeps plain or AirQuant TurboQuant caches: use --kv tq.")
         limit = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         context = min(context or self.cfg.context or DEFAULT_CONTEXT, limit)
         loop = DecodeLoop(self.model, self.tokenizer, slots=slots, context=context,

@@ -11,6 +11,7 @@ from airquant.engine.decode.loop import RequestSettingsError, SamplingError, pic
 from airquant.engine.runner import Engine
 from airquant.errors import PromptTooLongError
 from airquant.kv import KVConfig, make_cache
+from airquant.kv.config import KVConfigError
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree".split()
 # A mixed job: prompt lengths 3..~30 tokens, each request its own max_new_tokens.
@@ -197,3 +198,30 @@ def test_a_seed_torch_cannot_take_is_refused_by_name(engine):
             loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, temperature=0.5, seed=seed))
     assert loop.idle
     loop.submit(Request(tuple(engine.prompt_ids("Hi")), 2, temperature=0.5, seed=(1 << 64) - 1))
+
+
+PACKAGE_TQ = KVConfig(backend="turboquant", bits_k=3, bits_v=3)
+
+
+def test_the_turboquant_package_runs_through_generate_with_its_own_cache(hf, engine, monkeypatch):
+    """``kv`` backend ``turboquant`` (the PyPI package): ``generate_requests`` decodes with the package's cache
+    (made once, by ``make_cache``), as transformers' generate with it does, not with the loop's plain one (which
+    it got, silently, before)."""
+    pytest.importorskip("turboquant")
+    from airquant.engine.decode import fallback
+
+    made = []
+    monkeypatch.setattr(fallback, "make_cache", lambda *a, **k: made.append(a) or make_cache(*a, **k))
+    prompt, new = JOB[3]
+    got = engine.generate_requests([engine.request(engine.prompt_ids(prompt),
+                                                   GenerateConfig(max_new_tokens=new, ignore_eos=True))],
+                                   kv=PACKAGE_TQ)[0]
+    assert len(made) == 1
+    assert list(got.token_ids) == _alone(hf, engine, prompt, new, PACKAGE_TQ)
+
+
+def test_the_decode_loop_refuses_the_turboquant_package_by_name(engine):
+    """Batch jobs and the server run the loop, whose cache is plain or AirQuant's tq: the package's is refused
+    with the fix, never swapped for a plain cache."""
+    with pytest.raises(KVConfigError, match="use --kv tq"):
+        engine.decode_loop(2, context=64, kv=PACKAGE_TQ)
