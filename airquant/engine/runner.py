@@ -289,10 +289,15 @@ class Engine:
         out = fallback.generate_with_transformers(
             self.model, self.tokenizer, requests, device=self.device, dtype=self.dtype, eos_ids=self.eos_ids(), kv=kv,
             offload=self.offloaded_layers(), cache_arg=cache_kwarg(self.model), check_context=self._check_context,
-            on_error=self._on_error, scope=self.passes)
-        self.last_timings = {"ttft_s": None, "prefill_s": None, "decode_s": None, "decode_steps": 0,
-                             "batch_size": len(requests), "total_s": time.perf_counter() - start, "step_s": [],
-                             "decode_step_median_s": None, "prompt_len": max(len(r.prompt_ids) for r in requests)}
+            on_error=self._on_error, scope=self.passes, timings=(calls := []), sync=self._sync)
+        total = time.perf_counter() - start
+        # per generate call (one per group of equal settings): its start and each token's time
+        steps = [b - a for _, times in calls for a, b in zip(times, times[1:])]
+        ttft = calls[0][1][0] - start if calls and calls[0][1] else None
+        self.last_timings = {"ttft_s": ttft, "prefill_s": ttft, "decode_s": sum(steps), "decode_steps": len(steps),
+                             "batch_size": len(requests), "total_s": total, "step_s": steps,
+                             "decode_step_median_s": statistics.median(steps) if steps else None,
+                             "prompt_len": max(len(r.prompt_ids) for r in requests)}
         return out
 
     def _on_error(self) -> None:

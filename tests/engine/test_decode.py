@@ -217,6 +217,9 @@ def test_the_turboquant_package_runs_through_generate_with_its_own_cache(hf, eng
                                                    GenerateConfig(max_new_tokens=new, ignore_eos=True))],
                                    kv=PACKAGE_TQ)[0]
     assert len(made) == 1
+    timed = engine.last_timings  # generate's steps are timed as the loop's are (kv_bench compares them)
+    assert timed["decode_steps"] == new - 1 == len(timed["step_s"]) and min(timed["step_s"]) > 0
+    assert timed["ttft_s"] > 0
     assert list(got.token_ids) == _alone(hf, engine, prompt, new, PACKAGE_TQ)
 
 

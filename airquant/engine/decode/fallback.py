@@ -27,10 +27,11 @@ import contextlib
 import inspect
 import logging
 import sys
+import time
 from typing import Callable
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from airquant.engine.decode.loop import Completion, Request
@@ -90,10 +91,13 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
                                dtype: torch.dtype, eos_ids: list[int], kv: KVConfig | None = None,
                                offload: set[int] | frozenset = frozenset(), cache_arg: str,
                                check_context: Callable[[int, int], None], on_error: Callable[[], None],
-                               scope: Callable = attention_backends) -> list[Completion]:
+                               scope: Callable = attention_backends,
+                               timings: list[tuple[float, list[float]]] | None = None,
+                               sync: Callable[[], None] = lambda: None) -> list[Completion]:
     """``requests`` through ``model.generate``, each call's cache a ``SlotCache`` (``kv``: TurboQuant's settings,
     None or backend "none": plain keys/values; ``offload``: layers whose keys/values live in host memory); each
-    call runs inside ``scope()``; ``on_error`` runs when a call is cut short."""
+    call runs inside ``scope()``; ``on_error`` runs when a call is cut short. ``timings``: each call's start and
+    the times its tokens' logits were ready (after ``sync()``), appended."""
     kv = kv if kv is not None and kv.backend != "none" else None
     groups: dict[Request, list[int]] = {}
     for k, r in enumerate(requests):
@@ -117,10 +121,14 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
             use_cache=True)  # MPT's config says False: it would run every step over the whole sequence
         cache = _cache(model, kv, offload, rows=len(members), cap=width + key.max_new_tokens, pads=pads,
                        device=device, dtype=dtype)
+        clock = _StepClock(sync)
+        if timings is not None:
+            timings.append((time.perf_counter(), clock.times))
         try:
             with scope(), _attention_for(model, cache):
                 rows = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                       tokenizer=tokenizer if key.stop else None,
+                                      logits_processor=LogitsProcessorList([clock]),
                                       **({cache_arg: cache} if cache is not None else {}))
         except BaseException:
             on_error()  # an OOM or an interrupt cut a forward short
@@ -128,6 +136,18 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
         for k, row in zip(members, rows):
             out[k] = _completion(tokenizer, row[width:], len(requests[k].prompt_ids), key.stop, set(eos_ids))
     return out
+
+
+class _StepClock:
+    """A logits processor noting when each generated token's logits are ready (the host's clock after ``sync``)."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync, self.times = sync, []
+
+    def __call__(self, input_ids, scores):
+        self.sync()
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def _cache(model, kv: KVConfig | None, offload: set[int] | frozenset, *, rows: int, cap: int, pads: list[int],
