@@ -44,6 +44,7 @@ import gzip  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -110,6 +111,30 @@ def make_store(b: Bench, shape: str, dtype: str, layers: int | None) -> Path:
 
 
 # -- measurements ----------------------------------------------------------------------------------
+class CaseTimeout(Exception):
+    """A case ran past ``--case-timeout``: its row records it and the part goes on to the next case."""
+
+
+@contextmanager
+def deadline(seconds: float | None):
+    """Raise ``CaseTimeout`` in the main thread once ``seconds`` have passed (None or 0: no limit). Python code
+    stops at its next bytecode; a kernel or C call running then finishes first."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CaseTimeout(f"the case ran past --case-timeout {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str | None = None,
             **kw) -> dict:
     """One streamed decode step (whole layers; ``experts`` in ``kw``, "routed" or "auto": expert-aware, ``case``
@@ -126,27 +151,28 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     kw.setdefault("experts", "whole")
     engine = None
     try:
-        engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
-                             context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
-        if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
-            row["experts_mode"] = "whole" if engine.experts is None else \
-                "cpu" if isinstance(engine.experts, HostExperts) else "routed"
-        step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
-        if case is not None and case in (a.trace or "").split(","):
-            row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
-        if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
-            row.update(experts=engine.experts.report(), decode_bytes_per_step=routed_step_bytes(b, engine, batch))
-            step["bytes_per_step"] = row["decode_bytes_per_step"]
-        elif engine.experts is not None:
-            row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(), uva=engine.experts.uva,
-                       decode_bytes_per_step=routed_step_bytes(b, engine, batch))
-            step["bytes_per_step"] = row["decode_bytes_per_step"]
-        gbps = step["bytes_per_step"] / step["step_s"] / GB
-        row.update(step_s=step["step_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
-                   bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
-                   link_fraction=gbps / link if link else None, kv_offload=engine.plan.kv_offload,
-                   peak_allocated_gb=step["peak_allocated_gb"], peak_reserved_gb=step["peak_reserved_gb"])
-    except (PlanError, torch.OutOfMemoryError) as exc:  # did not fit under this cap: planned or found out
+        with deadline(a.case_timeout):
+            engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
+                                 context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
+            if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
+                row["experts_mode"] = "whole" if engine.experts is None else \
+                    "cpu" if isinstance(engine.experts, HostExperts) else "routed"
+            step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
+            if case is not None and case in (a.trace or "").split(","):
+                row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
+            if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
+                row.update(experts=engine.experts.report(), decode_bytes_per_step=routed_step_bytes(b, engine, batch))
+                step["bytes_per_step"] = row["decode_bytes_per_step"]
+            elif engine.experts is not None:
+                row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(), uva=engine.experts.uva,
+                           decode_bytes_per_step=routed_step_bytes(b, engine, batch))
+                step["bytes_per_step"] = row["decode_bytes_per_step"]
+            gbps = step["bytes_per_step"] / step["step_s"] / GB
+            row.update(step_s=step["step_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
+                       bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
+                       link_fraction=gbps / link if link else None, kv_offload=engine.plan.kv_offload,
+                       peak_allocated_gb=step["peak_allocated_gb"], peak_reserved_gb=step["peak_reserved_gb"])
+    except (PlanError, torch.OutOfMemoryError, CaseTimeout) as exc:  # did not fit under this cap, or too long
         row["error"] = f"{type(exc).__name__}: {exc}"
         if torch.cuda.is_available():
             row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
@@ -622,6 +648,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", default=None,
                    help="expert-aware parts: only these comma-separated cases (" + ",".join(ROUTED_CASES)
                         + ",max_batch,max_batch_device; default all; the whole-layer batch-1 row comes with nocache)")
+    p.add_argument("--case-timeout", type=float, default=0, metavar="S",
+                   help="a case running longer records 'CaseTimeout' as its error and the part goes on (0: no limit)")
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")

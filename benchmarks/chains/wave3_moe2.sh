@@ -12,3 +12,4 @@ rm -rf /tmp/bw/qwen3-30b-a3b-nf4
 $M --part mixtral_routed --cases nocache,lfu,cpu_bs1,max_batch_device > $R/m.log 2>&1
 python benchmarks/moe_bench.py --results $R --part report > $R/report.log 2>&1
 echo CHAIN_DONE > $R/done
+# Next time: --case-timeout 240 on the host-path step (cpu_bs16 ran 20 minutes without finishing its prefills).

@@ -106,3 +106,29 @@ def test_a_target_its_case_could_not_measure_says_why_in_the_results_table():
     table = "\n".join(_targets({"targets": {"mixtral_nf4_bs256_tok_s": {
         "value": None, "target": 500, "kind": "min", "met": None, "why": oom}}}))
     assert "not measured: OutOfMemoryError" in table and "MISSED" not in table
+
+
+def test_a_case_past_its_timeout_records_why_and_closes_its_engine(monkeypatch):
+    """``--case-timeout``: a case still running when it expires gets ``CaseTimeout`` as its row's error (the part
+    goes on), and its engine is closed; without a limit nothing fires."""
+    import time
+    from types import SimpleNamespace
+
+    import pytest
+
+    from benchmarks import moe_bench
+
+    closed = []
+    engine = SimpleNamespace(close=lambda: closed.append(1), experts=None)
+    monkeypatch.setattr(moe_bench, "open_engine", lambda *a, **k: engine)
+    monkeypatch.setattr(moe_bench, "decode_step", lambda *a, **k: time.sleep(5))
+    args = SimpleNamespace(prompt_len=8, steps=2, trace=None, case_timeout=0.2)
+    b = SimpleNamespace(args=args, results={})
+    start = time.perf_counter()
+    row = moe_bench.measure(b, None, "m nf4", 4.0, 1, "nocache", experts="routed")
+    assert time.perf_counter() - start < 4
+    assert row["error"].startswith("CaseTimeout: the case ran past --case-timeout 0.2 s") and closed == [1]
+    with moe_bench.deadline(0):  # no limit
+        time.sleep(0.01)
+    with pytest.raises(moe_bench.CaseTimeout), moe_bench.deadline(0.05):
+        time.sleep(1)
