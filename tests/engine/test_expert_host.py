@@ -70,6 +70,30 @@ def test_host_experts_equal_the_whole_layer_path(tmp_path, real_tokenizer, model
     assert tokens == want_tokens
 
 
+@pytest.mark.parametrize("model_type, method", [("mixtral", "nf4"), ("qwen3_moe", "bf16")])
+def test_calls_of_many_rows_an_expert_run_on_the_device_and_equal_the_whole_layer(tmp_path, real_tokenizer,
+                                                                                   monkeypatch, model_type, method):
+    """A call whose routed experts get ``DEVICE_ROWS`` rows each or more (a prefill's) copies them to the compute
+    device and runs the module's own forward there (made to count the CPU as one here): the logits equal the
+    whole-layer path's, and the report counts those calls."""
+    from airquant.engine.moe import host
+
+    monkeypatch.setattr(host, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(host, "DEVICE_ROWS", 2)
+    store = _store(tmp_path, real_tokenizer, model_type, method)
+    runs = {}
+    for mode in ("whole", "cpu"):
+        engine = Engine.open(store, device="cpu", dtype="float32", experts=mode)
+        runs[mode] = (_logits(engine), _greedy(engine))
+        if mode == "cpu":
+            report = engine.experts.report()
+            assert report["device_calls"] > 0, report
+        engine.close()
+    (want, want_tokens), (got, tokens) = runs["whole"], runs["cpu"]
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert tokens == want_tokens
+
+
 def test_torch_fallback_gives_the_same_logits(mixtral, monkeypatch):
     engine = Engine.open(mixtral, device="cpu", experts="cpu")
     want = _logits(engine)

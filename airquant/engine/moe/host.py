@@ -29,6 +29,13 @@ from airquant.engine.moe.sizing import ExpertsError
 from airquant.quant.kernels import nf4_cpu
 
 log = logging.getLogger(__name__)
+# A call whose routed experts get this many rows each on average (a prefill's) runs on the compute device: the
+# routed experts' bytes are copied there and the module's own (grouped) forward computes them, as a whole-layer
+# pass would. Only where the device is another than the host (DEVICE_TYPES), and where those bytes are at most
+# DEVICE_BYTES (the plan keeps no room for them; an out-of-memory falls back to the host for that call).
+DEVICE_ROWS = 16
+DEVICE_BYTES = 1 << 30
+DEVICE_TYPES = ("cuda",)
 
 
 def open_host_experts(engine, routed: dict[int, set[str]]) -> "HostExperts":
@@ -53,8 +60,9 @@ class HostExperts:
         # experts: computed (per call, summed); kernel_experts: of them by the NF4 kernel (the rest: grouped)
         # host_s: whole calls; of it to_host_s (the rows' copy: waits for the GPU's work before it), kernel_s (the
         # NF4 kernel calls) and back_s (the sums' way back)
+        # device_calls: calls of many rows an expert computed on the device instead (DEVICE_ROWS)
         self.stats = {"calls": 0, "experts": 0, "kernel_experts": 0, "pairs": 0, "bytes_read": 0, "host_s": 0.0,
-                      "to_host_s": 0.0, "kernel_s": 0.0, "back_s": 0.0}
+                      "to_host_s": 0.0, "kernel_s": 0.0, "back_s": 0.0, "device_calls": 0}
 
     @property
     def bytes_copied(self) -> int:
@@ -76,6 +84,11 @@ class HostExperts:
                                "weights); this model's is not (Llama 4's dispatched experts): use --experts routed.")
         hidden, index, weights = args
         start = time.perf_counter()
+        out = self._on_device(i, module, forward, hidden, index, weights)
+        if out is not None:
+            self.stats["device_calls"] += 1
+            self.stats["host_s"] += time.perf_counter() - start
+            return out
         flat = hidden.reshape(-1, hidden.shape[-1])
         top_k = index.shape[-1]
         # One copy to the host: rows, ids (exact as fp32 below 2^24) and weights side by side.
@@ -94,6 +107,25 @@ class HostExperts:
         self.stats["to_host_s"] += landed - start
         self.stats["back_s"] += end - computed
         return out.view(hidden.shape)
+
+    def _on_device(self, i: int, module, forward, hidden: torch.Tensor, index: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor | None:
+        """The call computed on the compute device (see ``DEVICE_ROWS``), or None: it stays on the host."""
+        if self.device.type not in DEVICE_TYPES or index.numel() < DEVICE_ROWS:
+            return None
+        layer = self.layers[i]
+        experts = torch.unique(index).tolist()  # a host read, as the host path's copy of the rows is
+        if experts[-1] >= len(layer.ranges) or index.numel() < DEVICE_ROWS * len(experts) or \
+                sum(layer.expert_bytes(e) for e in experts) > DEVICE_BYTES:
+            return None  # ids without stored weights: the host path says why
+        src, arranged = self.host_image(i)
+        try:
+            out = _grouped(module, forward, layer, hidden, index, weights, experts, src, arranged, device=self.device)
+        except torch.OutOfMemoryError:
+            log.warning("layer %d: no room on the device for a call's %d routed experts; computed on the host",
+                        i, len(experts))
+            return None
+        return out.to(hidden.dtype).view(hidden.shape)
 
     def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> torch.Tensor:
@@ -185,19 +217,22 @@ class HostOperands:
 
 
 def _grouped(module, forward, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-             experts: list[int], src: torch.Tensor | None, arranged) -> torch.Tensor:
-    """Experts the host kernel does not take: transformers' grouped forward (or the module's own) on host
-    ``[U, ...]`` tensors of the routed experts, dense ones in fp32; quantized ones decode to their compute
-    dtype, which the rows then take."""
+             experts: list[int], src: torch.Tensor | None, arranged, device: torch.device | None = None) -> torch.Tensor:
+    """Experts the host kernel does not take, or a call of many rows an expert (``device``: computed there, on the
+    rows where they are): transformers' grouped forward (or the module's own) on ``[U, ...]`` tensors of the
+    routed experts, dense ones in fp32 on the host (the device: its compute dtype, the rows'); quantized ones
+    decode to their compute dtype, which the rows then take."""
     quantized = expert_compute.quantized_children(module)
-    dtype = next(iter(quantized.values())).compute_dtype if quantized else torch.float32
+    dtype = next(iter(quantized.values())).compute_dtype if quantized else \
+        (x.dtype if device is not None else torch.float32)
     views = {e: layer.host_views(src, e, arranged) for e in experts}
     packed = {}
     for name, dense in zip(layer.names, layer.dense):
         t = torch.stack([views[e][name] for e in experts])
+        t = t.to(device) if device is not None else t
         packed[name] = t.to(dtype) if dense else t
-    rank = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
-    rank[torch.tensor(experts)] = torch.arange(len(experts))
+    rank = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long, device=ids.device)
+    rank[torch.tensor(experts, device=ids.device)] = torch.arange(len(experts), device=ids.device)
     local = rank[ids]
     fn = expert_compute.grouped_forward(module)
     with packed_into(module, packed, len(experts)):
