@@ -166,23 +166,38 @@ static void rows_fast(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const f
 /* One expert's buffers, as ``nf4_experts`` takes them: data pointers (0 where absent). */
 enum { W, ABSMAX, NESTED_ABSMAX, NESTED_CODE, NESTED_OFFSET, QUANT_MAP, BUFFERS };
 
+/* An expert's buffers typed: fp32 absmax without double quant, uint8 codes and the nested tables with it. */
+typedef struct {
+    const uint8_t *w, *codes;
+    const float *a32, *nested_absmax, *nested_code, *qm;
+    float offset;
+} matrix;
+
+static matrix matrix_of(const int64_t *p, int dbl) {
+    return (matrix){.w = (const uint8_t *)p[W], .codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL,
+                    .a32 = dbl ? NULL : (const float *)p[ABSMAX], .nested_absmax = (const float *)p[NESTED_ABSMAX],
+                    .nested_code = (const float *)p[NESTED_CODE], .qm = (const float *)p[QUANT_MAP],
+                    .offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f};
+}
+
+static inline float scale_of(const matrix *m, int64_t b, int dbl) {
+    return block_scale(b, dbl, m->a32, m->codes, m->nested_absmax, m->nested_code, m->offset);
+}
+
 /* Rows r0..r1 of expert ``e``'s matrix for its rows of x (``xs``: [rows, k], or their even/odd halves). */
 static void expert_rows(const int64_t *p, int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t bs, int dbl,
                         int fast, const float *x, const float *xe, const float *xo, int64_t t, float *out) {
-    const uint8_t *w = (const uint8_t *)p[W];
-    const float *a32 = dbl ? NULL : (const float *)p[ABSMAX];
-    const uint8_t *codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL;
-    const float *nested_absmax = (const float *)p[NESTED_ABSMAX], *nested_code = (const float *)p[NESTED_CODE];
-    const float offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f;
-    const float *qm = (const float *)p[QUANT_MAP];
+    const matrix m = matrix_of(p, dbl);
 #ifdef LANES
     if (fast) {
-        rows_fast(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, xe, xo, t, out);
+        rows_fast(r0, r1, m.w, dbl, m.a32, m.codes, m.nested_absmax, m.nested_code, m.offset, m.qm, n, k, bs, xe, xo,
+                  t, out);
         return;
     }
 #endif
     (void)xe; (void)xo; (void)fast;
-    rows_generic(r0, r1, w, dbl, a32, codes, nested_absmax, nested_code, offset, qm, n, k, bs, x, t, out);
+    rows_generic(r0, r1, m.w, dbl, m.a32, m.codes, m.nested_absmax, m.nested_code, m.offset, m.qm, n, k, bs, x, t,
+                 out);
 }
 
 /* For each of ``u`` experts (``ptrs`` [u, BUFFERS]: its buffers' data pointers; ``absmax`` fp32 without double
@@ -224,22 +239,17 @@ int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, const uint8
  * kernel above multiplies by. For calls with many rows an expert, where a BLAS product of the decoded rows is
  * faster than the kernel, which decodes each byte once per TOKENS rows of x. */
 void nf4_decode(const int64_t *p, int64_t r0, int64_t r1, int64_t k, int64_t bs, int dbl, float *dst, int threads) {
-    const uint8_t *w = (const uint8_t *)p[W];
-    const float *a32 = dbl ? NULL : (const float *)p[ABSMAX];
-    const uint8_t *codes = dbl ? (const uint8_t *)p[ABSMAX] : NULL;
-    const float *nested_absmax = (const float *)p[NESTED_ABSMAX], *nested_code = (const float *)p[NESTED_CODE];
-    const float offset = dbl ? *(const float *)p[NESTED_OFFSET] : 0.0f;
-    const float *qm = (const float *)p[QUANT_MAP];
+    const matrix m = matrix_of(p, dbl);
 #ifdef LANES
     if (k % bs == 0 && bs % (2 * LANES) == 0) {  /* blocks inside rows: LANES bytes a step */
-        const book lut = load_book(qm);
+        const book lut = load_book(m.qm);
         const int64_t half = k / 2, hb = bs / 2, blocks = k / bs;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + r * half;
+            const uint8_t *row = m.w + r * half;
             float *o = dst + (r - r0) * k;
             for (int64_t b = 0; b < blocks; b++) {
-                const vec s = VSET1(block_scale(r * blocks + b, dbl, a32, codes, nested_absmax, nested_code, offset));
+                const vec s = VSET1(scale_of(&m, r * blocks + b, dbl));
                 for (int64_t j = b * hb; j < (b + 1) * hb; j += LANES) {
                     vec hi, lo;
                     lookup(row + j, lut, &hi, &lo);
@@ -257,10 +267,10 @@ void nf4_decode(const int64_t *p, int64_t r0, int64_t r1, int64_t k, int64_t bs,
         const int64_t end = i + k;
         while (i < end) {  /* one absmax block (or the part of it in this row) at a time */
             const int64_t b = i / bs, stop = (b + 1) * bs < end ? (b + 1) * bs : end;
-            const float s = block_scale(b, dbl, a32, codes, nested_absmax, nested_code, offset);
+            const float s = scale_of(&m, b, dbl);
             for (; i < stop; i++) {
-                const uint8_t byte = w[i >> 1];
-                o[i - r * k] = qm[(i & 1) ? (byte & 15) : (byte >> 4)] * s;
+                const uint8_t byte = m.w[i >> 1];
+                o[i - r * k] = m.qm[(i & 1) ? (byte & 15) : (byte >> 4)] * s;
             }
         }
     }
