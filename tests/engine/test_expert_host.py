@@ -53,21 +53,26 @@ def mixtral(tmp_path_factory, real_tokenizer):
 
 @pytest.mark.parametrize("model_type, method", MATRIX)
 def test_host_experts_equal_the_whole_layer_path(tmp_path, real_tokenizer, model_type, method):
-    store = _store(tmp_path, real_tokenizer, model_type, method)
+    engine, report = _cpu_equals_whole(_store(tmp_path, real_tokenizer, model_type, method))
+    assert isinstance(engine.experts, HostExperts) and engine.plan.experts_host and engine.plan.experts is None
+    assert report["calls"] > 0 and report["bytes_read"] > 0
+    if method == "nf4":  # every expert by the host NF4 kernel, none by the grouped fallback
+        assert report["kernel_experts"] == report["experts"], report
+
+
+def _cpu_equals_whole(store):
+    """Runs ``store`` with whole layers, then with ``--experts cpu`` (fp32, CPU): logits within fp32 rounding,
+    greedy tokens equal. Returns the (closed) cpu engine and its experts' report."""
     runs = {}
     for mode in ("whole", "cpu"):
         engine = Engine.open(store, device="cpu", dtype="float32", experts=mode)
         runs[mode] = (_logits(engine), _greedy(engine))
-        if mode == "cpu":
-            report = engine.experts.report()
-            assert isinstance(engine.experts, HostExperts) and engine.plan.experts_host and engine.plan.experts is None
-            assert report["calls"] > 0 and report["bytes_read"] > 0
-            if method == "nf4":  # every expert by the host NF4 kernel, none by the grouped fallback
-                assert report["kernel_experts"] == report["experts"], report
+        report = engine.experts.report() if mode == "cpu" else None
         engine.close()
     (want, want_tokens), (got, tokens) = runs["whole"], runs["cpu"]
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert tokens == want_tokens
+    return engine, report
 
 
 @pytest.mark.parametrize("model_type, method", [("mixtral", "nf4"), ("qwen3_moe", "bf16")])
@@ -80,18 +85,8 @@ def test_calls_of_many_rows_an_expert_run_on_the_device_and_equal_the_whole_laye
 
     monkeypatch.setattr(host, "DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(host, "DEVICE_ROWS", 2)
-    store = _store(tmp_path, real_tokenizer, model_type, method)
-    runs = {}
-    for mode in ("whole", "cpu"):
-        engine = Engine.open(store, device="cpu", dtype="float32", experts=mode)
-        runs[mode] = (_logits(engine), _greedy(engine))
-        if mode == "cpu":
-            report = engine.experts.report()
-            assert report["device_calls"] > 0, report
-        engine.close()
-    (want, want_tokens), (got, tokens) = runs["whole"], runs["cpu"]
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    assert tokens == want_tokens
+    _, report = _cpu_equals_whole(_store(tmp_path, real_tokenizer, model_type, method))
+    assert report["device_calls"] > 0, report
 
 
 def test_torch_fallback_gives_the_same_logits(mixtral, monkeypatch):
