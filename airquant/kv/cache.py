@@ -77,7 +77,23 @@ def layer_codecs(kv: KVConfig, layer_idx: int, head_dim: int) -> tuple[Codec, Co
     )
 
 
-class TQLayer(CacheLayerMixin):
+class GrowingLayer(CacheLayerMixin):
+    """A cache layer that grows only: ``n_seen`` tokens written, no fixed capacity; the mask covers them and the
+    query (transformers' length methods of a cache layer)."""
+
+    n_seen: int = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.n_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TQLayer(GrowingLayer):
     """One decoder layer's compressed cache; see the module docstring for the layout."""
 
     is_compileable = False
@@ -144,15 +160,6 @@ class TQLayer(CacheLayerMixin):
         # The clone drops the reference to the (possibly prompt-sized) concatenation.
         self.keys = torch.cat([full_k[:, :, :s], full_k[:, :, s + n_move :]], dim=-2).clone()
         self.values = torch.cat([full_v[:, :, :s], full_v[:, :, s + n_move :]], dim=-2).clone()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.n_seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps between steps (for byte accounting)."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from airquant.kv.cache import tag
+from airquant.kv.cache import GrowingLayer, tag
 from airquant.kv.config import Schedule
 from airquant.kv.masks import keep_mask
 
@@ -30,7 +30,7 @@ class FakeQuantContext:
     quantized: torch.Tensor  # [L, L] bool
 
 
-class FakeQuantLayer(CacheLayerMixin):
+class FakeQuantLayer(GrowingLayer):
     """Holds nothing between calls: one forward over a fresh sequence is all it supports."""
 
     is_compileable = False
@@ -56,15 +56,6 @@ class FakeQuantLayer(CacheLayerMixin):
             quantized=self.schedule.quantized_pairs(self.n_seen, key_states.device),
         )
         return tag(key_states, ctx), value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.n_seen
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class FakeQuantCache(Cache):

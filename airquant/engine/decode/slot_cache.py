@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from airquant.engine.decode.slots import Segment, SlotKV
 from airquant.errors import AirQuantError
-from airquant.kv.cache import context_of, tag
+from airquant.kv.cache import GrowingLayer, context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
 
 # The linear-attention layer classes are newer than some transformers 5.x releases (5.17 has none).
@@ -38,32 +38,23 @@ class KVOffloadError(AirQuantError):
     """KV offload was asked for a layer whose cache the loop's store does not hold."""
 
 
-class SlotLayer(CacheLayerMixin):
+class SlotLayer(GrowingLayer):
     """One attention layer of a ``SlotCache``: its keys/values live in the cache's store."""
 
     is_compileable = False
 
     def __init__(self, cache: "SlotCache", layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx, self.seen = cache, layer_idx, 0  # seen: tokens of a row, padding included
+        self.cache, self.layer_idx, self.n_seen = cache, layer_idx, 0  # n_seen: tokens of a row, padding included
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True  # the store allocates its buffers at the first write
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.is_initialized = True
-        out = self.cache.write(key_states, value_states, self.layer_idx, self.seen)
-        self.seen += key_states.shape[-2]
+        out = self.cache.write(key_states, value_states, self.layer_idx, self.n_seen)
+        self.n_seen += key_states.shape[-2]
         return out
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         raise KVConfigError("the fallback's KV cache grows only (no assisted or speculative decoding)")
