@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.config import EngineConfig, GenerateConfig  # noqa: E402
+from airquant.engine.decode.fallback import StepClock  # noqa: E402
 from airquant.engine.profile import profile_table, summarize  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
@@ -148,26 +149,13 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
     return row
 
 
-class _Clock:
-    """Logits processor timestamping each generation step (synchronized)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def hf_decode_step(generate, ids: torch.Tensor, new: int, device: str) -> dict:
     """Median step of a transformers-style ``generate`` (AirLLM and accelerate use this path too)."""
     from transformers import LogitsProcessorList
 
     from airquant.engine.runner import attention_backends
 
-    clock = _Clock()
+    clock = StepClock(torch.cuda.synchronize if torch.cuda.is_available() else lambda: None)
     with attention_backends():  # the same attention kernels as AirQuant's (no per-length cuDNN plans)
         generate(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=new,
                  min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,

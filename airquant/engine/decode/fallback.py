@@ -121,7 +121,7 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
             use_cache=True)  # MPT's config says False: it would run every step over the whole sequence
         cache = _cache(model, kv, offload, rows=len(members), cap=width + key.max_new_tokens, pads=pads,
                        device=device, dtype=dtype)
-        clock = _StepClock(sync)
+        clock = StepClock(sync)
         if timings is not None:
             timings.append((time.perf_counter(), clock.times))
         try:
@@ -138,8 +138,9 @@ def generate_with_transformers(model, tokenizer, requests: list[Request], *, dev
     return out
 
 
-class _StepClock:
-    """A logits processor noting when each generated token's logits are ready (the host's clock after ``sync``)."""
+class StepClock:
+    """A logits processor noting when each generated token's logits are ready (the host's clock after ``sync``):
+    the fallback's step times, and the benchmarks' for a transformers-style ``generate`` (stream_bench)."""
 
     def __init__(self, sync: Callable[[], None]):
         self.sync, self.times = sync, []
