@@ -24,7 +24,7 @@ import torch
 
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
-from airquant.engine.moe.pool import packed_into
+from airquant.engine.moe.pool import packed_into, packed_rows
 from airquant.engine.moe.sizing import ExpertsError
 from airquant.quant.kernels import nf4_cpu
 
@@ -231,9 +231,7 @@ def _grouped(module, forward, layer: LayerExperts, x: torch.Tensor, ids: torch.T
         t = torch.stack([views[e][name] for e in experts])
         t = t.to(device) if device is not None else t
         packed[name] = t.to(dtype) if dense else t
-    rank = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long, device=ids.device)
-    rank[torch.tensor(experts, device=ids.device)] = torch.arange(len(experts), device=ids.device)
-    local = rank[ids]
+    local = packed_rows(ids, len(layer.ranges))  # ``experts`` are the sorted routed ids, as the pool packs them
     fn = expert_compute.grouped_forward(module)
     with packed_into(module, packed, len(experts)):
         if fn is None:

@@ -184,7 +184,7 @@ class ExpertPool:
         packed = self._gather(layer, slots) if slots else _no_experts(layer, self.compute_dtype, self.device)
         row = {e: n for n, e in enumerate(union)}
         local = [row[e] for e in ids] if few and not absent else None  # ids -> rows of the packed tensors
-        args, kwargs = _with_index(args, kwargs, _packed_rows(index, num))
+        args, kwargs = _with_index(args, kwargs, packed_rows(index, num))
         grouped = expert_compute.grouped_forward(module) if self.grouped and len(args) == 3 and not kwargs \
             and not absent else None
         with packed_into(module, packed, len(union)):
@@ -420,7 +420,7 @@ def _host_read(index: torch.Tensor, guess: torch.Tensor | None) -> tuple[list[in
     return both[:flat.numel()], both[flat.numel():]
 
 
-def _packed_rows(index: torch.Tensor, num: int) -> torch.Tensor:
+def packed_rows(index: torch.Tensor, num: int) -> torch.Tensor:
     """``index``'s expert ids as rows of the packed tensors (their rank among the routed experts, which the
     pool packs in id order), computed on the device: no tensor is made from host data (a blocking copy).
     An id from ``num`` up has no stored expert (LongCat-Flash's identity "zero" experts) and keeps its value,
