@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,10 @@ os.environ[FIGURES_ENV] = str(FIGURES_DIR / "session.json")
 @pytest.fixture(autouse=True)
 def _own_figures(monkeypatch, request):
     monkeypatch.setenv(FIGURES_ENV, str(FIGURES_DIR / f"{abs(hash(request.node.nodeid))}.json"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(FIGURES_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
