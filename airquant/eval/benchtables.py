@@ -83,7 +83,9 @@ def kv_bench(d: dict) -> list[str]:
              _f(batch70.get(k), "{}")] for k in names if k in step or k in batch70]
     return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; AirQuant step ÷ FP16 step "
             f"{_f(d.get('tq_over_fp16_step'), '{:.2f}')}, `turboquant` ÷ FP16 "
-            f"{_f(d.get('turboquant_over_fp16_step'), '{:.2f}')}.", "",
+            f"{_f(d.get('turboquant_over_fp16_step'), '{:.2f}')}"
+            + "".join(f"; at batch {k.rsplit('_bs', 1)[1]}: AirQuant ÷ FP16 {_f(v, '{:.2f}')}"
+                      for k, v in sorted(d.items()) if k.startswith("tq_over_fp16_step_bs")) + ".", "",
             *md_table(["cache", "decode step (s)", "cache + activations GB", "peak VRAM GB",
                        "largest batch, 70B NF4 under 15 GB"], rows), *_targets(d)]
 

@@ -11,8 +11,8 @@ CACHES = {"none", "tq", "turboquant"}
 
 def test_quick_run_writes_every_key(tmp_path):
     out = tmp_path / "kv_bench.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--batches", "8,32", "--workdir",
+                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tq_over_fp16_step" in proc.stdout
     r = json.loads(out.read_text())
@@ -25,6 +25,11 @@ def test_quick_run_writes_every_key(tmp_path):
         assert r[key] == dict.fromkeys(CACHES), key  # no VRAM on the CPU
     assert r["tq_over_fp16_step"] > 0 and r["turboquant_over_fp16_step"] > 0
     assert isinstance(r["targets"]["tq_over_fp16_step"]["met"], bool)
+    # the further batch (32, cut to 3 by --quick) times plain and tq again on the same store, with the same bar
+    assert r["batches"] == [2, 3] and set(r["details"]["by_batch"]["3"]) == {"none", "tq"}
+    bs3 = r["details"]["by_batch"]["3"]
+    assert r["tq_over_fp16_step_bs3"] == bs3["tq"]["step_s"] / bs3["none"]["step_s"]
+    assert r["targets"]["tq_over_fp16_step_bs3"]["target"] == r["targets"]["tq_over_fp16_step"]["target"] == 1.15
     # the compressed cache holds fewer bytes than the plain one, and lets a larger batch fit
     assert r["cache_gb"]["tq"] < r["cache_gb"]["none"]
     assert r["max_batch_70b_nf4_15gb"]["tq"] > r["max_batch_70b_nf4_15gb"]["none"]
@@ -39,6 +44,7 @@ def test_quick_run_writes_every_key(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     r2 = json.loads(out.read_text())
     assert r2["step_s"] == r["step_s"] and r2["max_batch_70b_nf4_15gb"] == r["max_batch_70b_nf4_15gb"]
+    assert r2["details"]["by_batch"] == r["details"]["by_batch"]
     assert "batch_rederived" in r2
 
 
