@@ -385,9 +385,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
-    if args.part == "build":
+    if args.part == "build":  # the store only: the results file is left as it is
         synth(Path(args.store), "llama3-70b", "nf4", args.quick)
-    elif args.part in ("static", "continuous"):
+        return 0
+    if args.part in ("static", "continuous"):
         part_batch(args, args.part, results)
     elif args.part == "bs1_8b":
         part_bs1_8b(args, results)
