@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -18,15 +19,12 @@ from airquant.models import DEFAULT_GGUF, DEFAULT_PACKAGE
 # user's figures nor a doctor test's change another test's plan.
 FIGURES_DIR = Path(tempfile.mkdtemp(prefix="airquant-figures-"))
 os.environ[FIGURES_ENV] = str(FIGURES_DIR / "session.json")
+atexit.register(shutil.rmtree, FIGURES_DIR, ignore_errors=True)  # also when a test imports this module again
 
 
 @pytest.fixture(autouse=True)
 def _own_figures(monkeypatch, request):
     monkeypatch.setenv(FIGURES_ENV, str(FIGURES_DIR / f"{abs(hash(request.node.nodeid))}.json"))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(FIGURES_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
