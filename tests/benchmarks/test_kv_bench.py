@@ -52,3 +52,14 @@ def test_batch_part_without_an_earlier_run_says_what_to_do(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--part", "batch", "--out",
                            str(tmp_path / "none.json")], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "run the whole benchmark" in proc.stderr
+
+
+def test_a_batch_given_twice_is_timed_once(tmp_path):
+    """A further batch equal to an earlier one (``--quick`` caps 8,2 to 2,2) is left out: timing it again as a
+    further batch recorded the first batch's rows over and lost ``by_batch`` (a KeyError)."""
+    from benchmarks import kv_bench
+
+    quick = kv_bench.parse_args(["--quick", "--batches", "8,2", "--workdir", str(tmp_path)])
+    assert quick.batches == [2] and quick.batch == 2
+    plain = kv_bench.parse_args(["--batches", "8,32,8,32", "--workdir", str(tmp_path)])
+    assert plain.batches == [8, 32]
