@@ -268,8 +268,11 @@ def _table_provenance(record: dict | None, table: HeadlineTable) -> list[str]:
     lines = [f"- measured on **{table.device}**, {len(rows)} rows, {when}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
              "- data: " + "; ".join(f"`{d}`" for d in data)]
-    if record:
+    if record and record.get("device", table.device) == table.device:
         lines.insert(0, "- command: " + "; ".join(f"`{c['command']}`" for c in record.get("calls", [])))
+    elif record:  # the profile's calls ran on another device: they did not write these rows
+        lines.insert(0, f"- command: not the profile's run (that ran on {record['device']}); these rows were "
+                        "written by `airquant eval` or a pipeline run on this device, each file says its settings")
     else:
         lines.insert(0, f"- command: `{FULL_COMMAND}` (no profiles/ record beside these rows)")
     return ["Provenance of this table:", ""] + lines

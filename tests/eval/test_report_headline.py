@@ -183,3 +183,24 @@ def test_a_profile_split_by_metrics_adds_up_in_one_provenance_record(tmp_path, t
     assert not (tmp_path / "res" / "RESULTS.md").exists()  # report=False
     with pytest.raises(PipelineError, match="not a metric"):
         chosen(PipelineConfig(profile="full", metrics=("bleu",)))
+
+
+def test_a_profile_of_another_device_is_not_named_as_these_rows_command(tiny_profile, tmp_path):
+    """The profile record (here: its device changed to an H200) did not write rows measured on the CPU: the CPU
+    table's provenance must not give its calls as their command."""
+    import shutil
+
+    _, results_dir = tiny_profile
+    copy = tmp_path / "res"
+    shutil.copytree(results_dir, copy)
+    record_path = copy / "profiles" / "tiny.json"
+    record = json.loads(record_path.read_text())
+    own = json.loads((results_dir / "profiles" / "tiny.json").read_text())
+    text = build_report(results_dir, make_plots=False).read_text()
+    provenance = text.split("Headline table at the 'tiny'")[1].split("\n## ")[0].split("Provenance of this table")[1]
+    assert own["calls"][0]["command"] in provenance  # the profile that wrote them, on their device
+    record["device"] = "NVIDIA H200"
+    record_path.write_text(json.dumps(record))
+    text = build_report(copy, make_plots=False).read_text()
+    provenance = text.split("Headline table at the 'tiny'")[1].split("\n## ")[0].split("Provenance of this table")[1]
+    assert record["calls"][0]["command"] not in provenance and "that ran on NVIDIA H200" in provenance
