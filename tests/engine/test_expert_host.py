@@ -202,3 +202,17 @@ def test_llama4_experts_stay_off_the_host():
     assert choice.routed and not choice.host and "no routing index" in choice.why
     with pytest.raises(ExpertsError, match="--experts cpu cannot run llama4_text"):
         choose_experts("cpu", manifest, True, 1, FAST_HOST)
+
+
+@pytest.mark.parametrize("damaged", ["{not json", "[1, 2]"])
+def test_doctor_figures_replace_a_damaged_file(tmp_path, monkeypatch, damaged):
+    """A figures file cut short or edited into something else is ignored by plans and replaced by the next
+    ``airquant doctor`` measurement (it crashed doctor before)."""
+    from airquant.engine.moe.sizing import FIGURES_ENV, figures_for, save_figures
+
+    path = tmp_path / "figures.json"
+    path.write_text(damaged)
+    monkeypatch.setenv(FIGURES_ENV, str(path))
+    assert figures_for() is None
+    save_figures(host_gemv_gbps=30.0, link_gbps=50.0)
+    assert figures_for().host_gemv_gbps == 30.0 and figures_for().link_gbps == 50.0

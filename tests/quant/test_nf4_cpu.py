@@ -93,3 +93,13 @@ def test_experts_with_many_rows_are_decoded_and_multiplied(n, k, bs, double, mon
     _check(nf4_cpu.matmul_experts(x, table, experts, rows, n, k, bs, double), want)
     whole = nf4_cpu.matmul_experts(x[:many + 3], table, experts[:1], rows[:2], n, k, bs, double)  # decoded only
     _check(whole, want[:many + 3])
+
+
+def test_a_thread_count_that_is_not_a_number_is_named_with_its_fix(monkeypatch):
+    from airquant.errors import AirQuantError
+
+    monkeypatch.setenv(nf4_cpu.THREADS_ENV, "four")
+    with pytest.raises(AirQuantError, match=r"AIRQUANT_CPU_THREADS='four' is not a whole number.*e\.g\. 4"):
+        nf4_cpu.threads()
+    monkeypatch.setenv(nf4_cpu.THREADS_ENV, "3")
+    assert nf4_cpu.threads() == 3

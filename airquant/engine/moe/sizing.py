@@ -175,7 +175,12 @@ def figures_path() -> Path:
 def save_figures(**values: float) -> None:
     """Record measured bandwidths (``airquant doctor``) for later plans on this machine."""
     path = figures_path()
-    old = json.loads(path.read_text()) if path.exists() else {}
+    try:  # a damaged file (a write cut short, a hand edit) is replaced, as figures_for already ignores it
+        old = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        old = {}
+    if not isinstance(old, dict):
+        old = {}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**old, **values}, indent=1))
@@ -192,6 +197,7 @@ def figures_for(host_gemv_gbps: float | None = None, link_gbps: float | None = N
             saved = json.loads(path.read_text())
         except (OSError, ValueError):
             saved = {}
+        saved = saved if isinstance(saved, dict) else {}
     host = host_gemv_gbps if host_gemv_gbps is not None else saved.get("host_gemv_gbps")
     link = link_gbps if link_gbps is not None else saved.get("link_gbps")
     if not host or not link:

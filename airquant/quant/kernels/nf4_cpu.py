@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from airquant.errors import AirQuantError
 from airquant.quant.nf4 import decode_nf4_stacked
 from airquant.units import GB
 
@@ -54,7 +55,11 @@ def threads() -> int:
     """Threads the host kernel runs on (see the module docstring)."""
     given = os.environ.get(THREADS_ENV)
     if given:
-        return max(1, int(given))
+        try:
+            return max(1, int(given))
+        except ValueError:
+            raise AirQuantError(f"{THREADS_ENV}={given!r} is not a whole number of threads; set it to e.g. 4, "
+                                "or unset it to use the host's physical cores less one or two") from None
     cores = _physical_cores()
     return max(1, cores - (2 if cores >= 8 else 1))
 
