@@ -103,3 +103,14 @@ def test_a_thread_count_that_is_not_a_number_is_named_with_its_fix(monkeypatch):
         nf4_cpu.threads()
     monkeypatch.setenv(nf4_cpu.THREADS_ENV, "3")
     assert nf4_cpu.threads() == 3
+
+
+def test_kernel_says_so_when_it_cannot_allocate_the_split_input():
+    """Rows claimed past any memory: the kernel returns -1 before it reads x or writes out (was: an unchecked
+    malloc, then a write through NULL)."""
+    lib = nf4_cpu.library()
+    if lib is None or lib.nf4_lanes() == 0:
+        pytest.skip("needs the compiled kernel's vector path (gcc, AVX2 or AVX-512)")
+    rows = torch.tensor([0, 1 << 40], dtype=torch.int64)  # x split: 2^40 x 128 fp32, 512 TiB
+    table = torch.zeros((1, len(nf4_cpu.BUFFERS)), dtype=torch.int64)
+    assert lib.nf4_experts(1, table.data_ptr(), rows.data_ptr(), None, 64, 128, 64, 1, None, None, 1) == -1

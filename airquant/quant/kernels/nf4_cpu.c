@@ -204,7 +204,8 @@ static void expert_rows(const int64_t *p, int64_t r0, int64_t r1, int64_t n, int
  * quant, uint8 codes with it), its rows rows[e] .. rows[e + 1] of x [R, k] times its NF4 matrix [n, k]' into the
  * same rows of out [R, n]: one call, one parallel region over (expert, 16 rows of W) for a call's every expert.
  * ``skip`` (or NULL): experts whose rows this call leaves alone (the caller multiplies them another way).
- * Returns 1 where the vector path ran, 0 for the generic one. */
+ * Returns 1 where the vector path ran, 0 for the generic one, -1 when the split copy of x could not be allocated
+ * (nothing written). */
 int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, const uint8_t *skip, int64_t n, int64_t k,
                 int64_t bs, int dbl, const float *x, float *out, int threads) {
     const int64_t total = rows[u], chunks = (n + 15) / 16;
@@ -215,6 +216,8 @@ int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, const uint8
     if (fast) {
         const int64_t half = k / 2;
         xe = malloc(sizeof(float) * (size_t)(total * half * 2 + 1));
+        if (xe == NULL)
+            return -1;
         xo = xe + total * half;
         for (int64_t i = 0; i < total * half; i++) {
             xe[i] = x[2 * i];

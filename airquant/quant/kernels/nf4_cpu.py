@@ -185,8 +185,10 @@ def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows:
     many = counts >= GEMM_ROWS  # [u]: experts whose rows go through a decode and a BLAS product
     skip = many.to(torch.uint8).contiguous()
     if not bool(many.all()):
-        lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(), skip.data_ptr(), n, k, blocksize,
-                        int(double), x.data_ptr(), out.data_ptr(), threads())
+        ran = lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(), skip.data_ptr(), n, k, blocksize,
+                              int(double), x.data_ptr(), out.data_ptr(), threads())
+        if ran < 0:
+            raise MemoryError(f"host NF4 kernel: no memory for the {x.shape[0]} x {k} rows of this call's input")
     for j in torch.nonzero(many).flatten().tolist():
         _decoded_product(lib, table[j], x, out, int(rows[j]), int(rows[j + 1]), n, k, blocksize, double)
     return out
