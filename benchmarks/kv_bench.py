@@ -104,46 +104,45 @@ def part_step(b: Bench) -> dict:
     a = b.args
     store = make_store(b, "llama3-8b", "bfloat16", a.layers)
     b.results["settings"]["dims_8b"] = asdict(Candidate.open(store).dims)
-    rows = step_rows(b, store, a.batch, CACHES)
-    b.results["by_batch"] = {}
-    for batch in a.batches[1:]:
-        more = step_rows(b, store, batch, {name: CACHES[name] for name in FURTHER})
-        b.results["by_batch"][str(batch)] = more
-        b.results[f"tq_over_fp16_step_bs{batch}"] = _ratio(more["tq"].get("step_s"), more["none"].get("step_s"))
+    first, by_batch = {}, {}
+
+    def save() -> None:  # after every case: a later case that crashes keeps the earlier ones
+        record(b, first, {}, by_batch)
         write_results(b, Path(a.out))
+
+    step_rows(b, store, a.batch, CACHES, first, save, describe=True)
+    for batch in a.batches[1:]:
+        step_rows(b, store, batch, {name: CACHES[name] for name in FURTHER}, by_batch.setdefault(str(batch), {}),
+                  save)
     b.drop(store)
-    return rows
+    return first
 
 
-def step_rows(b: Bench, store: Path, batch: int, caches: dict) -> dict:
+def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save, describe: bool = False) -> None:
+    """``caches`` timed at ``batch`` into ``rows``, ``save()`` after each; ``describe``: the plan into settings."""
     a = b.args
     engine = open_engine(b, store, None, batch_size=batch, context=a.context)
-    if batch == a.batch:
+    if describe:
         b.results["settings"]["plan_8b"] = engine.plan.describe(engine.manifest.layer_bytes)
         b.results["settings"]["resident_layers_8b"] = len(engine.plan.vram_layers)
     vocab = min(engine.config.vocab_size, len(engine.tokenizer))
     ids = prompt_ids(vocab, batch, a.context - 1 - WARM - a.steps)  # the cache ends at `context` tokens
-    rows = {}
     for name, kv in caches.items():
         try:
             rows[name] = measure_cache(b, engine, ids, kv)
-            log.info("%s: %.4f s/step, prefill %.2f s, cache %.3f GB", name, rows[name]["step_s"],
+            log.info("batch %d, %s: %.4f s/step, prefill %.2f s, cache %.3f GB", batch, name, rows[name]["step_s"],
                      rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
         except DependencyError as exc:
             rows[name] = {"error": str(exc)}
         if "error" in rows[name]:
-            log.warning("%s: %s", name, rows[name]["error"])
-        log.info("batch %d done: %s", batch, name)
+            log.warning("batch %d, %s: %s", batch, name, rows[name]["error"])
         free_gpu()
-        if batch == a.batch:
-            record(b, rows, {})
-            write_results(b, Path(a.out))  # a later case that crashes keeps the earlier ones
+        save()
     engine.close()
     del engine
     free_gpu()
-    return rows
 
 
 # -- batch: the largest 70B NF4 batch under the cap ------------------------------------------------
@@ -191,8 +190,12 @@ def turboquant_batch(b: Bench, cand: Candidate, hw: Hardware, wl: Workload, mode
 
 
 # -- reporting -------------------------------------------------------------------------------------
-def record(b: Bench, cases: dict, plans: dict) -> None:
+def record(b: Bench, cases: dict, plans: dict, by_batch: dict | None = None) -> None:
+    """The keys from the first batch's ``cases``, the 70B ``plans`` and the further batches' rows (``by_batch``;
+    None: those the file already holds)."""
     r = b.results
+    if by_batch is None:
+        by_batch = r.get("details", {}).get("by_batch", {})
 
     def per_cache(key: str, rows: dict = cases) -> dict:
         return {name: rows.get(name, {}).get(key) for name in CACHES}
@@ -205,9 +208,10 @@ def record(b: Bench, cases: dict, plans: dict) -> None:
     if plans:
         r["max_batch_70b_nf4_15gb"] = per_cache("max_batch", plans)
         r["kv_bytes_per_token_70b"] = per_cache("kv_bytes_per_token", plans)
+    for batch, rows in by_batch.items():
+        r[f"tq_over_fp16_step_bs{batch}"] = _ratio(rows.get("tq", {}).get("step_s"), rows.get("none", {}).get("step_s"))
     r["targets"] = check_targets(r)
-    r["details"] = {"cases": cases, "batch_70b": plans, "by_batch": r.pop("by_batch", None)
-                    or r.get("details", {}).get("by_batch", {})}
+    r["details"] = {"cases": cases, "batch_70b": plans, "by_batch": by_batch}
 
 
 def check_targets(r: dict) -> dict:
