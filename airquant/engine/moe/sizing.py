@@ -175,29 +175,26 @@ def figures_path() -> Path:
 def save_figures(**values: float) -> None:
     """Record measured bandwidths (``airquant doctor``) for later plans on this machine."""
     path = figures_path()
-    try:  # a damaged file (a write cut short, a hand edit) is replaced, as figures_for already ignores it
-        old = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        old = {}
-    if not isinstance(old, dict):
-        old = {}
+    old = _saved_figures(path)  # a damaged file (a write cut short, a hand edit) is replaced
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**old, **values}, indent=1))
     os.replace(tmp, path)
 
 
+def _saved_figures(path: Path) -> dict:
+    """What ``save_figures`` wrote at ``path``; {} where it is missing, unreadable or not a JSON object."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def figures_for(host_gemv_gbps: float | None = None, link_gbps: float | None = None) -> Figures | None:
     """The figures of a run: those given (``--host-gemv-gbps`` / ``--link-gbps``), the rest from what
     ``airquant doctor`` last measured here; None where one is still unknown (``auto`` then never picks cpu)."""
-    saved = {}
-    if host_gemv_gbps is None or link_gbps is None:
-        path = figures_path()
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError):
-            saved = {}
-        saved = saved if isinstance(saved, dict) else {}
+    saved = _saved_figures(figures_path()) if host_gemv_gbps is None or link_gbps is None else {}
     host = host_gemv_gbps if host_gemv_gbps is not None else saved.get("host_gemv_gbps")
     link = link_gbps if link_gbps is not None else saved.get("link_gbps")
     if not host or not link:
