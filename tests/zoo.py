@@ -144,10 +144,7 @@ OVERRIDES: dict[str, dict] = {
                            indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
                            indexer_compress_ratio=4),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-    "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512),
-    # Its per-layer inputs are otherwise 256 wide per layer (with 262 144 rows: 208M parameters, 1.6 GB of model
-    # and store); its table must cover the token ids (unlike Gemma 3n's, which masks the ones past it).
-    "gemma4_text": dict(hidden_size_per_layer_input=16),
+    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=512),  # masks the ids past its table
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
 }
@@ -165,8 +162,9 @@ def tiny_config(model_type: str, tokenizer, *, layers: int = 3, **over):
     kw.update(num_hidden_layers=layers, vocab_size=len(tokenizer), tie_word_embeddings=False,
               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
               pad_token_id=tokenizer.pad_token_id)
-    if _settable(base, "vocab_size_per_layer_input"):  # Gemma 3n/4 per-layer inputs: 262 144 rows by default
-        kw["vocab_size_per_layer_input"] = len(tokenizer)
+    if _settable(base, "vocab_size_per_layer_input"):  # Gemma 3n/4 per-layer inputs: by default 262 144 rows x 256
+        # per layer (Gemma 4: 208M parameters, 1.6 GB of model and store); Gemma 4's must cover the token ids
+        kw.update(vocab_size_per_layer_input=len(tokenizer), hidden_size_per_layer_input=16)
     kw.update(OVERRIDES.get(model_type, {}))
     kw.update(over)
     try:
