@@ -138,7 +138,7 @@ def test_cuda_offloaded_cache_equals_the_cache_on_the_device(tiny_store, kw, kv)
     for _ in range(2):
         assert _loop_tokens(off, KVS[kv]) == want
         assert _fallback_tokens(off, KVS[kv], off.offloaded_layers()) == want
-    loop = off.decode_loop(2, context=64)
+    loop = off.decode_loop(2, context=64, kv=KVS[kv])
     loop.run(_requests(off))
     for i in range(off.config.num_hidden_layers):
         on_host = [t.device.type == "cpu" and t.is_pinned() for t in (loop.kv._k[i], loop.kv._v[i])
