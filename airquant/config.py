@@ -91,6 +91,10 @@ class EngineConfig:
     # The KV cache format the reserve is sized for: "none" (plain) or "tq" (TurboQuant K4/V2, ~4.7x fewer
     # bytes a token). A batch sized for the compressed cache and planned as plain asks for its 4.7x reserve.
     kv_cache: Literal["none", "tq"] = setting("none", help="the KV cache format the reserve is sized for")
+    # What the reserve's activations are sized for: "whole", every prompt of a batch in one forward pass (generate:
+    # the whole prefill in one weight pass); "chunked", the decode loop's passes of at most
+    # placement.pass_tokens tokens each (airquant batch), and the engine then holds generate to that too.
+    prefill: Literal["whole", "chunked"] = setting("whole", help="prefill in one pass, or in the loop's chunks")
     # The streamer double-buffers: one slot is copied into while the other computes.
     slots: int = setting(2, help="device buffers for streamed layers")
 

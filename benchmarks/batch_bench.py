@@ -16,7 +16,7 @@ Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``ma
 a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
 request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
 ``airquant batch`` feeds either path. The slots are what the router allows under the cap for the cache ``--kv``
-names (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``); ``--kv auto`` runs
+names, its reserve planned for the decode loop's passes as ``airquant batch`` plans it (``prefill="chunked"``) (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``); ``--kv auto`` runs
 the throughput planner's choice of KV format, offload, slots and placement (``engine/memory/throughput.py``, what
 ``airquant batch --batch-size auto --kv auto`` runs): ``continuous_auto_*``, ``auto_slots``, ``auto_kv``.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
@@ -99,7 +99,7 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
     if cap_gb is None:
         return limit, kv, False
     hw = Hardware.detect("cuda", max_vram_gb=cap_gb * 1e9 / (1 << 30))
-    wl = workload_for(EngineConfig(), batch_size=1, context=context, mode="streamed", kv_schemes=(kv,),
+    wl = workload_for(EngineConfig(prefill="chunked"), batch_size=1, context=context, mode="streamed", kv_schemes=(kv,),
                       kv_offload=offload, host_embedding=True)
     r = route([Candidate.open(store)], hw, wl)
     return min(limit, r.max_batch), r.kv, r.kv_offload
@@ -129,7 +129,7 @@ def open_engine(store: Path, args, slots: int, context: int, offload: bool, kv_c
 
     cfg = EngineConfig(device="cpu" if args.quick else "cuda", max_vram_gb=None if args.quick else args.cap_gb * 1e9
                        / (1 << 30), batch_size=slots, context=context, host_embedding=not args.quick,
-                       kv_offload=offload, kv_cache=kv_cache)
+                       kv_offload=offload, kv_cache=kv_cache, prefill="chunked")  # as airquant batch runs
     return Engine.open(store, cfg, placement=placement)
 
 

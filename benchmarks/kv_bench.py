@@ -64,6 +64,7 @@ from benchmarks.stream_bench import (  # noqa: E402
     make_store,
     open_engine,
     prompt_ids,
+    trace_steps,
     write_results,
 )
 
@@ -132,6 +133,8 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
             rows[name] = measure_cache(b, engine, ids, kv)
             log.info("batch %d, %s: %.4f s/step, prefill %.2f s, cache %.3f GB", batch, name, rows[name]["step_s"],
                      rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
+            if a.trace and name in FURTHER and describe:  # where the step's time goes, at the first batch
+                rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=kv, new=a.steps)
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
         except DependencyError as exc:
@@ -282,6 +285,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed decode steps (after one warm-up step)")
     p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap (GB) of the 70B largest-batch plan")
     p.add_argument("--layers", type=int, default=None, help="truncate the 8B shape (default: all 32 layers)")
+    p.add_argument("--trace", action="store_true",
+                   help="also profile the plain and TQ generations at the first batch (prefill included): device "
+                        "time by kind and the top ops, under details.cases.<cache>.trace")
+    p.add_argument("--trace-dir", default=None, metavar="DIR", help="and write their timelines there (gzipped)")
     p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"),
                    help="tokenizer folder for the stores (default: the SmolLM2 tokenizer shipped in tests/data)")
     args = p.parse_args(argv)

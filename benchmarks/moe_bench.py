@@ -40,10 +40,8 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
-import gzip  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -76,6 +74,7 @@ from benchmarks.stream_bench import (  # noqa: E402
     open_engine,
     part_link,
     prompt_ids,
+    trace_steps,
     versions,
     write_results,
 )
@@ -159,7 +158,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
             step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
             if case is not None and case in (a.trace or "").split(","):
-                row["trace"] = trace_steps(b, engine, batch, f"{model}-bs{batch}-{case}".replace(" ", "-"))
+                ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
+                row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
             if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
                 row.update(experts=engine.experts.report(), decode_bytes_per_step=routed_step_bytes(b, engine, batch))
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
@@ -182,42 +182,6 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         if engine is not None:
             engine.close()
     return row
-
-
-def trace_steps(b: Bench, engine, batch: int, name: str, new: int = 3, top: int = 20) -> dict:
-    """Where a decode step's time goes (``--trace CASE``): ``new`` tokens after the prefill under torch's
-    profiler, the ops with the most device time and the most host time, and the device's busy time by kind
-    (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
-    here whether the device computed, copied or waited for the host."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from airquant.config import GenerateConfig
-
-    ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
-    start = time.perf_counter()
-    with profile(activities=acts) as prof:
-        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
-                                  for row in ids.tolist()])
-    wall = time.perf_counter() - start
-    if b.args.trace_dir:  # the timeline itself (chrome://tracing, Perfetto): gaps show what waited on what
-        os.makedirs(b.args.trace_dir, exist_ok=True)
-        path = os.path.join(b.args.trace_dir, f"{name}.json")
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        os.remove(path)
-    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
-    events = prof.key_averages()
-    busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
-    for e in events:
-        name, ms = e.key.lower(), device_us(e) / 1e3
-        kind = ("memcpy_htod_ms" if "htod" in name else "memcpy_other_ms") if "memcpy" in name else "kernel_ms"
-        busy[kind] += ms
-    rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
-                       "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
-    return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
-            "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
 
 
 def routed_step_bytes(b: Bench, engine, batch: int) -> float:

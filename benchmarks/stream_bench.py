@@ -30,6 +30,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
@@ -147,6 +148,40 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
     log.info("%s batch %d: %.4f s/step, %.1f tok/s, peak %s GB", case, batch, step, row["tok_s"],
              row["peak_allocated_gb"])
     return row
+
+
+def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: int = 3, top: int = 20) -> dict:
+    """Where a decode step's time goes (moe_bench and kv_bench ``--trace``): the prompts ``ids`` and ``new``
+    tokens (cache ``kv``) under torch's
+    profiler, the ops with the most device time and the most host time, and the device's busy time by kind
+    (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
+    here whether the device computed, copied or waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
+                                  for row in ids.tolist()], kv=kv)
+    wall = time.perf_counter() - start
+    if b.args.trace_dir:  # the timeline itself (chrome://tracing, Perfetto): gaps show what waited on what
+        os.makedirs(b.args.trace_dir, exist_ok=True)
+        path = os.path.join(b.args.trace_dir, f"{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
+    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    events = prof.key_averages()
+    busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
+    for e in events:
+        name, ms = e.key.lower(), device_us(e) / 1e3
+        kind = ("memcpy_htod_ms" if "htod" in name else "memcpy_other_ms") if "memcpy" in name else "kernel_ms"
+        busy[kind] += ms
+    rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
+                       "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
+    return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
+            "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
 
 
 def hf_decode_step(generate, ids: torch.Tensor, new: int, device: str) -> dict:

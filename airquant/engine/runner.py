@@ -223,8 +223,7 @@ class Engine:
             return self._generate_fallback(requests, kv)  # the PyPI turboquant's cache lives in generate only
         longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
         self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
-        loop = self.decode_loop(len(requests), context=longest, kv=kv,
-                                token_budget=sum(len(r.prompt_ids) for r in requests))
+        loop = self.decode_loop(len(requests), context=longest, kv=kv, token_budget=self._prefill_budget(requests))
         self._sync()
         start = time.perf_counter()
         seqs = loop.run(requests)
@@ -284,12 +283,23 @@ class Engine:
                              "slot_utilization": loop.stats.utilization(loop.slots),
                              "decode_step_median_s": statistics.median(steps) if steps else None}
 
+    def _prefill_budget(self, requests: list[Request]) -> int:
+        """Prompt tokens one pass may take: every prompt at once (one weight pass for the whole prefill), or
+        with a reserve planned for the decode loop's passes (``--prefill chunked``) at most what it holds, and
+        never less than one whole prompt (the loop prefills a TurboQuant prompt whole)."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        cap = self.plan.pass_tokens if self.plan is not None else None
+        return sum(lengths) if cap is None else min(sum(lengths), max(cap, max(lengths)))
+
     def _generate_fallback(self, requests: list[Request], kv) -> list[Completion]:
         start = time.perf_counter()
-        out = fallback.generate_with_transformers(
-            self.model, self.tokenizer, requests, device=self.device, dtype=self.dtype, eos_ids=self.eos_ids(), kv=kv,
-            offload=self.offloaded_layers(), cache_arg=cache_kwarg(self.model), check_context=self._check_context,
-            on_error=self._on_error, scope=self.passes, timings=(calls := []), sync=self._sync)
+        out, calls, budget = [], [], self._prefill_budget(requests)
+        for group in _prefill_groups(requests, budget):  # generate prefills a group's prompts in one pass
+            out += fallback.generate_with_transformers(
+                self.model, self.tokenizer, group, device=self.device, dtype=self.dtype, eos_ids=self.eos_ids(),
+                kv=kv, offload=self.offloaded_layers(), cache_arg=cache_kwarg(self.model),
+                check_context=self._check_context, on_error=self._on_error, scope=self.passes, timings=calls,
+                sync=self._sync)
         total = time.perf_counter() - start
         # per generate call (one per group of equal settings): its start and each token's time
         steps = [b - a for _, times in calls for a, b in zip(times, times[1:])]
@@ -363,3 +373,17 @@ class Engine:
     def close(self) -> None:
         if self.streamer:
             self.streamer.close()
+
+
+def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]:
+    """``requests`` in order, in groups of at most ``budget`` prompt tokens (a longer prompt alone)."""
+    groups: list[list[Request]] = []
+    used = 0
+    for r in requests:
+        n = len(r.prompt_ids)
+        if not groups or used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(r)
+        used += n
+    return groups

@@ -261,7 +261,9 @@ def plan_job(store: Path, job: BatchJob, cfg: EngineConfig, shape: JobShape, hw=
 def run_batch(store: str | Path, job: BatchJob, cfg: EngineConfig | None = None, *, engine=None,
               progress: bool = True) -> BatchReport:
     """Run every prompt of ``job.input`` not yet in ``job.output``; ``engine`` reuses an open one."""
-    store, cfg = Path(store), cfg or EngineConfig()
+    # The job runs through the decode loop (passes of its token budget): the reserve holds one pass's activations,
+    # not every prompt's at once (placement.pass_tokens); engines without the loop prefill in groups that fit it.
+    store, cfg = Path(store), replace(cfg or EngineConfig(), prefill="chunked")
     report, todo = pending(job)
     if not todo:
         return report

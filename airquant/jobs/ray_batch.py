@@ -241,6 +241,7 @@ def run_batch_ray(store: str | Path, job: BatchJob, cfg: EngineConfig | None = N
         check_store_on_nodes(ray, store, digest, gpus)
         if gpus == 0 and cfg.device == "auto":
             cfg = replace(cfg, device="cpu")  # an actor without a GPU must not pick up the node's
+        cfg = replace(cfg, prefill="chunked")  # the actors run the decode loop: a pass's activations, as run_batch
         size = job.batch_size or ray.get(ray.remote(num_gpus=gpus)(_auto_size).remote(
             str(store), cfg, context, job.max_batch, job.kv))
         job = replace(job, batch_size=size)

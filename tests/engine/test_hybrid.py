@@ -221,3 +221,20 @@ def _state_tensors(layer) -> list[torch.Tensor]:
 def _state_shapes(layer) -> list[tuple]:
     return [(tuple(t.shape), t.dtype) for t in _state_tensors(layer)]
 
+
+
+def test_a_chunked_prefill_plan_runs_generate_in_groups_that_fit_it(hybrid, monkeypatch):
+    """An engine planned for the decode loop's passes (``prefill="chunked"``, one 8-token sequence here) hands
+    generate the prompts in groups that fit one pass (each prompt alone): the same tokens as one call for all."""
+    from airquant.engine.decode import fallback
+
+    engine = Engine.open(hybrid.store, device="cpu", prefill="chunked", batch_size=1, context=8)
+    assert engine.plan.pass_tokens == 8  # no two of the three prompts fit together
+    calls = []
+    real = fallback.generate_with_transformers
+    monkeypatch.setattr(fallback, "generate_with_transformers",
+                        lambda model, tok, requests, **kw: calls.append(len(requests)) or real(model, tok, requests,
+                                                                                               **kw))
+    assert _greedy(engine, PROMPTS) == hybrid.alone
+    assert calls == [1, 1, 1]
+    engine.close()

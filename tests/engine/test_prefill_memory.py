@@ -42,3 +42,38 @@ def test_a_prefill_pass_stays_within_the_planned_reserve(tmp_path, real_tokenize
     planned = reserve_for(engine.config, batch=BATCH, context=PROMPT + NEW, dtype_bytes=2)
     assert 0 < mode.peak <= planned.total - planned.workspace, (mode.peak, planned.describe())
     engine.close()
+
+
+@pytest.mark.parametrize("kv", ["none", "tq"])
+def test_a_chunked_prefill_stays_within_one_passs_reserve(tmp_path, real_tokenizer, kv):
+    """``prefill="chunked"`` (airquant batch: the decode loop's passes) plans the activations of one pass, not of
+    every prompt at once; the engine then prefills the batch in passes that fit it, and what a generation holds
+    stays within that smaller reserve (KV, TurboQuant's gathered histories, activations)."""
+    from airquant.config import EngineConfig
+    from airquant.engine.memory.placement import pass_tokens
+    from airquant.engine.memory.planner import workload_for
+    from airquant.kv import KVConfig
+
+    model = make_model(tmp_path / "model", real_tokenizer, "llama", **SHAPE)
+    split(resolve(str(model)), tmp_path / "store", dtype="bfloat16", progress=False)
+    context = PROMPT + NEW
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", resident_layers=0, batch_size=BATCH, context=context,
+                       kv_cache=kv, prefill="chunked")
+    engine = Engine.open(tmp_path / "store", cfg)
+    tokens = pass_tokens(BATCH, context)
+    assert engine.plan.pass_tokens == tokens < BATCH * PROMPT
+    ids = torch.randint(100, 1000, (BATCH, PROMPT))
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=128) if kv == "tq" else None
+    mode = LiveBytes()
+    with mode:
+        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=NEW, ignore_eos=True))
+                                  for row in ids.tolist()], kv=tq)
+    from airquant.engine.memory.planner import reserve_of
+    from airquant.engine.memory.router import Candidate
+
+    c = Candidate.open(tmp_path / "store")
+    chunked = reserve_of(c.manifest, c.dims, workload_for(cfg), kv, 2, gpu=False)
+    whole = reserve_of(c.manifest, c.dims, workload_for(cfg, prefill="whole"), kv, 2, gpu=False)
+    assert chunked.activations * BATCH * context == whole.activations * tokens
+    assert 0 < mode.peak <= chunked.total, (mode.peak, chunked.describe())
+    engine.close()

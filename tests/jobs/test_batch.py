@@ -211,8 +211,10 @@ def test_batch_runs_through_the_turboquant_cache(tiny_store, tmp_path, capsys):
     assert [r["id"] for r in _records(plain)] == [r["id"] for r in records]
 
 
-def test_auto_batch_size_follows_the_kv_cache(tiny_store, monkeypatch):
-    """On a GPU the batch comes from the router: a compressed cache fits more sequences, none fitting is an error."""
+def test_auto_batch_size_follows_the_kv_cache(tiny_store, default_store, monkeypatch):
+    """On a GPU the batch comes from the router: a compressed cache fits more sequences (SmolLM2's 30 layers at
+    1 024 tokens: on the tiny store's two layers the TurboQuant decode attention's gathered histories, one layer's
+    cache twice, outweigh what the codes save), none fitting is an error."""
     from airquant.config import EngineConfig
     from airquant.engine import runner
     from airquant.jobs.batch import auto_batch_size
@@ -221,11 +223,12 @@ def test_auto_batch_size_follows_the_kv_cache(tiny_store, monkeypatch):
     assert auto_batch_size(tiny_store, EngineConfig(device="cpu"), 64, 256) == 8  # CPU: a fixed batch
     monkeypatch.setattr(runner, "resolve_device", lambda device: torch.device("cuda"))
     # the router keeps 0.27 GB of workspace, and the plan leaves 0.25 GiB of the budget to the allocator
-    cfg = EngineConfig(device="cuda", max_vram_gb=0.55, kv_offload=False)
-    plain = auto_batch_size(tiny_store, cfg, 256, 10_000)
-    tq = auto_batch_size(tiny_store, cfg, 256, 10_000, KVConfig(backend="tq"))
+    cfg = EngineConfig(device="cuda", max_vram_gb=1.0, kv_offload=False)
+    plain = auto_batch_size(default_store, cfg, 1024, 10_000)
+    tq = auto_batch_size(default_store, cfg, 1024, 10_000, KVConfig(backend="tq"))
     assert 1 <= plain < tq
-    assert auto_batch_size(tiny_store, cfg, 256, 3, KVConfig(backend="tq")) == 3  # --max-batch caps it
+    assert auto_batch_size(default_store, cfg, 1024, 3, KVConfig(backend="tq")) == 3  # --max-batch caps it
+    cfg = EngineConfig(device="cuda", max_vram_gb=0.55, kv_offload=False)
     with pytest.raises(BatchJobError, match="--kv tq"):
         auto_batch_size(tiny_store, EngineConfig(device="cuda", max_vram_gb=0.01, kv_offload=False), 256, 256)
     with pytest.raises(BatchJobError, match="exceeds the model's 256 tokens"):

@@ -66,6 +66,7 @@ class StreamPlan:
     margin_bytes: int = 0  # of that budget, left unplanned for the allocator (planner.allocator_margin)
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
     ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
+    pass_tokens: int | None = None  # the most tokens a forward pass may hold (None: a whole batch's prefill at once)
 
     @property
     def expert_staging_bytes(self) -> int:
@@ -114,7 +115,8 @@ class StreamPlan:
             f"device slots            : {self.slots} x {self.slot_bytes / GB:.3f} GB",
             f"embeddings/norm/lm_head : {self.fixed_bytes / GB:.3f} GB on the device"
             + (f", embedding table {self.host_fixed_bytes / GB:.3f} GB in host RAM" if self.host_fixed_bytes else ""),
-            f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB",
+            f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB"
+            + (f", activations of one {self.pass_tokens}-token pass" if self.pass_tokens else ""),
         ]
         host = self.host_parts(layer_bytes)
         if any(host.values()):
@@ -162,6 +164,13 @@ def token_budget(slots: int, context: int) -> int:
     return max(slots, min(slots * context, PASS_TOKENS))
 
 
+def pass_tokens(slots: int, context: int) -> int:
+    """The most tokens one pass of the decode loop holds at its planned budget: each slot's decode token and
+    prefill up to ``PASS_TOKENS``, or one whole prompt (a TurboQuant prompt is prefilled whole), never more
+    than every sequence's whole context."""
+    return min(slots * context, max(token_budget(slots, context), context))
+
+
 @dataclass(frozen=True)
 class Reserve:
     """VRAM kept free next to the weights for a batch of ``batch`` sequences of ``context`` tokens."""
@@ -173,13 +182,16 @@ class Reserve:
     workspace: int = WORKSPACE_BYTES
     mlp: int = 0  # MLP intermediates of one chunk (<= MLP_CHUNK_TOKENS tokens): bounded, whatever the batch
     state: int = 0  # hybrid stacks: the fixed recurrent/conv state of every sequence (not per token)
+    gather: int = 0  # TurboQuant: one layer's histories gathered for the decode attention (planner.reserve_of)
 
     @property
     def total(self) -> int:
-        return self.kv + self.state + self.activations + self.mlp + self.dequant + self.logits + self.workspace
+        return (self.kv + self.state + self.gather + self.activations + self.mlp + self.dequant + self.logits
+                + self.workspace)
 
     def describe(self) -> str:
         state = f" + fixed state {self.state / GB:.2f}" if self.state else ""
+        state += f" + TQ gather {self.gather / GB:.2f}" if self.gather else ""
         return (f"KV {self.kv / GB:.2f}{state} + activations {self.activations / GB:.2f} + MLP chunk "
                 f"{self.mlp / GB:.2f} + dequant {self.dequant / GB:.2f} + logits {self.logits / GB:.2f} + "
                 f"workspace {self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
@@ -201,9 +213,11 @@ def kv_bytes_per_token(config, dtype_bytes: int, states: LayerStates | None = No
 
 
 def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_elems: int = 0,
-                states: LayerStates | None = None) -> Reserve:
+                states: LayerStates | None = None, tokens: int | None = None) -> Reserve:
     """What a batch needs beside the weights; ``dequant_elems`` is the largest quantized out*in;
-    ``states``: what each layer keeps between steps (None: read from ``config``)."""
+    ``states``: what each layer keeps between steps (None: read from ``config``); ``tokens``: the most one
+    forward pass holds (None: every sequence's whole context at once, generate's prefill; ``pass_tokens``:
+    the decode loop's)."""
     states = states or LayerStates.of(config)
     h = config.hidden_size
     # Prefill holds the residual, the normed input and q/k/v/attention output (<= 4 x H) for every token
@@ -211,10 +225,11 @@ def reserve_for(config, *, batch: int, context: int, dtype_bytes: int, dequant_e
     # beside its input, 5 x H in a 16-bit dtype (measured on the CPU in bf16: tests/engine/test_prefill_memory.py).
     # The MLP runs MLP_CHUNK_TOKENS tokens at a time (skeleton.chunk_mlp), so its intermediates exist for one
     # chunk only: at most MLP_CHUNK_TOKENS tokens, whatever the batch.
-    activations = batch * context * h * max(4 * dtype_bytes, dtype_bytes + 2 * 4)
+    tokens = batch * context if tokens is None else min(tokens, batch * context)
+    activations = tokens * h * max(4 * dtype_bytes, dtype_bytes + 2 * 4)
     return Reserve(kv=kv_bytes_per_token(config, dtype_bytes, states) * batch * context, activations=activations,
                    dequant=dequant_elems * dtype_bytes, logits=batch * config.vocab_size * 4 * 2,
-                   mlp=mlp_chunk_bytes(config, batch * context, dtype_bytes),
+                   mlp=mlp_chunk_bytes(config, tokens, dtype_bytes),
                    state=states.state_bytes(dtype_bytes) * batch)
 
 

@@ -30,6 +30,7 @@ from airquant.engine.memory.placement import (
     expert_intermediate_of,
     fixed_bytes,
     kv_bytes_per_token,
+    pass_tokens,
     plan_layers,
     reserve_for,
     top_k_of,
@@ -189,6 +190,9 @@ class Workload:
     mode: Mode = "auto"  # the router's choice of resident/streamed (the planner places streamed runs)
     allow_streaming: bool = True  # "auto" only: may the choice be a streamed engine?
     kv_schemes: tuple[KVScheme, ...] = ("none", "tq")
+    # prefill "chunked": the most tokens one pass holds, when a job knows more than the batch and context say (a
+    # TurboQuant prompt longer than a pass is prefilled whole); None: placement.pass_tokens(batch, context).
+    pass_tokens: int | None = None
 
     @property
     def reserve_bytes(self) -> int | None:
@@ -205,12 +209,18 @@ class Workload:
         """Host staging buffers when layers come from disk (read-ahead, +1 being copied)."""
         return max(1, self.engine.readahead) + 1
 
+    def pass_of(self, batch: int, context: int) -> int | None:
+        """The most tokens a forward pass holds (None: prefill whole, every sequence's context at once)."""
+        if self.engine.prefill != "chunked":
+            return None
+        return max(self.pass_tokens or 0, pass_tokens(batch, context))
+
     def updated(self, **changes) -> "Workload":
         """A copy with ``changes``, each a field of the Workload or of its EngineConfig."""
         return workload_for(self.engine, **{**{k: getattr(self, k) for k in _OWN}, **changes})
 
 
-_OWN = ("mode", "allow_streaming", "kv_schemes")
+_OWN = ("mode", "allow_streaming", "kv_schemes", "pass_tokens")
 
 
 def workload_for(engine: EngineConfig | None = None, **changes) -> Workload:
@@ -240,10 +250,14 @@ def reserve_of(manifest: Manifest, dims: ModelDims | None, wl: Workload, kv: KVS
     batch = wl.engine.batch_size if batch is None else batch
     context = dims.context(wl.engine.context)
     config = dims.as_config()
+    tokens = wl.pass_of(batch, context)
     sized = reserve_for(config, batch=batch, context=context, dtype_bytes=dtype_bytes,
-                        dequant_elems=dequant_elems(manifest.shards, config), states=dims.states)
-    return replace(sized, kv=batch * dims.kv_bytes(kv, context, dtype_bytes),
-                   workspace=WORKSPACE_BYTES if gpu else 0)
+                        dequant_elems=dequant_elems(manifest.shards, config), states=dims.states, tokens=tokens)
+    kv_bytes = batch * dims.kv_bytes(kv, context, dtype_bytes)
+    # The TurboQuant decode attention gathers each slot's history pages (and windows) of the running layer, and
+    # reshapes them: two copies of one layer's compressed cache beside it (decode.tqslots.SlotArena.context).
+    gather = 2 * kv_bytes // max(len(dims.states.attention_layers), 1) if kv == "tq" else 0
+    return replace(sized, kv=kv_bytes, gather=gather, workspace=WORKSPACE_BYTES if gpu else 0)
 
 
 def stream_bytes(manifest: Manifest, wl: Workload) -> list[int]:
@@ -297,7 +311,9 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
     staging = wl.staging * max(manifest.layer_bytes, default=0) if placed.disk_layers else 0
     placed = replace(placed, host_fixed_bytes=host_fixed, ram_tier_bytes=tier, vram_budget_bytes=hw.vram_bytes,
                      margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram,
-                     staging_bytes=staging, ram_budget_bytes=hw.ram_bytes)
+                     staging_bytes=staging, ram_budget_bytes=hw.ram_bytes,
+                     pass_tokens=wl.pass_of(wl.engine.batch_size, dims.context(wl.engine.context))
+                     if dims is not None else None)
     if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
         pool = replace(placed.experts, staging=expert_plan.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
         placed = replace(placed, experts=pool)

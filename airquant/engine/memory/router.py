@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 
 from airquant.config import MLP_CHUNK_TOKENS, EngineConfig
 from airquant.engine.memory.placement import (
+    PASS_TOKENS,
     PlanError,
     Reserve,
     StreamPlan,
@@ -137,17 +138,21 @@ class _Costs:
     fixed_reserve: bool  # --reserve as given: it does not grow with the batch
     kv_host: int = 0  # an offloaded cache: one sequence's KV in host RAM (every layer)
     mlp_cap: int = 0  # MLP intermediates of a full chunk (plan.MLP_CHUNK_TOKENS tokens)
+    act_cap: int = 0  # --prefill chunked: the activations of the decode loop's largest pass (0: no cap)
 
     def reserve(self, batch: int) -> Reserve:
         # reserve_for is linear in the batch for KV, activations and logits; the MLP chunk grows with the
-        # batch's tokens up to a full chunk; dequant and workspace do not grow.
+        # batch's tokens up to a full chunk, the activations (chunked prefill) up to a pass's; dequant and
+        # workspace do not grow.
         one = self.one
-        return replace(one, kv=batch * one.kv, activations=batch * one.activations, logits=batch * one.logits,
-                       mlp=min(batch * one.mlp, self.mlp_cap), state=batch * one.state)
+        activations = batch * one.activations
+        return replace(one, kv=batch * one.kv, activations=min(activations, self.act_cap or activations),
+                       logits=batch * one.logits, mlp=min(batch * one.mlp, self.mlp_cap), state=batch * one.state,
+                       gather=batch * one.gather)
 
     @property
     def per_seq(self) -> int:
-        return self.one.kv + self.one.state + self.one.activations + self.one.logits
+        return self.one.kv + self.one.state + self.one.gather + self.one.activations + self.one.logits
 
     def weights_part(self, mode: str) -> int:
         if mode == "resident":
@@ -167,9 +172,13 @@ class _Costs:
         if self.fixed_reserve:  # --reserve as given says nothing of what one sequence takes
             return batch
         per = max(self.per_seq, 1)
-        growing = free // (per + self.one.mlp)  # batches whose MLP chunk is still below a full one
-        full = max(0, (free - self.mlp_cap) // per)  # once it is a full chunk
-        return max(growing if growing * self.one.mlp <= self.mlp_cap else 0, full)
+        growing = free // (per + self.one.mlp)  # batches whose MLP chunk (and activations) are below their caps
+        below = growing * self.one.mlp <= self.mlp_cap and (
+            not self.act_cap or growing * self.one.activations <= self.act_cap)
+        # Past the caps: a full MLP chunk, and with chunked prefill one pass's activations whatever the batch.
+        capped = self.act_cap or 0
+        full = max(0, (free - self.mlp_cap - capped) // max(per - (self.one.activations if capped else 0), 1))
+        return max(growing if below else 0, full)
 
     def formula(self, mode: str, batch: int) -> str:
         if mode == "resident":
@@ -209,6 +218,8 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
                                                        default=0),
                   one=one, kv_host=kv_bytes if offload else 0,
                   mlp_cap=mlp_chunk_bytes(c.dims.as_config(), MLP_CHUNK_TOKENS, width),
+                  act_cap=one.activations * max(PASS_TOKENS, context, wl.pass_tokens or 0) // context
+                  if wl.engine.prefill == "chunked" and wl.reserve_bytes is None else 0,
                   buffers=wl.engine.slots if gpu else wl.staging,
                   fixed_reserve=wl.reserve_bytes is not None)
 

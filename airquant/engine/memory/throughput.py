@@ -201,7 +201,7 @@ class ThroughputPlan:
         """``base`` with the choice: slots, the job's context, KV format and offload (open the engine with
         ``placement=choice.plan``: the placement was sized for the TurboQuant arena's own lengths)."""
         return replace(base, batch_size=self.choice.slots, context=self.job.context, kv_cache=self.choice.kv,
-                       kv_offload=self.choice.offload)
+                       kv_offload=self.choice.offload, prefill="chunked")
 
 
 def choose_mix(candidate: Candidate, hw: Hardware, engine: EngineConfig, job: JobShape, *,
@@ -256,8 +256,10 @@ def _evaluate(c: Candidate, hw: Hardware, engine: EngineConfig, job: JobShape, k
         min(job.context, -(-admission.peak_tokens * 9 // (8 * slots)) + PAGE_TOKENS)
     option = Option(kv=kv, offload=offload, slots=slots, slot_tokens=tokens,
                     slot_bytes=c.dims.kv_bytes(kv, tokens, width))
-    wl = workload_for(engine, batch_size=slots, context=tokens, kv_cache=kv,
-                      kv_offload=offload if hw.vram_bytes is not None else False)
+    # The decode loop runs the job: passes of its token budget, a TurboQuant prompt whole (engine_config: chunked).
+    wl = workload_for(engine, batch_size=slots, context=tokens, kv_cache=kv, prefill="chunked",
+                      kv_offload=offload if hw.vram_bytes is not None else False,
+                      pass_tokens=max(job.prompt_tokens) if kv == "tq" else None)
     try:
         placed = plan(c.manifest, c.dims, hw, wl, kv=kv, dtype_bytes=width)
     except PlanError as exc:
