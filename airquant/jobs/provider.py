@@ -130,6 +130,8 @@ class Provider:
                                                    engine or EngineConfig(), overrides)
         self.defaults = gen or GenerateConfig()
         self.stores = [store] if isinstance(store, (str, Path)) else list(store)
+        # Every request runs through the decode loop: the reserve holds one pass's activations (as airquant batch).
+        engine_cfg = replace(engine_cfg, prefill="chunked")
         self.route, self.interactive = route_for(self.stores, self.config, engine_cfg)
         self.engine_config = self.route.engine_config(engine_cfg)
         self._kv = self.route.kv_config()
