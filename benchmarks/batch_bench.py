@@ -16,7 +16,8 @@ Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``ma
 a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
 request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
 ``airquant batch`` feeds either path. The slots are what the router allows under the cap for the cache ``--kv``
-names, its reserve planned for the decode loop's passes as ``airquant batch`` plans it (``prefill="chunked"``) (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``); ``--kv auto`` runs
+names (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``), the reserve planned
+for the decode loop's passes as ``airquant batch`` plans it (``prefill="chunked"``); ``--kv auto`` runs
 the throughput planner's choice of KV format, offload, slots and placement (``engine/memory/throughput.py``, what
 ``airquant batch --batch-size auto --kv auto`` runs): ``continuous_auto_*``, ``auto_slots``, ``auto_kv``.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
@@ -99,8 +100,8 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
     if cap_gb is None:
         return limit, kv, False
     hw = Hardware.detect("cuda", max_vram_gb=cap_gb * 1e9 / (1 << 30))
-    wl = workload_for(EngineConfig(prefill="chunked"), batch_size=1, context=context, mode="streamed", kv_schemes=(kv,),
-                      kv_offload=offload, host_embedding=True)
+    wl = workload_for(EngineConfig(prefill="chunked"), batch_size=1, context=context, mode="streamed",
+                      kv_schemes=(kv,), kv_offload=offload, host_embedding=True)
     r = route([Candidate.open(store)], hw, wl)
     return min(limit, r.max_batch), r.kv, r.kv_offload
 

@@ -190,9 +190,9 @@ class Reserve:
                 + self.workspace)
 
     def describe(self) -> str:
-        state = f" + fixed state {self.state / GB:.2f}" if self.state else ""
-        state += f" + TQ gather {self.gather / GB:.2f}" if self.gather else ""
-        return (f"KV {self.kv / GB:.2f}{state} + activations {self.activations / GB:.2f} + MLP chunk "
+        extra = f" + fixed state {self.state / GB:.2f}" if self.state else ""
+        extra += f" + TQ gather {self.gather / GB:.2f}" if self.gather else ""
+        return (f"KV {self.kv / GB:.2f}{extra} + activations {self.activations / GB:.2f} + MLP chunk "
                 f"{self.mlp / GB:.2f} + dequant {self.dequant / GB:.2f} + logits {self.logits / GB:.2f} + "
                 f"workspace {self.workspace / GB:.2f} = {self.total / GB:.2f} GB")
 

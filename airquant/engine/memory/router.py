@@ -201,6 +201,13 @@ def _compute_bytes(c: Candidate, hw: Hardware, dtype: str | None) -> int:
     return compute_bytes(c.manifest.dtype, dtype, hw.vram_bytes is not None)
 
 
+def _activation_cap(one: Reserve, wl: Workload, context: int) -> int:
+    """Chunked prefill: the activations of the loop's largest pass, the pass of any batch past ``PASS_TOKENS``
+    sequences' worth (``Workload.pass_of``); 0 (no cap) when a batch is prefilled whole or --reserve is given."""
+    tokens = wl.pass_of(PASS_TOKENS, context) if wl.reserve_bytes is None else None
+    return one.activations * tokens // context if tokens else 0
+
+
 def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int, offload: bool = False) -> _Costs:
     width = _compute_bytes(c, hw, wl.engine.dtype)
     gpu = hw.vram_bytes is not None
@@ -218,8 +225,7 @@ def _costs(c: Candidate, kv: KVScheme, hw: Hardware, wl: Workload, context: int,
                                                        default=0),
                   one=one, kv_host=kv_bytes if offload else 0,
                   mlp_cap=mlp_chunk_bytes(c.dims.as_config(), MLP_CHUNK_TOKENS, width),
-                  act_cap=one.activations * max(PASS_TOKENS, context, wl.pass_tokens or 0) // context
-                  if wl.engine.prefill == "chunked" and wl.reserve_bytes is None else 0,
+                  act_cap=_activation_cap(one, wl, context),
                   buffers=wl.engine.slots if gpu else wl.staging,
                   fixed_reserve=wl.reserve_bytes is not None)
 
