@@ -353,7 +353,8 @@ def parse_args(argv=None):
     p.add_argument("--store-default", default="/tmp/bb/default")
     p.add_argument("--requests", type=int, default=None, help="default 512 (--quick: 48)")
     p.add_argument("--slots", type=int, default=None,
-                   help="upper bound, default 64 (--quick: 8); the router may allow fewer under the cap")
+                   help="upper bound, default 256 as `airquant batch --max-batch` (--quick: 8); the router or "
+                        "the planner may allow fewer under the cap")
     p.add_argument("--seconds", type=float, default=300.0,
                    help="static/continuous: wall-time budget of the measured window (checked between passes)")
     p.add_argument("--static-batches", type=int, default=None,
@@ -371,7 +372,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.prompt_range, args.mean_new, args.max_new = ((8, 24), 6, 12) if args.quick else (PROMPT_RANGE, MEAN_NEW,
                                                                                              MAX_NEW)
-    sizes = {"requests": (512, 48), "slots": (64, 8), "mixed_prompts": (48, 6), "mixed_slots": (16, 3),
+    sizes = {"requests": (512, 48), "slots": (256, 8), "mixed_prompts": (48, 6), "mixed_slots": (16, 3),
              "mixed_new": (256, 8)}
     for name, (full, quick) in sizes.items():
         if getattr(args, name) is None:
