@@ -128,7 +128,14 @@ if triton is not None:
         p = tl.exp(s - m_safe[:, None])
         return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
-    @triton.jit
+    # Integer arguments that follow the lengths of a call (history, window, mask row, split counts) are not
+    # specialized: Triton otherwise compiles a variant per combination of "equal to 1" / "divisible by 16" of
+    # them, and a decode loop whose lengths grow by one token a step met a new one every few steps (seconds of
+    # compile each, measured as a 28 s longer prefill ramp of the first TurboQuant run on the H200). Strides of
+    # the packed tensors stay specialized: they are multiples of a page and keep the loads aligned.
+    LENGTH_ARGS = ("s_eb", "s_eh", "s_el", "KV_LEN", "F", "N_HIST", "full_splits")
+
+    @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
         Q, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, RotK, RotV, KMean, VMean, Keep, OutM, OutL, OutAcc,
         s_qb, s_qh, s_ql, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
@@ -212,7 +219,7 @@ if triton is not None:
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP"],
     )(_split_kernel)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("n_splits",))
     def _merge_kernel(
         OutM, OutL, OutAcc, Out, s_ob, s_ol, s_oh, HKV, G, QLEN, n_splits,
         D: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -1,0 +1,75 @@
+"""The TurboQuant kernel compiles once per model, not once per length combination (CPU: only the launch
+arguments are computed; the kernels are replaced by recorders).
+
+Triton specializes every integer argument on "equal to 1" and "divisible by 16" and compiles a variant per
+combination; a decode loop's lengths grow by one token a step, so any length-dependent argument left
+specialized means compiles in the middle of a run (seconds each on an H200)."""
+
+import pytest
+import torch
+
+from airquant.engine.decode.tqslots import SlotArena, decode_plan
+from airquant.kv.config import KVConfig
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import native_specialize_impl  # noqa: E402
+
+from airquant.kv import triton_kernel  # noqa: E402
+
+_SPLIT, _MERGE = triton_kernel._split_kernel, triton_kernel._merge_kernel
+
+
+class _Recorder:
+    """Stands for a launched kernel: ``kernel[grid](*args, **constexprs)`` records the call."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args))
+
+
+def _variant(kernel, args) -> tuple:
+    """What Triton keys a compiled variant on, for the integer arguments of one launch."""
+    key = []
+    for value, param in zip(args, kernel.params):
+        if isinstance(value, int) and not isinstance(value, bool):
+            key.append((param.name, native_specialize_impl(None, value, False, not param.do_not_specialize,
+                                                           not param.do_not_specialize_on_alignment)))
+    return tuple(key)
+
+
+def _decode_launches(monkeypatch, kv: KVConfig, prompts: tuple[int, ...]) -> list:
+    """The kernel launches of one decode step of the loop's arena, each slot at its prompt length."""
+    calls: list = []
+    monkeypatch.setattr(triton_kernel, "_split_tuned", _Recorder(_SPLIT, calls))
+    monkeypatch.setattr(triton_kernel, "_merge_kernel", _Recorder(_MERGE, calls))
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = 2, 64
+    arena = SlotArena(kv, layer_idx=1, slots=len(prompts), kv_heads=heads, head_dim=dim, device="cpu",
+                      dtype=torch.float32)
+    for slot, n in enumerate(prompts):
+        arena.reserve(slot, kv.schedule.quantized_count(n + 1))
+        arena.prefill(slot, torch.randn(1, heads, n, dim, generator=gen), torch.randn(1, heads, n, dim, generator=gen))
+    plan = decode_plan(kv, len(prompts), [(slot, n, slot) for slot, n in enumerate(prompts)], "cpu")
+    new = torch.randn(1, heads, len(prompts), dim, generator=gen)
+    arena.write_decode(plan, new, new)
+    for bucket in plan.buckets:
+        keys, values, ctx = arena.context(plan, bucket)
+        query = torch.randn(len(bucket.rows), heads * 4, 1, dim, generator=gen)
+        triton_kernel.attention(query, keys, values, ctx, bucket.keep, dim**-0.5)
+    return calls
+
+
+def test_decode_steps_of_any_length_share_one_compiled_variant(monkeypatch):
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=80, block=8)
+    # Histories and windows of every residue: multiples of 16 and not, one split of the window and two,
+    # one history split and many.
+    steps = [(120,), (121,), (152,), (163,), (400,), (1000,), (1037,)]
+    variants = {}
+    for prompts in steps:
+        for kernel, args in _decode_launches(monkeypatch, kv, prompts):
+            variants.setdefault(kernel.fn.__name__, set()).add(_variant(kernel, args))
+    assert set(variants) == {"_split_kernel", "_merge_kernel"}
+    for name, seen in variants.items():
+        assert len(seen) == 1, f"{name} would compile {len(seen)} variants for these lengths: {sorted(seen)}"
