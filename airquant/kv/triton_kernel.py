@@ -25,6 +25,7 @@ Importing this module never requires triton or CUDA: ``applicable`` says whether
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -138,6 +139,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
         Q, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, RotK, RotV, KMean, VMean, Keep, OutM, OutL, OutAcc,
+        Slots, Table, s_tb,
         s_qb, s_qh, s_ql, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
         s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
         s_eb, s_eh, s_el, s_ec,
@@ -145,10 +147,17 @@ if triton is not None:
         D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
-        HAS_KEEP: tl.constexpr,
+        HAS_KEEP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // HKV, pid_bh % HKV
+        # Paged (the decode loop's arena): batch row b reads slot Slots[b]'s window, statistics and pages;
+        # history token t of it sits in page Table[slot, t // PAGE] at row t % PAGE. Otherwise slot = b.
+        if PAGED:
+            slot = tl.load(Slots + b)
+        else:
+            slot = b
+        sh = slot * HKV + h  # row of the per-(sequence, head) statistics
         rows = G * QLEN
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # grouped rows: r = g * QLEN + i
         offs_d = tl.arange(0, D)
@@ -168,13 +177,13 @@ if triton is not None:
             for n0 in range(n_start, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < n_end
-                k = tl.load(KF + b * s_kfb + h * s_kfh + offs_n[:, None] * s_kfn + offs_d[None, :],
+                k = tl.load(KF + slot * s_kfb + h * s_kfh + offs_n[:, None] * s_kfn + offs_d[None, :],
                             mask=n_ok[:, None], other=0.0)
                 s = _product(q, tl.trans(k), DOT) * scale
                 col = tl.where(offs_n < SINK, offs_n, offs_n + N_HIST)
                 s = tl.where(_visible(keep_row, s_ec, col, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
-                v = tl.load(VF + b * s_vfb + h * s_vfh + offs_n[:, None] * s_vfn + offs_d[None, :],
+                v = tl.load(VF + slot * s_vfb + h * s_vfh + offs_n[:, None] * s_vfn + offs_d[None, :],
                             mask=n_ok[:, None], other=0.0)
                 acc += _product(p, v, DOT)
         else:
@@ -182,30 +191,37 @@ if triton is not None:
             rot_k = tl.load(RotK + offs_d[:, None] * D + offs_d[None, :])  # rows: the rotated basis
             q_rot = _product(q, tl.trans(rot_k), 0)  # fp32: run once per program
             if HAS_KMEAN:
-                km = tl.load(KMean + pid_bh * D + offs_d)
+                km = tl.load(KMean + sh * D + offs_d)
                 bias = tl.sum(q * km[None, :], 1) * scale
             n_start = (pid_s - full_splits) * per_split
             n_end = tl.minimum(n_start + per_split, N_HIST)
             for n0 in range(n_start, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < n_end
-                kc = _codes(KC + b * s_kcb + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn)
+                if PAGED:  # a tile never crosses a page: splits start at multiples of PAGE, BLOCK_N divides it
+                    page = tl.load(Table + slot * s_tb + n0 // PAGE)
+                    back = n0 % PAGE - n0  # offs_n stays absolute: shift the bases back by the tile's start
+                    kc_row, kn_row = KC + page * s_kcb + back * s_kcn, KN + page * s_knb + back
+                    vc_row, vn_row = VC + page * s_vcb + back * s_vcn, VN + page * s_vnb + back
+                else:
+                    kc_row, kn_row, vc_row, vn_row = KC + b * s_kcb, KN + b * s_knb, VC + b * s_vcb, VN + b * s_vnb
+                kc = _codes(kc_row + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn)
                 k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
-                kn = _norms(KN + b * s_knb + h * s_knh, KR + pid_bh, offs_n, n_ok, NORM8_K)
+                kn = _norms(kn_row + h * s_knh, KR + sh, offs_n, n_ok, NORM8_K)
                 s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
                 if HAS_KMEAN:
                     s += bias[:, None]
                 s = tl.where(_visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
-                vc = _codes(VC + b * s_vcb + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn)
+                vc = _codes(vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn)
                 v = tl.load(VCent + vc)
-                vn = _norms(VN + b * s_vnb + h * s_vnh, VR + pid_bh, offs_n, n_ok, NORM8_V)
+                vn = _norms(vn_row + h * s_vnh, VR + sh, offs_n, n_ok, NORM8_V)
                 acc += _product(p * vn[None, :], v, DOT)
             # Back from the value rotation's space (Pi^T y = y @ Pi), once per program.
             rot_v = tl.load(RotV + offs_d[:, None] * D + offs_d[None, :])
             acc = _product(acc, rot_v, 0)
             if HAS_VMEAN:  # every history value is v_mean + its quantized residual
-                acc += tl.load(VMean + pid_bh * D + offs_d)[None, :] * l_i[:, None]
+                acc += tl.load(VMean + sh * D + offs_d)[None, :] * l_i[:, None]
         out = (pid_bh * tl.num_programs(1) + pid_s) * rows + offs_m
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
@@ -216,7 +232,7 @@ if triton is not None:
     _split_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                  for bn, w, st in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (64, 8, 1))],
-        key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP"],
+        key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED"],
     )(_split_kernel)
 
     @triton.jit(do_not_specialize=("n_splits",))
@@ -267,6 +283,22 @@ def _splits(n: int, programs_per_split: int) -> tuple[int, int]:
     return math.ceil(n / per_split), per_split
 
 
+@dataclass(frozen=True)
+class Paged:
+    """The decode loop's arena read in place (engine/decode/tqslots.py), nothing gathered per layer.
+
+    ``slots`` ``[B]``: the slot each batch row reads; ``table`` ``[slots, pages]``: the pool page of each
+    slot's j-th ``page`` history tokens; ``window``: how many of each slot's unquantized tokens to read. The
+    attention's ``keys``/``values`` are then every slot's window ``[slots, Hkv, capacity, D]``, the history's
+    codes and norms the page pools ``[pages, Hkv, page(, W)]`` and its statistics every slot's
+    ``[slots, Hkv, 1(, D)]``; ``history.length`` is the longest history the batch rows read."""
+
+    slots: torch.Tensor
+    table: torch.Tensor
+    window: int
+    page: int
+
+
 def attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -277,16 +309,20 @@ def attention(
     exact: bool | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    paged: Paged | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
-    ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks)."""
+    ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks).
+    ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``)."""
     hist = ctx.history
     # The kernel reads feature vectors with unit stride; anything else is copied once here.
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
     batch, hq, q_len, dim = query.shape
-    hkv, n_full = keys.shape[1], keys.shape[2]
+    hkv, n_full = keys.shape[1], keys.shape[2] if paged is None else paged.window
+    if paged is not None and paged.page % SPLIT_QUANTUM:
+        raise ValueError(f"pages of {paged.page} tokens: the kernel's splits need a multiple of {SPLIT_QUANTUM}")
     groups, rows = hq // hkv, hq // hkv * q_len
     kv_len = n_full + hist.length
     exact = query.dtype == torch.float32 if exact is None else exact
@@ -306,9 +342,9 @@ def attention(
     rot_v = ctx.v_codec.rotation.matrix(query.device, torch.float32)
     keep8 = None if mask is None else _keep_view(mask, batch, q_len, kv_len)
     kc, vc, kn, vn = hist.k.codes, hist.v.codes, hist.k.norms, hist.v.norms
-    # Per-(batch, head) vectors: contiguous [B*Hkv, D] / [B*Hkv] (a few KiB; any stand-in when absent).
-    k_mean = hist.k_mean.float().reshape(batch * hkv, dim).contiguous() if hist.k_mean is not None else rot_k
-    v_mean = hist.v_mean.float().reshape(batch * hkv, dim).contiguous() if hist.v_mean is not None else rot_v
+    # Per-(sequence, head) vectors: contiguous [B*Hkv, D] / [B*Hkv] (a few KiB; any stand-in when absent).
+    k_mean = hist.k_mean.float().reshape(-1, dim).contiguous() if hist.k_mean is not None else rot_k
+    v_mean = hist.v_mean.float().reshape(-1, dim).contiguous() if hist.v_mean is not None else rot_v
     k_ref = hist.k_ref.float().reshape(-1).contiguous() if hist.k_ref is not None else rot_k
     v_ref = hist.v_ref.float().reshape(-1).contiguous() if hist.v_ref is not None else rot_v
     keep_arg = keep8 if keep8 is not None else out_m
@@ -317,6 +353,7 @@ def attention(
     (_split_tuned if block_n is None else _split_kernel)[(batch * hkv, n_splits, m_blocks)](
         query, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, rot_k, rot_v, k_mean, v_mean,
         keep_arg, out_m, out_l, out_acc,
+        paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
@@ -324,7 +361,8 @@ def attention(
         hkv, groups, q_len, kv_len, n_full, ctx.sink, hist.length, full_splits, per_split, scale,
         D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits, DOT=dot,
         BLOCK_M=block_m, NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
-        HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None, **tiles,
+        HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
+        PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, **tiles,
     )  # fmt: skip
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](

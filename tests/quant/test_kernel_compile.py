@@ -99,14 +99,16 @@ def _packed(fmt: int, split: bool, **extra) -> Kernel:
         opt, configs=packed_triton._small_m_configs if split else packed_triton._configs)
 
 
-def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64) -> Kernel:
-    """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule)."""
+def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64, paged: bool = False) -> Kernel:
+    """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule);
+    ``paged``: reading the decode loop's arena through its page table, with a mask (as the loop launches it)."""
     norms = "u8" if norm8 else "fp16"
     return Kernel(
-        f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}", lambda: tq._split_kernel,
-        {**_Q, "KN": norms, "VN": norms},
+        f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}{'_paged' if paged else ''}", lambda: tq._split_kernel,
+        {**_Q, "KN": norms, "VN": norms, "Slots": "i64", "Table": "i64", "Keep": "i8"},
         lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": 64,
-                   "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": False},
+                   "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": paged,
+                   "PAGED": paged, "PAGE": 64},
         {"num_warps": 4, "num_stages": 1}, configs=lambda: tq._split_tuned.configs)
 
 
@@ -153,7 +155,7 @@ KERNELS = [
            lambda x: {"GS": 32, "PS": 64, "BP": 128, "PDL": True}, min_cap=90),
     Kernel("int2_gluon_tma", lambda: int2_gluon._gemv_tma_kernel, {}, options={"num_warps": int2_gluon.TNW},
            min_cap=90, gluon=True),
-    _tq_split(4, 2, False), _tq_split(3, 3, True), _tq_split(2, 4, False),
+    _tq_split(4, 2, False), _tq_split(3, 3, True), _tq_split(2, 4, False), _tq_split(4, 2, False, paged=True),
     Kernel("tq_merge", lambda: tq._merge_kernel, {"OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32", "Out": "X"},
            lambda x: {"D": 128, "BLOCK_M": 16}),
 ]

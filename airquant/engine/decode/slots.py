@@ -51,6 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan
+from airquant.kv import triton_kernel
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
@@ -428,8 +429,17 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
     q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
     out = torch.empty_like(q)
     for bucket in plan.buckets:
-        keys, values, tq = arena.context(plan, bucket)
         qb = q[bucket.rows]
+        if bucket.hist_len and q.is_cuda:
+            # The Triton kernel reads the arena in place through its page table: no per-layer gathers of
+            # windows, pages and statistics (measured on the H200 before: the GPU idled ~0.4 ms a layer
+            # while the host gathered and launched).
+            keys, values, tq, paged = arena.paged(plan, bucket)
+            if triton_kernel.applicable(qb, tq):
+                out[bucket.rows] = triton_kernel.attention(qb, keys, values, tq, bucket.keep, scale,
+                                                           paged=paged).transpose(1, 2)
+                continue
+        keys, values, tq = arena.context(plan, bucket)
         if not bucket.hist_len:  # nothing quantized yet: exact attention over the (short) windows
             g = qb.shape[1] // keys.shape[1]
             out[bucket.rows] = F.scaled_dot_product_attention(

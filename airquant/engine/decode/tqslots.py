@@ -30,6 +30,7 @@ from airquant.kv.cache import CompressedContext, layer_codecs
 from airquant.kv.codec import NORM_DTYPE, Encoded
 from airquant.kv.config import KVConfig
 from airquant.kv.store import History, statistics
+from airquant.kv.triton_kernel import SPLIT_QUANTUM, Paged
 
 __all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan"]
 
@@ -37,6 +38,7 @@ __all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan"]
 # Tokens per history page: a multiple of the Triton kernel's splits (kv.triton_kernel.SPLIT_QUANTUM), and small
 # enough that a slot's unused tail (< one page per layer) stays small next to its history.
 PAGE_TOKENS = 64
+assert PAGE_TOKENS % SPLIT_QUANTUM == 0  # the kernel reads the pages in place, a split never straddles one
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Bucket:
     attended together, each bucket padded only to its own longest history."""
 
     rows: torch.Tensor  # indices into the pass's decode tokens
+    slots: torch.Tensor  # their slots
     hist_len: int
     keep: torch.Tensor  # [n, 1, 1, Wmax + hist_len]: columns [sink | history | recent] each token attends
 
@@ -82,13 +85,15 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
 
     return DecodePlan(
         slots=tensor([d[0] for d in decode]), offsets=tensor([d[2] for d in decode]),
-        write=tensor([w - 1 for w in win]), buckets=_buckets(kv, hist, win, w_max, device), win_len=w_max,
+        write=tensor([w - 1 for w in win]), buckets=_buckets(kv, [d[0] for d in decode], hist, win, w_max, device),
+        win_len=w_max,
         hist_len=max(hist), flush=tensor([m[0] for m in moving]) if moving else None,
         flush_at=tensor([m[1] for m in moving]) if moving else None,
         calibrate=tensor([m[0] for m in moving if m[1] == 0]) if any(m[1] == 0 for m in moving) else None)
 
 
-def _buckets(kv: KVConfig, hist: list[int], win: list[int], w_max: int, device) -> tuple[Bucket, ...]:
+def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_max: int,
+             device) -> tuple[Bucket, ...]:
     """The decode tokens grouped by the power of two above their history's page count: every bucket reads
     at most twice its histories' pages, a few calls per layer (log2 of the longest history's pages)."""
     groups: dict[int, list[int]] = {}
@@ -104,7 +109,8 @@ def _buckets(kv: KVConfig, hist: list[int], win: list[int], w_max: int, device) 
             keep[r, :min(sink, win[n])] = True
             keep[r, sink:sink + hist[n]] = True
             keep[r, sink + h_max:sink + h_max + win[n] - sink] = True
-        out.append(Bucket(torch.tensor(rows, dtype=torch.long, device=device), h_max,
+        out.append(Bucket(torch.tensor(rows, dtype=torch.long, device=device),
+                          torch.tensor([slots[n] for n in rows], dtype=torch.long, device=device), h_max,
                           keep[:, None, None, :].to(device)))
     return tuple(out)
 
@@ -243,7 +249,7 @@ class SlotArena:
     def context(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
         """Exact keys/values ``[n, Hkv, Wmax, D]`` of ``bucket``'s decode tokens and their histories, padded to
         the bucket's longest (its slots' pages gathered: no slot is read past its bucket's length)."""
-        t, h, slots = self.t, bucket.hist_len, plan.slots[bucket.rows]
+        t, h, slots = self.t, bucket.hist_len, bucket.slots
         pages = self.table()[slots, : -(-h // PAGE_TOKENS)]  # [n, p]
 
         def history(name: str) -> torch.Tensor:
@@ -259,6 +265,18 @@ class SlotArena:
         ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
         ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
         return t["win_k"][slots, :, : plan.win_len], t["win_v"][slots, :, : plan.win_len], ctx
+
+    def paged(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
+        """What :func:`airquant.kv.triton_kernel.attention` reads in place for ``bucket`` (``Paged``): every
+        slot's window, the page pools and every slot's statistics, no copy; ``context`` is the gathering
+        equivalent the torch ops read."""
+        t = self.t
+        hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
+                       v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
+                       v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=bucket.hist_len)
+        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
+        ctx.receipt.consumed = True
+        return t["win_k"], t["win_v"], ctx, Paged(bucket.slots, self.table(), plan.win_len, PAGE_TOKENS)
 
     def history_of(self, slot: int, name: str, length: int, tensors: dict | None = None) -> torch.Tensor:
         """``[Hkv, length(, W)]``: slot's first ``length`` history entries of ``name`` (tests, inspection)."""

@@ -1,0 +1,77 @@
+"""Run by tests/kv/test_triton_interpreted.py in a process of its own with ``TRITON_INTERPRET=1``: the
+TurboQuant Triton kernels on the CPU (Triton's interpreter), flat and paged, against the torch ops, over the
+decode loop's slot arena. Prints one JSON line of the largest differences per case.
+
+Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``, which numpy 2.x refuses for
+the one-element 1-D arrays its program ids are; the ``__index__`` it installs is replaced by one that takes
+the element (nothing else of the interpreter changes)."""
+
+import json
+
+import triton.runtime.interpreter as interpreter
+
+_patch = interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patch_lang_tensor
+
+import torch  # noqa: E402
+
+from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena, decode_plan  # noqa: E402
+from airquant.kv import attention, triton_kernel  # noqa: E402
+from airquant.kv.config import KVConfig  # noqa: E402
+
+
+def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n: int) -> dict:
+    gen = torch.Generator().manual_seed(len(name))
+    heads, dim, groups = 2, 64, 3
+    arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device="cpu",
+                      dtype=torch.float32)
+    targets = [kv.schedule.quantized_count(n + 1) for n in lengths]
+    # Pages handed out a page at a time, slot after slot: every slot's pages interleave with the others'.
+    for step in range(1, max(targets) // PAGE_TOKENS + 2):
+        for slot, target in enumerate(targets):
+            arena.reserve(slot, min(target, step * PAGE_TOKENS))
+    for slot, n in enumerate(lengths):
+        arena.prefill(slot, torch.randn(1, heads, n, dim, generator=gen) + 1.5,
+                      torch.randn(1, heads, n, dim, generator=gen))
+    plan = decode_plan(kv, len(lengths), [(slot, lengths[slot], row) for row, slot in enumerate(order)], "cpu")
+    new = torch.randn(1, heads, len(order), dim, generator=gen)
+    arena.write_decode(plan, new, 0.5 * new)
+    out = {"flat": 0.0, "paged": 0.0, "buckets": 0, "interleaved": any(
+        b - a != 1 for pages in arena.pages for a, b in zip(pages, pages[1:]))}
+    for bucket in plan.buckets:
+        if not bucket.hist_len:
+            continue
+        query = torch.randn(len(bucket.rows), heads * groups, 1, dim, generator=gen)
+        keys, values, ctx = arena.context(plan, bucket)
+        ref = attention.compressed_attention(query, keys, values, ctx, bucket.keep, dim**-0.5, kernel=False)
+        flat = triton_kernel.attention(query, keys, values, ctx, bucket.keep, dim**-0.5, block_n=block_n)
+        win_k, win_v, pctx, paged = arena.paged(plan, bucket)
+        got = triton_kernel.attention(query, win_k, win_v, pctx, bucket.keep, dim**-0.5, block_n=block_n,
+                                      paged=paged)
+        out["flat"] = max(out["flat"], (flat - ref).abs().max().item())
+        out["paged"] = max(out["paged"], (got - ref).abs().max().item())
+        out["buckets"] += 1
+    return out
+
+
+def main() -> None:
+    results = {
+        "k4v2": case("k4v2", KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8),
+                     [300, 70, 140, 29], [2, 0, 3, 1], 64),
+        "k3v3_centred_norm8_sink": case(
+            "k3v3_centred_norm8_sink", KVConfig(backend="tq", bits_k=3, bits_v=3, window=12, block=4, sink=2,
+                                                center_k=True, center_v=True, norm_bits=8, unbiased=True),
+            [200, 333, 90], [1, 2, 0], 32),
+    }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
