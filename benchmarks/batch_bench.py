@@ -15,11 +15,12 @@ Parts, each one device command well under the 600 s limit (results merged part b
 Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``max_new_tokens`` drawn (seed 0) from
 a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
 request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
-``airquant batch`` feeds either path. The slots are what the router allows under the cap for the cache ``--kv``
-names (``none``: plain, the ``continuous_*`` keys; ``tq``: ``continuous_tq_*``, ``tq_slots``), the reserve planned
-for the decode loop's passes as ``airquant batch`` plans it (``prefill="chunked"``); ``--kv auto`` runs
-the throughput planner's choice of KV format, offload, slots and placement (``engine/memory/throughput.py``, what
-``airquant batch --batch-size auto --kv auto`` runs): ``continuous_auto_*``, ``auto_slots``, ``auto_kv``.
+``airquant batch`` feeds either path. ``--kv none`` (the baseline, the ``continuous_*`` keys): plain KV on the
+device at the most slots the router allows under the cap, the reserve planned for the decode loop's passes as
+``airquant batch`` plans it (``prefill="chunked"``). ``--kv tq`` (``continuous_tq_*``, ``tq_slots``) and ``--kv
+auto`` (``continuous_auto_*``, ``auto_slots``, ``auto_kv``) run the throughput planner's choice of offload, slots
+and placement (``engine/memory/throughput.py``), what ``airquant batch --batch-size auto --kv tq|auto`` runs: the
+format fixed to TurboQuant K4/V2, or chosen too.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
 written only when the two parts ran with the same settings.
 
@@ -106,9 +107,10 @@ def plan_slots(store: Path, cap_gb: float | None, context: int, kv: str, offload
     return min(limit, r.max_batch), r.kv, r.kv_offload
 
 
-def plan_mix(store: Path, args, requests: list[Request]):
-    """``--kv auto``: the throughput planner's KV format, offload, slots and placement for these requests
-    (``engine/memory/throughput.choose_mix``, what ``airquant batch --batch-size auto --kv auto`` runs)."""
+def plan_mix(store: Path, args, requests: list[Request], kv_schemes=("none", "tq")):
+    """``--kv auto`` (and ``tq``): the throughput planner's KV format (one of ``kv_schemes``), offload, slots and
+    placement for these requests (``engine/memory/throughput.choose_mix``, what ``airquant batch --batch-size auto
+    --kv auto|tq`` runs)."""
     from airquant.config import EngineConfig
     from airquant.engine.memory.router import Candidate, Hardware
     from airquant.engine.memory.throughput import JobShape, choose_mix
@@ -119,7 +121,7 @@ def plan_mix(store: Path, args, requests: list[Request]):
     else:
         hw, link = Hardware.detect("cuda", max_vram_gb=args.cap_gb * 1e9 / (1 << 30)), pinned_link_gbps(False)
     cfg = EngineConfig(host_embedding=not args.quick, kv_offload=args.kv_offload)
-    mix = choose_mix(Candidate.open(store), hw, cfg, job, link_gbps=link, max_slots=args.slots)
+    mix = choose_mix(Candidate.open(store), hw, cfg, job, link_gbps=link, max_slots=args.slots, kv_schemes=kv_schemes)
     log.info("throughput plan:\n%s", mix.describe())
     return mix
 
@@ -163,8 +165,8 @@ def part_batch(args, which: str, results: dict) -> None:
                         max_new=args.max_new)
     context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     placement = None
-    if args.kv == "auto":
-        mix = plan_mix(store, args, requests)
+    if args.kv in ("auto", "tq"):  # as airquant batch --kv auto|tq plans them
+        mix = plan_mix(store, args, requests, ("none", "tq") if args.kv == "auto" else ("tq",))
         slots, kv_name, offload, placement = mix.choice.slots, mix.choice.kv, mix.choice.offload, mix.choice.plan
     else:
         slots, kv_name, offload = plan_slots(store, None if args.quick else args.cap_gb, context, args.kv,

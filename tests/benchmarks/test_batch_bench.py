@@ -111,3 +111,11 @@ def test_kv_auto_records_the_planners_row_beside_plain(store_dir):
     assert r["continuous_auto_requests_finished"] == r["requests"] == 48
     assert 1 <= r["auto_slots"] <= 8 and r["auto_kv"] in ("none", "tq") and r["auto_kv_offload"] is False
     assert r["continuous_auto_settings"]["slots"] == r["auto_slots"] and r["slots"] == 8  # plain's, untouched
+
+
+def test_kv_tq_runs_the_planners_turboquant_choice(store_dir):
+    """``--kv tq`` runs what ``airquant batch --kv tq`` runs: the planner's slots for the TurboQuant format."""
+    tmp = fresh(store_dir, "tq")
+    r = bench(tmp, "continuous", "--seconds", "1e6", "--kv", "tq")
+    assert r["tq_kv"] == "tq" and 1 <= r["tq_slots"] <= 8 and r["tq_kv_offload"] is False
+    assert r["continuous_tq_requests_finished"] == r["tq_requests"] == 48 and r["continuous_tq_useful_tok_s"] > 0

@@ -72,6 +72,16 @@ class DecodePlan:
     calibrate: torch.Tensor | None
 
 
+def on_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """A small host list (or CPU tensor) on ``device`` without waiting for the GPU: ``torch.tensor(..., device=
+    cuda)`` copies from pageable memory and synchronizes the stream, which per layer keeps the host from queueing
+    ahead of the GPU (the TurboQuant arena's page table is rebuilt in every layer of a pass that adds pages)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], device) -> DecodePlan:
     """``decode``: (slot, start, offset) of each decode token (``start`` tokens already cached)."""
     sched = kv.schedule
@@ -81,7 +91,7 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
     moving = [(slot, h) for (slot, start, _), h in zip(decode, hist) if sched.quantized_count(start + 1) > h]
 
     def tensor(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return on_device(values, device)
 
     return DecodePlan(
         slots=tensor([d[0] for d in decode]), offsets=tensor([d[2] for d in decode]),
@@ -109,9 +119,8 @@ def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_
             keep[r, :min(sink, win[n])] = True
             keep[r, sink:sink + hist[n]] = True
             keep[r, sink + h_max:sink + h_max + win[n] - sink] = True
-        out.append(Bucket(torch.tensor(rows, dtype=torch.long, device=device),
-                          torch.tensor([slots[n] for n in rows], dtype=torch.long, device=device), h_max,
-                          keep[:, None, None, :].to(device)))
+        out.append(Bucket(on_device(rows, device), on_device([slots[n] for n in rows], device), h_max,
+                          on_device(keep[:, None, None, :], device)))
     return tuple(out)
 
 
@@ -183,7 +192,7 @@ class SlotArena:
         if self._table is None:
             width = max(1, max(len(p) for p in self.pages))
             rows = [p + [0] * (width - len(p)) for p in self.pages]
-            self._table = torch.tensor(rows, dtype=torch.long).to(self.device)
+            self._table = on_device(rows, self.device)
         return self._table
 
     def _stat(self, name: str, rows) -> torch.Tensor | None:
@@ -198,7 +207,7 @@ class SlotArena:
         if target:
             self._calibrate(slice(slot, slot + 1), keys[:, :, sink:], values[:, :, sink:])
             at = torch.zeros(1, dtype=torch.long, device=keys.device)
-            self._append(torch.tensor([slot], device=keys.device), keys[:, :, sink: sink + target],
+            self._append(on_device([slot], keys.device), keys[:, :, sink: sink + target],
                          values[:, :, sink: sink + target], at=at)
         for name, x in (("win_k", keys), ("win_v", values)):
             kept = torch.cat([x[0, :, :sink], x[0, :, sink + target:]], dim=1)
