@@ -27,10 +27,13 @@ from airquant.kv import attention, triton_kernel  # noqa: E402
 from airquant.kv.config import KVConfig  # noqa: E402
 
 
-def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n: int) -> dict:
+def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n: int | None,
+         device: str = "cpu") -> dict:
+    """Largest differences of the flat and the paged kernel from the torch ops (fp32, IEEE products) over an
+    arena whose slots' pages interleave; ``block_n`` None: the autotuned tiles (CUDA)."""
     gen = torch.Generator().manual_seed(len(name))
     heads, dim, groups = 2, 64, 3
-    arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device="cpu",
+    arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device=device,
                       dtype=torch.float32)
     targets = [kv.schedule.quantized_count(n + 1) for n in lengths]
     # Pages handed out a page at a time, slot after slot: every slot's pages interleave with the others'.
@@ -38,17 +41,17 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
         for slot, target in enumerate(targets):
             arena.reserve(slot, min(target, step * PAGE_TOKENS))
     for slot, n in enumerate(lengths):
-        arena.prefill(slot, torch.randn(1, heads, n, dim, generator=gen) + 1.5,
-                      torch.randn(1, heads, n, dim, generator=gen))
-    plan = decode_plan(kv, len(lengths), [(slot, lengths[slot], row) for row, slot in enumerate(order)], "cpu")
-    new = torch.randn(1, heads, len(order), dim, generator=gen)
+        arena.prefill(slot, (torch.randn(1, heads, n, dim, generator=gen) + 1.5).to(device),
+                      torch.randn(1, heads, n, dim, generator=gen).to(device))
+    plan = decode_plan(kv, len(lengths), [(slot, lengths[slot], row) for row, slot in enumerate(order)], device)
+    new = torch.randn(1, heads, len(order), dim, generator=gen).to(device)
     arena.write_decode(plan, new, 0.5 * new)
     out = {"flat": 0.0, "paged": 0.0, "buckets": 0, "interleaved": any(
         b - a != 1 for pages in arena.pages for a, b in zip(pages, pages[1:]))}
     for bucket in plan.buckets:
         if not bucket.hist_len:
             continue
-        query = torch.randn(len(bucket.rows), heads * groups, 1, dim, generator=gen)
+        query = torch.randn(len(bucket.rows), heads * groups, 1, dim, generator=gen).to(device)
         keys, values, ctx = arena.context(plan, bucket)
         ref = attention.compressed_attention(query, keys, values, ctx, bucket.keep, dim**-0.5, kernel=False)
         flat = triton_kernel.attention(query, keys, values, ctx, bucket.keep, dim**-0.5, block_n=block_n)
@@ -61,16 +64,15 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
     return out
 
 
+CASES = {
+    "k4v2": (KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8), [300, 70, 140, 29], [2, 0, 3, 1], 64),
+    "k3v3_centred_norm8_sink": (KVConfig(backend="tq", bits_k=3, bits_v=3, window=12, block=4, sink=2, center_k=True,
+                                         center_v=True, norm_bits=8, unbiased=True), [200, 333, 90], [1, 2, 0], 32),
+}
+
+
 def main() -> None:
-    results = {
-        "k4v2": case("k4v2", KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8),
-                     [300, 70, 140, 29], [2, 0, 3, 1], 64),
-        "k3v3_centred_norm8_sink": case(
-            "k3v3_centred_norm8_sink", KVConfig(backend="tq", bits_k=3, bits_v=3, window=12, block=4, sink=2,
-                                                center_k=True, center_v=True, norm_bits=8, unbiased=True),
-            [200, 333, 90], [1, 2, 0], 32),
-    }
-    print(json.dumps(results))
+    print(json.dumps({name: case(name, *args) for name, args in CASES.items()}))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,16 @@ def test_half_precision_models_use_their_dtype_and_stay_close(dtype):
     torch.testing.assert_close(half.float(), exact, atol=2e-2, rtol=2e-2)
     fp32_products = triton_kernel.attention(query.to(dtype), plain.to(dtype), values.to(dtype), ctx, None, 128**-0.5, exact=True)
     assert not torch.equal(half, fp32_products)  # the half-precision products really ran
+
+
+@pytest.mark.parametrize("name", ["k4v2", "k3v3_centred_norm8_sink"])
+def test_paged_kernel_reads_the_loop_arena_as_the_torch_ops_do(name):
+    """The compiled kernel, flat and paged (the decode loop's arena through its page table), against the torch
+    ops on the same arena, autotuned tiles (tests/kv/test_triton_interpreted.py runs the same on the CPU)."""
+    from tests.kv.interpreted_tq_kernel import CASES, case
+
+    kv, lengths, order, _ = CASES[name]
+    r = case(name, kv, lengths, order, None, device="cuda")
+    assert r["buckets"] >= 2 and r["interleaved"]
+    assert r["flat"] < 1e-4 and r["paged"] < 1e-4, r
+
