@@ -267,6 +267,7 @@ if triton is not None:
 
 
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's operand codes
+_CHOSEN: dict[tuple, dict] = {}  # attention()'s launch key -> the autotuned tile config
 
 
 def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
@@ -349,8 +350,18 @@ def attention(
     v_ref = hist.v_ref.float().reshape(-1).contiguous() if hist.v_ref is not None else rot_v
     keep_arg = keep8 if keep8 is not None else out_m
     s_e = [0, 0, 0, 0] if keep8 is None else [keep8.stride(i) if keep8.shape[i] > 1 else 0 for i in range(4)]
-    tiles = {} if block_n is None else {"BLOCK_N": block_n, "num_warps": num_warps}
-    (_split_tuned if block_n is None else _split_kernel)[(batch * hkv, n_splits, m_blocks)](
+    # The autotuner's choice per key is kept here: its own lookup builds a dict of the 60-odd arguments and the
+    # dtype names of every tensor at each launch, host time a decode step pays once per layer.
+    chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,
+              hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
+              query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
+    if block_n is not None:
+        split, tiles = _split_kernel, {"BLOCK_N": block_n, "num_warps": num_warps}
+    elif chosen in _CHOSEN:
+        split, tiles = _split_kernel, _CHOSEN[chosen]
+    else:
+        split, tiles = _split_tuned, {}
+    split[(batch * hkv, n_splits, m_blocks)](
         query, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, rot_k, rot_v, k_mean, v_mean,
         keep_arg, out_m, out_l, out_acc,
         paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
@@ -364,6 +375,8 @@ def attention(
         HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
         PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, **tiles,
     )  # fmt: skip
+    if split is _split_tuned:
+        _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](
         out_m, out_l, out_acc, out, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,

@@ -20,13 +20,15 @@ _SPLIT, _MERGE = triton_kernel._split_kernel, triton_kernel._merge_kernel
 
 
 class _Recorder:
-    """Stands for a launched kernel: ``kernel[grid](*args, **constexprs)`` records the call."""
+    """Stands for a launched kernel: ``kernel[grid](*args, **constexprs)`` records the call (and for the
+    autotuner, which tiles it chose: ``best_config``)."""
 
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
+    def __init__(self, kernel, calls: list, via: str = "kernel"):
+        self.kernel, self.calls, self.via = kernel, calls, via
+        self.best_config = triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.kernel, args))
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args, self.via, kwargs))
 
 
 def _variant(kernel, args) -> tuple:
@@ -42,7 +44,8 @@ def _variant(kernel, args) -> tuple:
 def _decode_launches(monkeypatch, kv: KVConfig, prompts: tuple[int, ...]) -> list:
     """The kernel launches of one decode step of the loop's arena, each slot at its prompt length."""
     calls: list = []
-    monkeypatch.setattr(triton_kernel, "_split_tuned", _Recorder(_SPLIT, calls))
+    monkeypatch.setattr(triton_kernel, "_split_tuned", _Recorder(_SPLIT, calls, "autotuner"))
+    monkeypatch.setattr(triton_kernel, "_split_kernel", _Recorder(_SPLIT, calls))
     monkeypatch.setattr(triton_kernel, "_merge_kernel", _Recorder(_MERGE, calls))
     gen = torch.Generator().manual_seed(0)
     heads, dim = 2, 64
@@ -66,10 +69,23 @@ def test_decode_steps_of_any_length_share_one_compiled_variant(monkeypatch):
     # Histories and windows of every residue: multiples of 16 and not, one split of the window and two,
     # one history split and many.
     steps = [(120,), (121,), (152,), (163,), (400,), (1000,), (1037,)]
+    monkeypatch.setattr(triton_kernel, "_CHOSEN", {})
     variants = {}
     for prompts in steps:
-        for kernel, args in _decode_launches(monkeypatch, kv, prompts):
+        for kernel, args, _, _ in _decode_launches(monkeypatch, kv, prompts):
             variants.setdefault(kernel.fn.__name__, set()).add(_variant(kernel, args))
     assert set(variants) == {"_split_kernel", "_merge_kernel"}
     for name, seen in variants.items():
         assert len(seen) == 1, f"{name} would compile {len(seen)} variants for these lengths: {sorted(seen)}"
+
+
+def test_the_autotuner_is_asked_once_per_launch_key(monkeypatch):
+    """Its choice is kept: later launches of the same kind go straight to the kernel with those tiles (the
+    autotuner's own lookup costs host time at every layer of every step)."""
+    monkeypatch.setattr(triton_kernel, "_CHOSEN", {})
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8)
+    first = [c for c in _decode_launches(monkeypatch, kv, (300, 333)) if c[0] is _SPLIT]
+    later = [c for c in _decode_launches(monkeypatch, kv, (500, 900)) if c[0] is _SPLIT]
+    assert [c[2] for c in first] == ["autotuner"] + ["kernel"] * (len(first) - 1)
+    assert later and all(c[2] == "kernel" and c[3]["BLOCK_N"] == 32 and c[3]["num_warps"] == 4 for c in later)
+
