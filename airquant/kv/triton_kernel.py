@@ -25,13 +25,13 @@ Importing this module never requires triton or CUDA: ``applicable`` says whether
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from airquant.kv.cache import CompressedContext
 from airquant.kv.codec import LOG_NORM_LEVELS, LOG_NORM_SPAN
 from airquant.kv.masks import keep_mask
+from airquant.kv.paging import SPLIT_QUANTUM, Paged
 from airquant.quant.kernels import device_capability, dtype_supported, shared_per_block
 
 try:
@@ -40,8 +40,6 @@ try:
 except ImportError:  # CPU installs: the torch path is used
     triton = None
 
-# Splits are whole multiples of this many tokens, so every autotuned BLOCK_N divides them.
-SPLIT_QUANTUM = 64
 # Two waves on a 132-SM H100/H200 even for one decode query per head (measured: 264 beat 528-2112).
 TARGET_PROGRAMS = 264
 
@@ -282,22 +280,6 @@ def _splits(n: int, programs_per_split: int) -> tuple[int, int]:
     splits = min(max_splits, max(1, math.ceil(TARGET_PROGRAMS / programs_per_split)))
     per_split = math.ceil(n / splits / SPLIT_QUANTUM) * SPLIT_QUANTUM
     return math.ceil(n / per_split), per_split
-
-
-@dataclass(frozen=True)
-class Paged:
-    """The decode loop's arena read in place (engine/decode/tqslots.py), nothing gathered per layer.
-
-    ``slots`` ``[B]``: the slot each batch row reads; ``table`` ``[slots, pages]``: the pool page of each
-    slot's j-th ``page`` history tokens; ``window``: how many of each slot's unquantized tokens to read. The
-    attention's ``keys``/``values`` are then every slot's window ``[slots, Hkv, capacity, D]``, the history's
-    codes and norms the page pools ``[pages, Hkv, page(, W)]`` and its statistics every slot's
-    ``[slots, Hkv, 1(, D)]``; ``history.length`` is the longest history the batch rows read."""
-
-    slots: torch.Tensor
-    table: torch.Tensor
-    window: int
-    page: int
 
 
 def attention(

@@ -51,7 +51,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan
-from airquant.kv import triton_kernel
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
@@ -434,6 +433,8 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
             # The Triton kernel reads the arena in place through its page table: no per-layer gathers of
             # windows, pages and statistics (measured on the H200 before: the GPU idled ~0.4 ms a layer
             # while the host gathered and launched).
+            from airquant.kv import triton_kernel
+
             keys, values, tq, paged = arena.paged(plan, bucket)
             if triton_kernel.applicable(qb, tq):
                 out[bucket.rows] = triton_kernel.attention(qb, keys, values, tq, bucket.keep, scale,

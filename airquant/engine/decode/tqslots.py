@@ -29,13 +29,13 @@ import torch
 from airquant.kv.cache import CompressedContext, layer_codecs
 from airquant.kv.codec import NORM_DTYPE, Encoded
 from airquant.kv.config import KVConfig
+from airquant.kv.paging import SPLIT_QUANTUM, Paged
 from airquant.kv.store import History, statistics
-from airquant.kv.triton_kernel import SPLIT_QUANTUM, Paged
 
 __all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan"]
 
 
-# Tokens per history page: a multiple of the Triton kernel's splits (kv.triton_kernel.SPLIT_QUANTUM), and small
+# Tokens per history page: a multiple of the Triton kernel's splits (kv.paging.SPLIT_QUANTUM), and small
 # enough that a slot's unused tail (< one page per layer) stays small next to its history.
 PAGE_TOKENS = 64
 assert PAGE_TOKENS % SPLIT_QUANTUM == 0  # the kernel reads the pages in place, a split never straddles one
