@@ -1,10 +1,13 @@
-# Device chain for issue #38: start it in the background from a copy of the tree in /tmp/run, and poll with a run
-# call at once after each one returns (the machine is released after 30 s without a call, and the chain with it:
-# that lost a whole chain on 2026-12-03); copy /tmp/res to $OUT at each poll.
-#   the GPU tests of the TQ slot arena and KV offload; kv_bench at 8K context, batch 8 and 32, with --trace (where
-#   the TQ step's extra time goes), its 8B store removed before the 70B store is built (16 + 41 GB on a 64 GB disk);
-#   then the continuous loop under 15 GB, plain, TurboQuant K4/V2 and the planner's choice, each over the same
-#   150 s window of the same request stream.
+# Device chain for issue #38 (one script, edited between rounds; the rounds that ran are in git: 2026-12-03
+# with 150 s windows, 2026-12-04 at 90f4e39 as wave3_kv2.sh). Now: the TurboQuant step once the kernel reads the
+# arena in place (Paged), compiles one variant for every length and the arena's index tensors stop syncing the
+# stream; the loop rows with --kv tq planned as `airquant batch --kv tq` plans them and no 64-slot cap.
+# Start it in the background from a copy of the tree in /tmp/run and poll with a run call at once after each
+# one returns (the machine is released 30 s after a call without a next one, and the chain with it; on
+# 2026-12-04 a machine was also taken back mid-chain: copy /tmp/res to $OUT at every poll).
+#   1. GPU tests of the kernel (flat and paged against the torch ops), the loop's TQ and KV offload paths;
+#   2. kv_bench at 8K context, batch 8 and 32, --trace (tq_over_fp16_step, target <= 1.15);
+#   3. the 70B loop under 15 GB: plain, tq, auto, the same 100 s window of the same request stream.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R && cp results/batch_bench.json results/kv_bench.json $R/
 set -x
@@ -14,8 +17,8 @@ timeout 480 python benchmarks/kv_bench.py --batches 8,32 --trace --trace-dir $R/
     --out $R/kv_bench.json > $R/kv.log 2>&1
 rm -rf /tmp/kvw
 python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
-for kv in tq none auto; do
-    python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 150 --out $R/batch_bench.json \
+for kv in none tq auto; do
+    timeout 300 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
         > $R/cont_$kv.log 2>&1
 done
 python benchmarks/batch_bench.py --part report --out $R/batch_bench.json > $R/report.log 2>&1

@@ -271,9 +271,7 @@ class SlotArena:
         hist = History(k=Encoded(codes=history("k_codes"), norms=history("k_norms")),
                        v=Encoded(codes=history("v_codes"), norms=history("v_norms")), k_mean=stat("k_mean"),
                        v_mean=stat("v_mean"), k_ref=stat("k_ref"), v_ref=stat("v_ref"), length=h)
-        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
-        ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
-        return t["win_k"][slots, :, : plan.win_len], t["win_v"][slots, :, : plan.win_len], ctx
+        return t["win_k"][slots, :, : plan.win_len], t["win_v"][slots, :, : plan.win_len], self._context(plan, hist)
 
     def paged(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
         """What :func:`airquant.kv.triton_kernel.attention` reads in place for ``bucket`` (``Paged``): every
@@ -283,9 +281,13 @@ class SlotArena:
         hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
                        v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
                        v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=bucket.hist_len)
+        return t["win_k"], t["win_v"], self._context(plan, hist), Paged(bucket.slots, self.table(), plan.win_len,
+                                                                         PAGE_TOKENS)
+
+    def _context(self, plan: DecodePlan, hist: History) -> CompressedContext:
         ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
-        ctx.receipt.consumed = True
-        return t["win_k"], t["win_v"], ctx, Paged(bucket.slots, self.table(), plan.win_len, PAGE_TOKENS)
+        ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
+        return ctx
 
     def history_of(self, slot: int, name: str, length: int, tensors: dict | None = None) -> torch.Tensor:
         """``[Hkv, length(, W)]``: slot's first ``length`` history entries of ``name`` (tests, inspection)."""
