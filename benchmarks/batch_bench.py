@@ -22,7 +22,9 @@ auto`` (``continuous_auto_*``, ``auto_slots``, ``auto_kv``) run the throughput p
 and placement (``engine/memory/throughput.py``), what ``airquant batch --batch-size auto --kv tq|auto`` runs: the
 format fixed to TurboQuant K4/V2, or chosen too.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
-written only when the two parts ran with the same settings.
+written only when the two parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and ``_steady_``),
+``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` compare the KV rows with plain continuous where they ran
+the same request stream for the same ``--seconds``; ``targets`` holds issue #38's bars (``report`` recomputes both).
 
 Time budget, no extrapolation: a streamed 70B pass takes ~0.6 s, so all 512 requests (~1300 passes at 64 slots)
 do not fit one command. ``static`` and ``continuous`` each measure a window of ``--seconds`` (300) of wall time,
@@ -193,6 +195,7 @@ def part_batch(args, which: str, results: dict) -> None:
                     "method": METHOD, "synthetic": True, "quick": args.quick,
                     "device": "cpu" if args.quick else torch.cuda.get_device_name()})
     compare(results)
+    compare_kv(results)
 
 
 def compare(results: dict) -> None:
@@ -208,6 +211,52 @@ def compare(results: dict) -> None:
     elif results["static_useful_tok_s"]:
         results.pop("continuous_over_static_missing", None)
         results["continuous_over_static"] = results["continuous_useful_tok_s"] / results["static_useful_tok_s"]
+
+
+# Issue #38: TurboQuant rows against plain on the same request stream and window. key: (threshold, kind).
+TARGETS = {"tq_over_plain_useful_tok_s": (3.0, "min"), "tq_slots_over_plain": (4.0, "min"),
+           "auto_over_best_useful_tok_s": (0.95, "min")}
+STREAM = ("requests", "context", "distribution", "order")  # what the KV rows must share with plain to compare
+
+
+def compare_kv(results: dict) -> None:
+    """The KV rows (``--kv tq`` / ``auto``) over plain continuous, where they ran the same request stream for the
+    same window: whole-window and steady rates, slots; ``auto_over_best`` = auto / the best measured row. Rows
+    that differ get no ratio and say why (``kv_ratios_missing``); ``targets`` checks the issue's bars."""
+    for key in ("tq_over_plain_useful_tok_s", "tq_over_plain_steady_useful_tok_s", "tq_slots_over_plain",
+                "auto_over_best_useful_tok_s", "kv_ratios_missing", "targets"):
+        results.pop(key, None)
+    plain = results.get("continuous_settings")
+    if plain is None:
+        return
+    missing, rates = [], {"none": results.get("continuous_useful_tok_s")}
+    for name in ("tq", "auto"):
+        row = results.get(f"continuous_{name}_settings")
+        if row is None:
+            continue
+        differ = [k for k in STREAM if row.get(k) != plain.get(k)]
+        window = results.get(f"continuous_{name}_budget_s"), results.get("continuous_budget_s")
+        if window[0] != window[1]:
+            differ.append(f"window ({window[0]} s vs {window[1]} s)")
+        if differ:
+            missing.append(f"{name} and plain ran with different {', '.join(differ)}")
+            continue
+        rates[name] = results[f"continuous_{name}_useful_tok_s"]
+        if name == "tq":
+            results["tq_over_plain_useful_tok_s"] = rates["tq"] / rates["none"]
+            results["tq_over_plain_steady_useful_tok_s"] = (results["continuous_tq_steady_useful_tok_s"]
+                                                            / results["continuous_steady_useful_tok_s"])
+            results["tq_slots_over_plain"] = results["tq_slots"] / results["slots"]
+    if "auto" in rates:
+        results["auto_over_best_useful_tok_s"] = rates["auto"] / max(rates.values())
+    if missing:
+        results["kv_ratios_missing"] = "; ".join(missing)
+    targets = {}
+    for key, (threshold, kind) in TARGETS.items():
+        value = results.get(key)
+        met = None if value is None else (value >= threshold if kind == "min" else value <= threshold)
+        targets[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
+    results["targets"] = targets
 
 
 def part_bs1_8b(args, results: dict) -> None:
@@ -338,13 +387,19 @@ def report(results: dict) -> None:
             "continuous_wall_s", "continuous_passes", "continuous_useful_tok_s", "continuous_steady_useful_tok_s",
             "slot_utilization", "continuous_steady_slot_utilization", "continuous_over_static",
             "continuous_over_static_missing", "tq_slots", "continuous_tq_useful_tok_s", "auto_slots", "auto_kv",
-            "auto_kv_offload", "continuous_auto_useful_tok_s",
+            "auto_kv_offload", "continuous_auto_useful_tok_s", "tq_over_plain_useful_tok_s",
+            "tq_over_plain_steady_useful_tok_s", "tq_slots_over_plain", "auto_over_best_useful_tok_s",
+            "kv_ratios_missing",
             "bs1_8b_step_s", "link_pinned_gbps", "bs1_link_fraction", "cpu_mixed_static_utilization",
             "cpu_mixed_continuous_utilization", "cpu_mixed_static_wall_s", "cpu_mixed_continuous_wall_s"]
     for k in keys:
         if k in results:
             v = results[k]
             print(f"  {k:<34} {v:.3f}" if isinstance(v, float) else f"  {k:<34} {v}")
+    for k, t in results.get("targets", {}).items():
+        if t["value"] is not None:
+            sign = ">=" if t["kind"] == "min" else "<="
+            print(f"  target {k} {t['value']:.3f} {sign} {t['target']}: {'met' if t['met'] else 'MISSED'}")
 
 
 def parse_args(argv=None):
@@ -398,6 +453,8 @@ def main(argv=None) -> int:
         part_bs1_8b(args, results)
     elif args.part == "cpu_mixed":
         part_cpu_mixed(args, results)
+    else:  # report: the ratios again from what the file holds (rows merged from several calls)
+        compare_kv(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     report(results)

@@ -8,6 +8,9 @@
 #   1. GPU tests of the kernel (flat and paged against the torch ops), the loop's TQ and KV offload paths;
 #   2. kv_bench at 8K context, batch 8 and 32, --trace (tq_over_fp16_step, target <= 1.15);
 #   3. the 70B loop under 15 GB: plain, tq, auto, the same 100 s window of the same request stream.
+# Ran 2026-12-04 (second session): steps 1-2 and the build, then the machine was lost; tq alone re-ran in a
+# fresh call. Next round: plain and auto again (auto now without the 64-slot cap) and a window long enough
+# for a 99-slot ramp (58 passes at 2 048 prompt tokens a pass).
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R && cp results/batch_bench.json results/kv_bench.json $R/
 set -x

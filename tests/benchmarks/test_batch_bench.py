@@ -119,3 +119,25 @@ def test_kv_tq_runs_the_planners_turboquant_choice(store_dir):
     r = bench(tmp, "continuous", "--seconds", "1e6", "--kv", "tq")
     assert r["tq_kv"] == "tq" and 1 <= r["tq_slots"] <= 8 and r["tq_kv_offload"] is False
     assert r["continuous_tq_requests_finished"] == r["tq_requests"] == 48 and r["continuous_tq_useful_tok_s"] > 0
+
+
+def test_kv_rows_compare_with_plain_only_over_the_same_window():
+    """The #38 ratios: TurboQuant and the planner's row over plain when they ran the same stream and window;
+    a different window gives no ratio and says why."""
+    from benchmarks.batch_bench import compare_kv
+
+    stream = {"requests": 512, "context": 1466, "distribution": "d", "order": "longest prompt first"}
+    r = {"continuous_settings": {**stream, "slots": 24}, "slots": 24, "continuous_budget_s": 100.0,
+         "continuous_useful_tok_s": 30.0, "continuous_steady_useful_tok_s": 33.0,
+         "continuous_tq_settings": {**stream, "slots": 99}, "tq_slots": 99, "continuous_tq_budget_s": 100.0,
+         "continuous_tq_useful_tok_s": 45.0, "continuous_tq_steady_useful_tok_s": 99.0,
+         "continuous_auto_settings": {**stream, "slots": 64}, "continuous_auto_budget_s": 100.0,
+         "continuous_auto_useful_tok_s": 60.0}
+    compare_kv(r)
+    assert r["tq_over_plain_useful_tok_s"] == 1.5 and r["tq_over_plain_steady_useful_tok_s"] == 3.0
+    assert r["tq_slots_over_plain"] == 99 / 24 and r["auto_over_best_useful_tok_s"] == 1.0
+    assert r["targets"]["tq_over_plain_useful_tok_s"]["met"] is False and r["targets"]["tq_slots_over_plain"]["met"]
+    r["continuous_tq_budget_s"] = 300.0
+    compare_kv(r)
+    assert "tq_over_plain_useful_tok_s" not in r and "window (300.0 s vs 100.0 s)" in r["kv_ratios_missing"]
+    assert r["auto_over_best_useful_tok_s"] == 1.0 and r["targets"]["tq_slots_over_plain"]["met"] is None
