@@ -76,6 +76,7 @@ import transformers  # noqa: E402
 
 from airquant.engine.decode import Request  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
+from airquant.eval.benchtables import target  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
 from benchmarks.batch_window import longest_first, run_continuous, run_static  # noqa: E402
 
@@ -251,12 +252,7 @@ def compare_kv(results: dict) -> None:
         results["auto_over_best_useful_tok_s"] = rates["auto"] / max(rates.values())
     if missing:
         results["kv_ratios_missing"] = "; ".join(missing)
-    targets = {}
-    for key, (threshold, kind) in TARGETS.items():
-        value = results.get(key)
-        met = None if value is None else (value >= threshold if kind == "min" else value <= threshold)
-        targets[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
-    results["targets"] = targets
+    results["targets"] = {key: target(results.get(key), *bar) for key, bar in TARGETS.items()}
 
 
 def part_bs1_8b(args, results: dict) -> None:

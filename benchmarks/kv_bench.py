@@ -51,6 +51,7 @@ from airquant.engine.memory.router import (  # noqa: E402
     workload_for,
 )
 from airquant.errors import DependencyError  # noqa: E402
+from airquant.eval.benchtables import target  # noqa: E402
 from airquant.eval.kvmem import prefill_bytes  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
@@ -218,15 +219,10 @@ def record(b: Bench, cases: dict, plans: dict, by_batch: dict | None = None) -> 
 
 
 def check_targets(r: dict) -> dict:
-    out = {}
     targets = dict(TARGETS)
     for key in [k for k in r if k.startswith("tq_over_fp16_step_bs")]:  # the same bar at every further batch
         targets[key] = TARGETS["tq_over_fp16_step"]
-    for key, (threshold, kind) in targets.items():
-        value = r.get(key)
-        met = None if value is None else (value >= threshold if kind == "min" else value <= threshold)
-        out[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
-    return out
+    return {key: target(r.get(key), *bar) for key, bar in targets.items()}
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

@@ -24,6 +24,12 @@ def _source(data: dict) -> str:
     return f"Measured on **{data.get('device', '?')}**, {what}.{quick}"
 
 
+def target(value: float | None, threshold: float, kind: str) -> dict:
+    """A benchmark's ``targets`` entry: ``kind`` "min" (value >= threshold) or "max"; ``met`` None unmeasured."""
+    met = None if value is None else (value >= threshold if kind == "min" else value <= threshold)
+    return {"value": value, "target": threshold, "kind": kind, "met": met}
+
+
 def _verdict(t: dict) -> str:
     if t.get("value") is None:  # a target its run could not measure, with the reason when recorded
         return "not measured" + (f": {t['why'].splitlines()[0][:120]}" if t.get("why") else "")
