@@ -144,7 +144,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                  "fused": expert_compute.FUSED}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
-                   gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY)
+                   gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
+                   direct=experts_mod.DIRECT)
     for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
         kw.pop(name, None)
     kw.setdefault("experts", "whole")
@@ -306,6 +307,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
                                 uva_copy=False)),
     "nocache_uva": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=True)),
     "lfu_unfused": (1, dict(experts="routed", expert_policy="lfu", fused=False, uva_copy=False)),
+    # Direct reads (engine/moe/direct.py): the tiered kernels read each expert from the VRAM hot set or the pinned
+    # RAM tier by the routing on the device: no copy, no host sync a layer. Same store, same run as the above.
+    "nocache_direct": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True)),
+    "lfu_direct": (1, dict(experts="routed", expert_policy="lfu", direct=True)),
+    "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -368,11 +374,11 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
-                        "lfu_bs16", *HOST_CASES),
+                        "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
-            "uva_copy": (experts_mod, "UVA_COPY")}
+            "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT")}
 
 
 HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)

@@ -68,7 +68,43 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool)
         scale = want_logits.abs().max().item()
         row[mode] = {"fused_calls": counts["fused"], "layers": moe_layers, "tokens_equal": tokens == want_tokens,
                      "max_rel_diff": (logits - want_logits).abs().max().item() / scale}
+    row["direct"] = check_direct(folder / "store")
     return row
+
+
+def check_direct(store: Path) -> dict:
+    """Direct reads (pool.DIRECT: the tiered kernels read each expert from the hot set or the RAM tier) against
+    the per-expert path; the hot set refreshed every 2 passes, so that later steps read some experts from it."""
+    from airquant.engine.moe import direct, pool
+
+    calls = {"direct": 0}
+    real = direct.DirectReads.run
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls["direct"] += out is not None
+        return out
+
+    direct.DirectReads.run, direct.REFRESH_PASSES, pool.DIRECT = counted, 2, True
+    try:
+        # a cache of 4 experts: the hot set (CPU plans give none by default)
+        engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0, expert_cache_gb=1e-9)
+        cache_bytes = 4 * engine.experts.plan.slot_bytes
+        engine.close()
+        engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0,
+                             expert_cache_gb=cache_bytes / 1e9)
+        tokens, logits = decode(engine, 6)
+        report = engine.experts.report()
+        engine.close()
+    finally:
+        direct.DirectReads.run, direct.REFRESH_PASSES, pool.DIRECT = real, 8, False
+    expert_compute.FUSED = False
+    engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
+    want_tokens, want_logits = decode(engine, 6)
+    engine.close()
+    expert_compute.FUSED = True
+    return {"direct_calls": calls["direct"], "tokens_equal": tokens == want_tokens, "report": report,
+            "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item()}
 
 
 if __name__ == "__main__":

@@ -45,9 +45,17 @@ def test_fused_decode_equals_the_per_expert_decode():
         # whole layers: the prefill too (sorted into grouped blocks), and every step
         assert r["routed"]["fused_calls"] >= 3 * r["routed"]["layers"], r
         assert r["whole"]["fused_calls"] >= 4 * r["whole"]["layers"], r
-        for mode in ("routed", "whole"):
+        for mode in ("routed", "whole", "direct"):
             assert r[mode]["tokens_equal"], r
             assert r[mode]["max_rel_diff"] <= 1e-5, r
+        # direct reads (engine/moe/direct.py): every one-token step of every MoE layer, some pairs read from the
+        # hot set after its first refresh; gpt-oss's biased experts keep the copy path
+        direct = r["direct"]
+        if r["type"] == "gpt_oss":
+            assert direct["direct_calls"] == 0, r
+        else:
+            assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
+            assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
 
 
 def test_gather_copy_kernel_copies_each_slice_to_its_place():
@@ -181,3 +189,71 @@ def test_whole_layer_calls_take_the_fused_kernels_only_at_few_rows_an_expert(mon
     for tokens in (1, ec.FUSED_WHOLE_ROWS * 8 // 2, ec.FUSED_WHOLE_ROWS * 8 // 2 + 1, 1000):
         whole(hidden.expand(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long), weights.expand(tokens, 2))
     assert calls == ["fused", "fused", "module", "module"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_cuda_routed_decode_by_direct_reads(stores, monkeypatch, model_type):  # noqa: F811
+    """A bf16 routed decode on CUDA with direct reads (engine/moe/direct.py): the tiered kernels read every
+    one-token call's experts from the pinned RAM tier or the hot set (refreshed every 2 passes, so that some
+    pairs hit it), and the tokens and logits match the per-expert path."""
+    from airquant.engine.moe import compute as expert_compute
+    from airquant.engine.moe import direct
+    from airquant.engine.moe import pool as experts_mod
+    from airquant.engine.runner import Engine
+    from tests.engine.test_expert_gemv import _decode
+
+    monkeypatch.setattr(experts_mod, "DIRECT", True)
+    monkeypatch.setattr(direct, "REFRESH_PASSES", 2)
+    engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    tokens, logits = _decode(engine)
+    report = engine.experts.report()
+    assert engine.experts.direct is not None and report["direct"]["direct_pairs"] > 0, report
+    assert report["direct"]["hot_experts"] > 0 and report["direct"]["direct_hits"] > 0, report
+    engine.close()
+    monkeypatch.setattr(experts_mod, "DIRECT", False)
+    monkeypatch.setattr(expert_compute, "FUSED", False)
+    engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    want_tokens, want_logits = _decode(engine)
+    engine.close()
+    same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))
+    assert same >= 2  # a bf16 near-tie may flip a later token; compare the logits up to it
+    diff = (logits[:same + 1] - want_logits[:same + 1]).abs().max().item()
+    assert diff <= 3e-2 * want_logits.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_cuda_tiered_kernel_reads_pinned_host_and_pool(double_quant):
+    """The tiered GEMV on CUDA: experts 1 and 3 in pool slots, the others read from a pinned (registered) host
+    buffer; up and down equal the decoded weights' products, and the counters count pairs and hits."""
+    from airquant.engine.cuda_ops import HostMemory
+    from airquant.quant.kernels import nf4_moe
+    from tests.quant.test_nf4_moe_tiered import expert_images
+
+    imgs, dense, m = expert_images(5, 96, 256, 64, double_quant)
+    memory = HostMemory(pinned=True)
+    stride, start = imgs.shape[1] + 64, 192
+    host = memory.empty(start + 5 * stride)
+    for e in range(5):
+        host[start + e * stride:start + e * stride + imgs.shape[1]] = imgs[e]
+    pool = torch.zeros((4, imgs.shape[1]), dtype=torch.uint8, device="cuda")
+    table = torch.full((5,), -1, dtype=torch.int32, device="cuda")
+    for slot, e in ((0, 1), (2, 3)):
+        pool[slot] = imgs[e].cuda()
+        table[e] = slot
+    counts = torch.zeros(5, dtype=torch.int32, device="cuda")
+    hits = torch.zeros(1, dtype=torch.int64, device="cuda")
+    tiers = nf4_moe.Tiers(host, start, stride, pool, table, counts, hits)
+    ids = torch.tensor([[1, 0], [4, 3], [3, 2]], device="cuda")
+    x = torch.randn(3, 256, device="cuda")
+    up = nf4_moe.tiered_up(x, ids, m, tiers)
+    w = dense.cuda()
+    want = torch.stack([w[e] @ x[p // 2] for p, e in enumerate(ids.reshape(-1).tolist())])
+    assert (up - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+    h, weights = torch.randn(6, 256, device="cuda"), torch.rand(3, 2, device="cuda")
+    down = nf4_moe.tiered_down(h, ids, weights, m, tiers, torch.float32)
+    want_down = torch.stack([sum(weights[t, j] * (w[ids[t, j]] @ h[2 * t + j]) for j in range(2)) for t in range(3)])
+    assert (down - want_down).abs().max().item() <= 1e-3 * want_down.abs().max().item()
+    assert counts.tolist() == [1, 1, 1, 2, 1] and hits.item() == 3
+    memory.close()

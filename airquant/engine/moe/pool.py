@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # 1.6 ms for a Qwen3-30B-A3B layer's 8 experts, 0.39 ms at the copy engine's 55 GB/s), so it saves the per-slice
 # copies' host time and loses it again on the link (benchmarks/moe_bench.py, case nocache_uva).
 UVA_COPY = False
+# True: a GPU run's few-row calls read their NF4 experts where they are, a VRAM hot set or the pinned RAM tier,
+# by the routing on the device: no copy, no host sync (engine/moe/direct.py). Tests set it on CPU, where the
+# kernels run interpreted.
+DIRECT = False
 
 
 def router_weights(block, entry: ShardEntry, module: str) -> str | None:
@@ -61,15 +65,20 @@ def load_router(entry: ShardEntry, store: Path, name: str, device: torch.device,
 # -- wiring ---------------------------------------------------------------------------------------
 def open_pool(store: Path, manifest: Manifest, streamer, routed: dict[int, set[str]], plan: ExpertPlan,
               model_layers, device: torch.device, dtype: torch.dtype) -> "ExpertPool":
-    """The pool of a routed run over ``streamer``'s host tiers and copy stream, routers loaded to speculate."""
-    layers, routers = {}, {}
+    """The pool of a routed run over ``streamer``'s host tiers and copy stream, routers loaded to speculate.
+    Direct reads (``DIRECT``) only for layers whose router has a row per stored expert, so every routed id
+    has bytes (LongCat-Flash's identity experts have none)."""
+    layers, routers, direct = {}, {}, set()
     for i in routed:
         entry = manifest.shards[f"layer.{i}"]
         layers[i] = LayerExperts.of(i, entry, streamer.layouts[i], store)
-        name = router_weights(model_layers[i], entry, layers[i].module) if plan.speculate else None
+        name = router_weights(model_layers[i], entry, layers[i].module)
         if name is not None:
-            routers[i] = load_router(entry, store, name, device, dtype)
-    return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_image, routers)
+            direct.add(i)
+            if plan.speculate:
+                routers[i] = load_router(entry, store, name, device, dtype)
+    return ExpertPool(layers, plan, device, dtype, streamer.ops, streamer.memory, streamer.host_image, routers,
+                      direct=direct)
 
 
 def open_pool_for(engine, routed: dict[int, set[str]]) -> "ExpertPool":
@@ -116,12 +125,20 @@ class ExpertPool:
     are in the file's order, one copy per expert tensor slice; else one copy per expert)."""
 
     def __init__(self, layers: dict[int, LayerExperts], plan: ExpertPlan, device: torch.device,
-                 compute_dtype: torch.dtype, ops, memory, host_image, routers: dict[int, torch.Tensor]):
+                 compute_dtype: torch.dtype, ops, memory, host_image, routers: dict[int, torch.Tensor],
+                 direct: set[int] = frozenset()):
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
         self.ops, self.host_image, self.routers = ops, host_image, routers
-        self.table = SlotTable(plan.slots, plan.policy)
         self.mem = (ops.alloc(plan.pool_bytes) if ops is not None else torch.empty(plan.pool_bytes, dtype=torch.uint8)
                     ).view(plan.slots, plan.slot_bytes)
+        # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots.
+        self.direct = None
+        if DIRECT and direct and (ops is not None or expert_compute.fused_runs_on(self.mem)):
+            from airquant.engine.moe.direct import DirectReads
+
+            self.direct = DirectReads(layers, set(direct), self.mem, range(plan.work, plan.slots), device,
+                                      host_image)
+        self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
         # Exactly the staging the plan counted in the host budget (ExpertPlan.staging: none unless a routed
@@ -141,7 +158,8 @@ class ExpertPool:
 
     @property
     def bytes_copied(self) -> int:
-        return self.stats["bytes_copied"]
+        """Expert bytes over the link: the copy path's copies, and direct reads from the RAM tier."""
+        return self.stats["bytes_copied"] + (self.direct.link_bytes() if self.direct is not None else 0)
 
     def staging_held(self) -> int:
         """Host bytes of the staging buffers (``Engine.host_memory``'s expert_staging)."""
@@ -149,10 +167,17 @@ class ExpertPool:
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(self.stats, 0)
+        if self.direct is not None:
+            self.direct.reset()
 
     def report(self) -> dict:
-        s = self.stats
-        return {**s, "hit_rate": s["hits"] / s["routed"] if s["routed"] else None,
+        """Counters since the last reset; with direct reads, their pairs count as routed and their hot-set
+        reads as hits (``direct`` holds their own figures)."""
+        s = dict(self.stats)
+        if self.direct is not None:
+            d = self.direct.report()
+            s.update(routed=s["routed"] + d["direct_pairs"], hits=s["hits"] + d["direct_hits"], direct=d)
+        return {**s, "bytes_copied": self.bytes_copied, "hit_rate": s["hits"] / s["routed"] if s["routed"] else None,
                 "speculation_recall": s["guess_used"] / s["routed"] if s["guessed"] else None,
                 "speculation_precision": s["guess_used"] / s["guessed"] if s["guessed"] else None}
 
@@ -167,6 +192,13 @@ class ExpertPool:
                                    "use --experts whole for this model.")
             return self._run_dispatched(i, module, forward, hidden)
         layer = self.layers[i]
+        if self.direct is not None and len(args) == 3 and not kwargs and \
+                hidden.numel() <= expert_compute.FUSED_TOKENS * hidden.shape[-1]:
+            src, arranged = self.host_image(i)
+            if src is not None and arranged is not None:
+                out = self.direct.run(i, module, hidden, index, args[2], src, arranged)
+                if out is not None:
+                    return out
         guess = self._guess(i + 1, hidden) if self.plan.speculate else None
         # The one host read of a few-row call: its routing (and guess) at once; run_gemv takes the routing.
         # A larger call reads only its distinct experts (a long prefill's every id would be a long host list).

@@ -284,3 +284,143 @@ def _launch_gemv(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> t
                        HAS_BIAS=bias is not None, DOUBLE=op.double, BS=op.blocksize, BLOCK_N=block_n,
                        BLOCK_K=block_k, num_warps=4)
     return out
+
+
+# -- tiered: experts read where they are, by the routing on the device -------------------------------------
+# Few-row calls whose experts are not copied first: each expert is read by the kernel itself from the VRAM
+# cache slot that holds it, or else straight from the pinned RAM tier over the link (unified virtual
+# addressing: the GPU dereferences page-locked host memory). The routing never goes to the host, so a MoE
+# layer queues its work without a sync and the host runs ahead of the GPU.
+#
+# Reading host memory from a kernel is latency-bound: a byte load per nibble pair (``_gemv_kernel``) reads the
+# link at ~13 GB/s (engine/uva_copy). Here each thread loads 16 contiguous bytes of a row at a time (int32 words,
+# eight nibbles each), and many programs are in flight, so that the link, not the requests, sets the time.
+@dataclass(frozen=True)
+class Tiers:
+    """Where one layer's experts are: ``host`` (uint8, the RAM tier's layer buffer; expert e's image at
+    ``host_start + e * host_stride``), ``pool`` (uint8 ``[slots, slot_bytes]``; slot s's image at
+    ``s * slot_bytes``), ``table`` (int32 ``[E]``, on the device: the slot holding expert e, -1 for none) and
+    per-layer counters on the device (``counts`` int32 ``[E]``: pairs routed to each expert; ``hits`` int64
+    ``[1]``: pairs read from the pool)."""
+
+    host: torch.Tensor
+    host_start: int
+    host_stride: int
+    pool: torch.Tensor
+    table: torch.Tensor
+    counts: torch.Tensor
+    hits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ImageMatrix:
+    """One ``[n, k]`` NF4 matrix inside an expert's image: the byte offset of each of its buffers
+    (``BUFFERS``; absent double-quant buffers: None)."""
+
+    n: int
+    k: int
+    blocksize: int
+    double: bool
+    offsets: tuple[int | None, ...]
+
+    def args(self) -> list[int]:
+        qm = self.offsets[BUFFERS.index("quant_map")]
+        return [qm if off is None else off for off in self.offsets]
+
+
+@triton.jit
+def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, hits_ptr,
+                        host_ptr, host_start, host_stride, pool_ptr, slot_bytes,
+                        off_w, off_a, off_na, off_nqm, off_noff, off_qm,
+                        N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, COUNT: tl.constexpr,
+                        DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """As ``_gemv_kernel`` (up: one program per pair and block of outputs; down: per token, its ``TOP_K``
+    pairs weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier.
+    ``COUNT``: the programs of the first output block also count each pair's expert and pool hits."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)  # int32 words: 8 elements each
+    rows = offs_n.to(tl.int64) * K
+    row_words = offs_n.to(tl.int64) * (K // 8)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        if slot >= 0:
+            base = pool_ptr + slot * slot_bytes
+        else:
+            base = host_ptr + host_start + e * host_stride
+        if COUNT:
+            if tl.program_id(1) == 0:
+                tl.atomic_add(counts_ptr + e, 1)
+                tl.atomic_add(hits_ptr, (slot >= 0).to(tl.int64))
+        w_ptr = (base + off_w).to(tl.pointer_type(tl.int32))
+        if DOUBLE:
+            a_ptr = (base + off_a).to(tl.pointer_type(tl.uint8))
+        else:
+            a_ptr = (base + off_a).to(tl.pointer_type(tl.float32))
+        na_ptr = (base + off_na).to(tl.pointer_type(tl.float32))
+        nqm_ptr = (base + off_nqm).to(tl.pointer_type(tl.float32))
+        noff_ptr = (base + off_noff).to(tl.pointer_type(tl.float32))
+        qm_ptr = (base + off_qm).to(tl.pointer_type(tl.float32))
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, 8 * BLOCK_W):
+            cols = k0 + 8 * offs_w  # the first element of each word
+            k_mask = cols < K
+            mask = n_mask[:, None] & k_mask[None, :]
+            # contiguous words along a row (k0 // 8 + offs_w), so each thread's loads are 16-byte vectors
+            words = tl.load(w_ptr + row_words[:, None] + (k0 // 8 + offs_w)[None, :], mask=mask, other=0)
+            part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            for m in tl.static_range(8):
+                # element m of a word: byte m // 2 (little-endian), the high nibble for the even element
+                nibble = (words >> (8 * (m // 2) + 4 * (1 - m % 2))) & 15
+                xm = tl.load(x_row + cols + m, mask=k_mask, other=0.0).to(tl.float32)
+                part += tl.load(qm_ptr + nibble) * xm[None, :]
+            scale = _scale((rows[:, None] + cols[None, :]) // BS, a_ptr, na_ptr, nqm_ptr, noff_ptr, mask, DOUBLE)
+            acc += tl.sum(part * scale, axis=1)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _tiered_tiles(n: int, k: int, programs_per_row: bool) -> tuple[int, int]:
+    """(outputs per program, words per K step): 32 words (256 elements, 128 bytes of a row: one line of the
+    link) per step; outputs per program small enough that a batch-1 call spreads over every SM with enough
+    loads in flight to cover the link's latency (the down projection runs a token's pairs in one program)."""
+    words = min(32, max(triton.next_power_of_2(k) // 8, 1))
+    return min(16 if programs_per_row else 32, triton.next_power_of_2(n)), words
+
+
+def tiered_up(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrix, tiers: Tiers) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix, the expert read
+    where ``tiers`` has it; counts each pair's expert and pool hit."""
+    top_k, pairs = ids.shape[-1], ids.numel()
+    out = torch.empty((pairs, m.n), dtype=x.dtype, device=x.device)
+    return _launch_tiered(x.contiguous(), out, ids, None, m, tiers, top_k, down=False)
+
+
+def tiered_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: ImageMatrix, tiers: Tiers,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices, weighted by
+    ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
+    return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
+
+
+def _launch_tiered(x, out, ids, weights, m: ImageMatrix, tiers: Tiers, top_k: int, down: bool) -> torch.Tensor:
+    if m.k % 8 or m.blocksize % 8:
+        raise ValueError(f"tiered NF4 GEMV needs in_features ({m.k}) and blocksize ({m.blocksize}) multiples of 8")
+    block_n, block_w = _tiered_tiles(m.n, m.k, down)
+    grid = (out.shape[0], triton.cdiv(m.n, block_n))
+    _tiered_gemv_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
+                              tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start,
+                              tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, top_k,
+                              DOWN=down, COUNT=not down, DOUBLE=m.double, BS=m.blocksize, BLOCK_N=block_n,
+                              BLOCK_W=block_w, num_warps=4)
+    return out

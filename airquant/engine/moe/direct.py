@@ -1,0 +1,167 @@
+"""Direct expert reads: a few-row routed call's NF4 experts are read by the fused kernel itself, where they
+are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe ``tiered_*``).
+
+Why: Qwen3-30B-A3B at batch 1 moved 1.55 GB a step in 0.154 s where its bytes allow 0.028 s (H200,
+benchmarks/moe_bench.py). The pool's path reads each call's routing to the host (a sync that stops the host
+until the GPU has caught up), then books slots, queues a copy per expert and launches: the host and the GPU
+take turns, ~3 ms a layer. Here the routing stays on the device and a layer's expert work is three launches
+with no sync, so the host queues layer i+1 while the GPU still runs layer i.
+
+Where an expert is read from (a per-layer ``table`` on the device): a VRAM **hot set** slot (the pool's cache
+slots), else the pinned RAM tier over the link (unified virtual addressing). A hot-set hit costs nothing on the
+link and nothing on the host. The kernel counts each layer's routed pairs per expert on the device; every
+``REFRESH_PASSES`` passes the counts are read (one sync), decayed into scores, and the hot set becomes the
+top-scoring experts over all layers: experts that left are pointed back at the RAM tier first, then the new
+ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
+before the refresh reads the old slots; one queued after, the new ones).
+
+Applies where a layer's experts are NF4 without biases (``compute.fused_experts``), its bytes are in the
+arranged RAM tier (``layout.HostArrangement``) and its router picks only stored experts; other calls take the
+pool's copy path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.layout import LayerExperts
+
+log = logging.getLogger(__name__)
+REFRESH_PASSES = 8  # passes between two hot-set refreshes (each reads the counts: one host sync)
+HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refreshes ago counts 1/16
+
+
+class DirectReads:
+    """Owns the device tables, counters and the hot set of direct reads for a pool's routed layers."""
+
+    def __init__(self, layers: dict[int, LayerExperts], eligible: set[int], mem: torch.Tensor, hot_slots: range,
+                 device: torch.device, host_image):
+        self.layers, self.eligible, self.mem, self.device = layers, eligible, mem, device
+        self.host_image = host_image  # i -> (layer i's RAM-tier bytes or None, its HostArrangement or None)
+        self.hot_slots = hot_slots  # pool slots the hot set may use (the plan's cache slots)
+        num = max((len(layer.ranges) for layer in layers.values()), default=0)
+        rows = max(layers, default=-1) + 1
+        self.table = torch.full((rows, num), -1, dtype=torch.int32, device=device)
+        self.counts = torch.zeros((rows, num), dtype=torch.int32, device=device)
+        self.hits = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.scores = torch.zeros((rows, num), dtype=torch.float64)
+        self.hot: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
+        self.routed = [0] * rows  # pairs computed by direct reads, per layer (known on the host: no sync)
+        self.hot_bytes = 0  # copied into the hot set
+        self.passes = 0
+        self.first = min(eligible, default=None)
+        self._matrices: dict[int, tuple | None] = {}
+
+    def matrices(self, i: int, module) -> tuple | None:
+        """Layer i's (spec, up ImageMatrix, down ImageMatrix), or None: its experts module does not qualify."""
+        if i not in self._matrices:
+            layer = self.layers[i]
+            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
+            if spec is None or spec.up.bias is not None or spec.down.bias is not None or \
+                    (spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8):
+                self._matrices[i] = None
+            else:
+                from airquant.quant.kernels.nf4_moe import BUFFERS, ImageMatrix
+
+                def image(m):
+                    return ImageMatrix(m.n, m.k, spec.blocksize, spec.double, tuple(m.offsets.get(b) for b in BUFFERS))
+
+                self._matrices[i] = (spec, image(spec.up), image(spec.down))
+        return self._matrices[i]
+
+    def run(self, i: int, module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+            src: torch.Tensor, arranged) -> torch.Tensor | None:
+        """The experts call on ``hidden`` [T, H] routed by ``index``/``weights`` [T, k], read directly; None where
+        the layer does not qualify (the caller's copy path runs it)."""
+        found = self.matrices(i, module) if i in self.eligible else None
+        if found is None:
+            return None
+        from airquant.quant.kernels import nf4_moe
+
+        if i == self.first:
+            self.passes += 1
+            if self.hot_slots and self.passes % REFRESH_PASSES == 0:
+                self.refresh()
+        spec, up_m, down_m = found
+        tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
+                              self.hits[i:i + 1])
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
+        self.routed[i] += index.numel()
+        return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+
+    def refresh(self) -> None:
+        """The hot set becomes the top-scoring experts (decayed counts), in the compute stream's order."""
+        counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
+        self.counts.zero_()
+        self.scores.mul_(HOT_DECAY).add_(counts)
+        want = self._top(len(self.hot_slots))
+        leaving = {key: slot for key, slot in self.hot.items() if key not in want}
+        if not leaving and len(want) == len(self.hot):
+            return
+        for key in leaving:
+            del self.hot[key]
+        free = sorted(set(self.hot_slots) - set(self.hot.values()))
+        if leaving:  # pointed back at the RAM tier before their slots are overwritten
+            self._write_table([key for key in leaving], [-1] * len(leaving))
+        entering = [key for key in want if key not in self.hot]
+        copied = []
+        for key, slot in zip(entering, free):
+            src, arranged = self.host_image(key[0])
+            if src is None or arranged is None:
+                continue
+            start = arranged.expert_start(key[1])
+            self.mem[slot, :arranged.image_bytes].copy_(src[start:start + arranged.image_bytes],
+                                                        non_blocking=self.mem.is_cuda)
+            self.hot[key] = slot
+            self.hot_bytes += self.layers[key[0]].expert_bytes(key[1])
+            copied.append((key, slot))
+        if copied:
+            self._write_table([k for k, _ in copied], [s for _, s in copied])
+
+    def _top(self, n: int) -> set[tuple[int, int]]:
+        """The ``n`` (layer, expert) keys of the highest positive scores among eligible layers' stored experts."""
+        if n <= 0:
+            return set()
+        scores = self.scores.clone()
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        for i in self.eligible:
+            mask[i, :len(self.layers[i].ranges)] = True
+        scores[~mask] = 0.0
+        flat = scores.reshape(-1)
+        top = torch.topk(flat, min(n, flat.numel()))
+        num = scores.shape[1]
+        return {(int(k) // num, int(k) % num) for v, k in zip(top.values.tolist(), top.indices.tolist()) if v > 0}
+
+    def _write_table(self, keys: list[tuple[int, int]], slots: list[int]) -> None:
+        """Table entries set on the compute stream (after every kernel queued so far)."""
+        rows = torch.tensor([k[0] for k in keys], dtype=torch.int64)
+        cols = torch.tensor([k[1] for k in keys], dtype=torch.int64)
+        vals = torch.tensor(slots, dtype=torch.int32)
+        if self.table.is_cuda:
+            rows, cols, vals = (t.pin_memory().to(self.device, non_blocking=True) for t in (rows, cols, vals))
+        self.table.index_put_((rows, cols), vals)
+
+    # -- counters ---------------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """Pairs computed by direct reads, those read from the hot set, and bytes read over the link."""
+        hits = self.hits.tolist()
+        routed = sum(self.routed)
+        return {"direct_pairs": routed, "direct_hits": int(sum(hits)),
+                "direct_link_bytes": self.link_bytes(hits), "hot_experts": len(self.hot),
+                "hot_bytes_copied": self.hot_bytes}
+
+    def link_bytes(self, hits: list[int] | None = None) -> int:
+        """Bytes the kernels read from the RAM tier (missed pairs times their expert's bytes) and the hot
+        set's copies."""
+        hits = self.hits.tolist() if hits is None else hits
+        return self.hot_bytes + sum((self.routed[i] - hits[i]) * self.layers[i].expert_bytes(0)
+                                    for i in self.layers if self.routed[i])
+
+    def reset(self) -> None:
+        self.hits.zero_()
+        self.routed = [0] * len(self.routed)
+        self.hot_bytes = 0

@@ -1,0 +1,80 @@
+"""The tiered NF4 GEMV (quant/kernels/nf4_moe ``tiered_up``/``tiered_down``): each pair's expert read from a pool
+slot or from a host buffer by a device table, against the decoded weights' products, under Triton's interpreter
+(a process of its own: ``TRITON_INTERPRET=1`` must be set before Triton defines the kernels). The CUDA run with a
+pinned host buffer: tests/engine/test_expert_fused.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def expert_images(num: int, n: int, k: int, blocksize: int, double: bool):
+    """``num`` random ``[n, k]`` NF4 matrices as expert images (each buffer 64-byte aligned, in ``BUFFERS``
+    order), their decoded fp32 weights ``[num, n, k]`` and the ``ImageMatrix`` describing an image."""
+    from airquant.quant.kernels.nf4_moe import BUFFERS, ImageMatrix
+    from airquant.quant.nf4 import decode_nf4_stacked, quantize_nf4
+
+    torch.manual_seed(0)
+    parts = [quantize_nf4(torch.randn(n, k), blocksize, double)[0] for _ in range(num)]
+    offsets, at = {}, 0
+    for name in BUFFERS:
+        if name in parts[0]:
+            offsets[name] = at
+            at += -(-parts[0][name].numel() * parts[0][name].element_size() // 64) * 64
+    images = torch.zeros(num, at, dtype=torch.uint8)
+    for e, tensors in enumerate(parts):
+        for name, off in offsets.items():
+            raw = tensors[name].contiguous().reshape(-1).view(torch.uint8)
+            images[e, off:off + raw.numel()] = raw
+    stacked = {name: torch.stack([t[name] for t in parts]) for name in parts[0]}
+    dense = decode_nf4_stacked(stacked, n, k, blocksize, double)
+    return images, dense, ImageMatrix(n, k, blocksize, double, tuple(offsets.get(b) for b in BUFFERS))
+
+
+SCRIPT = """
+import torch
+from airquant.quant.kernels import nf4_moe
+from tests.quant.test_nf4_moe_tiered import expert_images
+for double in (False, True):
+    num, top = 6, 3
+    images, dense, m = expert_images(num, 40, 192, 64, double)
+    stride, start = images.shape[1] + 64, 128  # host images apart from each other, after other bytes
+    host = torch.full((start + num * stride,), 7, dtype=torch.uint8)
+    for e in range(num):
+        host[start + e * stride:start + e * stride + images.shape[1]] = images[e]
+    pool = torch.full((4, images.shape[1] + 192), 9, dtype=torch.uint8)
+    table = torch.full((num,), -1, dtype=torch.int32)
+    for slot, e in ((1, 2), (3, 4)):  # experts 2 and 4 in the pool; what the host holds for them is wrong
+        pool[slot, :images.shape[1]] = images[e]
+        table[e] = slot
+        host[start + e * stride:start + e * stride + images.shape[1]] = 0
+    counts, hits = torch.zeros(num, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    tiers = nf4_moe.Tiers(host, start, stride, pool, table, counts, hits)
+    ids = torch.tensor([[2, 0, 5], [4, 2, 1]])
+    x = torch.randn(2, 192)
+    up = nf4_moe.tiered_up(x, ids, m, tiers)
+    want = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] for p in range(6)])
+    assert (up - want).abs().max() <= 1e-5 * want.abs().max(), (up - want).abs().max()
+    h, w = torch.randn(6, 192), torch.rand(2, top)
+    down = nf4_moe.tiered_down(h, ids, w, m, tiers, torch.float32)
+    want = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j]) for j in range(top)) for t in range(2)])
+    assert (down - want).abs().max() <= 1e-5 * want.abs().max(), (down - want).abs().max()
+    assert counts.tolist() == [1, 1, 2, 0, 1, 1] and hits.item() == 3, (counts, hits)
+print("ok")
+"""
+
+
+def test_tiered_gemv_reads_each_expert_where_the_table_says():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
