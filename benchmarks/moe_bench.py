@@ -42,6 +42,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -55,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
+from airquant.engine.moe import direct as direct_mod  # noqa: E402
 from airquant.engine.moe import pool as experts_mod  # noqa: E402
 from airquant.engine.moe.host import HostExperts  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
@@ -296,8 +298,10 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 # -- expert-aware streaming (engine/moe/pool.py) -----------------------------------------------------------
 ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
-    "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False)),
-    "lfu": (1, dict(experts="routed", expert_policy="lfu")), "lru": (1, dict(experts="routed", expert_policy="lru")),
+    # The copy path (pool.DIRECT off): each call's routing read to the host, its experts copied into pool slots.
+    "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=False)),
+    "lfu": (1, dict(experts="routed", expert_policy="lfu", direct=False)),
+    "lru": (1, dict(experts="routed", expert_policy="lru", direct=False)),
     # A/B of lfu: few-row experts decoded to stacked dense weights instead of bitsandbytes' 4-bit matmul
     # (expert_compute.GEMV_TOKENS = 0 for the case; its row's settings and gemv_tokens say so).
     "lfu_stacked": (1, dict(experts="routed", expert_policy="lfu", gemv_tokens=0, fused=False)),
@@ -305,14 +309,17 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # expert), and the fused kernels with every copy of a call by one kernel reading the RAM tier (uva_copy).
     "nocache_unfused": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, fused=False,
                                 uva_copy=False)),
-    "nocache_uva": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=True)),
+    "nocache_uva": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, uva_copy=True,
+                            direct=False)),
     "lfu_unfused": (1, dict(experts="routed", expert_policy="lfu", fused=False, uva_copy=False)),
     # Direct reads (engine/moe/direct.py): the tiered kernels read each expert from the VRAM hot set or the pinned
-    # RAM tier by the routing on the device: no copy, no host sync a layer. Same store, same run as the above.
+    # RAM tier by the routing on the device: no copy, no host sync a layer. lfu_direct_r1 is the default (the hot
+    # set refreshed every pass); lfu_direct refreshes it every 8 passes.
     "nocache_direct": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True)),
-    "lfu_direct": (1, dict(experts="routed", expert_policy="lfu", direct=True)),
-    "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True)),
-    "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu")),
+    "lfu_direct": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
+    "lfu_direct_r1": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1)),
+    "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
+    "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
     # What a user gets by default: --experts auto at batch 256 (the rule streams whole layers there).
@@ -374,11 +381,12 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
-                        "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", *HOST_CASES),
+                        "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
-            "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT")}
+            "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
+            "refresh": (direct_mod, "REFRESH_PASSES")}
 
 
 HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)
@@ -447,7 +455,7 @@ def derive_routed_keys(b: Bench) -> None:
     r, link = b.results, b.results.get("link_pinned_gbps")
     rows = {(x["model"], x["case"]): x for x in r.get("expert_aware", [])}
     whole = {(x["model"], x["cap_gb"], x["batch"]): x for x in r.get("whole_layer", [])}
-    mix = rows.get(("mixtral-8x7b nf4", "nocache"))
+    mix = target_row(rows, "mixtral_nf4_bs1_step_over_bytes_floor")
     full = whole.get(("mixtral-8x7b nf4", 15.0, 1))
     if mix and mix.get("step_s") and full and full.get("bytes_per_step"):
         r["mixtral_nf4_bs1_bytes_fraction"] = mix["decode_bytes_per_step"] / full["bytes_per_step"]
@@ -464,10 +472,12 @@ def derive_routed_keys(b: Bench) -> None:
     speeds = [r.get(k) for k in ("qwen3_30b_nf4_bs1_cpu_experts_tok_s", "qwen3_30b_nf4_bs1_tok_s")]
     if r.get("qwen3_30b_nf4_bs1_auto_tok_s") and all(speeds):  # auto against the faster of host and GPU routed
         r["qwen3_30b_nf4_bs1_auto_over_best"] = r["qwen3_30b_nf4_bs1_auto_tok_s"] / max(speeds)
-    qwen = rows.get(("qwen3-30b-a3b nf4", "nocache"))
+    qwen = target_row(rows, "qwen3_30b_nf4_bs1_nocache_over_floor")
     if qwen and qwen.get("step_s") and row_link(qwen, link):
         r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB
                                                                       / row_link(qwen, link))
+    for prefix, model in (("mixtral_nf4_bs1", "mixtral-8x7b nf4"), ("qwen3_30b_nf4_bs1", "qwen3-30b-a3b nf4")):
+        cache_speedup(r, prefix, rows.get((model, "nocache_direct")), rows.get((model, "lfu_direct_r1")), link)
     air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
@@ -486,12 +496,16 @@ def row_link(row: dict, link: float | None) -> float | None:
 # The expert_aware rows (model, cases in order of preference) each key's value comes from; a key without a value
 # says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
 # where measured, the forced-routed row beside it otherwise.
-TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
+# The cache-on and no-cache keys read the default path's row (direct reads) where it ran, else the copy path's.
+TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "lfu")),
                "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
                "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", ("max_batch", "max_batch_device")),
-               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
-               "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
+               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu_direct_r1", "lfu")),
+               "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache_direct", "nocache")),
+               "qwen3_30b_nf4_bs1_copy_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
+               "qwen3_30b_nf4_bs1_copy_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
+               "mixtral_nf4_bs1_copy_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_unfused_tok_s": ("qwen3-30b-a3b nf4", ("nocache_unfused",)),
                "qwen3_30b_nf4_bs1_cpu_experts_tok_s": ("qwen3-30b-a3b nf4", ("cpu_bs1",)),
                "qwen3_30b_nf4_bs4_cpu_experts_tok_s": ("qwen3-30b-a3b nf4", ("cpu_bs4",)),
@@ -500,13 +514,30 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
                "mixtral_nf4_bs1_cpu_experts_tok_s": ("mixtral-8x7b nf4", ("cpu_bs1",)),
                "qwen3_30b_nf4_bs1_auto_over_best": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
                "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu",)),
-               "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache",)),
-               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache",)),
-               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache",))}
+               "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache_direct", "nocache")),
+               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache_direct", "nocache")),
+               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache_direct", "nocache"))}
 TOK_S_KEYS = [k for k in TARGET_ROWS if k.endswith("_tok_s")]
 
 
 FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their cases (the router's two largest)
+
+
+def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | None, link: float | None) -> None:
+    """``{prefix}_cache_speedup``: the no-cache step over the cache-on step (direct reads, same store), and
+    ``_predicted``: what the link model predicts from the bytes each moved (``step = bytes / link + rest``, the
+    rest being the no-cache step less its bytes' link time: host and compute, taken as unchanged by hits). Only
+    for rows of one run (the same link figure: a run measures the link once; another machine's host differs)."""
+    if not (nocache and cached and nocache.get("step_s") and cached.get("step_s") and row_link(nocache, link)):
+        return
+    if not math.isclose(row_link(nocache, link), row_link(cached, link), rel_tol=1e-9):
+        for suffix in ("", "_predicted"):
+            r.pop(f"{prefix}_cache_speedup{suffix}", None)
+        return
+    gbps = row_link(nocache, link)
+    rest = max(nocache["step_s"] - nocache["decode_bytes_per_step"] / GB / gbps, 0.0)
+    r[f"{prefix}_cache_speedup"] = nocache["step_s"] / cached["step_s"]
+    r[f"{prefix}_cache_speedup_predicted"] = nocache["step_s"] / (cached["decode_bytes_per_step"] / GB / gbps + rest)
 
 
 def target_row(rows: dict, key: str) -> dict | None:

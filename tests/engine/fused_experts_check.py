@@ -49,6 +49,9 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool)
     transform, record = make_transform(source, QuantSpec(method="nf4", double_quant=double_quant))
     split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
     row = {"type": model_type, "double_quant": double_quant}
+    from airquant.engine.moe import pool
+
+    pool.DIRECT = False  # the pool's copy path with the fused kernels; direct reads: check_direct
     for mode in ("routed", "whole"):
         engine = Engine.open(folder / "store", device="cpu", experts=mode, resident_layers=0)
         counts = {"fused": 0}
@@ -85,6 +88,7 @@ def check_direct(store: Path) -> dict:
         calls["direct"] += out is not None
         return out
 
+    old = direct.REFRESH_PASSES, pool.DIRECT
     direct.DirectReads.run, direct.REFRESH_PASSES, pool.DIRECT = counted, 2, True
     try:
         # a cache of 4 experts: the hot set (CPU plans give none by default)
@@ -97,7 +101,7 @@ def check_direct(store: Path) -> dict:
         report = engine.experts.report()
         engine.close()
     finally:
-        direct.DirectReads.run, direct.REFRESH_PASSES, pool.DIRECT = real, 8, False
+        direct.DirectReads.run, (direct.REFRESH_PASSES, pool.DIRECT) = real, old
     expert_compute.FUSED = False
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
     want_tokens, want_logits = decode(engine, 6)

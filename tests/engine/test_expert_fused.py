@@ -155,6 +155,7 @@ def test_cuda_routed_decode_by_fused_kernels_and_one_copy_kernel(stores, monkeyp
     real = expert_compute.run_fused
     monkeypatch.setattr(expert_compute, "run_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(experts_mod, "UVA_COPY", True)  # off by default (slower than the copy engine on an H200)
+    monkeypatch.setattr(experts_mod, "DIRECT", False)  # the copy path: direct reads would take the decode calls
     engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
     tokens, logits = _decode(engine)
     assert calls and engine.experts.uva is True

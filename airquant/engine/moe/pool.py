@@ -29,9 +29,11 @@ import torch
 from safetensors import safe_open
 
 from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe.direct import DirectReads
 from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
 from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError
 from airquant.layout import find_layout, swap_tensor
+from airquant.quant import kernels
 from airquant.store.manifest import Manifest, ShardEntry
 
 log = logging.getLogger(__name__)
@@ -40,10 +42,12 @@ log = logging.getLogger(__name__)
 # 1.6 ms for a Qwen3-30B-A3B layer's 8 experts, 0.39 ms at the copy engine's 55 GB/s), so it saves the per-slice
 # copies' host time and loses it again on the link (benchmarks/moe_bench.py, case nocache_uva).
 UVA_COPY = False
-# True: a GPU run's few-row calls read their NF4 experts where they are, a VRAM hot set or the pinned RAM tier,
-# by the routing on the device: no copy, no host sync (engine/moe/direct.py). Tests set it on CPU, where the
-# kernels run interpreted.
-DIRECT = False
+# True: a GPU run's few-row NF4 calls read their experts where they are, a VRAM hot set or the pinned RAM tier,
+# by the routing on the device: no copy, no host sync (engine/moe/direct.py). H200, moe_bench, batch 1, same
+# store and run: Qwen3-30B-A3B (4 GB cap) 0.088 s a step against the copy path's 0.115 without a cache and
+# 0.146 with LFU; Mixtral-8x7B (15 GB) 0.088 s with the hot set against the LFU copy path's 0.101. Off with
+# the fused kernels (``compute.FUSED``); tests set it on CPU, where the kernels run interpreted.
+DIRECT = True
 
 
 def router_weights(block, entry: ShardEntry, module: str) -> str | None:
@@ -133,9 +137,7 @@ class ExpertPool:
                     ).view(plan.slots, plan.slot_bytes)
         # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots.
         self.direct = None
-        if DIRECT and direct and (ops is not None or expert_compute.fused_runs_on(self.mem)):
-            from airquant.engine.moe.direct import DirectReads
-
+        if DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available())):
             self.direct = DirectReads(layers, set(direct), self.mem, range(plan.work, plan.slots), device,
                                       host_image)
         self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
@@ -192,10 +194,10 @@ class ExpertPool:
                                    "use --experts whole for this model.")
             return self._run_dispatched(i, module, forward, hidden)
         layer = self.layers[i]
-        if self.direct is not None and len(args) == 3 and not kwargs and \
+        if self.direct is not None and expert_compute.FUSED and len(args) == 3 and not kwargs and \
                 hidden.numel() <= expert_compute.FUSED_TOKENS * hidden.shape[-1]:
             src, arranged = self.host_image(i)
-            if src is not None and arranged is not None:
+            if src is not None and arranged is not None and self.direct.reachable(src):
                 out = self.direct.run(i, module, hidden, index, args[2], src, arranged)
                 if out is not None:
                     return out
