@@ -382,7 +382,7 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
                         "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1", *HOST_CASES),
-              "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused"),
+              "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
@@ -513,7 +513,7 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "
                "qwen3_30b_nf4_bs1_auto_tok_s": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
                "mixtral_nf4_bs1_cpu_experts_tok_s": ("mixtral-8x7b nf4", ("cpu_bs1",)),
                "qwen3_30b_nf4_bs1_auto_over_best": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
-               "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu",)),
+               "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu_direct_r1", "lfu")),
                "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache_direct", "nocache")),
                "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache_direct", "nocache")),
                "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache_direct", "nocache"))}

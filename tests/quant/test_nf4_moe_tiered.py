@@ -16,9 +16,10 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def expert_images(num: int, n: int, k: int, blocksize: int, double: bool):
+def expert_images(num: int, n: int, k: int, blocksize: int, double: bool, bias: torch.dtype | None = None):
     """``num`` random ``[n, k]`` NF4 matrices as expert images (each buffer 64-byte aligned, in ``BUFFERS``
-    order), their decoded fp32 weights ``[num, n, k]`` and the ``ImageMatrix`` describing an image."""
+    order, then a random ``[n]`` bias row of dtype ``bias`` if given), their decoded fp32 weights ``[num, n, k]``
+    (and the biases as fp32 ``[num, n]``, else None) and the ``ImageMatrix`` describing an image."""
     from airquant.quant.kernels.nf4_moe import BUFFERS, ImageMatrix
     from airquant.quant.nf4 import decode_nf4_stacked, quantize_nf4
 
@@ -29,23 +30,32 @@ def expert_images(num: int, n: int, k: int, blocksize: int, double: bool):
         if name in parts[0]:
             offsets[name] = at
             at += -(-parts[0][name].numel() * parts[0][name].element_size() // 64) * 64
+    rows = torch.randn(num, n).to(bias) if bias is not None else None
+    bias_at = at
+    if bias is not None:
+        at += -(-n * rows.element_size() // 64) * 64
     images = torch.zeros(num, at, dtype=torch.uint8)
     for e, tensors in enumerate(parts):
         for name, off in offsets.items():
             raw = tensors[name].contiguous().reshape(-1).view(torch.uint8)
             images[e, off:off + raw.numel()] = raw
+        if bias is not None:
+            images[e, bias_at:bias_at + n * rows.element_size()] = rows[e].view(torch.uint8)
     stacked = {name: torch.stack([t[name] for t in parts]) for name in parts[0]}
     dense = decode_nf4_stacked(stacked, n, k, blocksize, double)
-    return images, dense, ImageMatrix(n, k, blocksize, double, tuple(offsets.get(b) for b in BUFFERS))
+    matrix = ImageMatrix(n, k, blocksize, double, tuple(offsets.get(b) for b in BUFFERS),
+                         (bias_at, bias) if bias is not None else None)
+    return images, dense, rows.float() if rows is not None else None, matrix
 
 
 SCRIPT = """
 import torch
 from airquant.quant.kernels import nf4_moe
 from tests.quant.test_nf4_moe_tiered import expert_images
-for double in (False, True):
+for double, bias in ((False, None), (True, None), (True, torch.bfloat16), (False, torch.float32)):
     num, top = 6, 3
-    images, dense, m = expert_images(num, 40, 192, 64, double)
+    images, dense, rows, m = expert_images(num, 40, 192, 64, double, bias)
+    b = rows if rows is not None else torch.zeros(num, 40)
     stride, start = images.shape[1] + 64, 128  # host images apart from each other, after other bytes
     host = torch.full((start + num * stride,), 7, dtype=torch.uint8)
     for e in range(num):
@@ -61,11 +71,12 @@ for double in (False, True):
     ids = torch.tensor([[2, 0, 5], [4, 2, 1]])
     x = torch.randn(2, 192)
     up = nf4_moe.tiered_up(x, ids, m, tiers)
-    want = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] for p in range(6)])
+    want = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
     assert (up - want).abs().max() <= 1e-5 * want.abs().max(), (up - want).abs().max()
     h, w = torch.randn(6, 192), torch.rand(2, top)
     down = nf4_moe.tiered_down(h, ids, w, m, tiers, torch.float32)
-    want = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j]) for j in range(top)) for t in range(2)])
+    want = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + b[ids[t, j]]) for j in range(top))
+                        for t in range(2)])
     assert (down - want).abs().max() <= 1e-5 * want.abs().max(), (down - want).abs().max()
     assert counts.tolist() == [1, 1, 2, 0, 1, 1] and hits.item() == 3, (counts, hits)
 print("ok")

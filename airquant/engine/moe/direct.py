@@ -15,7 +15,8 @@ top-scoring experts over all layers: experts that left are pointed back at the R
 ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
 before the refresh reads the old slots; one queued after, the new ones).
 
-Applies where a layer's experts are NF4 without biases (``compute.fused_experts``), its bytes are in the
+Applies where a layer's experts are NF4 (``compute.fused_experts``; gpt-oss's bias rows are read from the image
+too), its bytes are in the
 arranged RAM tier (``layout.HostArrangement``) and its router picks only stored experts; other calls take the
 pool's copy path.
 """
@@ -28,6 +29,10 @@ import torch
 
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
+
+# Bias dtypes the tiered kernel reads (quant/kernels/nf4_moe.BIAS_KINDS; kept here so that this module imports
+# no Triton until a call runs)
+BIAS_KINDS = (torch.float32, torch.bfloat16, torch.float16)
 
 log = logging.getLogger(__name__)
 # Passes between two hot-set refreshes (each reads the counts: one host sync; the decode loop syncs once a pass
@@ -74,14 +79,15 @@ class DirectReads:
         if i not in self._matrices:
             layer = self.layers[i]
             spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
-            if spec is None or spec.up.bias is not None or spec.down.bias is not None or \
-                    (spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8):
+            if spec is None or spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8 or \
+                    any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
                 self._matrices[i] = None
             else:
                 from airquant.quant.kernels.nf4_moe import BUFFERS, ImageMatrix
 
                 def image(m):
-                    return ImageMatrix(m.n, m.k, spec.blocksize, spec.double, tuple(m.offsets.get(b) for b in BUFFERS))
+                    return ImageMatrix(m.n, m.k, spec.blocksize, spec.double, tuple(m.offsets.get(b) for b in BUFFERS),
+                                       m.bias)
 
                 self._matrices[i] = (spec, image(spec.up), image(spec.down))
         return self._matrices[i]

@@ -312,31 +312,46 @@ class Tiers:
     hits: torch.Tensor
 
 
+# The dtype of an expert's dense bias rows in its image, as the tiered kernel's BIAS code (0: no bias).
+BIAS_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
 @dataclass(frozen=True)
 class ImageMatrix:
     """One ``[n, k]`` NF4 matrix inside an expert's image: the byte offset of each of its buffers
-    (``BUFFERS``; absent double-quant buffers: None)."""
+    (``BUFFERS``; absent double-quant buffers: None) and of its bias row ``[n]`` (offset, dtype) if any."""
 
     n: int
     k: int
     blocksize: int
     double: bool
     offsets: tuple[int | None, ...]
+    bias: tuple[int, torch.dtype] | None = None
 
     def args(self) -> list[int]:
         qm = self.offsets[BUFFERS.index("quant_map")]
-        return [qm if off is None else off for off in self.offsets]
+        return [qm if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
+
+    @property
+    def bias_kind(self) -> int:
+        if self.bias is None:
+            return 0
+        if self.bias[1] not in BIAS_KINDS:
+            raise ValueError(f"tiered NF4 GEMV: expert bias dtype {self.bias[1]} is not one of {list(BIAS_KINDS)}")
+        return BIAS_KINDS[self.bias[1]]
 
 
 @triton.jit
 def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, hits_ptr,
                         host_ptr, host_start, host_stride, pool_ptr, slot_bytes,
-                        off_w, off_a, off_na, off_nqm, off_noff, off_qm,
+                        off_w, off_a, off_na, off_nqm, off_noff, off_qm, off_bias,
                         N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, COUNT: tl.constexpr,
-                        DOUBLE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        DOUBLE: tl.constexpr, BIAS: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
     """As ``_gemv_kernel`` (up: one program per pair and block of outputs; down: per token, its ``TOP_K``
     pairs weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier.
-    ``COUNT``: the programs of the first output block also count each pair's expert and pool hits."""
+    ``COUNT``: the programs of the first output block also count each pair's expert and pool hits. ``BIAS``
+    (``BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -381,6 +396,14 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
                 part += tl.load(qm_ptr + nibble) * xm[None, :]
             scale = _scale((rows[:, None] + cols[None, :]) // BS, a_ptr, na_ptr, nqm_ptr, noff_ptr, mask, DOUBLE)
             acc += tl.sum(part * scale, axis=1)
+        if BIAS == 1:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float32)) + offs_n, mask=n_mask, other=0.0)
+        elif BIAS == 2:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.bfloat16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
+        elif BIAS == 3:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
         if DOWN:
             total += tl.load(weights_ptr + p).to(tl.float32) * acc
         else:
@@ -421,6 +444,7 @@ def _launch_tiered(x, out, ids, weights, m: ImageMatrix, tiers: Tiers, top_k: in
     _tiered_gemv_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
                               tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start,
                               tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, top_k,
-                              DOWN=down, COUNT=not down, DOUBLE=m.double, BS=m.blocksize, BLOCK_N=block_n,
+                              DOWN=down, COUNT=not down, DOUBLE=m.double, BIAS=m.bias_kind, BS=m.blocksize,
+                              BLOCK_N=block_n,
                               BLOCK_W=block_w, num_warps=4)
     return out
