@@ -112,13 +112,15 @@ def test_no_host_sync_or_host_data_inside_a_layer(engine):
 
 def test_a_decode_pass_writes_its_kv_with_one_gather_and_one_scatter_each(engine):
     """Per layer on a decode-only pass: keys and values gathered from the packed row (``index``) and scattered
-    into the slots (``index_put_``), nothing else launched; views and no-op casts launch nothing."""
+    into the slots (``index_put_``), nothing else launched; views and no-op casts launch nothing. A pass of one
+    sequence's one token (batch 1) writes each by a slice copy instead (``SlotKV.single``)."""
     passes = [(n, mode) for n, mode in _counted_passes(engine) if max(n) == 1]
-    assert passes
+    assert any(len(n) > 1 for n, _ in passes) and any(n == [1] for n, _ in passes)
     layers = engine.config.num_hidden_layers
     for segments, mode in passes:
         kernels = mode.at("kv_write", mode.kernels)
-        assert kernels == Counter({"index": 2 * layers, "index_put_": 2 * layers}), (segments, kernels)
+        want = {"copy_": 2 * layers} if segments == [1] else {"index": 2 * layers, "index_put_": 2 * layers}
+        assert kernels == Counter(want), (segments, kernels)
 
 
 def test_greedy_tokens_of_a_pass_are_read_in_one_go_not_one_sync_per_sequence(engine):
@@ -139,4 +141,34 @@ def test_a_decode_pass_builds_its_attention_mask_once_not_per_layer(engine):
     assert passes and engine.config.num_hidden_layers > 1
     for segments, mode in passes:
         layer = mode.at("layer")
-        assert (layer["arange"], layer["lt"]) == (1, 1), (segments, layer)
+        if segments == [1]:  # batch 1: the slot's keys are attended whole, with no mask and no index
+            assert (layer["arange"], layer["lt"], layer["index"], layer["index_put_"]) == (0, 0, 0, 0), layer
+        else:
+            assert (layer["arange"], layer["lt"]) == (1, 1), (segments, layer)
+
+
+@pytest.mark.parametrize("window", [None, 4, 64])
+def test_batch1_attention_by_slices_equals_the_masked_path(window):
+    """A pass of one sequence's one token (``SlotKV.single``): its key/value written by a slice, its attention
+    over its own slot's keys with the window as a slice and no mask, equals the masked gather/scatter path of a
+    decode pass (the other slot's stale rows never read), within fp32 rounding."""
+    from airquant.engine.decode.slots import PassContext, Segment, SlotKV, _plain_attention
+
+    torch.manual_seed(0)
+    hkv, g, dim = 2, 3, 8
+    kv = SlotKV(1, slots=2, cap=32, device=torch.device("cpu"), dtype=torch.float32)
+    kv.begin([Segment(slot=0, start=0, n=20, offset=0), Segment(slot=1, start=0, n=11, offset=20)])
+    kv.update(torch.randn(1, hkv, 31, dim), torch.randn(1, hkv, 31, dim), 0)  # slot 0 holds 9 tokens more
+    kv.free(0)
+    kv.begin([Segment(slot=1, start=11, n=1, offset=0)])
+    assert kv.single is not None
+    key, value = torch.randn(1, hkv, 1, dim), torch.randn(1, hkv, 1, dim)
+    keys, values = kv._plain_update(key, value, 0)
+    assert torch.equal(keys[1, :, 11], key[0, :, 0]) and torch.equal(values[1, :, 11], value[0, :, 0])
+    ctx = PassContext(kv, 0, keys=keys, values=values)
+    query = torch.randn(1, hkv * g, 1, dim)
+    fast = _plain_attention(query, ctx, 0.3, window)
+    kv.single = None  # the general path over the same pass
+    slow = _plain_attention(query, ctx, 0.3, window)
+    assert fast.shape == slow.shape == (1, hkv * g, 1, dim)
+    assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-5)

@@ -113,6 +113,7 @@ class SlotKV:
         self.plan: DecodePlan | None = None  # TurboQuant: the pass's decode tokens
         self.segments: list[Segment] = []
         self.decode_masks: dict[tuple, torch.Tensor] = {}
+        self.single: Segment | None = None  # the pass's one decode token, when it is the pass's only row
         self._decode: tuple[torch.Tensor, ...] | None = None
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
@@ -122,6 +123,9 @@ class SlotKV:
         self.segments = segments
         self.decode_masks = {}  # (span, window) -> the pass's [S, L] decode mask, built by the first layer
         dec = [s for s in segments if s.n == 1]
+        # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
+        # with no index tensors, scatter or mask (~10 fewer ops a layer on the host, and sdpa without a mask).
+        self.single = dec[0] if len(segments) == 1 and dec else None
         self._decode = self._decode_host = None
         if dec:
             dev = self.device
@@ -207,6 +211,9 @@ class SlotKV:
     def _new_rows(self, key: torch.Tensor, value: torch.Tensor) -> list[tuple]:
         """The pass's new keys/values by destination: ("decode", [nd, Hkv, D] rows at the decode slots' ends)
         and (a prompt chunk's Segment, its [Hkv, n, D] rows)."""
+        if self.single is not None:  # a one-token segment: a slice write (``_scatter``)
+            s = self.single
+            return [(s, key[0, :, s.offset: s.offset + 1], value[0, :, s.offset: s.offset + 1])]
         rows = []
         if self._decode is not None:
             offsets = self._decode[2]
@@ -357,6 +364,14 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
     hkv, dv = keys.shape[1], values.shape[-1]
     g = hq // hkv
     sink = sinks.view(1, hkv, g, 1) if sinks is not None else None  # query head h = kv head * G + g
+    one = kv.single
+    if one is not None and sinks is None and keys.shape[2] == one.start + 1:
+        # batch 1: the slot's own keys, the window as a slice; every column is kept, so no mask
+        first = max(0, one.start + 1 - window) if window else 0
+        q = query[0, :, one.offset].reshape(1, hkv, g, dim)  # [1, Hkv, G, D]: query head h = kv head * G + g
+        o = F.scaled_dot_product_attention(q, keys[one.slot: one.slot + 1, :, first:],
+                                           values[one.slot: one.slot + 1, :, first:], scale=scale)
+        return o.reshape(1, hq, 1, dv)
     out = query.new_empty(1, hq, t, dv)  # [1, Hq, T, Dv]
     if kv._decode is not None:
         slots, starts, offsets = kv._decode

@@ -61,7 +61,7 @@ class DirectReads:
         self.routed = [0] * rows  # pairs computed by direct reads, per layer (known on the host: no sync)
         self.hot_bytes = 0  # copied into the hot set
         self.passes = 0
-        self.first = min(eligible, default=None)
+        self.first: int | None = None  # the lowest layer that ran direct: its calls count the passes
         self._matrices: dict[int, tuple | None] = {}
         self._reachable: bool | None = None if mem.is_cuda else True
 
@@ -101,6 +101,8 @@ class DirectReads:
             return None
         from airquant.quant.kernels import nf4_moe
 
+        if self.first is None or i < self.first:
+            self.first = i
         if i == self.first:
             self.passes += 1
             if self.hot_slots and self.passes % REFRESH_PASSES == 0:
