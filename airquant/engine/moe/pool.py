@@ -173,8 +173,9 @@ class ExpertPool:
             self.direct.reset()
 
     def report(self) -> dict:
-        """Counters since the last reset; with direct reads, their pairs count as routed and their hot-set
-        reads as hits (``direct`` holds their own figures)."""
+        """Counters since the last reset; with direct reads, their (token, expert) pairs count as routed and
+        their hot-set reads as hits (the copy path counts a call's distinct experts: the same at batch 1;
+        ``direct`` holds their own figures)."""
         s = dict(self.stats)
         if self.direct is not None:
             d = self.direct.report()

@@ -294,7 +294,8 @@ def _launch_gemv(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> t
 #
 # Reading host memory from a kernel is latency-bound: a byte load per nibble pair (``_gemv_kernel``) reads the
 # link at ~13 GB/s (engine/uva_copy). Here each thread loads 16 contiguous bytes of a row at a time (int32 words,
-# eight nibbles each), and many programs are in flight, so that the link, not the requests, sets the time.
+# eight nibbles each), and many programs are in flight. Measured (H200, Qwen3-30B-A3B batch 1, a step's 96
+# launches reading ~1 GB, mostly from the RAM tier): 29.8 ms, ~34 GB/s, 0.62 of the copy engine's 55 GB/s.
 @dataclass(frozen=True)
 class Tiers:
     """Where one layer's experts are: ``host`` (uint8, the RAM tier's layer buffer; expert e's image at
