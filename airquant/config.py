@@ -72,9 +72,10 @@ class EngineConfig:
                                             unit="GiB", unset="what the plan leaves free", gpu_only=True)
     expert_policy: Literal["lru", "lfu"] = setting(
         "lfu", "--expert-policy", "expert cache eviction: lru (least recently used) or lfu (least frequently "
-        "used, with decay)")
+        "used, with decay); at decode it picks the hot set the GPU reads NF4 experts from in place")
     expert_prefetch: bool = setting(True, "--expert-prefetch",
-                                    "guess the next layer's experts with its router at batch <= 8 and copy them early",
+                                    "guess the next layer's experts with its router at batch <= 8 and copy them early "
+                                    "(where experts are copied: decode reads NF4 experts in place on a GPU)",
                                     negatable=True)
     # The figures auto weighs host against link with; None: what airquant doctor last measured here.
     host_gemv_gbps: float | None = setting(None, "--host-gemv-gbps",

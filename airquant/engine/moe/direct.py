@@ -10,8 +10,9 @@ with no sync, so the host queues layer i+1 while the GPU still runs layer i.
 Where an expert is read from (a per-layer ``table`` on the device): a VRAM **hot set** slot (the pool's cache
 slots), else the pinned RAM tier over the link (unified virtual addressing). A hot-set hit costs nothing on the
 link and nothing on the host. The kernel counts each layer's routed pairs per expert on the device; every
-``REFRESH_PASSES`` passes the counts are read (one sync), decayed into scores, and the hot set becomes the
-top-scoring experts over all layers: experts that left are pointed back at the RAM tier first, then the new
+``REFRESH_PASSES`` passes the counts are read (one sync) into scores (``--expert-policy``: lfu decays the counts
+so far and adds these, lru stamps each routed expert with the pass), and the hot set becomes the top-scoring
+experts over all layers: experts that left are pointed back at the RAM tier first, then the new
 ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
 before the refresh reads the old slots; one queued after, the new ones).
 
@@ -46,8 +47,9 @@ class DirectReads:
     """Owns the device tables, counters and the hot set of direct reads for a pool's routed layers."""
 
     def __init__(self, layers: dict[int, LayerExperts], eligible: set[int], mem: torch.Tensor, hot_slots: range,
-                 device: torch.device, host_image):
+                 device: torch.device, host_image, policy: str = "lfu"):
         self.layers, self.eligible, self.mem, self.device = layers, eligible, mem, device
+        self.policy = policy  # --expert-policy: lfu ranks by decayed counts, lru by the last pass that used one
         self.host_image = host_image  # i -> (layer i's RAM-tier bytes or None, its HostArrangement or None)
         self.hot_slots = hot_slots  # pool slots the hot set may use (the plan's cache slots)
         num = max((len(layer.ranges) for layer in layers.values()), default=0)
@@ -118,7 +120,10 @@ class DirectReads:
         """The hot set becomes the top-scoring experts (decayed counts), in the compute stream's order."""
         counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
         self.counts.zero_()
-        self.scores.mul_(HOT_DECAY).add_(counts)
+        if self.policy == "lru":  # the pass an expert was last routed in: the most recent ones stay
+            self.scores = torch.where(counts > 0, float(self.passes), self.scores)
+        else:
+            self.scores.mul_(HOT_DECAY).add_(counts)
         want = self._top(len(self.hot_slots))
         leaving = {key: slot for key, slot in self.hot.items() if key not in want}
         if not leaving and len(want) == len(self.hot):

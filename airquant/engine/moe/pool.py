@@ -139,7 +139,7 @@ class ExpertPool:
         self.direct = None
         if DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available())):
             self.direct = DirectReads(layers, set(direct), self.mem, range(plan.work, plan.slots), device,
-                                      host_image)
+                                      host_image, plan.policy)
         self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
