@@ -527,7 +527,8 @@ def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | Non
     """``{prefix}_cache_speedup``: the no-cache step over the cache-on step (direct reads, same store), and
     ``_predicted``: what the link model predicts from the bytes each moved (``step = bytes / link + rest``, the
     rest being the no-cache step less its bytes' link time: host and compute, taken as unchanged by hits). Only
-    for rows of one run (the same link figure: a run measures the link once; another machine's host differs)."""
+    for rows of one invocation (the same link figure: each invocation measures the link once; rows of another
+    invocation may come from another machine, whose host differs)."""
     if not (nocache and cached and nocache.get("step_s") and cached.get("step_s") and row_link(nocache, link)):
         return
     if not math.isclose(row_link(nocache, link), row_link(cached, link), rel_tol=1e-9):
