@@ -74,10 +74,17 @@ def _emulated_offload(monkeypatch):
 @pytest.mark.parametrize("offload", [False, True], ids=["on-device", "kv-offload"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batched_decode_attention_equals_per_segment_path(name, offload, monkeypatch):
+    from airquant.engine.decode import slots
+
     if offload:
         _emulated_offload(monkeypatch)
+    buckets = {True: 0, False: 0}  # decode buckets read as the pass's whole output / gathered and scattered
+    real = slots._bucket_out
+    monkeypatch.setattr(slots, "_bucket_out", lambda out, q, bucket, part: buckets.__setitem__(
+        bucket.whole, buckets[bucket.whole] + 1) or real(out, q, bucket, part))
     batched_with_history, flushed_in_decode, _ = _drive(CONFIGS[name], 2, ARRIVALS, FREE, PASSES, {1} if offload else set())
     assert batched_with_history and flushed_in_decode  # the scenario reached what it is about
+    assert buckets[True] and buckets[False]  # both ways of placing a bucket's output were checked
 
 
 def test_histories_of_very_different_lengths_take_their_own_pages():

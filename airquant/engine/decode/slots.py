@@ -420,6 +420,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tenso
 def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
     """Prompts (whole, nothing cached before them) attend causally to their own exact keys; the decode
     tokens of all slots in one call over the padded slot batch; a row's padding (``slot_cache``) gets zeros."""
+    plan = ctx.kv.plan
+    if plan is not None and plan.packed and query.shape[2] == len(ctx.kv.segments) and \
+            all(s.n == 1 for s in ctx.kv.segments):  # a decode-only pass: its output is the decode attention's
+        return decode_attention(query, ctx.tq, plan, scale).unsqueeze(0)  # [1, Hq, T, D]
     out = torch.zeros_like(query)
     key, value = ctx.row
     g = query.shape[1] // key.shape[1]
@@ -431,7 +435,6 @@ def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.
         out[:, :, rows] = F.scaled_dot_product_attention(
             query[:, :, rows], key[:, :, rows].repeat_interleave(g, 1), value[:, :, rows].repeat_interleave(g, 1),
             attn_mask=keep, scale=scale)
-    plan = ctx.kv.plan
     if plan is not None:
         out[0, :, plan.offsets] = decode_attention(query, ctx.tq, plan, scale)
     return out
@@ -439,11 +442,15 @@ def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.
 
 def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, scale: float) -> torch.Tensor:
     """``[Hq, nd, D]``: the decode tokens of the packed row ``query`` ``[1, Hq, T, D]`` against their slots,
-    one call per bucket of similar history lengths (``tqslots.Bucket``)."""
-    q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
-    out = torch.empty_like(q)
+    one call per bucket of similar history lengths (``tqslots.Bucket``). Decode tokens first in the row
+    (``plan.packed``) are read as a view, and a bucket of all of them (``whole``) is the output itself."""
+    if plan.packed:
+        q = query[0, :, :plan.write.shape[0]].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D], a view
+    else:
+        q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
+    out = None
     for bucket in plan.buckets:
-        qb = q[bucket.rows]
+        qb = q if bucket.whole else q[bucket.rows]
         if bucket.hist_len and q.is_cuda:
             # The Triton kernel reads the arena in place through its page table: no per-layer gathers of
             # windows, pages and statistics (measured on the H200 before: the GPU idled ~0.4 ms a layer
@@ -452,18 +459,28 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
 
             keys, values, tq, paged = arena.paged(plan, bucket)
             if triton_kernel.applicable(qb, tq):
-                out[bucket.rows] = triton_kernel.attention(qb, keys, values, tq, bucket.keep, scale,
-                                                           paged=paged).transpose(1, 2)
+                part = triton_kernel.attention(qb, keys, values, tq, bucket.keep, scale, paged=paged).transpose(1, 2)
+                out = _bucket_out(out, q, bucket, part)
                 continue
         keys, values, tq = arena.context(plan, bucket)
         if not bucket.hist_len:  # nothing quantized yet: exact attention over the (short) windows
             g = qb.shape[1] // keys.shape[1]
-            out[bucket.rows] = F.scaled_dot_product_attention(
-                qb, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), attn_mask=bucket.keep,
-                scale=scale)
+            part = F.scaled_dot_product_attention(qb, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1),
+                                                  attn_mask=bucket.keep, scale=scale)
         else:
-            out[bucket.rows] = compressed_attention(qb, keys, values, tq, bucket.keep, scale).transpose(1, 2)
+            part = compressed_attention(qb, keys, values, tq, bucket.keep, scale).transpose(1, 2)
+        out = _bucket_out(out, q, bucket, part)
     return out[:, :, 0].transpose(0, 1)
+
+
+def _bucket_out(out: torch.Tensor | None, q: torch.Tensor, bucket, part: torch.Tensor) -> torch.Tensor:
+    """``part`` (``[n, Hq, 1, D]``, the bucket's rows) placed in the pass's ``[nd, Hq, 1, D]`` output."""
+    if bucket.whole:
+        return part.to(q.dtype)
+    if out is None:
+        out = torch.empty_like(q)
+    out[bucket.rows] = part
+    return out
 
 
 def attention_backends():

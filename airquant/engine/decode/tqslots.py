@@ -50,6 +50,7 @@ class Bucket:
     slots: torch.Tensor  # their slots
     hist_len: int
     keep: torch.Tensor  # [n, 1, 1, Wmax + hist_len]: columns [sink | history | recent] each token attends
+    whole: bool = False  # rows are every decode token of the pass, in order (no gather, no scatter)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class DecodePlan:
     flush: torch.Tensor | None
     flush_at: torch.Tensor | None
     calibrate: torch.Tensor | None
+    packed: bool = False  # the decode tokens are the packed row's first ones, in order (offsets 0 .. n - 1)
 
 
 def on_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -99,7 +101,8 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
         win_len=w_max,
         hist_len=max(hist), flush=tensor([m[0] for m in moving]) if moving else None,
         flush_at=tensor([m[1] for m in moving]) if moving else None,
-        calibrate=tensor([m[0] for m in moving if m[1] == 0]) if any(m[1] == 0 for m in moving) else None)
+        calibrate=tensor([m[0] for m in moving if m[1] == 0]) if any(m[1] == 0 for m in moving) else None,
+        packed=[d[2] for d in decode] == list(range(len(decode))))
 
 
 def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_max: int,
@@ -120,7 +123,7 @@ def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_
             keep[r, sink:sink + hist[n]] = True
             keep[r, sink + h_max:sink + h_max + win[n] - sink] = True
         out.append(Bucket(on_device(rows, device), on_device([slots[n] for n in rows], device), h_max,
-                          on_device(keep[:, None, None, :], device)))
+                          on_device(keep[:, None, None, :], device), whole=rows == list(range(len(hist)))))
     return tuple(out)
 
 
