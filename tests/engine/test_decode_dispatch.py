@@ -93,6 +93,7 @@ def _counted_passes(engine, slots: int = 3) -> list[tuple[list, OpCounter]]:
             state["mode"] = OpCounter()
             with state["mode"]:
                 loop.step()
+            state["mode"].full = loop.kv.full  # every slot decoded, in slot order
             passes.append(([s.n for s in loop.kv.segments], state["mode"]))
     finally:
         for h in handles:
@@ -113,13 +114,19 @@ def test_no_host_sync_or_host_data_inside_a_layer(engine):
 def test_a_decode_pass_writes_its_kv_with_one_gather_and_one_scatter_each(engine):
     """Per layer on a decode-only pass: keys and values gathered from the packed row (``index``) and scattered
     into the slots (``index_put_``), nothing else launched; views and no-op casts launch nothing. A pass of one
-    sequence's one token (batch 1) writes each by a slice copy instead (``SlotKV.single``)."""
+    sequence's one token (batch 1) writes each by a slice copy instead (``SlotKV.single``), and a pass of every
+    slot in slot order (``SlotKV.full``) reads them from the row as views: the scatters alone."""
     passes = [(n, mode) for n, mode in _counted_passes(engine) if max(n) == 1]
-    assert any(len(n) > 1 for n, _ in passes) and any(n == [1] for n, _ in passes)
+    assert any(n == [1] for n, _ in passes) and any(m.full and len(n) > 1 for n, m in passes)
     layers = engine.config.num_hidden_layers
     for segments, mode in passes:
         kernels = mode.at("kv_write", mode.kernels)
-        want = {"copy_": 2 * layers} if segments == [1] else {"index": 2 * layers, "index_put_": 2 * layers}
+        if segments == [1]:
+            want = {"copy_": 2 * layers}
+        elif mode.full:
+            want = {"index_put_": 2 * layers}
+        else:
+            want = {"index": 2 * layers, "index_put_": 2 * layers}
         assert kernels == Counter(want), (segments, kernels)
 
 
@@ -168,7 +175,34 @@ def test_batch1_attention_by_slices_equals_the_masked_path(window):
     ctx = PassContext(kv, 0, keys=keys, values=values)
     query = torch.randn(1, hkv * g, 1, dim)
     fast = _plain_attention(query, ctx, 0.3, window)
-    kv.single = None  # the general path over the same pass
+    kv.single, kv.full = None, False  # the general path over the same pass
     slow = _plain_attention(query, ctx, 0.3, window)
     assert fast.shape == slow.shape == (1, hkv * g, 1, dim)
+    assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_full_batch_attention_by_views_equals_the_gathered_path(window):
+    """A pass of every slot's one token in slot order (``SlotKV.full``): its keys/values written and its query
+    and output read as views of the packed row equal the gather/scatter path, within fp32 rounding."""
+    from airquant.engine.decode.slots import PassContext, Segment, SlotKV, _plain_attention
+
+    torch.manual_seed(0)
+    hkv, g, dim = 2, 3, 8
+    kv = SlotKV(1, slots=3, cap=32, device=torch.device("cpu"), dtype=torch.float32)
+    kv.begin([Segment(slot=0, start=0, n=9, offset=0), Segment(slot=1, start=0, n=5, offset=9),
+              Segment(slot=2, start=0, n=12, offset=14)])
+    kv.update(torch.randn(1, hkv, 26, dim), torch.randn(1, hkv, 26, dim), 0)
+    kv.begin([Segment(slot=n, start=start, n=1, offset=n) for n, start in enumerate((9, 5, 12))])
+    assert kv.full and kv.single is None
+    key, value = torch.randn(1, hkv, 3, dim), torch.randn(1, hkv, 3, dim)
+    keys, values = kv._plain_update(key, value, 0)
+    for n, start in enumerate((9, 5, 12)):
+        assert torch.equal(keys[n, :, start], key[0, :, n]) and torch.equal(values[n, :, start], value[0, :, n])
+    ctx = PassContext(kv, 0, keys=keys, values=values)
+    query = torch.randn(1, hkv * g, 3, dim)
+    fast = _plain_attention(query, ctx, 0.3, window)
+    kv.full = False
+    slow = _plain_attention(query, ctx, 0.3, window)
+    assert fast.shape == slow.shape == (1, hkv * g, 3, dim)
     assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-5)

@@ -114,6 +114,7 @@ class SlotKV:
         self.segments: list[Segment] = []
         self.decode_masks: dict[tuple, torch.Tensor] = {}
         self.single: Segment | None = None  # the pass's one decode token, when it is the pass's only row
+        self.full = False  # every slot decodes, in slot order (``begin``)
         self._decode: tuple[torch.Tensor, ...] | None = None
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
@@ -126,6 +127,10 @@ class SlotKV:
         # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
         # with no index tensors, scatter or mask (~10 fewer ops a layer on the host, and sdpa without a mask).
         self.single = dec[0] if len(segments) == 1 and dec else None
+        # Every slot decoding, slot n's token at row offset n (a full continuous batch): the row is already in
+        # slot order, so its tokens are read and its outputs placed as views (no gather, zero fill or scatter).
+        self.full = len(dec) == len(segments) == self.slots and all(
+            s.slot == n and s.offset == n for n, s in enumerate(dec))
         self._decode = self._decode_host = None
         if dec:
             dev = self.device
@@ -214,6 +219,9 @@ class SlotKV:
         if self.single is not None:  # a one-token segment: a slice write (``_scatter``)
             s = self.single
             return [(s, key[0, :, s.offset: s.offset + 1], value[0, :, s.offset: s.offset + 1])]
+        if self.full:
+            n = self.slots
+            return [("decode", key[0, :, :n].transpose(0, 1), value[0, :, :n].transpose(0, 1))]
         rows = []
         if self._decode is not None:
             offsets = self._decode[2]
@@ -372,11 +380,14 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
         o = F.scaled_dot_product_attention(q, keys[one.slot: one.slot + 1, :, first:],
                                            values[one.slot: one.slot + 1, :, first:], scale=scale)
         return o.reshape(1, hq, 1, dv)
-    out = query.new_empty(1, hq, t, dv)  # [1, Hq, T, Dv]
+    out = query.new_empty(1, hq, t, dv) if not kv.full else None  # [1, Hq, T, Dv]
     if kv._decode is not None:
         slots, starts, offsets = kv._decode
-        q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
-        q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
+        if kv.full:  # row n is slot n's token
+            q = query[0].transpose(0, 1).reshape(t, hkv, g, dim)  # [S, Hkv, G, D]
+        else:
+            q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
+            q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
         keep = kv.decode_masks.get((keys.shape[2], window))
         if keep is None:  # built once per pass: every layer of a window reads the same columns
             length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
@@ -387,6 +398,8 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
                 keep &= cols > (length[:, None] - 1 - window)
             kv.decode_masks[(keys.shape[2], window)] = keep
         o = _attend(q, keys, values, keep[:, None, None, :], scale, sink)
+        if kv.full:
+            return o.reshape(t, hq, dv).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dv]
         out[0, :, offsets] = o[slots].reshape(-1, hq, dv).transpose(0, 1)
     for s in kv.segments:
         if s.n == 1:
