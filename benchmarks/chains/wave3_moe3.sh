@@ -1,6 +1,7 @@
 # Device chain of 2026-12-04's third session (issue 34, direct expert reads), started in the background from a
 # copy of the tree in /tmp/run: the GPU tests of the tiered kernel and the direct decode, then Qwen3-30B-A3B at
 # batch 1 (4 GB cap) with and without direct reads, same store, same run, the pinned link measured first.
+# Start: setsid nohup bash /tmp/run/benchmarks/chains/wave3_moe3.sh > /tmp/chain.log 2>&1 < /dev/null & disown
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces && cp results/moe_bench.json $R/
 python -m pytest -q -m gpu tests/engine/test_expert_fused.py tests/quant/test_nf4_moe_tiered.py > $R/gpu_tests.log 2>&1

@@ -1,6 +1,7 @@
 # Second half of 2026-12-04's third-session chain (issue 34), on a fresh machine: Mixtral-8x7B NF4 at batch 1
 # (15 GB cap) with and without direct reads, same store, same run (the link first), then Qwen3-30B-A3B's hot set
 # refreshed every pass.
+# Start: setsid nohup bash /tmp/run/benchmarks/chains/wave3_moe3b.sh > /tmp/chain.log 2>&1 < /dev/null & disown
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces && cp results/moe_bench.json $R/
 M="python benchmarks/moe_bench.py --results $R --workdir /tmp/bw --keep-stores --trace-dir $R/traces"
