@@ -529,11 +529,11 @@ def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | Non
     rest being the no-cache step less its bytes' link time: host and compute, taken as unchanged by hits). Only
     for rows of one invocation (the same link figure: each invocation measures the link once; rows of another
     invocation may come from another machine, whose host differs)."""
+    for suffix in ("", "_predicted"):  # a pair no longer in the file, or of two invocations, gets no ratio
+        r.pop(f"{prefix}_cache_speedup{suffix}", None)
     if not (nocache and cached and nocache.get("step_s") and cached.get("step_s") and row_link(nocache, link)):
         return
     if not math.isclose(row_link(nocache, link), row_link(cached, link), rel_tol=1e-9):
-        for suffix in ("", "_predicted"):
-            r.pop(f"{prefix}_cache_speedup{suffix}", None)
         return
     gbps = row_link(nocache, link)
     rest = max(nocache["step_s"] - nocache["decode_bytes_per_step"] / GB / gbps, 0.0)

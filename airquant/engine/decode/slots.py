@@ -458,7 +458,7 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
     one call per bucket of similar history lengths (``tqslots.Bucket``). Decode tokens first in the row
     (``plan.packed``) are read as a view, and a bucket of all of them (``whole``) is the output itself."""
     if plan.packed:
-        q = query[0, :, :plan.write.shape[0]].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D], a view
+        q = query[0, :, :plan.offsets.shape[0]].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D], a view
     else:
         q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
     out = None

@@ -32,9 +32,6 @@ from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
 
 log = logging.getLogger(__name__)
-# Bias dtypes the tiered kernel reads (quant/kernels/nf4_moe.BIAS_KINDS; kept here so that this module imports
-# no Triton until a call runs)
-BIAS_KINDS = (torch.float32, torch.bfloat16, torch.float16)
 # Passes between two hot-set refreshes (each reads the counts: one host sync; the decode loop syncs once a pass
 # anyway, for its tokens). Every pass: Mixtral-8x7B at batch 1 hit 69 % and ran 0.088 s a step; every 8 passes
 # the hot set was still empty within moe_bench's measured steps (0.175 s); Qwen3-30B-A3B, host-bound, 0.145 s
@@ -78,14 +75,14 @@ class DirectReads:
     def matrices(self, i: int, module) -> tuple | None:
         """Layer i's (spec, up ImageMatrix, down ImageMatrix), or None: its experts module does not qualify."""
         if i not in self._matrices:
+            from airquant.quant.kernels.nf4_moe import BIAS_KINDS, BUFFERS, ImageMatrix
+
             layer = self.layers[i]
             spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
             if spec is None or spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8 or \
                     any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
                 self._matrices[i] = None
             else:
-                from airquant.quant.kernels.nf4_moe import BUFFERS, ImageMatrix
-
                 def image(m):
                     return ImageMatrix(m.n, m.k, spec.blocksize, spec.double, tuple(m.offsets.get(b) for b in BUFFERS),
                                        m.bias)
@@ -132,7 +129,7 @@ class DirectReads:
             del self.hot[key]
         free = sorted(set(self.hot_slots) - set(self.hot.values()))
         if leaving:  # pointed back at the RAM tier before their slots are overwritten
-            self._write_table([key for key in leaving], [-1] * len(leaving))
+            self._write_table(list(leaving), [-1] * len(leaving))
         entering = [key for key in want if key not in self.hot]
         copied = []
         for key, slot in zip(entering, free):

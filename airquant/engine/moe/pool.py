@@ -177,10 +177,11 @@ class ExpertPool:
         their hot-set reads as hits (the copy path counts a call's distinct experts: the same at batch 1;
         ``direct`` holds their own figures)."""
         s = dict(self.stats)
-        if self.direct is not None:
+        if self.direct is not None:  # its counters read from the device once, here
             d = self.direct.report()
-            s.update(routed=s["routed"] + d["direct_pairs"], hits=s["hits"] + d["direct_hits"], direct=d)
-        return {**s, "bytes_copied": self.bytes_copied, "hit_rate": s["hits"] / s["routed"] if s["routed"] else None,
+            s.update(routed=s["routed"] + d["direct_pairs"], hits=s["hits"] + d["direct_hits"],
+                     bytes_copied=s["bytes_copied"] + d["direct_link_bytes"], direct=d)
+        return {**s, "hit_rate": s["hits"] / s["routed"] if s["routed"] else None,
                 "speculation_recall": s["guess_used"] / s["routed"] if s["guessed"] else None,
                 "speculation_precision": s["guess_used"] / s["guessed"] if s["guessed"] else None}
 

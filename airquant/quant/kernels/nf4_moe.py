@@ -412,12 +412,12 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
     tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _tiered_tiles(n: int, k: int, programs_per_row: bool) -> tuple[int, int]:
+def _tiered_tiles(n: int, k: int, down: bool) -> tuple[int, int]:
     """(outputs per program, words per K step): 32 words (256 elements, 128 bytes of a row: one line of the
     link) per step; outputs per program small enough that a batch-1 call spreads over every SM with enough
     loads in flight to cover the link's latency (the down projection runs a token's pairs in one program)."""
     words = min(32, max(triton.next_power_of_2(k) // 8, 1))
-    return min(16 if programs_per_row else 32, triton.next_power_of_2(n)), words
+    return min(16 if down else 32, triton.next_power_of_2(n)), words
 
 
 def tiered_up(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrix, tiers: Tiers) -> torch.Tensor:
