@@ -60,6 +60,7 @@ from airquant.engine.moe import direct as direct_mod  # noqa: E402
 from airquant.engine.moe import pool as experts_mod  # noqa: E402
 from airquant.engine.moe.host import HostExperts  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
+from airquant.eval.benchtables import target  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
@@ -571,13 +572,11 @@ def check_targets(b: Bench) -> list[str]:
         if value is None:
             why = unmeasured_why(b.results, key)
             lines.append(f"  {key:<38} not measured" + (f": {why[:90]}" if why else ""))
-            b.results.setdefault("targets", {})[key] = {"value": None, "target": threshold, "kind": kind,
-                                                        "met": None, "why": why}
+            b.results.setdefault("targets", {})[key] = {**target(None, threshold, kind), "why": why}
             continue
-        met = value <= threshold if kind == "max" else value >= threshold
+        entry = b.results.setdefault("targets", {})[key] = target(value, threshold, kind)
         lines.append(f"  {key:<38} {value:8.3f}  target {'<=' if kind == 'max' else '>='} {threshold:g}: "
-                     f"{'met' if met else 'MISSED'}")
-        b.results.setdefault("targets", {})[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
+                     f"{'met' if entry['met'] else 'MISSED'}")
     return lines
 
 

@@ -49,6 +49,7 @@ from airquant.config import EngineConfig, GenerateConfig  # noqa: E402
 from airquant.engine.decode.fallback import StepClock  # noqa: E402
 from airquant.engine.profile import profile_table, summarize  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
+from airquant.eval.benchtables import target  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GB, GIB  # noqa: E402
 
@@ -364,10 +365,9 @@ def check_targets(b: Bench) -> list[str]:
         if value is None:
             lines.append(f"  {key:<32} not measured")
             continue
-        met = value >= threshold if kind == "min" else value <= threshold
+        entry = b.results.setdefault("targets", {})[key] = target(value, threshold, kind)
         lines.append(f"  {key:<32} {value:10.3f}  target {'>=' if kind == 'min' else '<='} {threshold:g}: "
-                     f"{'met' if met else 'MISSED'}")
-        b.results.setdefault("targets", {})[key] = {"value": value, "target": threshold, "kind": kind, "met": met}
+                     f"{'met' if entry['met'] else 'MISSED'}")
     return lines
 
 
