@@ -54,6 +54,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.engine import layer_graphs  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
 from airquant.engine.moe import direct as direct_mod  # noqa: E402
@@ -148,7 +149,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
-                   direct=experts_mod.DIRECT)
+                   direct=experts_mod.DIRECT, graphs=layer_graphs.ENABLED)
     for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
         kw.pop(name, None)
     kw.setdefault("experts", "whole")
@@ -161,6 +162,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                 row["experts_mode"] = "whole" if engine.experts is None else \
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
             step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
+            row["layer_graphs"] = engine.stats().get("layer_graphs")  # captures, replays, eager calls so far
             if case is not None and case in (a.trace or "").split(","):
                 ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
                 row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
@@ -320,6 +322,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_direct": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
     "lfu_direct_r1": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1)),
     "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
+    # The same without layer graphs (engine/layer_graphs.py, on by default): every op launched from Python.
+    "nocache_direct_eager": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                     graphs=False)),
+    "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, graphs=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -382,12 +388,14 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
-                        "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1", *HOST_CASES),
-              "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1"),
+                        "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1",
+                        "nocache_direct_eager", "lfu_direct_r1_eager", *HOST_CASES),
+              "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
+                         "nocache_direct_eager", "lfu_direct_r1_eager"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
-            "refresh": (direct_mod, "REFRESH_PASSES")}
+            "refresh": (direct_mod, "REFRESH_PASSES"), "graphs": (layer_graphs, "ENABLED")}
 
 
 HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)

@@ -23,6 +23,7 @@ from airquant.engine import skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.embed_head import HostEmbedding
+from airquant.engine.layer_graphs import LayerGraphs
 from airquant.engine.memory.placement import Reserve, StreamPlan
 from airquant.engine.memory.placement import token_budget as planned_budget
 from airquant.engine.memory.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
@@ -107,6 +108,7 @@ class Engine:
         skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype,
                                   host_embedding=cfg.host_embedding, verify_reads=cfg.verify_reads)
         self.streamer: LayerStreamer | None = None
+        self.graphs: LayerGraphs | None = None  # streamed layers' one-token calls as CUDA graphs
         self.plan: StreamPlan | None = None
         # routed MoE experts: the device pool (engine/moe/pool.py) or the host path (engine/moe/host.py)
         self.experts: experts.ExpertPool | expert_host.HostExperts | None = None
@@ -124,6 +126,8 @@ class Engine:
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
+            self.graphs = LayerGraphs.for_device(self.device)
+            skeleton.attach_graphs(self.model, self.graphs)
             if routed and self.plan.experts_host:
                 self.experts = expert_host.open_host_experts(self, routed)
                 skeleton.attach_experts(self.model, self.experts)
@@ -313,6 +317,8 @@ class Engine:
     def _on_error(self) -> None:
         if self.streamer is not None:  # an OOM or an interrupt cut a forward short
             self.streamer.reset()
+        if self.graphs is not None:  # captured again from the next calls on
+            self.graphs.clear()
 
     def _cache_arg(self, cache) -> dict:
         return {} if cache is None else {cache_kwarg(self.model): cache}
@@ -327,6 +333,8 @@ class Engine:
                + (self.experts.bytes_copied if self.experts else 0)}
         if self.experts is not None:
             out["experts"] = self.experts.report()
+        if self.graphs is not None:
+            out["layer_graphs"] = dict(self.graphs.stats)
         if self.device.type == "cuda":
             out["peak_vram_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
             out["peak_vram_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
@@ -371,6 +379,8 @@ class Engine:
         return self.streamer.take_profile()
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.streamer:
             self.streamer.close()
 

@@ -200,6 +200,7 @@ class StreamedLayer(nn.Module):
         self.streamer = streamer
         self._names: tuple[str, ...] | None = None  # the names _slots was resolved for
         self._slots: list[tuple[dict, str]] | None = None  # per name: (its module's table, its key); None: fallback
+        self.graphs = None  # engine/layer_graphs.LayerGraphs: one-token calls replayed from CUDA graphs
 
     def __getattr__(self, name: str):
         # Decoder stacks read attributes of their blocks (attention_type, layer_type, is_sliding ...)
@@ -219,6 +220,8 @@ class StreamedLayer(nn.Module):
             for (table, key), t in zip(slots, tensors.values()):
                 table[key] = t
             try:
+                if self.graphs is not None:
+                    return self.graphs.run(self.index, self.layer, tensors, self.layer, args, kwargs)
                 return self.layer(*args, **kwargs)
             finally:
                 for (table, key), t in zip(slots, old):
@@ -258,6 +261,13 @@ def attach_streamer(model: nn.Module, streamer) -> None:
     layers = decoder_layers(model)
     for i in range(len(layers)):
         layers[i] = StreamedLayer(layers[i], i, streamer)
+
+
+def attach_graphs(model: nn.Module, graphs) -> None:
+    """Streamed layers' one-token calls go through ``graphs`` (engine/layer_graphs.LayerGraphs; None: off)."""
+    for layer in decoder_layers(model):
+        if isinstance(layer, StreamedLayer):
+            layer.graphs = graphs
 
 
 def load_layers_resident(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,

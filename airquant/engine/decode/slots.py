@@ -118,10 +118,13 @@ class SlotKV:
         self._decode: tuple[torch.Tensor, ...] | None = None
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
+        self.passes = 0  # ``begin`` calls: layer graphs' static inputs are refreshed once a pass
+        self.recorder = None  # engine/layer_graphs.Recorder while a layer call is captured as a graph
 
     # -- the pass ------------------------------------------------------------------------------
     def begin(self, segments: list[Segment]) -> None:
         self.segments = segments
+        self.passes += 1
         self.decode_masks = {}  # (span, window) -> the pass's [S, L] decode mask, built by the first layer
         dec = [s for s in segments if s.n == 1]
         # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
@@ -174,6 +177,8 @@ class SlotKV:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context
         (``prefix``: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model changes)."""
+        if self.recorder is not None:  # a layer graph's capture ends here: the write and the attention run eagerly
+            self.recorder.island_begin(key, value, layer_idx, args, kwargs)
         if self.prefix:
             return self._plain_update(key, value, layer_idx)
         ctx = PassContext(self, layer_idx, returned=value)
@@ -303,6 +308,19 @@ def _scatter(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: list[tuple], decode
 # -- attention ---------------------------------------------------------------------------------
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, slot_kv=None,
                      **kwargs):
+    """``_ragged_attention``; where its layer call is being captured as a graph (engine/layer_graphs), the
+    capture of the rest of the call starts at its return."""
+    result = _ragged_attention(module, query, key, value, attention_mask, scaling, dropout, slot_kv=slot_kv,
+                               **kwargs)
+    ctx = context_of(key)
+    if isinstance(ctx, PassContext) and ctx.kv.recorder is not None:
+        ctx.kv.recorder.island_end(ragged_attention, module, query, key, value, (attention_mask,),
+                                   dict(scaling=scaling, dropout=dropout, slot_kv=slot_kv, **kwargs), result)
+    return result
+
+
+def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, slot_kv=None,
+                      **kwargs):
     """AttentionInterface signature: ``query`` ``[1, Hq, T, D]`` of the packed row -> ``([1, T, Hq, Dv], None)``;
     ``[B, Hq, T, D]``: a batch of rows (``slot_cache``, transformers' generate), attended as their packed row.
 

@@ -24,10 +24,12 @@ expert, as the copy path counts.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
+from airquant.engine import layer_graphs
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
 
@@ -99,19 +101,25 @@ class DirectReads:
             return None
         from airquant.quant.kernels import nf4_moe
 
+        work = functools.partial(self._host_part, i, index.numel())
+        if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
+            work()
+        spec, up_m, down_m = found
+        tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
+                              self.hits[i:i + 1])
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
+        return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+
+    def _host_part(self, i: int, pairs: int) -> None:
+        """A call's host side: the pass count (the first direct layer's calls), the refresh, the pair count."""
         if self.first is None or i < self.first:
             self.first = i
         if i == self.first:
             self.passes += 1
             if self.hot_slots and self.passes % REFRESH_PASSES == 0:
                 self.refresh()
-        spec, up_m, down_m = found
-        tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
-                              self.hits[i:i + 1])
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
-        self.routed[i] += index.numel()
-        return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+        self.routed[i] += pairs
 
     def refresh(self) -> None:
         """The hot set becomes the top-scoring experts (decayed counts), in the compute stream's order."""

@@ -1,0 +1,435 @@
+"""CUDA graphs of streamed decoder layers for one-token decode passes (batch 1).
+
+Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the GPU was busy ~11 ms of it
+(H200, ``moe_bench --trace``): ~64 kernel launches and ~225 torch ops a layer, each paid for on the host (an
+RMSNorm is 8 ops, bitsandbytes' Python wraps each 4-bit GEMV, rope, router). A graph replays a layer's
+launches in one call.
+
+How: a layer's call is captured as two graphs split around its attention (the *island*). The cache write and
+the attention read lengths that change every pass, so they run eagerly between the graphs: ``SlotKV.update``
+ends the first capture and ``ragged_attention`` starts the second. Everything else of a one-token call has
+static shapes: norms, projections, rope, router, and the direct-read expert kernels (they find each expert
+through a table on the device). A graph reads fixed addresses, so it is keyed by the layer, the addresses of
+the weights the streamer fetched for it (its device slot) and the call's shapes. The layer is captured with
+static twins of the call's tensors, shared by every layer: before a replay, a tensor is copied into its twin
+unless that twin got the same tensor earlier in the same pass (the rope tables passed to every layer of a pass
+are copied once).
+
+Host work of a layer call that is not GPU work (direct reads' pass count, hot-set refresh, counters) is
+declared with ``host_work``: recorded at the warm-up call and run by the runner before each replay.
+
+A key's first call runs eagerly (warm-up: lazy initialisation, kernel compiles), with synchronizing ops
+reported (``torch.cuda.set_sync_debug_mode``); a key whose warm-up synchronized twice (the experts' copy path
+reads its routing on the host; a one-time probe syncs once) is never captured. The second call is captured; later ones replay. A capture that fails
+anyway marks its key eager and the call runs again eagerly (its cache write rewrites the same rows).
+
+Layers whose code between the cache update and the attention call is known to be empty are captured
+(``CAPTURED_LAYERS``): an op there would run once at capture and never again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+ENABLED = True  # graphs for streamed layers' one-token calls on CUDA (moe_bench's *_eager cases turn it off)
+# Decoder layer classes whose attention calls the attention function right after the cache update (checked
+# by tests/engine/test_layer_graphs.py with the emulated graphs): the island replays exactly those two calls.
+CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                             "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer"})
+_SIMPLE = (bool, int, float, str, type(None))
+# Keys a layer may have (a key per device slot it lands in, times warm-up and capture); a layer whose weights
+# move every call (dense tensors cast at fetch: a float32 store run in bf16) would add one a call: eager.
+KEYS_PER_LAYER = 8
+_local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
+
+
+def host_work(fn) -> bool:
+    """Run ``fn`` (host-side work of a layer call: counters, a refresh that may synchronize) unless the graph
+    runner owns it. Returns True where the caller must not run it: at warm-up it is run here, outside the sync
+    check, and recorded; in a captured or replayed call the runner runs the recorded work itself."""
+    mode = getattr(_local, "mode", None)
+    if mode is None:
+        return False
+    if mode == "warmup":
+        _local.work.append(fn)
+        with _syncs_allowed():
+            fn()
+    return True
+
+
+class _syncs_allowed:
+    def __enter__(self):
+        self.mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+        if self.mode:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def __exit__(self, *exc):
+        if self.mode:
+            torch.cuda.set_sync_debug_mode(self.mode)
+
+
+class _mode:
+    def __init__(self, mode: str | None, work: list | None = None):
+        self.mode, self.work = mode, work
+
+    def __enter__(self):
+        self.saved = getattr(_local, "mode", None), getattr(_local, "work", None)
+        _local.mode, _local.work = self.mode, self.work
+
+    def __exit__(self, *exc):
+        _local.mode, _local.work = self.saved
+
+
+class Unsupported(Exception):
+    """The layer call cannot be captured as a graph (it runs eagerly)."""
+
+
+# -- backends: CUDA graphs, or an emulation on any device for the tests ----------------------------------------
+class CudaBackend:
+    """Graphs captured on a side stream into one memory pool shared by every layer's graphs (they replay one at a
+    time, on the compute stream); ``thread_local``: the streamer's threads may use CUDA during a capture."""
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)
+        self.main: torch.cuda.Stream | None = None
+        # cuBLAS sets up a handle and workspace per stream at its first use: done here, not inside a capture
+        self.side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.side):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                a = torch.ones(8, 8, device=device, dtype=dtype)
+                a @ a
+        torch.cuda.current_stream(device).wait_stream(self.side)
+
+    def begin(self):
+        graph = torch.cuda.CUDAGraph()
+        self.main = torch.cuda.current_stream()
+        self.side.wait_stream(self.main)
+        torch.cuda.set_stream(self.side)
+        try:
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        except BaseException:
+            torch.cuda.set_stream(self.main)
+            raise
+        return graph
+
+    def end(self, graph) -> None:
+        try:
+            graph.capture_end()
+        finally:
+            torch.cuda.set_stream(self.main)
+
+    @staticmethod
+    def replay(graph) -> None:
+        graph.replay()
+
+    @staticmethod
+    def warmup():
+        """Syncs in the warm-up call are reported as warnings (checked by the runner)."""
+        return _SyncCheck()
+
+
+class _SyncCheck:
+    def __enter__(self):
+        self.caught = warnings.catch_warnings(record=True)
+        self.seen = self.caught.__enter__()
+        warnings.simplefilter("always")
+        self.saved = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self.saved)
+        self.caught.__exit__(*exc)
+
+    @property
+    def synced(self) -> bool:
+        return any("synchronizing" in str(w.message) for w in self.seen)
+
+
+class EmulatedGraph(torch.utils._python_dispatch.TorchDispatchMode):
+    """What a CUDA graph keeps of a capture, emulated: the ops and the tensors they read and wrote, replayed on
+    those same tensors (a new result is copied into the tensor the capture returned). A host read of a tensor
+    inside the capture raises, as it does under CUDA stream capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            raise RuntimeError("emulated graph capture: a host read of a tensor (operation not permitted when "
+                               "stream is capturing)")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for old, fresh in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
+                if isinstance(old, torch.Tensor) and old is not fresh and \
+                        old.untyped_storage().data_ptr() != fresh.untyped_storage().data_ptr():
+                    old.copy_(fresh)
+
+
+class EmulatedBackend:
+    """Layer graphs on the CPU for the tests: the same split, keys, twins and islands as on CUDA."""
+
+    @staticmethod
+    def begin():
+        graph = EmulatedGraph()
+        graph.__enter__()
+        return graph
+
+    @staticmethod
+    def end(graph) -> None:
+        graph.__exit__(None, None, None)
+
+    @staticmethod
+    def replay(graph) -> None:
+        graph.replay()
+
+    @staticmethod
+    def warmup():
+        return _NoCheck()
+
+
+class _NoCheck:
+    synced = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+# -- one captured layer call ------------------------------------------------------------------------------
+@dataclass
+class _Island:
+    """The eager part between a layer's two graphs: the cache update and the attention, replayed on the first
+    graph's keys/values/query with the pass's cache; its output is copied where the second graph reads it."""
+
+    layer_idx: int
+    key: torch.Tensor
+    value: torch.Tensor
+    update_args: tuple
+    update_kwargs: dict
+    attention: tuple | None = None  # (fn, module, query, args after key/value, kwargs)
+    out: torch.Tensor | None = None
+
+    def run(self, kv) -> None:
+        key, value = kv.update(self.key, self.value, self.layer_idx, *self.update_args, **self.update_kwargs)
+        fn, module, query, rest, kwargs = self.attention
+        self.out.copy_(fn(module, query, key, value, *rest, **kwargs)[0])
+
+
+@dataclass
+class _Entry:
+    graphs: list
+    twins: list  # per leaf of the call: its static twin, or None (not a tensor)
+    island: _Island | None
+    output: object
+    work: list = field(default_factory=list)
+
+
+class Recorder:
+    """Set on the cache (``SlotKV.recorder``) while a layer call is captured: the cache update ends the first
+    graph and the attention's return starts the second."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs: list = []
+        self.island: _Island | None = None
+        self.capturing = False
+
+    def begin(self) -> None:
+        self.graphs.append(self.backend.begin())
+        self.capturing = True
+
+    def end(self) -> None:
+        self.capturing = False
+        self.backend.end(self.graphs[-1])
+        self.backend.replay(self.graphs[-1])  # a capture records without running: the graph runs once now
+
+    def abort(self) -> None:
+        if self.capturing:
+            self.capturing = False
+            try:
+                self.backend.end(self.graphs[-1])
+            except Exception:  # noqa: BLE001 - the capture is already invalid; its error was raised
+                pass
+
+    def island_begin(self, key, value, layer_idx: int, args: tuple, kwargs: dict) -> None:
+        if self.island is not None or not self.capturing:
+            raise Unsupported("more than one cache update in a layer call")
+        self.end()
+        self.island = _Island(layer_idx, key, value, args, kwargs)
+
+    def island_end(self, fn, module, query, key, value, rest: tuple, kwargs: dict, result) -> None:
+        from airquant.kv.cache import context_of
+
+        island = self.island
+        ctx = context_of(key)
+        if island is None or island.attention is not None or value is not island.value or ctx is None or \
+                getattr(ctx, "layer", None) != island.layer_idx or key.data_ptr() != island.key.data_ptr():
+            raise Unsupported("the attention did not read what the cache update returned")
+        island.attention = (fn, module, query, rest, kwargs)
+        island.out = result[0]
+        self.begin()
+
+
+class LayerGraphs:
+    """The graphs of a model's streamed layers (``skeleton.StreamedLayer`` calls ``run``)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._entries: dict[tuple, _Entry] = {}
+        self._work: dict[tuple, list] = {}  # warmed-up keys -> their host work
+        self._eager: set[tuple] = set()  # keys that synchronize or failed to capture
+        self._synced: dict[tuple, int] = {}  # warm-ups that synchronized, per key
+        self._twins: dict[tuple, torch.Tensor] = {}  # (leaf position, shape, dtype) -> static twin
+        # id(twin) -> (the tensor it got, the cache and its pass then): inference tensors have no version counter,
+        # and a graph's output is the same tensor every pass, so "the same tensor" holds within one pass only
+        self._held: dict[int, tuple] = {}
+        self._keys: dict[int, set] = {}  # layer -> the keys it was called with
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "LayerGraphs | None":
+        if not ENABLED or device.type != "cuda":
+            return None
+        return cls(CudaBackend(device))
+
+    def run(self, index: int, layer, weights: dict, call, args: tuple, kwargs: dict):
+        """``call(*args, **kwargs)`` (the layer with ``weights`` in place), replayed from graphs where it can."""
+        from airquant.engine.decode.slots import SlotKV
+
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        kv = next((x for x in leaves if isinstance(x, SlotKV)), None)
+        if kv is None or kv.single is None or kv.tq or kv.prefix or index in kv.offload or \
+                type(layer).__name__ not in CAPTURED_LAYERS:
+            return call(*args, **kwargs)
+        sig = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                sig.append((tuple(x.shape), x.dtype, x.device))
+            elif isinstance(x, _SIMPLE):
+                sig.append(x)
+            elif x is kv:
+                sig.append(SlotKV)
+            else:
+                return call(*args, **kwargs)
+        key = (index, len(args), tuple(kwargs), tuple(sig), tuple(t.data_ptr() for t in weights.values()))
+        entry = self._entries.get(key)
+        if entry is not None:
+            return self._replay(entry, leaves, kv)
+        seen = self._keys.setdefault(index, set())
+        if key not in seen and len(seen) >= KEYS_PER_LAYER:
+            if len(seen) == KEYS_PER_LAYER:
+                log.info("layer %d: its weights or shapes change from call to call; it runs without a graph", index)
+                seen.add(None)
+            self.stats["eager"] += 1
+            return call(*args, **kwargs)
+        seen.add(key)
+        if key in self._eager:
+            self.stats["eager"] += 1
+            return call(*args, **kwargs)
+        if key not in self._work:
+            work: list = []
+            with self.backend.warmup() as check, _mode("warmup", work):
+                out = call(*args, **kwargs)
+            if check.synced:
+                self._synced[key] = self._synced.get(key, 0) + 1
+                if self._synced[key] >= 2:
+                    log.info("layer %d: its one-token call synchronizes with the GPU; it runs without a graph",
+                             index)
+                    self._eager.add(key)
+            else:
+                self._work[key] = work
+            return out
+        return self._capture(key, call, leaves, spec, kv)
+
+    def _twin(self, position: int, x: torch.Tensor) -> torch.Tensor:
+        slot = (position, tuple(x.shape), x.dtype, x.device)
+        twin = self._twins.get(slot)
+        if twin is None:
+            twin = self._twins[slot] = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return twin
+
+    def _load(self, twins: list, leaves: list, kv) -> None:
+        for twin, x in zip(twins, leaves):
+            if twin is None:
+                continue
+            held = self._held.get(id(twin))
+            if held is None or held[0] is not x or held[1] is not kv or held[2] != kv.passes:
+                twin.copy_(x)
+                self._held[id(twin)] = (x, kv, kv.passes)
+
+    def _capture(self, key: tuple, call, leaves: list, spec, kv):
+        twins = [self._twin(n, x) if isinstance(x, torch.Tensor) else None for n, x in enumerate(leaves)]
+        self._load(twins, leaves, kv)
+        static = [t if t is not None else x for t, x in zip(twins, leaves)]
+        c_args, c_kwargs = pytree.tree_unflatten(static, spec)
+        work = self._work.pop(key)
+        for fn in work:
+            fn()
+        recorder = Recorder(self.backend)
+        kv.recorder = recorder
+        try:
+            with _mode("runner"):
+                recorder.begin()
+                out = call(*c_args, **c_kwargs)
+                if recorder.island is not None and recorder.island.attention is None:
+                    raise Unsupported("the cache update was not followed by the attention")
+                recorder.end()
+        except BaseException as err:  # noqa: BLE001 - any capture failure: the call runs eagerly instead
+            recorder.abort()
+            if not isinstance(err, Exception):  # an interrupt: nothing is kept
+                raise
+            kv.recorder = None
+            self._eager.add(key)
+            self.stats["failed"] += 1
+            self._held.clear()
+            log.warning("layer %d: its one-token call could not be captured as a CUDA graph (%s: %s); it runs "
+                        "without one", key[0], type(err).__name__, err)
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            with _mode("runner"):  # its host work ran above
+                return call(*args, **kwargs)
+        finally:
+            kv.recorder = None
+        self._entries[key] = _Entry(recorder.graphs, twins, recorder.island, out, work)
+        self.stats["captures"] += 1
+        return out
+
+    def _replay(self, entry: _Entry, leaves: list, kv):
+        for fn in entry.work:
+            fn()
+        self._load(entry.twins, leaves, kv)
+        replay = self.backend.replay
+        replay(entry.graphs[0])
+        if entry.island is not None:
+            entry.island.run(kv)
+            replay(entry.graphs[1])
+        self.stats["replays"] += 1
+        return entry.output
+
+    def clear(self) -> None:
+        """Drop every graph (their memory pool goes with the last reference)."""
+        self._entries.clear()
+        self._work.clear()
+        self._eager.clear()
+        self._synced.clear()
+        self._keys.clear()
+        self._twins.clear()
+        self._held.clear()

@@ -1,0 +1,183 @@
+"""Layer graphs (engine/layer_graphs.py): streamed layers' one-token calls captured in two graphs around the
+attention island and replayed.
+
+On the CPU the graphs are emulated (``EmulatedBackend``: the ops a capture saw, replayed on the same tensors, a
+host read inside a capture refused as CUDA refuses it), so the split, the keys by weight slot, the static twins
+and the island replay are checked against the eager decode in fp32, where they must agree exactly. On CUDA the
+real graphs against the eager path, with direct expert reads (GPU tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from airquant.config import GenerateConfig
+from airquant.engine import layer_graphs, skeleton
+from airquant.engine.runner import Engine
+from tests.zoo import make_model
+
+PROMPT = [17, 254, 1033, 88, 512, 731, 42]
+
+
+def _decode(engine: Engine, steps: int = 8) -> tuple[list[int], torch.Tensor]:
+    logits = []
+    handle = engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: logits.append(out[:, -1].float().cpu()))
+    try:
+        out = engine.generate_requests([engine.request(PROMPT, GenerateConfig(max_new_tokens=steps,
+                                                                              ignore_eos=True))])
+    finally:
+        handle.remove()
+    return list(out[0].token_ids), torch.cat(logits)
+
+
+def _store(tmp_path_factory, tokenizer, model_type: str, **over):
+    from airquant.models import resolve
+    from airquant.store.split import split
+
+    folder = tmp_path_factory.mktemp(model_type)
+    source = resolve(str(make_model(folder / "model", tokenizer, model_type, **over)))
+    split(source, folder / "store", dtype="float32", progress=False)
+    return folder / "store"
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, real_tokenizer):
+    return {t: _store(tmp_path_factory, real_tokenizer, t) for t in ("llama", "qwen3", "qwen3_moe")}
+
+
+def _graphed(store, monkeypatch=None) -> tuple[Engine, layer_graphs.LayerGraphs]:
+    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="whole")
+    graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend())
+    skeleton.attach_graphs(engine.model, graphs)
+    return engine, graphs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
+    """Every layer is warmed up, captured, then replayed (its twins refreshed each pass, its cache write and
+    attention run between its graphs): the greedy tokens and every step's logits equal the eager decode's."""
+    engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0)
+    want_tokens, want_logits = _decode(engine)
+    engine.close()
+    engine, graphs = _graphed(stores[model_type])
+    tokens, logits = _decode(engine)
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+    assert graphs.stats["failed"] == 0 and graphs.stats["captures"] >= layers
+    assert graphs.stats["replays"] >= layers * 4  # 8 steps: a warm-up and a capture per key, the rest replays
+    assert all(e.island is not None and len(e.graphs) == 2 for e in graphs._entries.values())
+
+
+def test_a_second_request_replays_the_same_graphs(stores):
+    """Graphs read no cache buffer (the island gets the pass's cache): a new request, with a new cache, replays
+    the graphs captured for the first one and decodes as eager does."""
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+    want = _decode(engine, steps=4)
+    engine.close()
+    engine, graphs = _graphed(stores["llama"])
+    _decode(engine, steps=4)
+    captures = graphs.stats["captures"]
+    tokens, logits = _decode(engine, steps=4)
+    engine.close()
+    assert graphs.stats["captures"] == captures and tokens == want[0] and torch.equal(logits, want[1])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe"])
+def test_moe_layers_replay_exactly_as_eager(stores, model_type):
+    """Qwen3-MoE with its experts run whole (routing on the device, no host read): replayed, equal."""
+    engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
+    want_tokens, want_logits = _decode(engine)
+    engine.close()
+    engine, graphs = _graphed(stores[model_type])
+    tokens, logits = _decode(engine)
+    engine.close()
+    assert tokens == want_tokens and torch.equal(logits, want_logits)
+    assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0
+
+
+def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
+    """A layer whose call reads a tensor on the host (here its MLP branches on a value, as a copy path reading
+    its routing does): the capture is refused, the call runs eagerly, the key is never captured again, and the
+    decode equals the eager one; the other layers still replay."""
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+    want_tokens, want_logits = _decode(engine)
+    engine.close()
+    engine, graphs = _graphed(stores["llama"])
+    mlp = skeleton.decoder_layers(engine.model)[1].layer.mlp
+    real = mlp.forward
+    monkeypatch.setattr(mlp, "forward", lambda x: real(x) if x.abs().sum().item() >= 0 else x)
+    tokens, logits = _decode(engine)
+    engine.close()
+    assert tokens == want_tokens and torch.equal(logits, want_logits)
+    assert graphs.stats["failed"] == 1 and len(graphs._eager) == 1 and graphs.stats["eager"] > 0
+    assert graphs.stats["replays"] > 0
+
+
+def test_layers_not_known_to_capture_run_eagerly(stores, monkeypatch):
+    monkeypatch.setattr(layer_graphs, "CAPTURED_LAYERS", frozenset())
+    engine, graphs = _graphed(stores["llama"])
+    _decode(engine, steps=4)
+    engine.close()
+    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 0, "failed": 0} and not graphs._work
+
+
+def test_host_work_runs_once_a_call_whoever_owns_it():
+    """Outside a graph runner the caller runs its host work; at warm-up ``host_work`` runs and records it; in a
+    captured or replayed call the runner owns it (the caller skips)."""
+    ran = []
+    assert layer_graphs.host_work(lambda: ran.append("x")) is False and ran == []
+    work: list = []
+    with layer_graphs._mode("warmup", work):
+        assert layer_graphs.host_work(lambda: ran.append("w")) is True
+    assert ran == ["w"] and len(work) == 1
+    with layer_graphs._mode("runner"):
+        assert layer_graphs.host_work(lambda: ran.append("r")) is True
+    assert ran == ["w"]
+
+
+def test_emulated_capture_refuses_a_host_read():
+    graph = layer_graphs.EmulatedBackend.begin()
+    try:
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            torch.ones(2).sum().item()
+    finally:
+        layer_graphs.EmulatedBackend.end(graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer, model_type):
+    """Real CUDA graphs on a routed NF4 decode with direct reads (the default on CUDA): the same kernels
+    replayed, so the tokens and logits equal the eager decode's; every layer replayed, none failed."""
+    from airquant.models import resolve
+    from airquant.quant import QuantSpec
+    from airquant.store.quantize import make_transform
+    from airquant.store.split import split
+    from tests.engine.test_expert_gemv import GEMV_SHAPES
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = tmp_path_factory.mktemp(model_type)
+    source = resolve(str(make_model(folder / "model", real_tokenizer, model_type, **GEMV_SHAPES.get(model_type, {}))))
+    transform, record = make_transform(source, QuantSpec(method="nf4"))
+    # bf16 dense tensors, as the engine computes: a store in fp32 is cast at each fetch (new tensors a call)
+    split(source, folder / "store", dtype="bfloat16", quant=record, transform=transform, progress=False)
+    store = folder / "store"
+    opts = dict(device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    monkeypatch.setattr(layer_graphs, "ENABLED", False)
+    engine = Engine.open(store, **opts)
+    want_tokens, want_logits = _decode(engine, steps=10)
+    engine.close()
+    monkeypatch.setattr(layer_graphs, "ENABLED", True)
+    engine = Engine.open(store, **opts)
+    tokens, logits = _decode(engine, steps=10)
+    stats = engine.stats()
+    engine.close()
+    layers = len(skeleton.decoder_layers(engine.model))
+    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
+    assert stats["experts"]["direct"]["direct_pairs"] > 0, stats
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
