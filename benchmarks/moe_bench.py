@@ -326,6 +326,7 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "nocache_direct_eager": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
                                      graphs=False)),
     "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, graphs=False)),
+    "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, graphs=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -389,7 +390,7 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
                         "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1",
-                        "nocache_direct_eager", "lfu_direct_r1_eager", *HOST_CASES),
+                        "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}

@@ -1,4 +1,4 @@
-"""CUDA graphs of streamed decoder layers for one-token decode passes (batch 1).
+"""CUDA graphs of streamed decoder layers for decode passes (one token per sequence, up to ``MAX_ROWS`` rows).
 
 Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the GPU was busy ~11 ms of it
 (H200, ``moe_bench --trace``): ~64 kernel launches and ~225 torch ops a layer, each paid for on the host (an
@@ -6,22 +6,23 @@ RMSNorm is 8 ops, bitsandbytes' Python wraps each 4-bit GEMV, rope, router). A g
 launches in one call.
 
 How: a layer's call is captured as two graphs split around its attention (the *island*). The cache write and
-the attention read lengths that change every pass, so they run eagerly between the graphs: ``SlotKV.update``
-ends the first capture and ``ragged_attention`` starts the second. Everything else of a one-token call has
-static shapes: norms, projections, rope, router, and the direct-read expert kernels (they find each expert
-through a table on the device). A graph reads fixed addresses, so it is keyed by the layer, the addresses of
-the weights the streamer fetched for it (its device slot) and the call's shapes. The layer is captured with
-static twins of the call's tensors, shared by every layer: before a replay, a tensor is copied into its twin
-unless that twin got the same tensor earlier in the same pass (the rope tables passed to every layer of a pass
-are copied once).
+the attention (plain or TurboQuant, on the device or offloaded) read lengths and slots that change every pass,
+so they run eagerly between the graphs: ``SlotKV.update`` ends the first capture and ``ragged_attention``
+starts the second. Everything else of a decode call has static shapes for a given number of rows: norms,
+projections, rope, router, and the direct-read expert kernels (they find each expert through a table on the
+device). A graph reads fixed addresses, so it is keyed by the layer, the addresses of the weights the streamer
+fetched for it (its device slot) and the call's shapes. The layer is captured with static twins of the call's
+tensors, shared by every layer: before a replay, a tensor is copied into its twin unless that twin got the same
+tensor earlier in the same pass (the rope tables passed to every layer of a pass are copied once).
 
 Host work of a layer call that is not GPU work (direct reads' pass count, hot-set refresh, counters) is
 declared with ``host_work``: recorded at the warm-up call and run by the runner before each replay.
 
 A key's first call runs eagerly (warm-up: lazy initialisation, kernel compiles), with synchronizing ops
-reported (``torch.cuda.set_sync_debug_mode``); a key whose warm-up synchronized twice (the experts' copy path
-reads its routing on the host; a one-time probe syncs once) is never captured. The second call is captured; later ones replay. A capture that fails
-anyway marks its key eager and the call runs again eagerly (its cache write rewrites the same rows).
+reported outside the island (``torch.cuda.set_sync_debug_mode``); a key whose warm-up synchronized twice (the
+experts' copy path reads its routing on the host; a one-time probe syncs once) is never captured. The second
+call is captured; later ones replay. A capture that fails anyway marks its key eager and the call runs again
+eagerly (its cache write rewrites the same rows).
 
 Layers whose code between the cache update and the attention call is known to be empty are captured
 (``CAPTURED_LAYERS``): an op there would run once at capture and never again.
@@ -39,15 +40,18 @@ from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 
-ENABLED = True  # graphs for streamed layers' one-token calls on CUDA (moe_bench's *_eager cases turn it off)
+ENABLED = True  # graphs for streamed layers' decode calls on CUDA (moe_bench's *_eager cases turn it off)
 # Decoder layer classes whose attention calls the attention function right after the cache update (checked
 # by tests/engine/test_layer_graphs.py with the emulated graphs): the island replays exactly those two calls.
 CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                              "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer"})
 _SIMPLE = (bool, int, float, str, type(None))
-# Keys a layer may have (a key per device slot it lands in, times warm-up and capture); a layer whose weights
-# move every call (dense tensors cast at fetch: a float32 store run in bf16) would add one a call: eager.
-KEYS_PER_LAYER = 8
+# Decode passes of up to this many rows (one token per sequence) are captured: the fused and direct expert
+# kernels' regime (engine/moe/compute.FUSED_TOKENS); larger calls read their routing on the host anyway.
+MAX_ROWS = 8
+# Keys a layer may have: one per device slot it lands in and row count; a layer whose weights move every call
+# (dense tensors cast at fetch: a float32 store run in bf16) would add one a call: it runs eagerly.
+KEYS_PER_LAYER = 32
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
 
@@ -138,6 +142,15 @@ class CudaBackend:
 
 
 class _SyncCheck:
+    """Synchronizing ops of a warm-up call reported as warnings, except in its island (``island_begin`` to
+    ``island_end``: set on the cache as its recorder), which stays eager."""
+
+    def island_begin(self, *args) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def island_end(self, *args) -> None:
+        torch.cuda.set_sync_debug_mode("warn")
+
     def __enter__(self):
         self.caught = warnings.catch_warnings(record=True)
         self.seen = self.caught.__enter__()
@@ -206,6 +219,12 @@ class EmulatedBackend:
 
 class _NoCheck:
     synced = False
+
+    def island_begin(self, *args) -> None:
+        pass
+
+    def island_end(self, *args) -> None:
+        pass
 
     def __enter__(self):
         return self
@@ -317,8 +336,8 @@ class LayerGraphs:
 
         leaves, spec = pytree.tree_flatten((args, kwargs))
         kv = next((x for x in leaves if isinstance(x, SlotKV)), None)
-        if kv is None or kv.single is None or kv.tq or kv.prefix or index in kv.offload or \
-                type(layer).__name__ not in CAPTURED_LAYERS:
+        if kv is None or kv.prefix or not 0 < len(kv.segments) <= MAX_ROWS or \
+                any(s.n != 1 for s in kv.segments) or type(layer).__name__ not in CAPTURED_LAYERS:
             return call(*args, **kwargs)
         sig = []
         for x in leaves:
@@ -348,11 +367,15 @@ class LayerGraphs:
         if key not in self._work:
             work: list = []
             with self.backend.warmup() as check, _mode("warmup", work):
-                out = call(*args, **kwargs)
+                kv.recorder = check
+                try:
+                    out = call(*args, **kwargs)
+                finally:
+                    kv.recorder = None
             if check.synced:
                 self._synced[key] = self._synced.get(key, 0) + 1
                 if self._synced[key] >= 2:
-                    log.info("layer %d: its one-token call synchronizes with the GPU; it runs without a graph",
+                    log.info("layer %d: its decode call synchronizes with the GPU; it runs without a graph",
                              index)
                     self._eager.add(key)
             else:
@@ -401,7 +424,7 @@ class LayerGraphs:
             self._eager.add(key)
             self.stats["failed"] += 1
             self._held.clear()
-            log.warning("layer %d: its one-token call could not be captured as a CUDA graph (%s: %s); it runs "
+            log.warning("layer %d: its decode call could not be captured as a CUDA graph (%s: %s); it runs "
                         "without one", key[0], type(err).__name__, err)
             args, kwargs = pytree.tree_unflatten(leaves, spec)
             with _mode("runner"):  # its host work ran above

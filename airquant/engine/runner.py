@@ -108,7 +108,7 @@ class Engine:
         skeleton.load_fixed_parts(self.model, store, manifest, self.device, self.dtype,
                                   host_embedding=cfg.host_embedding, verify_reads=cfg.verify_reads)
         self.streamer: LayerStreamer | None = None
-        self.graphs: LayerGraphs | None = None  # streamed layers' one-token calls as CUDA graphs
+        self.graphs: LayerGraphs | None = None  # streamed layers' decode calls as CUDA graphs
         self.plan: StreamPlan | None = None
         # routed MoE experts: the device pool (engine/moe/pool.py) or the host path (engine/moe/host.py)
         self.experts: experts.ExpertPool | expert_host.HostExperts | None = None

@@ -200,7 +200,7 @@ class StreamedLayer(nn.Module):
         self.streamer = streamer
         self._names: tuple[str, ...] | None = None  # the names _slots was resolved for
         self._slots: list[tuple[dict, str]] | None = None  # per name: (its module's table, its key); None: fallback
-        self.graphs = None  # engine/layer_graphs.LayerGraphs: one-token calls replayed from CUDA graphs
+        self.graphs = None  # engine/layer_graphs.LayerGraphs: decode calls replayed from CUDA graphs
 
     def __getattr__(self, name: str):
         # Decoder stacks read attributes of their blocks (attention_type, layer_type, is_sliding ...)
@@ -264,7 +264,7 @@ def attach_streamer(model: nn.Module, streamer) -> None:
 
 
 def attach_graphs(model: nn.Module, graphs) -> None:
-    """Streamed layers' one-token calls go through ``graphs`` (engine/layer_graphs.LayerGraphs; None: off)."""
+    """Streamed layers' decode calls go through ``graphs`` (engine/layer_graphs.LayerGraphs; None: off)."""
     for layer in decoder_layers(model):
         if isinstance(layer, StreamedLayer):
             layer.graphs = graphs

@@ -71,6 +71,40 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     assert all(e.island is not None and len(e.graphs) == 2 for e in graphs._entries.values())
 
 
+def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
+    """Three sequences of different lengths in one decode loop: passes of 3, then 2, then 1 decode rows."""
+    logits = []
+    handle = engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: logits.append(out[0].float().cpu()))
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
+    try:
+        out = engine.generate_requests([engine.request(p, GenerateConfig(max_new_tokens=n, ignore_eos=True))
+                                        for p, n in zip(prompts, (9, 6, 12))], kv=kv)
+    finally:
+        handle.remove()
+    return [list(c.token_ids) for c in out], torch.cat(logits)
+
+
+@pytest.mark.parametrize("kv", ["plain", "tq"])
+def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
+    """Decode passes of 3, 2 and 1 rows (sequences ending at different steps): a key per row count, each
+    warmed up, captured and replayed; the island reads the pass's slots (and the TurboQuant arena, whose
+    writes and flushes stay eager); tokens and logits equal the eager loop's."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4) if kv == "tq" else None
+    engine = Engine.open(stores["qwen3"], device="cpu", dtype="float32", resident_layers=0)
+    want_tokens, want_logits = _batch(engine, config)
+    engine.close()
+    engine, graphs = _graphed(stores["qwen3"])
+    tokens, logits = _batch(engine, config)
+    rows = {key[3][0][0][1] for key in graphs._entries}  # the hidden states' [1, T, H]: T per key
+    engine.close()
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+    assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0 and rows == {1, 2, 3}
+
+
 def test_a_second_request_replays_the_same_graphs(stores):
     """Graphs read no cache buffer (the island gets the pass's cache): a new request, with a new cache, replays
     the graphs captured for the first one and decodes as eager does."""
@@ -147,37 +181,58 @@ def test_emulated_capture_refuses_a_host_read():
         layer_graphs.EmulatedBackend.end(graph)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
-def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer, model_type):
-    """Real CUDA graphs on a routed NF4 decode with direct reads (the default on CUDA): the same kernels
-    replayed, so the tokens and logits equal the eager decode's; every layer replayed, none failed."""
+def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
     from airquant.models import resolve
     from airquant.quant import QuantSpec
     from airquant.store.quantize import make_transform
     from airquant.store.split import split
     from tests.engine.test_expert_gemv import GEMV_SHAPES
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     folder = tmp_path_factory.mktemp(model_type)
-    source = resolve(str(make_model(folder / "model", real_tokenizer, model_type, **GEMV_SHAPES.get(model_type, {}))))
+    source = resolve(str(make_model(folder / "model", tokenizer, model_type, **GEMV_SHAPES.get(model_type, {}))))
     transform, record = make_transform(source, QuantSpec(method="nf4"))
     # bf16 dense tensors, as the engine computes: a store in fp32 is cast at each fetch (new tensors a call)
     split(source, folder / "store", dtype="bfloat16", quant=record, transform=transform, progress=False)
-    store = folder / "store"
+    return folder / "store"
+
+
+def _eager_then_graphed(monkeypatch, store, run):
     opts = dict(device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
     monkeypatch.setattr(layer_graphs, "ENABLED", False)
     engine = Engine.open(store, **opts)
-    want_tokens, want_logits = _decode(engine, steps=10)
+    want = run(engine)
     engine.close()
     monkeypatch.setattr(layer_graphs, "ENABLED", True)
     engine = Engine.open(store, **opts)
-    tokens, logits = _decode(engine, steps=10)
+    got = run(engine)
     stats = engine.stats()
     engine.close()
-    layers = len(skeleton.decoder_layers(engine.model))
+    return want, got, stats, len(skeleton.decoder_layers(engine.model))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer, model_type):
+    """Real CUDA graphs on a routed NF4 decode with direct reads (the default on CUDA): the same kernels
+    replayed, so the tokens and logits equal the eager decode's; every layer replayed, none failed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = _nf4_store(tmp_path_factory, real_tokenizer, model_type)
+    (want_tokens, want_logits), (tokens, logits), stats, layers = _eager_then_graphed(
+        monkeypatch, store, lambda engine: _decode(engine, steps=10))
     assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
     assert stats["experts"]["direct"]["direct_pairs"] > 0, stats
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_batched_decode_passes_with_graphs_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer):
+    """Passes of 3, 2 and 1 rows on CUDA (Qwen3-MoE NF4, direct reads): replayed per row count, equal."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    (want_tokens, want_logits), (tokens, logits), stats, _ = _eager_then_graphed(monkeypatch, store, _batch)
+    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] > 0, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
