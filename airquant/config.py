@@ -60,6 +60,9 @@ class EngineConfig:
     # Also into the RAM tier on first use; host staging buffers are readahead + 1 (one being copied).
     readahead: int = setting(2, "--readahead", "layers read ahead from disk", metavar="N")
     profile: bool = setting(False, "--profile", "time each layer's copy and compute (CUDA)")  # Engine.layer_profile()
+    # engine/layer_graphs.py: a streamed layer's decode call (up to 8 rows) captured once, then replayed.
+    cuda_graphs: bool = setting(True, "--cuda-graphs", "replay each streamed layer's decode call (up to 8 sequences) "
+                                "from CUDA graphs, its cache write and attention in between", negatable=True)
     verify: bool = setting(False, "--verify", "check every shard's sha256 before running")
     # MoE stores streamed: move only routed experts (engine/moe/pool.py), or compute them on the host CPU from
     # the RAM tier ("cpu": engine/moe/host.py); auto decides by expert_plan.choose_experts at batch_size.

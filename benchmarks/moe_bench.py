@@ -54,7 +54,6 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airquant.engine import layer_graphs  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
 from airquant.engine.moe import direct as direct_mod  # noqa: E402
@@ -149,7 +148,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
-                   direct=experts_mod.DIRECT, graphs=layer_graphs.ENABLED)
+                   direct=experts_mod.DIRECT)
     for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
         kw.pop(name, None)
     kw.setdefault("experts", "whole")
@@ -324,9 +323,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
     # The same without layer graphs (engine/layer_graphs.py, on by default): every op launched from Python.
     "nocache_direct_eager": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                     graphs=False)),
-    "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, graphs=False)),
-    "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, graphs=False)),
+                                     cuda_graphs=False)),
+    "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, cuda_graphs=False)),
+    "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, cuda_graphs=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -396,7 +395,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
-            "refresh": (direct_mod, "REFRESH_PASSES"), "graphs": (layer_graphs, "ENABLED")}
+            "refresh": (direct_mod, "REFRESH_PASSES")}
 
 
 HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)

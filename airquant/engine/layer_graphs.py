@@ -40,7 +40,6 @@ from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 
-ENABLED = True  # graphs for streamed layers' decode calls on CUDA (moe_bench's *_eager cases turn it off)
 # Decoder layer classes whose attention calls the attention function right after the cache update (checked
 # by tests/engine/test_layer_graphs.py with the emulated graphs): the island replays exactly those two calls.
 CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
@@ -325,8 +324,9 @@ class LayerGraphs:
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "LayerGraphs | None":
-        if not ENABLED or device.type != "cuda":
+    def for_device(cls, device: torch.device, enabled: bool = True) -> "LayerGraphs | None":
+        """CUDA graphs on a CUDA device where ``enabled`` (``--cuda-graphs``), else None."""
+        if not enabled or device.type != "cuda":
             return None
         return cls(CudaBackend(device))
 

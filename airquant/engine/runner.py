@@ -126,7 +126,7 @@ class Engine:
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
-            self.graphs = LayerGraphs.for_device(self.device)
+            self.graphs = LayerGraphs.for_device(self.device, cfg.cuda_graphs)
             skeleton.attach_graphs(self.model, self.graphs)
             if routed and self.plan.experts_host:
                 self.experts = expert_host.open_host_experts(self, routed)

@@ -198,12 +198,11 @@ def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
 
 def _eager_then_graphed(monkeypatch, store, run):
     opts = dict(device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
-    monkeypatch.setattr(layer_graphs, "ENABLED", False)
-    engine = Engine.open(store, **opts)
+    engine = Engine.open(store, cuda_graphs=False, **opts)
+    assert engine.graphs is None
     want = run(engine)
     engine.close()
-    monkeypatch.setattr(layer_graphs, "ENABLED", True)
-    engine = Engine.open(store, **opts)
+    engine = Engine.open(store, **opts)  # --cuda-graphs is the default
     got = run(engine)
     stats = engine.stats()
     engine.close()
