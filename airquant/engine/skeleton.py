@@ -216,18 +216,23 @@ class StreamedLayer(nn.Module):
             slots = self._tables(tensors)
             if slots is None:
                 return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
-            old = [table[key] for table, key in slots]
-            for (table, key), t in zip(slots, tensors.values()):
-                table[key] = t
-            try:
-                if self.graphs is not None:
-                    return self.graphs.run(self.index, self.layer, tensors, self.layer, args, kwargs)
-                return self.layer(*args, **kwargs)
-            finally:
-                for (table, key), t in zip(slots, old):
-                    table[key] = t
+            if self.graphs is not None:  # a replayed call reads the weights where it was captured: no swap
+                return self.graphs.run(self.index, self.layer, tensors,
+                                       lambda *a, **k: self._call(slots, tensors, a, k), args, kwargs)
+            return self._call(slots, tensors, args, kwargs)
         finally:
             self.streamer.release(self.index)
+
+    def _call(self, slots: list[tuple[dict, str]], tensors: dict, args: tuple, kwargs: dict):
+        """The layer with ``tensors`` in its tables for the call, the meta ones back after it."""
+        old = [table[key] for table, key in slots]
+        for (table, key), t in zip(slots, tensors.values()):
+            table[key] = t
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            for (table, key), t in zip(slots, old):
+                table[key] = t
 
     def _tables(self, tensors: dict) -> list[tuple[dict, str]] | None:
         """Where each of ``tensors``' names lives (its module's ``_parameters`` or ``_buffers``), in their order;

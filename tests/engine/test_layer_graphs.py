@@ -98,7 +98,7 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     engine.close()
     engine, graphs = _graphed(stores["qwen3"])
     tokens, logits = _batch(engine, config)
-    rows = {key[3][0][0][1] for key in graphs._entries}  # the hidden states' [1, T, H]: T per key
+    rows = {key[2][0][0][1] for key in graphs._entries}  # the hidden states' [1, T, H]: T per key
     engine.close()
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
@@ -148,6 +148,31 @@ def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 1 and len(graphs._eager) == 1 and graphs.stats["eager"] > 0
     assert graphs.stats["replays"] > 0
+
+
+def test_a_call_that_synchronizes_at_warm_up_twice_is_never_captured(stores):
+    """The warm-up's sync check (CUDA: ``set_sync_debug_mode``) said the call synchronized: a first time is
+    forgiven (a one-time probe), a second marks the key eager; nothing is captured, the decode is eager's."""
+
+    class Synced(layer_graphs._NoCheck):
+        synced = True
+
+    class Backend(layer_graphs.EmulatedBackend):
+        @staticmethod
+        def warmup():
+            return Synced()
+
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+    want = _decode(engine, steps=5)
+    engine.close()
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+    graphs = layer_graphs.LayerGraphs(Backend())
+    skeleton.attach_graphs(engine.model, graphs)
+    got = _decode(engine, steps=5)
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert graphs.stats["captures"] == 0 and len(graphs._eager) == layers and graphs.stats["eager"] == 2 * layers  # 4 decode passes: 2 warm-ups, 2 eager
 
 
 def test_layers_not_known_to_capture_run_eagerly(stores, monkeypatch):
