@@ -40,8 +40,9 @@ from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 
-# Decoder layer classes whose attention calls the attention function right after the cache update (checked
-# by tests/engine/test_layer_graphs.py with the emulated graphs): the island replays exactly those two calls.
+# Decoder layer classes whose attention calls the attention function right after the cache update: the island
+# replays exactly those two calls. Each is decoded with emulated graphs against eager in
+# tests/engine/test_layer_graphs.py (the three MoE ones on CUDA too); add a class with its test.
 CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                              "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer"})
 _SIMPLE = (bool, int, float, str, type(None))

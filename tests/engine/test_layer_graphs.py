@@ -43,7 +43,8 @@ def _store(tmp_path_factory, tokenizer, model_type: str, **over):
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, real_tokenizer):
-    return {t: _store(tmp_path_factory, real_tokenizer, t) for t in ("llama", "qwen3", "qwen3_moe")}
+    return {t: _store(tmp_path_factory, real_tokenizer, t)
+            for t in ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss")}
 
 
 def _graphed(store, monkeypatch=None) -> tuple[Engine, layer_graphs.LayerGraphs]:
@@ -53,7 +54,7 @@ def _graphed(store, monkeypatch=None) -> tuple[Engine, layer_graphs.LayerGraphs]
     return engine, graphs
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2", "mistral"])
 def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     """Every layer is warmed up, captured, then replayed (its twins refreshed each pass, its cache write and
     attention run between its graphs): the greedy tokens and every step's logits equal the eager decode's."""
@@ -119,9 +120,10 @@ def test_a_second_request_replays_the_same_graphs(stores):
     assert graphs.stats["captures"] == captures and tokens == want[0] and torch.equal(logits, want[1])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_layers_replay_exactly_as_eager(stores, model_type):
-    """Qwen3-MoE with its experts run whole (routing on the device, no host read): replayed, equal."""
+    """MoE layers with their experts run whole (transformers 5's fused experts: routing on the device, no host
+    read): replayed, equal; gpt-oss with its attention sinks and sliding layers."""
     engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
     want_tokens, want_logits = _decode(engine)
     engine.close()
