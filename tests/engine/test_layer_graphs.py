@@ -177,6 +177,18 @@ def test_a_call_that_synchronizes_at_warm_up_twice_is_never_captured(stores):
     assert graphs.stats["captures"] == 0 and len(graphs._eager) == layers and graphs.stats["eager"] == 2 * layers  # 4 decode passes: 2 warm-ups, 2 eager
 
 
+def test_graphs_do_not_keep_a_finished_loops_cache(stores):
+    """The twins remember which pass they hold by a weak reference to the cache: a finished loop's cache (its
+    KV buffers) is freed, not kept until the next pass."""
+    import gc
+
+    engine, graphs = _graphed(stores["llama"])
+    _decode(engine, steps=4)
+    gc.collect()
+    assert graphs.stats["replays"] > 0 and engine._live_kv is not None and engine._live_kv() is None
+    engine.close()
+
+
 def test_layers_not_known_to_capture_run_eagerly(stores, monkeypatch):
     monkeypatch.setattr(layer_graphs, "CAPTURED_LAYERS", frozenset())
     engine, graphs = _graphed(stores["llama"])
