@@ -162,14 +162,16 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
             step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
             row["layer_graphs"] = engine.stats().get("layer_graphs")  # captures, replays, eager calls so far
+            # the timed decode's counters (hits, pairs), before a trace or the bytes' runs add passes of their own
+            report = engine.experts.report() if engine.experts is not None else None
             if case is not None and case in (a.trace or "").split(","):
                 ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
                 row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
             if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
-                row.update(experts=engine.experts.report(), decode_bytes_per_step=routed_step_bytes(b, engine, batch))
+                row.update(experts=report, decode_bytes_per_step=routed_step_bytes(b, engine, batch))
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
             elif engine.experts is not None:
-                row.update(experts=engine.experts.report(), pool=engine.experts.plan.describe(), uva=engine.experts.uva,
+                row.update(experts=report, pool=engine.experts.plan.describe(), uva=engine.experts.uva,
                            decode_bytes_per_step=routed_step_bytes(b, engine, batch))
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
             gbps = step["bytes_per_step"] / step["step_s"] / GB

@@ -1,4 +1,4 @@
-"""CUDA graphs of streamed decoder layers for decode passes (one token per sequence, up to ``MAX_ROWS`` rows).
+"""CUDA graphs of streamed decoder layers for decode passes (one token per sequence, up to ``max_rows`` rows).
 
 Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the GPU was busy ~11 ms of it
 (H200, ``moe_bench --trace``): ~64 kernel launches and ~225 torch ops a layer, each paid for on the host (an
@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from airquant.engine.moe import compute as expert_compute
-
 log = logging.getLogger(__name__)
 
 # Decoder layer classes whose attention calls the attention function right after the cache update: the island
@@ -49,9 +47,6 @@ log = logging.getLogger(__name__)
 CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                              "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer"})
 _SIMPLE = (bool, int, float, str, type(None))
-# Decode passes of up to this many rows (one token per sequence) are captured: the fused and direct expert
-# kernels' regime; larger calls read their routing on the host anyway.
-MAX_ROWS = expert_compute.FUSED_TOKENS
 # Keys a layer may have: one per device slot it lands in and row count; a layer whose weights move every call
 # (dense tensors cast at fetch: a float32 store run in bf16) would add one a call: it runs eagerly.
 KEYS_PER_LAYER = 32
@@ -356,8 +351,11 @@ def _unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
 class LayerGraphs:
     """The graphs of a model's streamed layers (``skeleton.StreamedLayer`` calls ``run``)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, max_rows: int):
         self.backend = backend
+        # Decode passes of up to this many rows are captured: the engine gives the fused and direct expert
+        # kernels' limit (engine/moe/compute.FUSED_TOKENS); larger calls read their routing on the host anyway.
+        self.max_rows = max_rows
         self._entries: dict[tuple, _Entry] = {}
         self._work: dict[tuple, list] = {}  # warmed-up keys -> their host work
         self._eager: set[tuple] = set()  # keys that synchronize or failed to capture
@@ -371,11 +369,11 @@ class LayerGraphs:
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
 
     @classmethod
-    def for_device(cls, device: torch.device, enabled: bool = True) -> "LayerGraphs | None":
+    def for_device(cls, device: torch.device, enabled: bool, max_rows: int) -> "LayerGraphs | None":
         """CUDA graphs on a CUDA device where ``enabled`` (``--cuda-graphs``), else None."""
         if not enabled or device.type != "cuda":
             return None
-        return cls(CudaBackend(device))
+        return cls(CudaBackend(device), max_rows)
 
     def run(self, index: int, layer, weights: dict, call, args: tuple, kwargs: dict):
         """``call(*args, **kwargs)`` (the layer with ``weights`` in place), replayed from graphs where it can."""
@@ -386,7 +384,7 @@ class LayerGraphs:
             return call(*args, **kwargs)
         leaves, spec = flat
         kv = next((x for x in leaves if isinstance(x, SlotKV)), None)
-        if kv is None or kv.prefix or not 0 < len(kv.segments) <= MAX_ROWS or \
+        if kv is None or kv.prefix or not 0 < len(kv.segments) <= self.max_rows or \
                 any(s.n != 1 for s in kv.segments) or type(layer).__name__ not in CAPTURED_LAYERS:
             return call(*args, **kwargs)
         sig = []

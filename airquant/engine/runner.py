@@ -27,6 +27,7 @@ from airquant.engine.layer_graphs import LayerGraphs
 from airquant.engine.memory.placement import Reserve, StreamPlan
 from airquant.engine.memory.placement import token_budget as planned_budget
 from airquant.engine.memory.planner import Hardware, ModelDims, compute_bytes, plan, reserve_of, workload_for
+from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe import host as expert_host
 from airquant.engine.moe import pool as experts
 from airquant.engine.moe import sizing as expert_plan
@@ -126,7 +127,7 @@ class Engine:
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
-            self.graphs = LayerGraphs.for_device(self.device, cfg.cuda_graphs)
+            self.graphs = LayerGraphs.for_device(self.device, cfg.cuda_graphs, expert_compute.FUSED_TOKENS)
             skeleton.attach_graphs(self.model, self.graphs)
             if routed and self.plan.experts_host:
                 self.experts = expert_host.open_host_experts(self, routed)

@@ -13,6 +13,7 @@ import torch
 
 from airquant.config import GenerateConfig
 from airquant.engine import layer_graphs, skeleton
+from airquant.engine.moe.compute import FUSED_TOKENS
 from airquant.engine.runner import Engine
 from tests.zoo import make_model
 
@@ -49,7 +50,7 @@ def stores(tmp_path_factory, real_tokenizer):
 
 def _graphed(store, monkeypatch=None) -> tuple[Engine, layer_graphs.LayerGraphs]:
     engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="whole")
-    graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend())
+    graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
     return engine, graphs
 
@@ -168,7 +169,7 @@ def test_a_call_that_synchronizes_at_warm_up_twice_is_never_captured(stores):
     want = _decode(engine, steps=5)
     engine.close()
     engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
-    graphs = layer_graphs.LayerGraphs(Backend())
+    graphs = layer_graphs.LayerGraphs(Backend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
     got = _decode(engine, steps=5)
     layers = len(skeleton.decoder_layers(engine.model))
