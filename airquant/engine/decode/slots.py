@@ -119,7 +119,7 @@ class SlotKV:
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
         self.passes = 0  # ``begin`` calls: layer graphs' static inputs are refreshed once a pass
-        self.recorder = None  # engine/layer_graphs.Recorder while a layer call is captured as a graph
+        self.recorder = None  # engine/layer_graphs: a capture's Recorder, or a warm-up's sync check
 
     # -- the pass ------------------------------------------------------------------------------
     def begin(self, segments: list[Segment]) -> None:
