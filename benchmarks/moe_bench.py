@@ -161,9 +161,10 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                 row["experts_mode"] = "whole" if engine.experts is None else \
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
             step = decode_step(b, engine, batch, f"{model}-cap{cap_gb:g}-bs{batch}" + (f"-{case}" if case else ""))
-            row["layer_graphs"] = engine.stats().get("layer_graphs")  # captures, replays, eager calls so far
-            # the timed decode's counters (hits, pairs), before a trace or the bytes' runs add passes of their own
-            report = engine.experts.report() if engine.experts is not None else None
+            # The timed decode's counters, before a trace or the bytes' runs add passes of their own: the layer
+            # graphs' captures and replays, the experts' hits and pairs (one read of the device counters).
+            stats = engine.stats()
+            row["layer_graphs"], report = stats.get("layer_graphs"), stats.get("experts")
             if case is not None and case in (a.trace or "").split(","):
                 ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
                 row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
