@@ -35,12 +35,14 @@ FALLBACK = {"qwen3_moe-straddling": ("qwen3_moe", "nf4", dict(moe_intermediate_s
 PROMPT = [17, 254, 1033, 88, 512, 731, 42]
 
 
-def _store(folder, tokenizer, model_type: str, method: str = "nf4", **over):
+def _store(folder, tokenizer, model_type: str, method: str = "nf4", dense_dtype: str = "float32", **over):
+    """A tiny quantized store; ``dense_dtype``: what its dense tensors are stored in (bf16: the engine's own
+    on CUDA, so a fetch does not cast them into new tensors each call)."""
     model = make_model(folder / "model", tokenizer, model_type, **over)
     source = resolve(str(model))
     spec = QuantSpec(method="int2", group=16, outliers=0.0) if method == "int2" else QuantSpec(method=method)
     transform, record = make_transform(source, spec)
-    split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    split(source, folder / "store", dtype=dense_dtype, quant=record, transform=transform, progress=False)
     return folder / "store"
 
 

@@ -1,4 +1,4 @@
-"""Layer graphs (engine/layer_graphs.py): streamed layers' one-token calls captured in two graphs around the
+"""Layer graphs (engine/layer_graphs.py): streamed layers' decode calls captured in two graphs around the
 attention island and replayed.
 
 On the CPU the graphs are emulated (``EmulatedBackend``: the ops a capture saw, replayed on the same tensors, a
@@ -15,21 +15,9 @@ from airquant.config import GenerateConfig
 from airquant.engine import layer_graphs, skeleton
 from airquant.engine.moe.compute import FUSED_TOKENS
 from airquant.engine.runner import Engine
+from tests.engine.test_expert_gemv import GEMV_SHAPES, PROMPT, _decode
+from tests.engine.test_expert_gemv import _store as nf4_store
 from tests.zoo import make_model
-
-PROMPT = [17, 254, 1033, 88, 512, 731, 42]
-
-
-def _decode(engine: Engine, steps: int = 8) -> tuple[list[int], torch.Tensor]:
-    logits = []
-    handle = engine.model.get_output_embeddings().register_forward_hook(
-        lambda _m, _a, out: logits.append(out[:, -1].float().cpu()))
-    try:
-        out = engine.generate_requests([engine.request(PROMPT, GenerateConfig(max_new_tokens=steps,
-                                                                              ignore_eos=True))])
-    finally:
-        handle.remove()
-    return list(out[0].token_ids), torch.cat(logits)
 
 
 def _store(tmp_path_factory, tokenizer, model_type: str, **over):
@@ -48,7 +36,7 @@ def stores(tmp_path_factory, real_tokenizer):
             for t in ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss")}
 
 
-def _graphed(store, monkeypatch=None) -> tuple[Engine, layer_graphs.LayerGraphs]:
+def _graphed(store) -> tuple[Engine, layer_graphs.LayerGraphs]:
     engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="whole")
     graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
@@ -60,10 +48,10 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     """Every layer is warmed up, captured, then replayed (its twins refreshed each pass, its cache write and
     attention run between its graphs): the greedy tokens and every step's logits equal the eager decode's."""
     engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0)
-    want_tokens, want_logits = _decode(engine)
+    want_tokens, want_logits = _decode(engine, steps=8)
     engine.close()
     engine, graphs = _graphed(stores[model_type])
-    tokens, logits = _decode(engine)
+    tokens, logits = _decode(engine, steps=8)
     layers = len(skeleton.decoder_layers(engine.model))
     engine.close()
     assert tokens == want_tokens
@@ -126,10 +114,10 @@ def test_moe_layers_replay_exactly_as_eager(stores, model_type):
     """MoE layers with their experts run whole (transformers 5's fused experts: routing on the device, no host
     read): replayed, equal; gpt-oss with its attention sinks and sliding layers."""
     engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
-    want_tokens, want_logits = _decode(engine)
+    want_tokens, want_logits = _decode(engine, steps=8)
     engine.close()
     engine, graphs = _graphed(stores[model_type])
-    tokens, logits = _decode(engine)
+    tokens, logits = _decode(engine, steps=8)
     engine.close()
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0
@@ -140,13 +128,13 @@ def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
     its routing does): the capture is refused, the call runs eagerly, the key is never captured again, and the
     decode equals the eager one; the other layers still replay."""
     engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
-    want_tokens, want_logits = _decode(engine)
+    want_tokens, want_logits = _decode(engine, steps=8)
     engine.close()
     engine, graphs = _graphed(stores["llama"])
     mlp = skeleton.decoder_layers(engine.model)[1].layer.mlp
     real = mlp.forward
     monkeypatch.setattr(mlp, "forward", lambda x: real(x) if x.abs().sum().item() >= 0 else x)
-    tokens, logits = _decode(engine)
+    tokens, logits = _decode(engine, steps=8)
     engine.close()
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 1 and len(graphs._eager) == 1 and graphs.stats["eager"] > 0
@@ -222,18 +210,9 @@ def test_emulated_capture_refuses_a_host_read():
 
 
 def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
-    from airquant.models import resolve
-    from airquant.quant import QuantSpec
-    from airquant.store.quantize import make_transform
-    from airquant.store.split import split
-    from tests.engine.test_expert_gemv import GEMV_SHAPES
-
-    folder = tmp_path_factory.mktemp(model_type)
-    source = resolve(str(make_model(folder / "model", tokenizer, model_type, **GEMV_SHAPES.get(model_type, {}))))
-    transform, record = make_transform(source, QuantSpec(method="nf4"))
     # bf16 dense tensors, as the engine computes: a store in fp32 is cast at each fetch (new tensors a call)
-    split(source, folder / "store", dtype="bfloat16", quant=record, transform=transform, progress=False)
-    return folder / "store"
+    return nf4_store(tmp_path_factory.mktemp(model_type), tokenizer, model_type, dense_dtype="bfloat16",
+                     **GEMV_SHAPES.get(model_type, {}))
 
 
 def _eager_then_graphed(monkeypatch, store, run):
