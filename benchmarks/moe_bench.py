@@ -61,6 +61,7 @@ from airquant.engine.moe import pool as experts_mod  # noqa: E402
 from airquant.engine.moe.host import HostExperts  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.eval.benchtables import target  # noqa: E402
+from airquant.quant.kernels import nf4_moe  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
@@ -152,7 +153,10 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
         kw.pop(name, None)
     kw.setdefault("experts", "whole")
-    engine = None
+    engine, launch = None, nf4_moe.TIERED
+    nf4_moe.TIERED = tiered_launch(b, model)
+    if nf4_moe.TIERED != launch:
+        row["tiered"] = {proj: vars(c) for proj, c in nf4_moe.TIERED.items()}
     try:
         with deadline(a.case_timeout):
             engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
@@ -187,6 +191,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
             row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
         log.warning("%s cap %g GB batch %d: %s", model, cap_gb, batch, row["error"])
     finally:  # unpins the RAM tier; open_engine frees the device before the next case
+        nf4_moe.TIERED = launch
         if engine is not None:
             engine.close()
     return row
@@ -463,6 +468,20 @@ def switches(kw: dict):
             setattr(mod, attr, old[name])
 
 
+def tiered_launch(b: Bench, model: str) -> dict:
+    """The tiered kernel's launch per projection for ``model``'s rows: with ``--tiered FILE``, the fastest
+    config uva_bench.py measured for this model's shapes (its ``tiered_best``), else the default."""
+    launch = dict(nf4_moe.TIERED)
+    if b.args.tiered:
+        best = json.loads(Path(b.args.tiered).read_text()).get("tiered_best", {})
+        for proj in ("up", "down"):
+            found = best.get(f"{model.split()[0]} {proj}")
+            if found:
+                c = found["best"]
+                launch[proj] = nf4_moe.TieredConfig(c["block_n"], c["block_w"], c["warps"], c["prefetch"])
+    return launch
+
+
 def derive_routed_keys(b: Bench) -> None:
     r, link = b.results, b.results.get("link_pinned_gbps")
     rows = {(x["model"], x["case"]): x for x in r.get("expert_aware", [])}
@@ -665,6 +684,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
+    p.add_argument("--tiered", default=None, metavar="UVA_BENCH_JSON",
+                   help="the tiered kernel's launch per projection from uva_bench.py's fastest configs for each "
+                        "model (default: the code's); recorded in each row as 'tiered'")
     p.add_argument("--no-fused", action="store_true",
                    help="the per-expert paths everywhere (expert_compute.FUSED off): the baseline of the fused "
                         "kernels, run into another --results folder")

@@ -52,7 +52,13 @@ SCRIPT = """
 import torch
 from airquant.quant.kernels import nf4_moe
 from tests.quant.test_nf4_moe_tiered import expert_images
-for double, bias in ((False, None), (True, None), (True, torch.bfloat16), (False, torch.float32)):
+from airquant.quant.kernels.nf4_moe import BUFFERS, TieredConfig
+# the default launch; 16-word steps (K = 192 is 24 words: a masked tail) with loads a step ahead and the code
+# books from device copies
+CONFIGS = ((TieredConfig(), False), (TieredConfig(block_n=8, block_w=16, warps=2, prefetch=True), True))
+for (double, bias), (config, tables) in [(c, f) for c in ((False, None), (True, None), (True, torch.bfloat16),
+                                                          (False, torch.float32)) for f in CONFIGS]:
+    nf4_moe.TIERED = {"up": config, "down": config}
     num, top = 6, 3
     images, dense, rows, m = expert_images(num, 40, 192, 64, double, bias)
     b = rows if rows is not None else torch.zeros(num, 40)
@@ -67,7 +73,17 @@ for double, bias in ((False, None), (True, None), (True, torch.bfloat16), (False
         table[e] = slot
         host[start + e * stride:start + e * stride + images.shape[1]] = 0
     counts, hits = torch.zeros(num, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    tiers = nf4_moe.Tiers(host, start, stride, pool, table, counts, hits)
+    books = {}
+    if tables:  # the code books of image 0 (every image has the same ones); the images' own copies spoilt
+        for name, key in (("quant_map", "quant_map"), ("nested_quant_map", "nested_quant_map")):
+            off = m.offsets[BUFFERS.index(name)]
+            if off is not None:
+                size = 16 if name == "quant_map" else 256
+                books[key] = images[0, off:off + 4 * size].view(torch.float32).clone()
+                for e in range(num):
+                    host[start + e * stride + off:start + e * stride + off + 4 * size] = 0
+                pool[:, off:off + 4 * size] = 0
+    tiers = nf4_moe.Tiers(host, start, stride, pool, table, counts, hits, **books)
     ids = torch.tensor([[2, 0, 5], [4, 2, 1]])
     x = torch.randn(2, 192)
     up = nf4_moe.tiered_up(x, ids, m, tiers)

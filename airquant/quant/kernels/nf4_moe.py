@@ -311,6 +311,8 @@ class Tiers:
     table: torch.Tensor
     counts: torch.Tensor
     hits: torch.Tensor
+    quant_map: torch.Tensor | None = None  # fp32 [16] on the device: every expert's code book, where all agree
+    nested_quant_map: torch.Tensor | None = None  # fp32 [256], the same for the nested code book
 
 
 # The dtype of an expert's dense bias rows in its image, as the tiered kernel's BIAS code (0: no bias).
@@ -346,13 +348,17 @@ class ImageMatrix:
 def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, hits_ptr,
                         host_ptr, host_start, host_stride, pool_ptr, slot_bytes,
                         off_w, off_a, off_na, off_nqm, off_noff, off_qm, off_bias,
+                        qmd_ptr, nqmd_ptr,
                         N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, COUNT: tl.constexpr,
                         DOUBLE: tl.constexpr, BIAS: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_W: tl.constexpr):
+                        BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, TABLES: tl.constexpr):
     """As ``_gemv_kernel`` (up: one program per pair and block of outputs; down: per token, its ``TOP_K``
     pairs weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier.
     ``COUNT``: the programs of the first output block also count each pair's expert and pool hits. ``BIAS``
-    (``BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight."""
+    (``BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight.
+    ``PREFETCH``: a K step's words are loaded while the step before is computed (two steps' loads in flight).
+    ``TABLES``: the code books are read from ``qmd_ptr``/``nqmd_ptr`` (device copies shared by every expert)
+    instead of each image's own (host memory for an expert of the RAM tier)."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -378,17 +384,29 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
         else:
             a_ptr = (base + off_a).to(tl.pointer_type(tl.float32))
         na_ptr = (base + off_na).to(tl.pointer_type(tl.float32))
-        nqm_ptr = (base + off_nqm).to(tl.pointer_type(tl.float32))
         noff_ptr = (base + off_noff).to(tl.pointer_type(tl.float32))
-        qm_ptr = (base + off_qm).to(tl.pointer_type(tl.float32))
+        if TABLES:
+            nqm_ptr = nqmd_ptr
+            qm_ptr = qmd_ptr
+        else:
+            nqm_ptr = (base + off_nqm).to(tl.pointer_type(tl.float32))
+            qm_ptr = (base + off_qm).to(tl.pointer_type(tl.float32))
         x_row = x_ptr + (p if DOWN else p // TOP_K) * K
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            ahead = tl.load(w_ptr + row_words[:, None] + offs_w[None, :],
+                            mask=n_mask[:, None] & (8 * offs_w < K)[None, :], other=0)
         for k0 in range(0, K, 8 * BLOCK_W):
             cols = k0 + 8 * offs_w  # the first element of each word
             k_mask = cols < K
             mask = n_mask[:, None] & k_mask[None, :]
             # contiguous words along a row (k0 // 8 + offs_w), so each thread's loads are 16-byte vectors
-            words = tl.load(w_ptr + row_words[:, None] + (k0 // 8 + offs_w)[None, :], mask=mask, other=0)
+            if PREFETCH:
+                words = ahead
+                ahead = tl.load(w_ptr + row_words[:, None] + (k0 // 8 + BLOCK_W + offs_w)[None, :],
+                                mask=n_mask[:, None] & (cols + 8 * BLOCK_W < K)[None, :], other=0)
+            else:
+                words = tl.load(w_ptr + row_words[:, None] + (k0 // 8 + offs_w)[None, :], mask=mask, other=0)
             part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
             for m in tl.static_range(8):
                 # element m of a word: byte m // 2 (little-endian), the high nibble for the even element
@@ -412,12 +430,27 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
     tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _tiered_tiles(n: int, k: int, down: bool) -> tuple[int, int]:
+@dataclass(frozen=True)
+class TieredConfig:
+    """A launch of the tiered kernel: outputs per program (``block_n``), int32 words of a row per K step
+    (``block_w``), warps, whether a step's loads are issued a step ahead (``prefetch``); None: ``_tiered_tiles``."""
+
+    block_n: int | None = None
+    block_w: int | None = None
+    warps: int = 4
+    prefetch: bool = False
+
+
+# The launch of each projection's tiered calls (benchmarks/uva_bench.py sweeps the alternatives).
+TIERED = {"up": TieredConfig(), "down": TieredConfig()}
+
+
+def _tiered_tiles(n: int, k: int, down: bool, config: TieredConfig = TieredConfig()) -> tuple[int, int]:
     """(outputs per program, words per K step): 32 words (256 elements, 128 bytes of a row: one line of the
     link) per step; outputs per program small enough that a batch-1 call spreads over every SM with enough
     loads in flight to cover the link's latency (the down projection runs a token's pairs in one program)."""
-    words = min(32, max(triton.next_power_of_2(k) // 8, 1))
-    return min(16 if down else 32, triton.next_power_of_2(n)), words
+    words = min(config.block_w or 32, max(triton.next_power_of_2(k) // 8, 1))
+    return min(config.block_n or (16 if down else 32), triton.next_power_of_2(n)), words
 
 
 def tiered_up(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrix, tiers: Tiers) -> torch.Tensor:
@@ -440,12 +473,16 @@ def tiered_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: Im
 def _launch_tiered(x, out, ids, weights, m: ImageMatrix, tiers: Tiers, top_k: int, down: bool) -> torch.Tensor:
     if m.k % 8 or m.blocksize % 8:
         raise ValueError(f"tiered NF4 GEMV needs in_features ({m.k}) and blocksize ({m.blocksize}) multiples of 8")
-    block_n, block_w = _tiered_tiles(m.n, m.k, down)
+    config = TIERED["down" if down else "up"]
+    block_n, block_w = _tiered_tiles(m.n, m.k, down, config)
     grid = (out.shape[0], triton.cdiv(m.n, block_n))
+    tables = tiers.quant_map is not None and (tiers.nested_quant_map is not None or not m.double)
+    qmd = tiers.quant_map if tables else tiers.table
+    nqmd = tiers.nested_quant_map if tables and m.double else qmd
     _tiered_gemv_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
                               tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start,
-                              tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, top_k,
-                              DOWN=down, COUNT=not down, DOUBLE=m.double, BIAS=m.bias_kind, BS=m.blocksize,
-                              BLOCK_N=block_n,
-                              BLOCK_W=block_w, num_warps=4)
+                              tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), qmd, nqmd, m.n, m.k,
+                              top_k, DOWN=down, COUNT=not down, DOUBLE=m.double, BIAS=m.bias_kind, BS=m.blocksize,
+                              BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=config.prefetch, TABLES=tables,
+                              num_warps=config.warps)
     return out
