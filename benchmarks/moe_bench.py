@@ -478,7 +478,8 @@ def tiered_launch(b: Bench, model: str) -> dict:
             found = best.get(f"{model.split()[0]} {proj}")
             if found:
                 c = found["best"]
-                launch[proj] = nf4_moe.TieredConfig(c["block_n"], c["block_w"], c["warps"], c["prefetch"])
+                launch[proj] = nf4_moe.TieredConfig(c["block_n"], c["block_w"], c["warps"], c["prefetch"],
+                                                    bool(c.get("split")))
     return launch
 
 

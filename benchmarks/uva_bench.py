@@ -175,41 +175,50 @@ def run_calls(ex: Experts, tiers: Tiers, proj: str, calls: int) -> list[torch.Te
     return outs
 
 
-def tiered_configs(quick: bool) -> list[tuple[TieredConfig, bool]]:
-    """(config, code books from device copies): the default first."""
+def tiered_configs(quick: bool, proj: str, focus: bool) -> list[tuple[TieredConfig, bool]]:
+    """(config, code books from device copies) for projection ``proj``: the code's launch first. ``focus``:
+    the launches the first sweep left in question (warps, prefetch, a program per pair)."""
+    code = nf4_moe.TIERED[proj]
     if quick:
-        return [(TieredConfig(), False), (TieredConfig(block_n=8, block_w=8, prefetch=True), True)]
-    found = [(TieredConfig(), False), (TieredConfig(), True), (TieredConfig(prefetch=True), False),
-             (TieredConfig(prefetch=True), True)]
-    for n, w, warps, pre in itertools.product((8, 16, 32, 64), (32, 64), (4, 8), (False, True)):
-        found.append((TieredConfig(block_n=n, block_w=w, warps=warps, prefetch=pre), True))
-    return found
+        return [(code, False), (TieredConfig(block_n=8, block_w=8, prefetch=True), True),
+                (TieredConfig(block_n=8, split=True), True)]
+    if not focus:
+        return [(code, False), (code, True)] + [
+            (TieredConfig(block_n=n, block_w=w, warps=warps, prefetch=pre), True)
+            for n, w, warps, pre in itertools.product((8, 16, 32, 64), (32, 64), (4, 8), (False, True))]
+    if proj == "up":
+        return [(nf4_moe.TIERED["up"], False), (nf4_moe.TIERED["up"], True), (TieredConfig(prefetch=True), True),
+                (TieredConfig(block_n=16, warps=8), True)]
+    return [(code, False)] + [(TieredConfig(block_n=n, warps=warps, prefetch=pre, split=split), True)
+                              for n, warps, pre, split in itertools.product((16, 32), (4, 8), (False, True),
+                                                                            (False, True))]
 
 
 def part_tiered(args, device, out: dict) -> None:
     shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
-    rows, best = [], {}
+    rows, best, launch = [], {}, dict(nf4_moe.TIERED)
     for model, shape in shapes.items():
-        for shift in ((0,) if args.quick else (0, 64)):
+        for shift in ((0,) if args.quick or args.configs == "focus" else (0, 64)):
             ex = Experts(model, shape, device, shift)
             calls = len(ex.routings) if args.quick else max(len(ex.routings), 8)
             for proj in ("up", "down"):
                 m = ex.up if proj == "up" else ex.down
                 matrix_bytes = m.n * m.k // 2 + m.n * m.k // BLOCKSIZE  # packed nibbles and absmax codes
                 moved = calls * ex.top * matrix_bytes
-                configs = tiered_configs(args.quick) if shift == 0 else tiered_configs(True)[:1]
+                configs = tiered_configs(args.quick, proj, args.configs == "focus")
+                configs = configs if shift == 0 else configs[:1]
                 want = None
                 for config, tables in configs:
                     nf4_moe.TIERED = {**nf4_moe.TIERED, proj: config}
-                    row = {"model": model, "proj": proj, "offset": shift, "block_n": config.block_n,
-                           "block_w": config.block_w, "warps": config.warps, "prefetch": config.prefetch,
-                           "tables": tables, "bytes": moved}
+                    row = {"model": model, "proj": proj, "offset": shift, **vars(config), "tables": tables,
+                           "bytes": moved}
                     try:
                         host_tiers, dev_tiers = ex.tiers("host", tables), ex.tiers("device", tables)
                         got = run_calls(ex, host_tiers, proj, calls)
                         if want is None:
                             want = got
-                        row["max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+                        row["max_rel_diff"] = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                                                  for a, b in zip(got, want))  # against the code's launch
                         s = timed(lambda: run_calls(ex, host_tiers, proj, calls), args.reps, device)
                         row.update(seconds=s, gbps=moved / s / GB)
                         if ex.pool is not None:
@@ -219,17 +228,17 @@ def part_tiered(args, device, out: dict) -> None:
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     rows.append(row)
                     print(f"tiered {model:14s} {proj:4s} off {shift:2d} n {config.block_n} w {config.block_w} "
-                          f"warps {config.warps} pre {config.prefetch:d} tables {tables:d}  "
+                          f"warps {config.warps} pre {config.prefetch:d} split {config.split:d} tables {tables:d}  "
                           f"{row.get('gbps', 0):6.1f} GB/s host  {row.get('device_gbps', 0):7.1f} device  "
-                          f"diff {row.get('max_diff', float('nan')):.3g} {row.get('error', '')}", flush=True)
-                nf4_moe.TIERED = {"up": TieredConfig(), "down": TieredConfig()}
+                          f"diff {row.get('max_rel_diff', float('nan')):.2g} {row.get('error', '')}", flush=True)
+                nf4_moe.TIERED = dict(launch)
                 mine = [r for r in rows if r["model"] == model and r["proj"] == proj and r["offset"] == shift
                         and "gbps" in r]
                 if shift == 0 and mine:
                     top = max(mine, key=lambda r: r["gbps"])
                     best[f"{model} {proj}"] = {"default_gbps": mine[0]["gbps"], "best_gbps": top["gbps"],
-                                               "best": {k: top[k] for k in ("block_n", "block_w", "warps",
-                                                                            "prefetch", "tables")}}
+                                               "best": {k: top.get(k) for k in ("block_n", "block_w", "warps",
+                                                                                "prefetch", "split", "tables")}}
             ex = None  # its pinned buffer and pool freed before the next shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -239,27 +248,33 @@ def part_tiered(args, device, out: dict) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["copy", "read", "tiered", "all"], default="all")
+    p.add_argument("--part", choices=["copy", "read", "tiered", "all"], nargs="+", default=["all"])
     p.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--configs", choices=["full", "focus"], default="full",
+                   help="tiered launches: the full sweep, or the few the full one left in question")
     p.add_argument("--quick", action="store_true", help="tiny shapes, two configs: a test of the script")
-    p.add_argument("--results", default=None, help="folder of uva_bench.json (default: results/)")
+    p.add_argument("--results", default=None, help="folder of the results file (default: results/)")
+    p.add_argument("--name", default="uva_bench", help="the results file's name, without .json")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.quick:
         raise SystemExit("uva_bench measures a GPU's reads of pinned host memory: run it on a CUDA machine "
                          "(or --quick under TRITON_INTERPRET=1 to test the script)")
-    path = Path(args.results or (REPO / "results")) / "uva_bench.json"
+    if args.quick:
+        args.reps = 1
+    path = Path(args.results or (REPO / "results")) / f"{args.name}.json"
     out = json.loads(path.read_text()) if path.exists() else {}
     out.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", quick=args.quick,
                versions={"torch": torch.__version__, "triton": triton.__version__})
-    if args.part in ("copy", "all") and device.type == "cuda":
+    parts = {"copy", "read", "tiered"} if "all" in args.part else set(args.part)
+    if "copy" in parts and device.type == "cuda":
         m = measure_link_bandwidth(device, kind="h2d_pinned", nbytes=1 << 30, repeats=10)
         out["link_pinned_gbps"] = m.gb_per_s
         print(f"copy engine, pinned host -> device: {m.gb_per_s:.1f} GB/s", flush=True)
-    if args.part in ("read", "all"):
+    if "read" in parts:
         part_read(args, device, out)
-    if args.part in ("tiered", "all"):
+    if "tiered" in parts:
         part_tiered(args, device, out)
     link = out.get("link_pinned_gbps")
     if link:

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 log = logging.getLogger(__name__)
+PAGE = 4096
 
 
 class HostMemory:
@@ -32,8 +33,15 @@ class HostMemory:
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
 
     def empty(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
+        """``nbytes`` host bytes starting on a page, page-locked when ``pinned`` (default: the owner's).
+
+        On a page, so the offsets the layouts align (engine/moe/sizing ``ALIGN``) are aligned in memory too:
+        a large allocation's address is only 64-byte aligned, and a kernel reading host RAM over the link
+        loses ~15 % on rows that straddle 128-byte lines."""
         pinned = self.pinned if pinned is None else pinned
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        buf = raw[skip:skip + nbytes]
         if not pinned or nbytes == 0:
             return buf
         cudart = torch.cuda.cudart()
@@ -43,7 +51,7 @@ class HostMemory:
             return buf
         if hasattr(cudart, "cudaGetLastError"):  # do not leave the error for the next kernel launch check
             cudart.cudaGetLastError()
-        del buf
+        del buf, raw
         held = pinned_allocator_bytes(nbytes)
         log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator, which "
                     "holds %d bytes for it (rounded up to a power of two)", nbytes, err, held)

@@ -63,3 +63,27 @@ def test_a_refresh_copies_the_entering_images_and_points_the_leaving_back_at_the
     left = {(0, 3), (1, 0)} - _hot(reads)
     assert len(left) == 1 and all(int(reads.table[k]) == -1 for k in left)
     assert reads.hot_bytes == 3 * IMAGE
+
+
+def test_code_books_are_shared_only_where_every_image_holds_the_same():
+    """Direct reads pass the kernel device copies of the NF4 code books when every expert image of the layer
+    holds the same ones (bitsandbytes writes the same tables), and none when one image differs."""
+    from types import SimpleNamespace
+
+    from airquant.quant.kernels.nf4_moe import BUFFERS
+    from tests.quant.test_nf4_moe_tiered import expert_images
+
+    images, _, _, m = expert_images(3, 8, 64, 64, True)
+    start, stride = 128, images.shape[1] + 128
+    src = torch.zeros(start + 3 * stride, dtype=torch.uint8)
+    for e in range(3):
+        src[start + e * stride:start + e * stride + images.shape[1]] = images[e]
+    arranged = SimpleNamespace(experts_start=start, stride=stride, expert_ranges=[()] * 3)
+    reads, _, _ = _reads("lfu", hot=1)
+    books = reads.code_books(src, arranged, (m, m))
+    for name, size in (("quant_map", 16), ("nested_quant_map", 256)):
+        off = m.offsets[BUFFERS.index(name)]
+        assert torch.equal(books[name], images[0, off:off + 4 * size].view(torch.float32))
+    off = start + 2 * stride + m.offsets[BUFFERS.index("quant_map")]
+    src[off:off + 4] = 0  # expert 2's first code differs
+    assert reads.code_books(src, arranged, (m, m)) == {}

@@ -54,8 +54,9 @@ from airquant.quant.kernels import nf4_moe
 from tests.quant.test_nf4_moe_tiered import expert_images
 from airquant.quant.kernels.nf4_moe import BUFFERS, TieredConfig
 # the default launch; 16-word steps (K = 192 is 24 words: a masked tail) with loads a step ahead and the code
-# books from device copies
-CONFIGS = ((TieredConfig(), False), (TieredConfig(block_n=8, block_w=16, warps=2, prefetch=True), True))
+# books from device copies; the down projection a program per pair, summed after
+CONFIGS = ((TieredConfig(), False), (TieredConfig(block_n=8, block_w=16, warps=2, prefetch=True), True),
+           (TieredConfig(block_n=16, split=True), False))
 for (double, bias), (config, tables) in [(c, f) for c in ((False, None), (True, None), (True, torch.bfloat16),
                                                           (False, torch.float32)) for f in CONFIGS]:
     nf4_moe.TIERED = {"up": config, "down": config}

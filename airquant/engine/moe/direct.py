@@ -63,6 +63,7 @@ class DirectReads:
         self.passes = 0
         self.first: int | None = None  # the lowest layer that ran direct: its calls count the passes
         self._matrices: dict[int, tuple | None] = {}
+        self._books: dict[int, dict[str, torch.Tensor]] = {}
         self._reachable: bool | None = None if mem.is_cuda else True
 
     def reachable(self, src: torch.Tensor) -> bool:
@@ -105,11 +106,42 @@ class DirectReads:
         if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
             work()
         spec, up_m, down_m = found
+        if i not in self._books:
+            self._books[i] = self.code_books(src, arranged, (up_m, down_m))
         tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
-                              self.hits[i:i + 1])
+                              self.hits[i:i + 1], **self._books[i])
         flat = hidden.reshape(-1, hidden.shape[-1])
         h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
         return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+
+    def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:
+        """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier
+        bytes holds, as device copies, where all images and ``matrices`` agree; else {} (each image's own).
+
+        The kernel looks a code book up eight times a packed word; reading each image's copy from host memory
+        costs the link (Qwen3-30B-A3B's down projection read host RAM at 15 GB/s against 31 with device
+        copies: benchmarks/uva_bench.py, H200). bitsandbytes writes the same tables into every matrix; a
+        store whose images differ keeps the images' own."""
+        from airquant.quant.kernels.nf4_moe import BUFFERS
+
+        experts = len(arranged.expert_ranges)
+        images = src[arranged.experts_start:arranged.experts_start + experts * arranged.stride].view(experts, -1)
+        books = {}
+        for name, size in (("quant_map", 16), ("nested_quant_map", 256)):
+            found = None
+            for m in matrices:
+                off = m.offsets[BUFFERS.index(name)]
+                if off is None:
+                    continue
+                rows = images[:, off:off + 4 * size]
+                if not bool((rows == rows[0]).all()) or (found is not None and not torch.equal(rows[0], found)):
+                    return {}
+                found = rows[0]
+            if found is not None:
+                book = found.clone().view(torch.float32)
+                books[name] = book.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+                    else book.to(self.device)
+        return books
 
     def _host_part(self, i: int, pairs: int) -> None:
         """A call's host side: the pass count (the first direct layer's calls), the refresh, the pair count."""

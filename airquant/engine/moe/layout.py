@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from airquant.engine.moe.sizing import POLICY_CHOICES, ExpertsError, Policy, aligned, experts_module
+from airquant.engine.moe.sizing import LINE, POLICY_CHOICES, ExpertsError, Policy, aligned, experts_module
 from airquant.store.manifest import ShardEntry
 
 LFU_DECAY = 0.9  # per call of the pool: a count from 32 layers (one Mixtral step) ago weighs 0.03
@@ -207,11 +207,11 @@ class HostArrangement:
         offsets = slot_offsets(ranges[0])
         image = offsets[-1] + ranges[0][-1][1] - ranges[0][-1][0]
         return cls(file_bytes=file_bytes, dense_runs=tuple(map(tuple, dense_runs)), dense_bytes=dense_bytes,
-                   expert_ranges=ranges, offsets=offsets, image_bytes=image, stride=aligned(image))
+                   expert_ranges=ranges, offsets=offsets, image_bytes=image, stride=-(-image // LINE) * LINE)
 
     @property
     def experts_start(self) -> int:
-        return aligned(self.dense_bytes)
+        return -(-self.dense_bytes // LINE) * LINE
 
     @property
     def nbytes(self) -> int:

@@ -35,6 +35,11 @@ EXPERTS_CHOICES = ("auto", "whole", "routed", "cpu")
 POLICY_CHOICES = ("lru", "lfu")
 SPECULATE_TOKENS = 8  # speculation pays at decode batch sizes; larger batches route nearly every expert
 ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views reinterpret as any dtype
+# Every expert image of the RAM tier starts on a 128-byte line, so a kernel's 128-byte reads of a row are whole
+# lines of the link: the tiered kernel read host RAM at 38-41 GB/s from images 64 bytes past a line, 45-48
+# from aligned ones (benchmarks/uva_bench.py, H200). Qwen3-30B-A3B's and Mixtral's NF4 tensors are multiples
+# of 128 bytes but for the last two (the nested offset, the code book): their rows stay on lines.
+LINE = 128
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
 
 

@@ -351,14 +351,17 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
                         qmd_ptr, nqmd_ptr,
                         N, K: tl.constexpr, TOP_K: tl.constexpr, DOWN: tl.constexpr, COUNT: tl.constexpr,
                         DOUBLE: tl.constexpr, BIAS: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, TABLES: tl.constexpr):
+                        BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, TABLES: tl.constexpr,
+                        SPLIT: tl.constexpr):
     """As ``_gemv_kernel`` (up: one program per pair and block of outputs; down: per token, its ``TOP_K``
     pairs weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier.
     ``COUNT``: the programs of the first output block also count each pair's expert and pool hits. ``BIAS``
     (``BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight.
     ``PREFETCH``: a K step's words are loaded while the step before is computed (two steps' loads in flight).
     ``TABLES``: the code books are read from ``qmd_ptr``/``nqmd_ptr`` (device copies shared by every expert)
-    instead of each image's own (host memory for an expert of the RAM tier)."""
+    instead of each image's own (host memory for an expert of the RAM tier). ``SPLIT`` (down): one program per
+    pair and block of outputs, its weighted product stored at the pair's row (the caller sums a token's rows):
+    ``TOP_K`` times the programs of a token's loop, for batch-1 calls whose token loop leaves SMs idle."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -366,8 +369,8 @@ def _tiered_gemv_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_
     rows = offs_n.to(tl.int64) * K
     row_words = offs_n.to(tl.int64) * (K // 8)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, TOP_K if DOWN else 1):
-        p = row * TOP_K + j if DOWN else row
+    for j in range(0, TOP_K if DOWN and not SPLIT else 1):
+        p = row * TOP_K + j if DOWN and not SPLIT else row
         e = tl.load(ids_ptr + p).to(tl.int64)
         slot = tl.load(table_ptr + e).to(tl.int64)
         if slot >= 0:
@@ -439,10 +442,14 @@ class TieredConfig:
     block_w: int | None = None
     warps: int = 4
     prefetch: bool = False
+    split: bool = False  # down: a program per pair, a token's pairs summed after (``SPLIT``)
 
 
-# The launch of each projection's tiered calls (benchmarks/uva_bench.py sweeps the alternatives).
-TIERED = {"up": TieredConfig(), "down": TieredConfig()}
+# The launch of each projection's tiered calls (benchmarks/uva_bench.py sweeps the alternatives). Down: 32
+# outputs a program, loads a step ahead: Qwen3-30B-A3B's down projection (a token's 8 pairs in one program's
+# loop, 64 programs at batch 1) read host RAM at 43 GB/s against 31 with 16 and no prefetch, Mixtral's the
+# same within 1 % (H200, code books from device copies, results/uva_bench.json).
+TIERED = {"up": TieredConfig(), "down": TieredConfig(block_n=32, prefetch=True)}
 
 
 def _tiered_tiles(n: int, k: int, down: bool, config: TieredConfig = TieredConfig()) -> tuple[int, int]:
@@ -466,6 +473,10 @@ def tiered_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: Im
     """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices, weighted by
     ``weights`` ``[T, k]`` and summed in fp32."""
     tokens, top_k = weights.shape
+    if TIERED["down"].split:  # each pair's weighted product in fp32, a token's rows summed in fp32
+        parts = torch.empty((tokens * top_k, m.n), dtype=torch.float32, device=h.device)
+        _launch_tiered(h.contiguous(), parts, ids, weights.contiguous(), m, tiers, top_k, down=True)
+        return parts.view(tokens, top_k, m.n).sum(1).to(out_dtype)
     out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
     return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
 
@@ -484,5 +495,5 @@ def _launch_tiered(x, out, ids, weights, m: ImageMatrix, tiers: Tiers, top_k: in
                               tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), qmd, nqmd, m.n, m.k,
                               top_k, DOWN=down, COUNT=not down, DOUBLE=m.double, BIAS=m.bias_kind, BS=m.blocksize,
                               BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=config.prefetch, TABLES=tables,
-                              num_warps=config.warps)
+                              SPLIT=down and config.split, num_warps=config.warps)
     return out
