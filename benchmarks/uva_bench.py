@@ -85,7 +85,7 @@ def pinned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def part_read(args, device, out: dict) -> None:
-    nbytes = (1 << 20) if args.quick else (1 << 30)
+    nbytes = (1 << 16) if args.quick else (1 << 30)
     host = pinned(nbytes + 256, device)
     host.random_(0, 256)
     rows = []
