@@ -6,7 +6,8 @@ set before Triton defines them): a batch-1 routed decode of tiny NF4 stores of f
 gpt-oss's biased, clamped experts; plain and double-quant absmax) equals the same decode with the fused path off
 (per-expert bitsandbytes matmul or the stacked decode) within fp32 rounding, greedy tokens equal, every MoE layer
 of every decode step computed by the fused path. On CUDA the same in bf16 at the module level, and the gather
-copy against the copy engine. int2 and GPTQ experts do not take the fused path (their calls go on as before).
+copy against the copy engine. int2 experts take the fused int2 GEMV at up to 8 tokens a call (the same decode of
+the same stores in int2); GPTQ experts do not take a fused path (their calls go on as before).
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def test_fused_decode_equals_the_per_expert_decode():
         direct = r["direct"]
         assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
+
+
+@pytest.mark.slow
+def test_fused_int2_decode_equals_the_per_expert_decode():
+    """int2 experts (2-bit codes, group scales, fp16 outlier residuals; gpt-oss's biases) through the fused int2
+    GEMV (quant/kernels/int2_moe): routed from the pool's slots and from a whole layer's buffers, every
+    one-token step of every MoE layer; direct reads (NF4 only) leave them to the pool."""
+    rows = _interpreted("mixtral:int2", "qwen3_moe:int2", "gpt_oss:int2", "deepseek_v3:int2")
+    assert [(r["type"], r["method"]) for r in rows] == [(t, "int2") for t in ("mixtral", "qwen3_moe", "gpt_oss",
+                                                                             "deepseek_v3")]
+    for r in rows:
+        for mode in ("routed", "whole"):  # the 12-token prefill is over int2_moe.GEMV_ROWS: per expert
+            assert r[mode]["fused_calls"] >= 3 * r[mode]["layers"], r
+        for mode in ("routed", "whole", "direct"):
+            assert r[mode]["tokens_equal"], r
+            assert r[mode]["max_rel_diff"] <= 1e-5, r
+        assert r["direct"]["direct_calls"] == 0, r
 
 
 def test_gather_copy_kernel_copies_each_slice_to_its_place():
@@ -177,16 +195,23 @@ def test_whole_layer_calls_take_the_fused_kernels_only_at_few_rows_an_expert(mon
     from airquant.engine.moe import compute as ec
 
     module = SimpleNamespace(down_proj=SimpleNamespace(num_experts=8))
-    spec = SimpleNamespace(down=SimpleNamespace(name="down_proj"), module_operands=lambda m: ())
+    spec = SimpleNamespace(down=SimpleNamespace(name="down_proj"), module_operands=lambda m: (), max_tokens=None)
     calls = []
     monkeypatch.setattr(ec, "fused_runs_on", lambda x: True)
-    monkeypatch.setattr(ec, "fused_experts", lambda m: spec)
+    monkeypatch.setattr(ec, "fused_experts", lambda m, **kw: spec)
     monkeypatch.setattr(ec, "run_fused", lambda *a: calls.append("fused"))
     whole = ec.FusedWholeExperts(module, lambda *a: calls.append("module"))
     hidden, weights = torch.zeros(1, 4), torch.zeros(1, 2)
     for tokens in (1, ec.FUSED_WHOLE_ROWS * 8 // 2, ec.FUSED_WHOLE_ROWS * 8 // 2 + 1, 1000):
         whole(hidden.expand(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long), weights.expand(tokens, 2))
     assert calls == ["fused", "fused", "module", "module"]
+    # int2 (no grouped kernel): fused only up to its GEMV's tokens a call
+    calls.clear()
+    spec.max_tokens = 8
+    whole = ec.FusedWholeExperts(module, lambda *a: calls.append("module"))
+    for tokens in (8, 9):
+        whole(hidden.expand(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long), weights.expand(tokens, 2))
+    assert calls == ["fused", "module"]
 
 
 @pytest.mark.gpu

@@ -37,6 +37,7 @@ import torch
 from airquant.layout import swap_tensor
 from airquant.quant import kernels
 from airquant.quant.experts import ExpertWeights
+from airquant.quant.int2 import Int2Linear
 from airquant.quant.nf4 import NF4Linear
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ GEMV_TOKENS = 4
 FUSED = True
 # Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
+# Formats the routed pool's and a whole layer's fused calls take (direct reads and the host kernel: NF4 only).
+FUSED_SCHEMES = ("nf4", "int2")
 # Routed rows per expert, on average, up to which a whole layer's call takes the fused kernels. Each 16-row
 # block of the grouped kernel decodes its expert's tile again: at 16 rows an expert (Qwen3-30B-A3B, batch 256)
 # that is 0.92 of the link, at ~124 (Mixtral, batch 498) it decoded every expert 8 times over, 2.33 s a step
@@ -272,21 +275,25 @@ def run_gemv(module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
 
 @dataclass(frozen=True)
 class FusedMatrix:
-    """One NF4 expert matrix as the fused kernels read it: its ``[n, k]`` shape, and inside a pool slot the
-    byte offset of each of its buffers and of its dense bias (offset, dtype), if any."""
+    """One quantized expert matrix as the fused kernels read it: its ``[n, k]`` shape, and inside a pool slot
+    the byte offset of each of its buffers and of its dense bias (offset, dtype), if any; int2: its outlier
+    channels and the stored width of their rows."""
 
     name: str  # the experts module's child ("gate_up_proj", "up_proj", "down_proj")
     n: int
     k: int
     offsets: dict
     bias: tuple[int, torch.dtype] | None
+    n_out: int = 0
+    cols: int = 0
 
 
 @dataclass(frozen=True)
 class FusedExperts:
     """A quantized experts module whose calls ``run_fused`` computes in two kernel launches from the packed
-    bytes (quant/kernels/nf4_moe): an NF4 (gate/)up and down matrix of one blocksize and double-quant
-    setting, optional per-expert biases; ``dtypes`` of each buffer."""
+    bytes: NF4 (quant/kernels/nf4_moe: one blocksize and double-quant setting) or int2 (quant/kernels/int2_moe:
+    one group; calls of up to ``int2_moe.GEMV_ROWS`` tokens) (gate/)up and down matrices, optional per-expert
+    biases; ``dtypes`` of each buffer."""
 
     up: FusedMatrix
     down: FusedMatrix
@@ -294,9 +301,16 @@ class FusedExperts:
     double: bool
     gated: bool
     dtypes: dict
+    scheme: str = "nf4"
+    group: int = 0  # int2
 
     def pool_operands(self, pool: torch.Tensor) -> tuple:
         """The two matrices' operands over an expert pool's slots (an expert's index is its slot)."""
+        if self.scheme == "int2":
+            from airquant.quant.kernels import int2_moe
+
+            return tuple(int2_moe.pool_operand_int2(pool, m.offsets, self.dtypes, m.n, m.k, self.group, m.n_out, m.cols,
+                                               m.bias) for m in (self.up, self.down))
         from airquant.quant.kernels.nf4_moe import pool_operand
 
         return tuple(pool_operand(pool, m.offsets, self.dtypes, m.n, m.k, self.blocksize, self.double, m.bias)
@@ -304,24 +318,38 @@ class FusedExperts:
 
     def module_operands(self, module) -> tuple:
         """The two matrices' operands over the module's own stacked ``[E, ...]`` buffers (a whole layer)."""
+        from airquant.quant.kernels import int2_moe
         from airquant.quant.kernels.nf4_moe import stacked_operand
 
         ops = []
         for m in (self.up, self.down):
             child = getattr(module, m.name)
             bias = getattr(module, f"{m.name}_bias", None) if m.bias is not None else None
-            ops.append(stacked_operand({s: getattr(child, s) for s in child.suffixes}, m.n, m.k, self.blocksize,
-                                       self.double, bias))
+            buffers = {s: getattr(child, s) for s in child.suffixes}
+            ops.append(int2_moe.stacked_operand_int2(buffers, m.n, m.k, self.group, m.n_out, m.cols, bias)
+                       if self.scheme == "int2" else
+                       stacked_operand(buffers, m.n, m.k, self.blocksize, self.double, bias))
         return tuple(ops)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Tokens a call may have for ``run_fused`` (None: any; int2 has no grouped kernel)."""
+        if self.scheme == "int2":
+            from airquant.quant.kernels import int2_moe
+
+            return int2_moe.GEMV_ROWS
+        return None
 
 
 def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | None = None,
-                  offsets: tuple[int, ...] | None = None, straddling: bool = False) -> FusedExperts | None:
-    """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (not NF4, a
-    block straddling two rows, a post-expert norm, expert parallelism, another quantized or dense tensor).
-    With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors relative to the module) the slot must
-    hold exactly those matrices and biases, and their offsets are recorded. ``straddling``: NF4 blocks may
-    straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any layout; the Triton kernels do not)."""
+                  offsets: tuple[int, ...] | None = None, straddling: bool = False,
+                  schemes: tuple[str, ...] = ("nf4",)) -> FusedExperts | None:
+    """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (a scheme
+    not in ``schemes``: "nf4", "int2"; a block straddling two rows, a post-expert norm, expert parallelism,
+    another quantized or dense tensor). With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors
+    relative to the module) the slot must hold exactly those matrices and biases, and their offsets are
+    recorded. ``straddling``: NF4 blocks may straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any
+    layout; the Triton kernels do not). Direct reads and the host kernel take NF4 only (the default)."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     gated = getattr(module, "has_gate", True)
@@ -332,8 +360,14 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     if set(quantized) != {first, "down_proj"} or dense - ({f"{first}_bias", "down_proj_bias"} if biased else set()):
         return None
     templates = [quantized[first].one[0], quantized["down_proj"].one[0]]
-    if not all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0) for t in templates) or \
-            len({(t.blocksize, t.double_quant) for t in templates}) != 1:
+    if "int2" in schemes and all(isinstance(t, Int2Linear) for t in templates):
+        if len({t.group for t in templates}) != 1 or any(t.in_features % 4 for t in templates):
+            return None
+        scheme = "int2"
+    elif "nf4" in schemes and all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0)
+                                  for t in templates) and len({(t.blocksize, t.double_quant) for t in templates}) == 1:
+        scheme = "nf4"
+    else:
         return None
     where = dict(zip(names, zip(offsets, dtypes))) if names is not None else {}
     matrices, used, kinds = [], set(), {}
@@ -343,9 +377,14 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
         bufs = {s: where[f"{name}.{s}"][0] for s in child.suffixes if f"{name}.{s}" in where}
         bias = where.get(f"{name}_bias") if biased and names is not None else ((0, None) if biased else None)
         used |= {f"{name}.{s}" for s in child.suffixes} | ({f"{name}_bias"} if biased else set())
-        matrices.append(FusedMatrix(name, t.out_features, t.in_features, bufs, bias))
+        outliers = scheme == "int2" and t.n_outliers
+        matrices.append(FusedMatrix(name, t.out_features, t.in_features, bufs, bias,
+                                    n_out=t.n_outliers if outliers else 0,
+                                    cols=int(child.outlier_weight.shape[-1]) if outliers else 0))
     if names is not None and used != set(names):
         return None
+    if scheme == "int2":
+        return FusedExperts(matrices[0], matrices[1], 0, False, gated, kinds, scheme="int2", group=templates[0].group)
     return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated, kinds)
 
 
@@ -356,9 +395,14 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
     ``weights`` [T, k]: the (gate/)up matrix of every pair in one launch, the module's own gating, then the
     down matrix, weighting and sum in another (GEMV for few tokens; above, pairs sorted into per-expert blocks
     of a grouped tensor-core product, on the device)."""
+    up_op, down_op = operands
+    if spec.scheme == "int2":
+        from airquant.quant.kernels import int2_moe
+
+        h = activate(module, int2_moe.up_int2(hidden, ids, up_op), spec.gated)  # [T * k, I]
+        return int2_moe.down_int2(h, ids, weights, down_op, hidden.dtype)  # [T, H]
     from airquant.quant.kernels import nf4_moe
 
-    up_op, down_op = operands
     sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(ids, experts)
     h = activate(module, nf4_moe.up(hidden, ids, up_op, sorted_pairs), spec.gated)  # [T * k, I]
     return nf4_moe.down(h, ids, weights, down_op, hidden.dtype, sorted_pairs)  # [T, H]
@@ -376,9 +420,10 @@ class FusedWholeExperts:
     def __call__(self, *args, **kwargs):
         if FUSED and len(args) == 3 and not kwargs and args[1].dim() == 2 and fused_runs_on(args[0]):
             if self._spec is False:
-                self._spec = fused_experts(self.module)
+                self._spec = fused_experts(self.module, schemes=FUSED_SCHEMES)
             experts = getattr(self.module, self._spec.down.name).num_experts if self._spec is not None else 0
-            if self._spec is not None and args[1].numel() <= FUSED_WHOLE_ROWS * experts:
+            if self._spec is not None and args[1].numel() <= FUSED_WHOLE_ROWS * experts and \
+                    (self._spec.max_tokens is None or args[1].shape[0] <= self._spec.max_tokens):
                 hidden, index, weights = args
                 return run_fused(self._spec, self.module, self._spec.module_operands(self.module),
                                  hidden.reshape(-1, hidden.shape[-1]), index, weights, experts)

@@ -237,7 +237,8 @@ class ExpertPool:
             return None
         if i not in self._fused_specs:
             layer = self.layers[i]
-            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
+            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets,
+                                                schemes=expert_compute.FUSED_SCHEMES)
             self._fused_specs[i] = None if spec is None else (spec, spec.pool_operands(self.mem))
         return self._fused_specs[i]
 

@@ -1,0 +1,170 @@
+"""Routed int2 experts multiplied straight from their packed bytes: two launches a MoE layer call of a few tokens.
+
+The int2 counterpart of ``nf4_moe``'s GEMV: every (token, expert) pair of a call is a row, its expert found by
+index in the operand (the expert pool's slots or a whole layer's stacked buffers), the 2-bit codes decoded in
+registers, the fp16 outlier residuals added, fp32 sums; no per-expert Python and no dense weight. Up to
+``GEMV_ROWS`` tokens a call (decode); larger calls keep the per-expert path (``compute.run_fused``' callers
+route only few-token calls here).
+
+Layout (quant/int2.py): ``codes`` uint8 ``[n, k/4]``, input channel c of row r in byte c // 4 at bits
+2 * (c % 4), the code the rank of its Lloyd-Max centroid (``LLOYD_MAX_4``); ``scales``/``zeros`` fp16
+``[n, k/group]``: w = scale * centroid + zero; ``outlier_weight`` fp16 ``[n, cols]`` (the first ``n_out``
+columns used) and ``outlier_idx`` int32 ``[n_out]``: w[:, idx[j]] += outlier_weight[:, j].
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from airquant.quant.int2_levels import LLOYD_MAX_4
+
+BUFFERS = ("codes", "scales", "zeros", "outlier_weight", "outlier_idx")
+GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
+OUTLIER_BLOCK = 64  # outlier channels a program adds per step
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One ``[n, k]`` int2 matrix of every expert: per buffer of ``BUFFERS`` a base tensor and the elements from
+    one expert's copy to the next (no outliers: the codes, stride 0, never read), the group, the outlier count
+    and the stored outlier row width, and the experts' dense bias rows ``[experts, n]`` if any."""
+
+    n: int
+    k: int
+    group: int
+    n_out: int
+    cols: int
+    bases: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+    bias: torch.Tensor | None = None
+
+    def args(self) -> list:
+        out = []
+        for base, stride in zip(self.bases, self.strides):
+            out += [base, stride]
+        return out
+
+    def bias_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.index_select(0, ids.reshape(-1).long())
+
+
+def pool_operand_int2(pool: torch.Tensor, offsets: dict[str, int], dtypes: dict[str, torch.dtype], n: int, k: int,
+                 group: int, n_out: int, cols: int, bias: tuple[int, torch.dtype] | None = None) -> Operand:
+    """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``."""
+    flat, slot_bytes = pool.reshape(-1), pool.shape[1]
+    bases, strides = [], []
+    for name in BUFFERS:
+        used = name in offsets and (n_out or not name.startswith("outlier"))
+        key = name if used else "codes"
+        dtype = dtypes[key]
+        bases.append(flat[offsets[key]:].view(dtype))
+        strides.append(slot_bytes // dtype.itemsize if used else 0)
+    rows = None
+    if bias is not None:
+        off, dtype = bias
+        rows = pool[:, off:off + n * dtype.itemsize].view(dtype)
+    return Operand(n, k, group, n_out, cols, tuple(bases), tuple(strides), rows)
+
+
+def stacked_operand_int2(buffers: dict[str, torch.Tensor], n: int, k: int, group: int, n_out: int, cols: int,
+                    bias: torch.Tensor | None = None) -> Operand:
+    """A matrix whose buffers are stacked ``[E, ...]`` tensors (a quantized experts module's)."""
+    bases, strides = [], []
+    for name in BUFFERS:
+        t = buffers.get(name) if n_out or not name.startswith("outlier") else None
+        bases.append(buffers["codes"] if t is None else t)
+        strides.append(0 if t is None else t.stride(0))
+    return Operand(n, k, group, n_out, cols, tuple(bases), tuple(strides), bias)
+
+
+@functools.cache
+def _levels(device: torch.device) -> torch.Tensor:
+    return torch.tensor(LLOYD_MAX_4, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr, lv_ptr,
+                 c_ptr, c_st, s_ptr, s_st, z_ptr, z_st, ow_ptr, ow_st, oi_ptr, oi_st,
+                 N, K: tl.constexpr, G: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+                 TOP_K: tl.constexpr, DOWN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr):
+    """up (``DOWN`` False): ``out[p] = W[ids[p]] @ x[p // TOP_K] (+ bias[p])``, one program per pair and block of
+    outputs; down: ``out[t] = sum_j weights[t, j] * (W[ids[t, j]] @ x[t * TOP_K + j] (+ bias))``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        codes = c_ptr + e * c_st + rows[:, None] * (K // 4)
+        scales = s_ptr + e * s_st + rows[:, None] * (K // G)
+        zeros = z_ptr + e * z_st + rows[:, None] * (K // G)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            mask = n_mask[:, None] & k_mask[None, :]
+            byte = tl.load(codes + (kk // 4)[None, :], mask=mask, other=0).to(tl.int32)
+            code = (byte >> (2 * (kk % 4))[None, :]) & 3
+            level = tl.load(lv_ptr + code)
+            scale = tl.load(scales + (kk // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+            zero = tl.load(zeros + (kk // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+            xk = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum((level * scale + zero) * xk[None, :], axis=1)
+        if NOUT > 0:  # the outlier channels' residuals: w[:, idx[o]] += ow[:, o]
+            for o0 in range(0, NOUT, BLOCK_O):
+                oc = o0 + tl.arange(0, BLOCK_O)
+                o_mask = oc < NOUT
+                idx = tl.load(oi_ptr + e * oi_st + oc, mask=o_mask, other=0)
+                xo = tl.load(x_row + idx, mask=o_mask, other=0.0).to(tl.float32)
+                ow = tl.load(ow_ptr + e * ow_st + rows[:, None] * COLS + oc[None, :],
+                             mask=n_mask[:, None] & o_mask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(ow * xo[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + p * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def up_int2(x: torch.Tensor, ids: torch.Tensor, op: Operand) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias)."""
+    out = torch.empty((ids.numel(), op.n), dtype=x.dtype, device=x.device)
+    return _launch(x.contiguous(), out, ids, None, op, ids.shape[-1], down=False)
+
+
+def down_int2(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, op: Operand, out_dtype: torch.dtype
+         ) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
+    weighted by ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, op.n), dtype=out_dtype, device=h.device)
+    return _launch(h.contiguous(), out, ids, weights.contiguous(), op, top_k, down=True)
+
+
+def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.Tensor:
+    tokens = ids.shape[0] if ids.dim() > 1 else ids.numel() // top_k
+    if tokens > GEMV_ROWS:
+        raise ValueError(f"int2 fused experts run calls of at most {GEMV_ROWS} tokens, not {tokens}")
+    if op.k % op.group or op.k % 4:
+        raise ValueError(f"int2 fused experts need in_features ({op.k}) a multiple of the group ({op.group}) and 4")
+    block_n = min(32, triton.next_power_of_2(op.n))
+    block_k = min(128, max(triton.next_power_of_2(op.k), 16))
+    bias = op.bias_rows(ids)
+    grid = (out.shape[0], triton.cdiv(op.n, block_n))
+    _gemv_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out,
+                       ids.reshape(-1).contiguous(), _levels(x.device), *op.args(), op.n, op.k, op.group, op.n_out,
+                       op.cols, top_k, DOWN=down, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                       BLOCK_O=min(OUTLIER_BLOCK, max(triton.next_power_of_2(op.n_out), 16)), num_warps=4)
+    return out

@@ -1,0 +1,90 @@
+"""The fused int2 expert GEMV (quant/kernels/int2_moe ``up_int2``/``down_int2``): each pair's expert found by index in a
+stacked operand or in pool slots, against the products of each expert's ``Int2Linear.dequantize`` (codes,
+group scales and zeros, fp16 outlier residuals), under Triton's interpreter (a process of its own:
+``TRITON_INTERPRET=1`` must be set before Triton defines the kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import os
+import torch
+from airquant.quant import make_linear, quantize_linear
+from airquant.quant.kernels import int2_moe
+from airquant.quant.spec import QuantSpec
+
+dev = os.environ.get("AQ_DEVICE", "cpu")
+torch.manual_seed(0)
+num, top, n, k = 5, 3, 40, 192  # 3.5 % of 192: 7 outlier channels; 80 outliers in the wide case
+for outliers, bias in ((0.035, False), (0.0, True), (0.42, True)):
+    spec = QuantSpec(method="int2", group=32, outliers=outliers)
+    parts = [quantize_linear(spec, torch.randn(n, k) * (1 + torch.rand(k) * 4)) for _ in range(num)]
+    meta = parts[0][1]
+    stacked = {s: torch.stack([t[s] for t, _ in parts]) for s in parts[0][0]}
+    dense = []
+    for tensors, _ in parts:
+        lin = make_linear(meta, k, n, False, compute_dtype=torch.float32)
+        lin.load_state_dict(tensors, assign=True)
+        dense.append(lin.dequantize())
+    dense = torch.stack(dense)
+    n_out = parts[0][0]["outlier_idx"].numel() if "outlier_idx" in parts[0][0] else 0
+    cols = stacked["outlier_weight"].shape[-1] if n_out else 0
+    rows = torch.randn(num, n) if bias else None
+    b = rows if bias else torch.zeros(num, n)
+    stack_op = int2_moe.stacked_operand_int2({s: t.to(dev) for s, t in stacked.items()}, n, k, 32, n_out, cols,
+                                        rows.to(dev) if bias else None)
+    # pool slots: each expert's buffers at 64-byte aligned offsets of a slot, the slots in another order
+    offsets, dtypes, at = {}, {}, 0
+    for s, t in stacked.items():
+        offsets[s], dtypes[s] = at, t.dtype
+        at += -(-t[0].numel() * t.element_size() // 64) * 64
+    bias_at = at
+    slot_bytes = at + (-(-n * 4 // 64) * 64 if bias else 0)
+    order = [3, 0, 4, 1, 2]  # expert e in slot order[e]
+    pool = torch.full((num, slot_bytes), 7, dtype=torch.uint8)
+    for e in range(num):
+        for s, t in stacked.items():
+            raw = t[e].contiguous().reshape(-1).view(torch.uint8)
+            pool[order[e], offsets[s]:offsets[s] + raw.numel()] = raw
+        if bias:
+            pool[order[e], bias_at:bias_at + n * 4] = rows[e].view(torch.uint8)
+    pool_op = int2_moe.pool_operand_int2(pool.to(dev), offsets, dtypes, n, k, 32, n_out, cols,
+                                    (bias_at, torch.float32) if bias else None)
+    ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
+    x, h, w = torch.randn(2, k), torch.randn(6, k), torch.rand(2, top)
+    want_up = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
+    want_down = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + b[ids[t, j]]) for j in range(top))
+                             for t in range(2)])
+    slots = torch.tensor(order)[ids]
+    for op, route in ((stack_op, ids), (pool_op, slots)):
+        up = int2_moe.up_int2(x.to(dev), route.to(dev), op).cpu()
+        assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (outliers, (up - want_up).abs().max())
+        down = int2_moe.down_int2(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
+        assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (down - want_down).abs().max()
+    assert n_out == round(outliers * k)
+print("ok")
+"""
+
+
+def _run(env: dict) -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_int2_gemv_equals_each_experts_dequantized_product():
+    pytest.importorskip("triton")
+    _run({**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.gpu
+def test_cuda_int2_gemv_equals_each_experts_dequantized_product():
+    _run({**os.environ, "AQ_DEVICE": "cuda", "PYTHONPATH": str(REPO)})
