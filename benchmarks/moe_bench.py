@@ -414,10 +414,25 @@ def part_host(b: Bench) -> None:
     plain copy's on the same threads: the figures ``auto`` weighs against the link, and the kernel's efficiency."""
     from airquant.quant.kernels import nf4_cpu
 
-    bw = nf4_cpu.measure(HOST_SECONDS / 10 if b.quick else HOST_SECONDS)
+    seconds = HOST_SECONDS / 10 if b.quick else HOST_SECONDS
+    bw = nf4_cpu.measure(seconds)
     b.results.update(host_gemv_gbps=bw.gemv_gbps, host_memcpy_gbps=bw.copy_gbps, host_gemv_over_memcpy=bw.efficiency)
-    b.results.setdefault("details", {})["host"] = {"kernel": bw.kernel, "threads": bw.threads}
+    # The same on one thread: whether the kernel is short of compute (one thread near the copy's pace, many
+    # threads scaling less than the copy does) or of memory (one thread far below it).
+    given = os.environ.get(nf4_cpu.THREADS_ENV)
+    os.environ[nf4_cpu.THREADS_ENV] = "1"
+    try:
+        one = nf4_cpu.measure(seconds / 2)
+    finally:
+        if given is None:
+            os.environ.pop(nf4_cpu.THREADS_ENV)
+        else:
+            os.environ[nf4_cpu.THREADS_ENV] = given
+    b.results.setdefault("details", {})["host"] = {"kernel": bw.kernel, "threads": bw.threads,
+                                                   "gemv_gbps_1_thread": one.gemv_gbps,
+                                                   "memcpy_gbps_1_thread": one.copy_gbps}
     log.info("%s", bw.describe())
+    log.info("%s", one.describe())
 
 
 def part_routed(b: Bench, name: str) -> None:

@@ -122,7 +122,7 @@ def test_a_case_past_its_timeout_records_why_and_closes_its_engine(monkeypatch):
     engine = SimpleNamespace(close=lambda: closed.append(1), experts=None)
     monkeypatch.setattr(moe_bench, "open_engine", lambda *a, **k: engine)
     monkeypatch.setattr(moe_bench, "decode_step", lambda *a, **k: time.sleep(5))
-    args = SimpleNamespace(prompt_len=8, steps=2, trace=None, case_timeout=0.2)
+    args = SimpleNamespace(prompt_len=8, steps=2, trace=None, case_timeout=0.2, tiered=None)
     b = SimpleNamespace(args=args, results={})
     start = time.perf_counter()
     row = moe_bench.measure(b, None, "m nf4", 4.0, 1, "nocache", experts="routed")
