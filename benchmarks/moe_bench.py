@@ -145,7 +145,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
-                 "fused": expert_compute.FUSED}
+                 "fused": expert_compute.FUSED, "run": RUN}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
@@ -406,6 +406,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "refresh": (direct_mod, "REFRESH_PASSES")}
 
 
+RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)
 HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a tenth)
 
 
@@ -516,9 +517,7 @@ def derive_routed_keys(b: Bench) -> None:
     oss = target_row(rows, "gpt_oss_120b_nf4_bs1_tok_s")
     if oss and oss.get("tok_s") and oss.get("layers"):
         r["gpt_oss_120b_nf4_bs1_tok_s"] = oss["tok_s"] * oss["layers"] / GPTOSS_ALL_LAYERS
-    speeds = [r.get(k) for k in ("qwen3_30b_nf4_bs1_cpu_experts_tok_s", "qwen3_30b_nf4_bs1_tok_s")]
-    if r.get("qwen3_30b_nf4_bs1_auto_tok_s") and all(speeds):  # auto against the faster of host and GPU routed
-        r["qwen3_30b_nf4_bs1_auto_over_best"] = r["qwen3_30b_nf4_bs1_auto_tok_s"] / max(speeds)
+    auto_over_best(r, rows)
     qwen = target_row(rows, "qwen3_30b_nf4_bs1_nocache_over_floor")
     if qwen and qwen.get("step_s") and row_link(qwen, link):
         r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB
@@ -529,6 +528,25 @@ def derive_routed_keys(b: Bench) -> None:
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
         r["airllm_over_airquant_mixtral_bs1"] = air * layers / mix["step_s"]
+
+
+def auto_over_best(r: dict, rows: dict) -> None:
+    """``qwen3_30b_nf4_bs1_auto_over_best``: auto's row against the faster of the host and GPU routed rows, all
+    three from one run (``run``: a machine's speed moves between runs; rows of other runs or without a run
+    are not paired, and ``auto_over_best_missing`` says so)."""
+    r.pop("qwen3_30b_nf4_bs1_auto_over_best", None)
+    r.pop("auto_over_best_missing", None)
+    keys = ("qwen3_30b_nf4_bs1_auto_tok_s", "qwen3_30b_nf4_bs1_cpu_experts_tok_s", "qwen3_30b_nf4_bs1_tok_s")
+    found = [target_row(rows, key) for key in keys]
+    if not all(row and row.get("tok_s") for row in found):
+        return
+    runs = [row.get("run") for row in found]
+    if None in runs or len(set(runs)) != 1:
+        r["auto_over_best_missing"] = ("auto_bs1, cpu_bs1 and the GPU routed row ran in different runs ("
+                                       + ", ".join(f"{row['case']}: {row.get('run') or 'unstamped'}"
+                                                   for row in found) + "): re-run them together")
+        return
+    r["qwen3_30b_nf4_bs1_auto_over_best"] = found[0]["tok_s"] / max(row["tok_s"] for row in found[1:])
 
 
 def row_link(row: dict, link: float | None) -> float | None:
@@ -605,6 +623,8 @@ def unmeasured_why(results: dict, key: str) -> str | None:
         return results.get("airllm_error") or "the airllm part has not run"
     if key == "host_gemv_over_memcpy":
         return "the host part has not run"
+    if key == "qwen3_30b_nf4_bs1_auto_over_best" and results.get("auto_over_best_missing"):
+        return results["auto_over_best_missing"]
     if key not in TARGET_ROWS:
         return None
     row = target_row({(x["model"], x["case"]): x for x in results.get("expert_aware", [])}, key)

@@ -264,6 +264,26 @@ def t4_profile(d: dict) -> list[str]:
             f"{d.get('model_note', '')}.", "", *md_table(["figure", "value", "target", ""], rows)]
 
 
+def uva_bench(d: dict) -> list[str]:
+    """A kernel's reads of pinned host RAM: the copy engine, a plain read kernel and the tiered NF4 kernel's
+    code launch against the sweep's fastest, per model and projection (every row stays in the JSON)."""
+    link = d.get("link_pinned_gbps")
+    rows = [["copy engine, pinned host→GPU", _f(link, "{:.1f}"), "1.00", "—"],
+            ["plain read kernel, best", _f(d.get("read_best_gbps"), "{:.1f}"), _f(d.get("read_over_link"), "{:.2f}"),
+             "—"]]
+    for key, b in (d.get("tiered_best") or {}).items():
+        best = b.get("best") or {}
+        launch = ", ".join(f"{k} {v}" for k, v in best.items() if v not in (None, False))
+        rows.append([f"tiered kernel {key}: the sweep's first launch", _f(b.get("default_gbps"), "{:.1f}"),
+                     _f(b.get("default_over_link"), "{:.2f}"), "—"])
+        rows.append([f"tiered kernel {key}: fastest", _f(b.get("best_gbps"), "{:.1f}"),
+                     _f(b.get("best_over_link"), "{:.2f}"), launch or "the code's"])
+    return [f"Measured on **{d.get('device', '?')}**, random NF4 experts of the real shapes (speed only). Every "
+            "expert in host RAM, calls cycling over the experts (the L2 never holds them). The sweep's first launch "
+            "is the code's at the time of the run, reading each image's own code books.", "",
+            *md_table(["reader", "GB/s", "of the link", "launch"], rows)]
+
+
 # Speed benchmarks of the synthetic shapes first (the report's order), then quality benchmarks.
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "stream_bench.json": ("Layer streaming vs AirLLM and accelerate (benchmarks/stream_bench.py)", stream_bench),
@@ -277,7 +297,11 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "verify_bench.json": ("Reliability: checksums on every read (benchmarks/verify_bench.py)", verify_bench),
     "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
     "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
+    "kv_bench_rerun.json": ("The same, a re-run on another machine (benchmarks/kv_bench.py)", kv_bench),
     "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv_table),
+    "uva_bench.json": ("Kernel reads of pinned host RAM, tiered NF4 launches (benchmarks/uva_bench.py)", uva_bench),
+    "uva_bench_focus.json": ("The same, focused sweep after the code-book and alignment change "
+                             "(benchmarks/uva_bench.py --configs focus)", uva_bench),
     "quant_quality.json": ("Weight quantization quality (benchmarks/quant_quality.py)", quant_quality),
     "kv_quality.json": ("KV-cache quantization quality (benchmarks/kv_quality.py)", kv_quality),
 }

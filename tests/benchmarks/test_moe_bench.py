@@ -132,3 +132,24 @@ def test_a_case_past_its_timeout_records_why_and_closes_its_engine(monkeypatch):
         time.sleep(0.01)
     with pytest.raises(moe_bench.CaseTimeout), moe_bench.deadline(0.05):
         time.sleep(1)
+
+
+def test_auto_over_best_pairs_rows_of_one_run_only():
+    """auto's ratio to the faster of the host and GPU rows is taken only from rows of one run: another run's
+    machine may be faster or slower, so across runs (or unstamped rows) the key is absent and says why."""
+    from benchmarks.moe_bench import auto_over_best, unmeasured_why
+
+    def rows(runs: dict) -> dict:
+        speeds = {"auto_bs1": 30.0, "cpu_bs1": 3.0, "lfu_direct_r1": 40.0}
+        return {("qwen3-30b-a3b nf4", case): {"model": "qwen3-30b-a3b nf4", "case": case, "tok_s": speeds[case],
+                                              "run": runs.get(case)} for case in speeds}
+
+    r = {}
+    auto_over_best(r, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "A"}))
+    assert r == {"qwen3_30b_nf4_bs1_auto_over_best": 30.0 / 40.0}
+    auto_over_best(r, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "B"}))
+    assert "qwen3_30b_nf4_bs1_auto_over_best" not in r
+    why = unmeasured_why({**r, "expert_aware": []}, "qwen3_30b_nf4_bs1_auto_over_best")
+    assert "different runs" in why and "lfu_direct_r1: B" in why
+    auto_over_best(r, rows({}))  # rows from before runs were stamped
+    assert "qwen3_30b_nf4_bs1_auto_over_best" not in r and "unstamped" in r["auto_over_best_missing"]
