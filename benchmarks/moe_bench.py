@@ -441,7 +441,8 @@ def part_routed(b: Bench, name: str) -> None:
     # gpt-oss-120b's NF4 store (~62 GB) does not fit the GPU machine's 64 GB disk beside the others: its first
     # GPTOSS_LAYERS layers stand for all 36 (the key scales the step; the row records the layers measured).
     layers = a.layers or (GPTOSS_LAYERS if name == "gptoss" and not b.quick else None)
-    store = make_store(b, shape, "nf4", layers)
+    store = make_store(b, shape, a.experts_dtype, layers)
+    label = f"{shape} {a.experts_dtype}"  # the targets read the nf4 rows; int2 rows stand beside them
     cap = 4.0 if name == "qwen3" else 15.0
     cases = PART_CASES[name]
     chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
@@ -449,17 +450,16 @@ def part_routed(b: Bench, name: str) -> None:
     for case in chosen:
         if case in MAX_BATCH_CASES:
             if a.max_batch:
-                rows.append(measure_max_batch(b, store, f"{shape} nf4", cap, case))
+                rows.append(measure_max_batch(b, store, label, cap, case))
         elif case in ROUTED_CASES:
             batch, kw = ROUTED_CASES[case]
             if kw["experts"] == "auto":  # weighed with this run's figures, not a file of another machine's
                 kw = {**kw, "host_gemv_gbps": b.results.get("host_gemv_gbps"),
                       "link_gbps": b.results.get("link_pinned_gbps") if b.device.type == "cuda" else None}
             with switches(kw):
-                rows.append(measure(b, store, f"{shape} nf4", cap, min(batch, QUICK_BATCH) if b.quick else batch,
-                                    case, **kw))
+                rows.append(measure(b, store, label, cap, min(batch, QUICK_BATCH) if b.quick else batch, case, **kw))
     # the bytes fraction's denominator, same run
-    whole = [measure(b, store, f"{shape} nf4", cap, 1)] if "nocache" in chosen else []
+    whole = [measure(b, store, label, cap, 1)] if "nocache" in chosen else []
     for row in rows + whole:
         row["layers"] = layers
     free_gpu()
@@ -720,6 +720,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
+    p.add_argument("--experts-dtype", choices=["nf4", "int2"], default="nf4",
+                   help="routed parts: the store's format (`airquant synth --dtype`); int2 rows are labelled "
+                        "'<shape> int2' beside the nf4 rows the targets read")
     p.add_argument("--tiered", default=None, metavar="UVA_BENCH_JSON",
                    help="the tiered kernel's launch per projection from uva_bench.py's fastest configs for each "
                         "model (default: the code's); recorded in each row as 'tiered'")

@@ -138,9 +138,10 @@ def add_synth_parser(sub) -> None:
                    choices=["llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "mixtral-8x7b",
                             "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3"],
                    help="a published configuration (the last five are Mixture-of-Experts models)")
-    p.add_argument("--dtype", choices=["bfloat16", "nf4", "gptq"], default="bfloat16",
-                   help="layer weights: bf16, NF4 (experts NF4 one by one, lm_head NF4 in row chunks), or GPTQ "
-                        "4-bit g128 in the hub's packed layout (Llama shapes only; lm_head bf16)")
+    p.add_argument("--dtype", choices=["bfloat16", "nf4", "gptq", "int2"], default="bfloat16",
+                   help="layer weights: bf16, NF4 (experts NF4 one by one, lm_head NF4 in row chunks), GPTQ "
+                        "4-bit g128 in the hub's packed layout (Llama shapes only; lm_head bf16), or int2 "
+                        "(--quant int2's defaults: group 32, 3.5 %% fp16 outlier channels; lm_head bf16)")
     p.add_argument("--store", required=True)
     p.add_argument("--manifest-only", action="store_true",
                    help="write the manifest (exact byte counts) and config.json only: enough to plan")

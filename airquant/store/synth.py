@@ -43,13 +43,16 @@ from airquant.quant.rtn import RTNResult, gptq_tensors
 from airquant.store.files import refuse_links, replace_folder, write_atomic
 from airquant.store.head import head_chunk_rows, quantize_head
 from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
-from airquant.store.quantize import expert_params
+from airquant.store.quantize import expert_params, quant_record
 from airquant.store.split import check_disk, shard_file, write_shard
 
 log = logging.getLogger(__name__)
 
-SynthDType = Literal["bfloat16", "nf4", "gptq"]
+SynthDType = Literal["bfloat16", "nf4", "gptq", "int2"]
 NF4_META = {"scheme": "nf4", "blocksize": 64, "double_quant": False}
+# int2 (quant/int2.py) as `airquant shard --quant int2` writes it by default: groups of 32 input weights, 3.5 % of
+# the input channels kept as fp16 residuals (picked by column norm: a synthetic store has no calibration).
+INT2_SPEC = QuantSpec(method="int2")
 # The most common hub GPTQ layout: 4-bit, symmetric, group 128, no act-order, v1 ("gptq") zeros.
 GPTQ_META = {"scheme": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "zero_offset": 1}
 _PENDING_WRITES = 2  # shards serialized/hashed/written behind generation (bounds host memory)
@@ -264,11 +267,12 @@ class _Groups:
         return (torch.ones if t.fill == "ones" else torch.zeros)(t.shape, dtype=t.dtype, device=self.device)
 
     def _pack(self, w: torch.Tensor, transposed: bool | None) -> tuple[dict[str, torch.Tensor], dict]:
+        spec = INT2_SPEC if self.spec.dtype == "int2" else QuantSpec(method="nf4")
         if transposed is not None:
-            return quantize_experts(QuantSpec(method="nf4"), w, transposed=transposed)
+            return quantize_experts(spec, w, transposed=transposed)
         if self.spec.dtype == "gptq":
             return _gptq_pack(w), GPTQ_META
-        return quantize_linear(QuantSpec(method="nf4"), w)
+        return quantize_linear(spec, w)
 
     def make(self, index: int, group: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """(tensors on the CPU, modules meta) of one group, seeded by its index in the store."""
@@ -306,11 +310,14 @@ def _packed_metas(dtype: str, shape: tuple[int, ...], transposed: bool | None) -
     """The tensors (dtype, shape) and module meta that quantizing a weight of ``shape`` writes."""
     if transposed is None:
         out_f, in_f = shape
-        return (_gptq_metas(out_f, in_f), GPTQ_META) if dtype == "gptq" else (_nf4_metas(out_f, in_f), NF4_META)
+        if dtype == "gptq":
+            return _gptq_metas(out_f, in_f), GPTQ_META
+        return _int2_metas(out_f, in_f) if dtype == "int2" else (_nf4_metas(out_f, in_f), NF4_META)
     num, a, b = shape  # a fused expert parameter, quantized expert by expert as [out, in] and stacked
     out_f, in_f = (b, a) if transposed else (a, b)
-    part = {k: (d, (num, *s)) for k, (d, s) in _nf4_metas(out_f, in_f).items()}
-    return part, {**NF4_META, "experts": num, "shape": [out_f, in_f], "transposed": transposed}
+    one, meta = _int2_metas(out_f, in_f) if dtype == "int2" else (_nf4_metas(out_f, in_f), NF4_META)
+    part = {k: (d, (num, *s)) for k, (d, s) in one.items()}
+    return part, {**meta, "experts": num, "shape": [out_f, in_f], "transposed": transposed}
 
 
 @functools.lru_cache(maxsize=None)
@@ -319,6 +326,19 @@ def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         module = make_linear(NF4_META, inp, out, False, compute_dtype=torch.bfloat16)
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in module.state_dict().items()}
+
+
+def _int2_metas(out: int, inp: int) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict]:
+    """The tensors (dtype, shape) and module meta ``quantize_linear`` writes for an int2 [out, in] weight."""
+    from airquant.quant.int2 import check_shape, n_outlier_channels, outlier_cols
+
+    check_shape(inp, INT2_SPEC.group)
+    n_out = n_outlier_channels(inp, INT2_SPEC.outliers)
+    meta = {"scheme": "int2", "group": INT2_SPEC.group, "n_outliers": n_out, "codebook": "lloyd_max_gauss4",
+            "outlier_cols": outlier_cols(n_out)}
+    with torch.device("meta"):
+        module = make_linear(meta, inp, out, False, compute_dtype=torch.bfloat16)
+    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in module.state_dict().items()}, meta
 
 
 def _gptq_pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -386,7 +406,8 @@ def synth(spec: SynthSpec, store: str | Path, *, manifest_only: bool = False, de
     refuse_links(store)
     identity = {**spec.identity(), **({"manifest_only": True} if manifest_only else {})}
     quant = {"method": "nf4", "blocksize": 64, "double_quant": False, "head": spec.quant_head} \
-        if spec.dtype == "nf4" else {"method": "gptq", **GPTQ_META} if spec.dtype == "gptq" else {"method": "none"}
+        if spec.dtype == "nf4" else {"method": "gptq", **GPTQ_META} if spec.dtype == "gptq" else \
+        quant_record(INT2_SPEC) if spec.dtype == "int2" else {"method": "none"}
     old = _existing(store, identity, quant)
     tok = tokenizer or default_tokenizer()
     model = _Model(shape, tok.bos_token_id, tok.eos_token_id)

@@ -162,7 +162,7 @@ def _data_bytes(store: Path, entry, start: int, end: int) -> bytes:
 @pytest.mark.parametrize("shape, dtype", [
     ("mixtral-8x7b", "bfloat16"), pytest.param("mixtral-8x7b", "nf4", marks=needs_bnb),
     pytest.param("qwen3-30b-a3b", "nf4", marks=needs_bnb), pytest.param("gpt-oss-120b", "nf4", marks=needs_bnb),
-    ("deepseek-v3", "bfloat16"),
+    ("deepseek-v3", "bfloat16"), ("qwen3-30b-a3b", "int2"), ("gpt-oss-120b", "int2"),
 ])
 def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_tokenizer, shape, dtype):
     spec = SynthSpec(shape, dtype, layers=2, overrides=MOE_OVERRIDES[shape])
@@ -179,10 +179,13 @@ def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_t
     assert len(moe) == (1 if shape == "deepseek-v3" else 2)  # DeepSeek's first layer stays dense
     entry = moe[-1]
     assert (entry.experts["num"], entry.experts["top_k"], len(entry.experts["ranges"])) == (4, 2, 4)
-    if dtype == "nf4":
+    if dtype in ("nf4", "int2"):
         experts = {m: meta for m, meta in entry.modules.items() if "experts" in meta}
-        assert experts and all(m["scheme"] == "nf4" and m["experts"] == 4 for m in experts.values())
+        assert experts and all(m["scheme"] == dtype and m["experts"] == 4 for m in experts.values())
         assert all(m["transposed"] == (shape == "gpt-oss-120b") for m in experts.values())
+        if dtype == "int2":  # --quant int2's defaults: group 32, 3.5 % of the input channels in fp16
+            assert real.quant["method"] == "int2" and all(m["group"] == 32 and m["n_outliers"] == round(0.035 * k)
+                                                          for m, k in ((m, m["shape"][1]) for m in experts.values()))
     else:  # expert 1's first range holds exactly expert 1's slice of the first fused tensor in the file
         name = entry.experts["tensors"][0]
         tensor = load_file(tmp_path / "real" / entry.file)[name]
