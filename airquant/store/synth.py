@@ -39,6 +39,7 @@ from airquant.layout import MoEInfo, decoder_stack, expert_modules, find_layout,
 from airquant.models import default_gguf_path, group_order, require_gguf
 from airquant.quant import QuantSpec, make_linear, quantize_linear
 from airquant.quant.experts import quantize_experts
+from airquant.quant.int2 import check_shape, n_outlier_channels, outlier_cols
 from airquant.quant.rtn import RTNResult, gptq_tensors
 from airquant.store.files import refuse_links, replace_folder, write_atomic
 from airquant.store.head import head_chunk_rows, quantize_head
@@ -330,8 +331,6 @@ def _nf4_metas(out: int, inp: int) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _int2_metas(out: int, inp: int) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict]:
     """The tensors (dtype, shape) and module meta ``quantize_linear`` writes for an int2 [out, in] weight."""
-    from airquant.quant.int2 import check_shape, n_outlier_channels, outlier_cols
-
     check_shape(inp, INT2_SPEC.group)
     n_out = n_outlier_channels(inp, INT2_SPEC.outliers)
     meta = {"scheme": "int2", "group": INT2_SPEC.group, "n_outliers": n_out, "codebook": "lloyd_max_gauss4",
