@@ -55,9 +55,9 @@ DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
 # kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
 # ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
 GEMV_TOKENS = 4
-# NF4 experts computed by the fused kernels (``run_fused``: two launches a call, straight from the packed bytes:
-# a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its interpreter in
-# tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
+# NF4 and int2 experts computed by the fused kernels (``run_fused``: two launches a call, straight from the
+# packed bytes: a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its
+# interpreter in tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
 FUSED = True
 # Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
@@ -309,8 +309,8 @@ class FusedExperts:
         if self.scheme == "int2":
             from airquant.quant.kernels import int2_moe
 
-            return tuple(int2_moe.pool_operand_int2(pool, m.offsets, self.dtypes, m.n, m.k, self.group, m.n_out, m.cols,
-                                               m.bias) for m in (self.up, self.down))
+            return tuple(int2_moe.pool_operand_int2(pool, m.offsets, self.dtypes, m.n, m.k, self.group, m.n_out,
+                                                    m.cols, m.bias) for m in (self.up, self.down))
         from airquant.quant.kernels.nf4_moe import pool_operand
 
         return tuple(pool_operand(pool, m.offsets, self.dtypes, m.n, m.k, self.blocksize, self.double, m.bias)
