@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from airquant.quant.int2_levels import LLOYD_MAX_4
+from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
 
 BUFFERS = ("codes", "scales", "zeros", "outlier_weight", "outlier_idx")
 GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
@@ -29,10 +30,11 @@ OUTLIER_BLOCK = 64  # outlier channels a program adds per step
 
 
 @dataclass(frozen=True)
-class Operand:
-    """One ``[n, k]`` int2 matrix of every expert: per buffer of ``BUFFERS`` a base tensor and the elements from
-    one expert's copy to the next (no outliers: the codes, stride 0, never read), the group, the outlier count
-    and the stored outlier row width, and the experts' dense bias rows ``[experts, n]`` if any."""
+class Operand(Buffers):
+    """One ``[n, k]`` int2 matrix of every expert (``expert_operands.Buffers``: a base tensor and the elements
+    from one expert's copy to the next per buffer of ``BUFFERS``; no outliers: the codes, stride 0, never read;
+    the experts' dense bias rows ``[experts, n]`` if any), the group, the outlier count and the stored outlier
+    row width."""
 
     n: int
     k: int
@@ -43,43 +45,24 @@ class Operand:
     strides: tuple[int, ...]
     bias: torch.Tensor | None = None
 
-    def args(self) -> list:
-        out = []
-        for base, stride in zip(self.bases, self.strides):
-            out += [base, stride]
-        return out
 
-    def bias_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.index_select(0, ids.reshape(-1).long())
+def _used(names, n_out: int) -> set[str]:
+    """The buffers a matrix's kernel reads: the outlier ones only where it has outlier channels."""
+    return {name for name in names if n_out or not name.startswith("outlier")}
 
 
 def pool_operand_int2(pool: torch.Tensor, offsets: dict[str, int], dtypes: dict[str, torch.dtype], n: int, k: int,
-                 group: int, n_out: int, cols: int, bias: tuple[int, torch.dtype] | None = None) -> Operand:
+                      group: int, n_out: int, cols: int, bias: tuple[int, torch.dtype] | None = None) -> Operand:
     """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``."""
-    flat, slot_bytes = pool.reshape(-1), pool.shape[1]
-    bases, strides = [], []
-    for name in BUFFERS:
-        used = name in offsets and (n_out or not name.startswith("outlier"))
-        key = name if used else "codes"
-        dtype = dtypes[key]
-        bases.append(flat[offsets[key]:].view(dtype))
-        strides.append(slot_bytes // dtype.itemsize if used else 0)
-    rows = None
-    if bias is not None:
-        off, dtype = bias
-        rows = pool[:, off:off + n * dtype.itemsize].view(dtype)
-    return Operand(n, k, group, n_out, cols, tuple(bases), tuple(strides), rows)
+    bases, strides = in_slots(pool, offsets, dtypes, BUFFERS, _used(offsets, n_out), "codes")
+    return Operand(n, k, group, n_out, cols, bases, strides, slot_bias(pool, bias, n))
 
 
 def stacked_operand_int2(buffers: dict[str, torch.Tensor], n: int, k: int, group: int, n_out: int, cols: int,
-                    bias: torch.Tensor | None = None) -> Operand:
+                         bias: torch.Tensor | None = None) -> Operand:
     """A matrix whose buffers are stacked ``[E, ...]`` tensors (a quantized experts module's)."""
-    bases, strides = [], []
-    for name in BUFFERS:
-        t = buffers.get(name) if n_out or not name.startswith("outlier") else None
-        bases.append(buffers["codes"] if t is None else t)
-        strides.append(0 if t is None else t.stride(0))
-    return Operand(n, k, group, n_out, cols, tuple(bases), tuple(strides), bias)
+    bases, strides = stacked(buffers, BUFFERS, _used(buffers, n_out), "codes")
+    return Operand(n, k, group, n_out, cols, bases, strides, bias)
 
 
 @functools.cache

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
+
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
 BLOCK_M = 16  # rows of one expert a grouped block multiplies (tl.dot's smallest M)
@@ -40,10 +42,10 @@ GROUPED_STAGES = 2
 
 
 @dataclass(frozen=True)
-class Operand:
-    """One ``[n, k]`` NF4 matrix of every expert: per buffer of ``BUFFERS`` a base tensor and the elements from
-    one expert's copy to the next (absent double-quant buffers: the code book, stride 0, never read), and the
-    experts' dense bias rows ``[experts, n]`` if any."""
+class Operand(Buffers):
+    """One ``[n, k]`` NF4 matrix of every expert (``expert_operands.Buffers``: a base tensor and the elements
+    from one expert's copy to the next per buffer of ``BUFFERS``; absent double-quant buffers: the code book,
+    stride 0, never read; the experts' dense bias rows ``[experts, n]`` if any)."""
 
     n: int
     k: int
@@ -53,51 +55,19 @@ class Operand:
     strides: tuple[int, ...]
     bias: torch.Tensor | None = None
 
-    def args(self) -> list:
-        out = []
-        for base, stride in zip(self.bases, self.strides):
-            out += [base, stride]
-        return out
-
-    def bias_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.index_select(0, ids.reshape(-1).long())
-
 
 def pool_operand(pool: torch.Tensor, offsets: dict[str, int], dtypes: dict[str, torch.dtype], n: int, k: int,
                  blocksize: int, double: bool, bias: tuple[int, torch.dtype] | None = None) -> Operand:
-    """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``
-    (slot bytes and offsets multiples of 64, so every view is aligned)."""
-    flat, slot_bytes = pool.reshape(-1), pool.shape[1]
-    bases, strides = [], []
-    for name in BUFFERS:
-        if name not in offsets:
-            name = "quant_map"
-            stride = 0
-        else:
-            stride = None
-        dtype = dtypes[name]
-        bases.append(flat[offsets[name]:].view(dtype))
-        strides.append(slot_bytes // dtype.itemsize if stride is None else 0)
-    rows = None
-    if bias is not None:
-        off, dtype = bias
-        rows = pool[:, off:off + n * dtype.itemsize].view(dtype)
-    return Operand(n, k, blocksize, double, tuple(bases), tuple(strides), rows)
+    """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``."""
+    bases, strides = in_slots(pool, offsets, dtypes, BUFFERS, set(offsets), "quant_map")
+    return Operand(n, k, blocksize, double, bases, strides, slot_bias(pool, bias, n))
 
 
 def stacked_operand(buffers: dict[str, torch.Tensor], n: int, k: int, blocksize: int, double: bool,
                     bias: torch.Tensor | None = None) -> Operand:
     """A matrix whose buffers are stacked ``[E, ...]`` tensors (a quantized experts module's)."""
-    bases, strides = [], []
-    for name in BUFFERS:
-        t = buffers.get(name)
-        if t is None:
-            bases.append(buffers["quant_map"])
-            strides.append(0)
-        else:
-            bases.append(t)
-            strides.append(t.stride(0) if t.dim() else 0)
-    return Operand(n, k, blocksize, double, tuple(bases), tuple(strides), bias)
+    bases, strides = stacked(buffers, BUFFERS, set(buffers), "quant_map")
+    return Operand(n, k, blocksize, double, bases, strides, bias)
 
 
 @triton.jit
