@@ -114,3 +114,27 @@ def test_kernel_says_so_when_it_cannot_allocate_the_split_input():
     rows = torch.tensor([0, 1 << 40], dtype=torch.int64)  # x split: 2^40 x 128 fp32, 512 TiB
     table = torch.zeros((1, len(nf4_cpu.BUFFERS)), dtype=torch.int64)
     assert lib.nf4_experts(1, table.data_ptr(), rows.data_ptr(), None, 64, 128, 64, 1, None, None, 1) == -1
+
+
+@pytest.mark.parametrize("lanes, flags", [(8, ["-mno-avx512f"]), (16, [])])
+def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tmp_path):
+    """The kernel built for AVX2 (8 lanes: -mno-avx512f) and for AVX-512 where this CPU has it, each against the
+    float64 decode: shapes that take the wide path (k % 128 == 0, blocks of 64 or more), the narrow one (blocks
+    of 32, k = 64 or 192) and the generic one, 1 to 9 rows of x."""
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no gcc on PATH")
+    flags_line = nf4_cpu._cpu_flags()
+    if ("avx512f" if lanes == 16 else "avx2") not in flags_line.split():
+        pytest.skip(f"this CPU has no {'AVX-512' if lanes == 16 else 'AVX2'}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(nf4_cpu, "FLAGS", [*nf4_cpu.FLAGS, *flags])
+    nf4_cpu.library.cache_clear()
+    try:
+        assert nf4_cpu.library() is not None and nf4_cpu.library().nf4_lanes() == lanes
+        for n, k, bs, double, t in [(24, 256, 64, True, 1), (16, 512, 128, False, 4), (9, 384, 64, False, 9),
+                                    (8, 192, 32, True, 3), (5, 64, 64, False, 2), (3, 70, 64, True, 1)]:
+            bufs = nf4_cpu.random_nf4(n, k, bs, double, seed=k + t)
+            x = torch.randn(t, k)
+            _check(nf4_cpu.matmul(x, bufs, n, k, bs, double), _reference(x, bufs, n, k, bs, double))
+    finally:
+        nf4_cpu.library.cache_clear()

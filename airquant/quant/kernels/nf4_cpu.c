@@ -14,10 +14,11 @@
  * OpenMP threads; up to TOKENS (4) rows of x share one pass over a row of W (more go in further passes over the
  * row, which is in cache by then: the bytes are read from memory once).
  *
- * Wide path (AVX-512, k % 128 == 0, blocksize % 64 == 0: every expert shape of the MoE models served): 64 bytes a
- * step as 16 dwords, each nibble looked up by a shift and a permute, x laid out once per call to match
- * (``row_pass_wide``). One thread, 4096 x 4096 matrices, this file's machine (AMD EPYC, Zen 4): 8.2-8.4 GB/s of
- * packed bytes before, 9.2-10.0 GB/s after, against an 11-12 GB/s copy.
+ * Wide path (k % (8 x lanes) == 0, blocksize % 64 == 0: every expert shape of the MoE models served): 4 x lanes
+ * bytes a step as dwords, each nibble looked up by a shift and a permute, x laid out once per call to match
+ * (``row_pass_wide``). One thread, 4096 x 4096 matrices, this file's machine (AMD EPYC, Zen 4), packed bytes a
+ * second against an 11-13 GB/s copy: AVX-512 7.6-8.4 GB/s before, 9.0-10.0 after; AVX2 (-mno-avx512f) 4.6-4.8
+ * before, 5.9 after.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -81,6 +82,8 @@ typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSET1(s) _mm512_set1_ps(s)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 static inline float hsum(__m256 v) {
@@ -114,6 +117,8 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSET1(s) _mm256_set1_ps(s)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #endif
 
 #ifdef LANES
@@ -190,51 +195,75 @@ static inline float scale_of(const matrix *m, int64_t b, int dbl) {
     return block_scale(b, dbl, m->a32, m->codes, m->nested_absmax, m->nested_code, m->offset);
 }
 
-#if defined(__AVX512F__)
-/* Wide path (AVX-512, k % 128 == 0, blocksize % 64 == 0): 64 bytes of a row (128 elements) a step, loaded as
- * 16 dwords. vpermps reads only the low 4 bits of each index lane, so dword >> 4p looks up nibble p of every
- * lane with no widening and no mask: 8 permutes and 7 shifts for 128 elements, where the path above spends 8
- * permutes, 4 widening loads, 4 shifts and 4 masks. Lane i's nibble p is element 8i + (p even ? p + 1 : p - 1)
- * of the step, so x is laid out once per call to match (``wide_order``): x8[128 c + 16 p + i]. Lanes 0-7 hold
- * the step's first 64 elements, lanes 8-15 the next 64: one scale each (their blocks). */
-#define WIDE 128
+#ifdef LANES
+/* Wide path (k % WIDE == 0, blocksize % 64 == 0): 4 x LANES bytes of a row (WIDE elements) a step, loaded as
+ * LANES dwords. A permute reads only the low bits of each index lane, so dword >> 4p looks up nibble p of every
+ * lane with no widening load and no mask (AVX-512: one vpermps over the 16-entry book; AVX2: two 8-entry
+ * permutes, blended on the nibble's top bit moved to the sign by a left shift). Lane i's nibble p is element
+ * 8i + (p even ? p + 1 : p - 1) of the step, so x is laid out once per call to match (``wide_order``):
+ * x8[WIDE c + LANES p + i]. A step spans at most two blocks of 64: AVX-512's lanes 0-7 hold its first 64
+ * elements, lanes 8-15 the next 64, one scale each; AVX2's step is 64 elements, one block. */
+#define WIDE (8 * LANES)
 static inline int64_t wide_element(int p, int i) { return 2 * (4 * i + p / 2) + ((p & 1) ? 0 : 1); }
 
 static void wide_order(const float *x, int64_t rows, int64_t k, float *x8) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < k; c += WIDE)
             for (int p = 0; p < 8; p++)
-                for (int i = 0; i < 16; i++)
-                    x8[r * k + c + 16 * p + i] = x[r * k + c + wide_element(p, i)];
+                for (int i = 0; i < LANES; i++)
+                    x8[r * k + c + LANES * p + i] = x[r * k + c + wide_element(p, i)];
 }
 
+#if LANES == 16
+typedef __m512i ivec;
+static inline ivec wide_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline __attribute__((always_inline)) vec wide_lookup(ivec raw, const int p, book lut) {
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * p), lut.all);
+}
+static inline vec wide_scale(const matrix *m, int64_t at, int64_t bs, int dbl) {
+    return _mm512_mask_broadcastss_ps(_mm512_set1_ps(scale_of(m, at / bs, dbl)), 0xFF00,
+                                      _mm_set_ss(scale_of(m, (at + 64) / bs, dbl)));
+}
+#else
+typedef __m256i ivec;
+static inline ivec wide_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __attribute__((always_inline)) vec wide_lookup(ivec raw, const int p, book lut) {
+    const __m256i idx = _mm256_srli_epi32(raw, 4 * p);
+    const __m256 top = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 28 - 4 * p));  /* nibble bit 3 -> sign */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.low, idx), _mm256_permutevar8x32_ps(lut.high, idx), top);
+}
+static inline vec wide_scale(const matrix *m, int64_t at, int64_t bs, int dbl) {
+    return VSET1(scale_of(m, at / bs, dbl));
+}
+#endif
+
 static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *row, int64_t first, int64_t bs,
-        const matrix *m, int dbl, __m512 lut, int64_t k, const float *x8, int64_t t0, const int tn, float *res) {
-    __m512 total[TOKENS];
-    for (int u = 0; u < tn; u++) total[u] = _mm512_setzero_ps();
+        const matrix *m, int dbl, book lut, int64_t k, const float *x8, int64_t t0, const int tn, float *res) {
+    vec total[TOKENS];
+    for (int u = 0; u < tn; u++) total[u] = VZERO();
     for (int64_t c = 0; c < k; c += WIDE) {
-        const __m512i raw = _mm512_loadu_si512((const void *)(row + c / 2));
-        __m512 a[TOKENS], b[TOKENS];
+        const ivec raw = wide_load(row + c / 2);
+        vec a[TOKENS], b[TOKENS];
+        const vec v0 = wide_lookup(raw, 0, lut), v1 = wide_lookup(raw, 1, lut);
         for (int u = 0; u < tn; u++) {
             const float *xc = x8 + (t0 + u) * k + c;
-            a[u] = _mm512_mul_ps(_mm512_permutexvar_ps(raw, lut), _mm512_loadu_ps(xc));
-            b[u] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), lut), _mm512_loadu_ps(xc + 16));
+            a[u] = VMUL(v0, VLOAD(xc));
+            b[u] = VMUL(v1, VLOAD(xc + LANES));
         }
-#define NIB(p, acc) { const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * p), lut); \
-            for (int u = 0; u < tn; u++) acc[u] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x8 + (t0 + u) * k + c + 16 * p), acc[u]); }
+#define NIB(p, acc) { const vec v = wide_lookup(raw, p, lut); \
+            for (int u = 0; u < tn; u++) acc[u] = VFMA(v, VLOAD(x8 + (t0 + u) * k + c + LANES * p), acc[u]); }
         NIB(2, a) NIB(3, b) NIB(4, a) NIB(5, b) NIB(6, a) NIB(7, b)
 #undef NIB
-        const __m512 s = _mm512_mask_broadcastss_ps(_mm512_set1_ps(scale_of(m, (first + c) / bs, dbl)), 0xFF00,
-                                                    _mm_set_ss(scale_of(m, (first + c + 64) / bs, dbl)));
-        for (int u = 0; u < tn; u++) total[u] = _mm512_fmadd_ps(s, _mm512_add_ps(a[u], b[u]), total[u]);
+        const vec s = wide_scale(m, first + c, bs, dbl);
+        for (int u = 0; u < tn; u++) total[u] = VFMA(s, VADD(a[u], b[u]), total[u]);
     }
-    for (int u = 0; u < tn; u++) res[u] = _mm512_reduce_add_ps(total[u]);
+    for (int u = 0; u < tn; u++) res[u] = hsum(total[u]);
 }
 
 /* Rows r0..r1 of expert matrix ``m`` [n, k] for t rows of x laid out by ``wide_order``. */
 static void rows_wide(int64_t r0, int64_t r1, const matrix *m, int dbl, int64_t n, int64_t k, int64_t bs,
                       const float *x8, int64_t t, float *out) {
-    const __m512 lut = _mm512_loadu_ps(m->qm);
+    const book lut = load_book(m->qm);
     float res[TOKENS];
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t t0 = 0; t0 < t; t0 += TOKENS) {
@@ -289,7 +318,7 @@ int nf4_experts(int64_t u, const int64_t *ptrs, const int64_t *rows, const uint8
 #ifdef LANES
     fast = k % bs == 0 && bs % (2 * LANES) == 0;
 #ifdef WIDE
-    if (k % WIDE == 0 && k % bs == 0 && bs % (WIDE / 2) == 0) {
+    if (k % WIDE == 0 && k % bs == 0 && bs % 64 == 0) {
         xe = malloc(sizeof(float) * (size_t)(total * k + 1));
         if (xe == NULL)
             return -1;
