@@ -22,8 +22,7 @@ from airquant.engine import skeleton
 from airquant.engine.memory.placement import PlanError
 from airquant.engine.moe.host import HostExperts
 from airquant.engine.moe.layout import LayerExperts
-from airquant.engine.moe.sizing import (EAGER_LAYER_S, HOST_CALL_S, ExpertsError, Figures, choose_experts,
-                                       host_cost)
+from airquant.engine.moe.sizing import EAGER_LAYER_S, HOST_CALL_S, ExpertsError, Figures, choose_experts, host_cost
 from airquant.engine.runner import Engine, placement_for
 from airquant.models import resolve
 from airquant.quant import QuantSpec
