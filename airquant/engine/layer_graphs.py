@@ -67,6 +67,32 @@ def host_work(fn) -> bool:
     return True
 
 
+def eager_island(fn, *args):
+    """``fn(*args)`` (one tensor out), run eagerly between two graphs of a captured layer call: a part of the call
+    that reads on the host (the host expert path: ``engine/moe/host.py``). Outside a graph runner it is just
+    the call. At warm-up its syncs are not held against the layer; at capture the graph so far ends, ``fn`` runs,
+    and its result is the tensor the next graph reads; each replay runs ``fn`` again on the same arguments (the
+    previous graph's outputs, at fixed addresses) and copies its result there."""
+    recorder = getattr(_local, "recorder", None)
+    if recorder is None:
+        return fn(*args)
+    return recorder.eager(fn, args)
+
+
+class _recording:
+    """``_local.recorder`` (a warm-up's sync check or a capture's ``Recorder``) for one layer call."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __enter__(self):
+        self.saved = getattr(_local, "recorder", None)
+        _local.recorder = self.recorder
+
+    def __exit__(self, *exc):
+        _local.recorder = self.saved
+
+
 class _syncs_allowed:
     def __enter__(self):
         self.mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
@@ -148,6 +174,13 @@ class _SyncCheck:
 
     def island_end(self, *args) -> None:
         torch.cuda.set_sync_debug_mode("warn")
+
+    def eager(self, fn, args: tuple):
+        self.island_begin()
+        try:
+            return fn(*args)
+        finally:
+            self.island_end()
 
     def __enter__(self):
         self.caught = warnings.catch_warnings(record=True)
@@ -231,6 +264,10 @@ class _NoCheck:
     def island_end(self, *args) -> None:
         pass
 
+    @staticmethod
+    def eager(fn, args: tuple):
+        return fn(*args)
+
     def __enter__(self):
         return self
 
@@ -259,10 +296,23 @@ class _Island:
 
 
 @dataclass
+class _EagerIsland:
+    """An ``eager_island`` of a captured call: ``fn`` run again on the same arguments, its result copied into
+    ``out`` (the tensor the next graph reads)."""
+
+    fn: object
+    args: tuple
+    out: torch.Tensor
+
+    def run(self, kv) -> None:
+        self.out.copy_(self.fn(*self.args))
+
+
+@dataclass
 class _Entry:
-    graphs: list
+    graphs: list  # one more than the islands: graph, island, graph, ...
     twins: list  # per leaf of the call: its static twin, or None (not a tensor)
-    island: _Island | None
+    islands: list  # _Island (the cache update and attention) and _EagerIsland, in call order
     output: object
     work: list = field(default_factory=list)
 
@@ -274,8 +324,13 @@ class Recorder:
     def __init__(self, backend):
         self.backend = backend
         self.graphs: list = []
-        self.island: _Island | None = None
+        self.islands: list = []  # in call order; an _Island waits for its attention until island_end
         self.capturing = False
+
+    @property
+    def pending(self) -> bool:
+        """A cache update's island is waiting for its attention."""
+        return bool(self.islands) and isinstance(self.islands[-1], _Island) and self.islands[-1].attention is None
 
     def begin(self) -> None:
         self.graphs.append(self.backend.begin())
@@ -295,22 +350,34 @@ class Recorder:
                 pass
 
     def island_begin(self, key, value, layer_idx: int, args: tuple, kwargs: dict) -> None:
-        if self.island is not None or not self.capturing:
+        if any(isinstance(x, _Island) for x in self.islands) or not self.capturing:
             raise Unsupported("more than one cache update in a layer call")
         self.end()
-        self.island = _Island(layer_idx, key, value, args, kwargs)
+        self.islands.append(_Island(layer_idx, key, value, args, kwargs))
 
     def island_end(self, fn, module, query, key, value, rest: tuple, kwargs: dict, result) -> None:
         from airquant.kv.cache import context_of
 
-        island = self.island
+        island = self.islands[-1] if self.pending else None
         ctx = context_of(key)
-        if island is None or island.attention is not None or value is not island.value or ctx is None or \
+        if island is None or value is not island.value or ctx is None or \
                 getattr(ctx, "layer", None) != island.layer_idx or key.data_ptr() != island.key.data_ptr():
             raise Unsupported("the attention did not read what the cache update returned")
         island.attention = (fn, module, query, rest, kwargs)
         island.out = result[0]
         self.begin()
+
+    def eager(self, fn, args: tuple):
+        """``eager_island`` inside a capture: the graph so far ends, ``fn`` runs, the next graph starts."""
+        if not self.capturing or self.pending:
+            raise Unsupported("an eager island inside another island")
+        self.end()
+        out = fn(*args)
+        if not isinstance(out, torch.Tensor):
+            raise Unsupported(f"an eager island returned {type(out).__name__}, not one tensor")
+        self.islands.append(_EagerIsland(fn, args, out))
+        self.begin()
+        return out
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
@@ -414,7 +481,7 @@ class LayerGraphs:
             return call(*args, **kwargs)
         if key not in self._work:
             work: list = []
-            with self.backend.warmup() as check, _mode("warmup", work):
+            with self.backend.warmup() as check, _mode("warmup", work), _recording(check):
                 kv.recorder = check
                 try:
                     out = call(*args, **kwargs)
@@ -458,10 +525,10 @@ class LayerGraphs:
         recorder = Recorder(self.backend)
         kv.recorder = recorder
         try:
-            with _mode("runner"):
+            with _mode("runner"), _recording(recorder):
                 recorder.begin()
                 out = call(*c_args, **c_kwargs)
-                if recorder.island is not None and recorder.island.attention is None:
+                if recorder.pending:
                     raise Unsupported("the cache update was not followed by the attention")
                 recorder.end()
         except BaseException as err:  # noqa: BLE001 - any capture failure: the call runs eagerly instead
@@ -479,7 +546,7 @@ class LayerGraphs:
                 return call(*args, **kwargs)
         finally:
             kv.recorder = None
-        self._entries[key] = _Entry(recorder.graphs, twins, recorder.island, out, work)
+        self._entries[key] = _Entry(recorder.graphs, twins, recorder.islands, out, work)
         self.stats["captures"] += 1
         return out
 
@@ -489,9 +556,9 @@ class LayerGraphs:
         self._load(entry.twins, leaves, kv)
         replay = self.backend.replay
         replay(entry.graphs[0])
-        if entry.island is not None:
-            entry.island.run(kv)
-            replay(entry.graphs[1])
+        for island, graph in zip(entry.islands, entry.graphs[1:]):
+            island.run(kv)
+            replay(graph)
         self.stats["replays"] += 1
         return entry.output
 

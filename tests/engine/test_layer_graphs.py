@@ -1,5 +1,5 @@
-"""Layer graphs (engine/layer_graphs.py): streamed layers' decode calls captured in two graphs around the
-attention island and replayed.
+"""Layer graphs (engine/layer_graphs.py): streamed layers' decode calls captured in graphs around the attention
+island (and the host experts' island) and replayed.
 
 On the CPU the graphs are emulated (``EmulatedBackend``: the ops a capture saw, replayed on the same tensors, a
 host read inside a capture refused as CUDA refuses it), so the split, the keys by weight slot, the static twins
@@ -58,7 +58,7 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     assert torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["captures"] >= layers
     assert graphs.stats["replays"] >= layers * 4  # 8 steps: a warm-up and a capture per key, the rest replays
-    assert all(e.island is not None and len(e.graphs) == 2 for e in graphs._entries.values())
+    assert all(len(e.islands) == 1 and len(e.graphs) == 2 for e in graphs._entries.values())
 
 
 def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
@@ -121,6 +121,39 @@ def test_moe_layers_replay_exactly_as_eager(stores, model_type):
     engine.close()
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0
+
+
+def _host_experts_decode(store, graphed: bool):
+    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="cpu")
+    graphs = None
+    if graphed:
+        graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
+        skeleton.attach_graphs(engine.model, graphs)
+    got = _decode(engine, steps=8)
+    calls = engine.experts.stats["calls"]
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    return got, graphs, calls, layers
+
+
+@pytest.mark.parametrize("model_type, quantized", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
+def test_host_experts_run_between_the_graphs_exactly_as_eager(stores, tmp_path_factory, real_tokenizer, model_type,
+                                                             quantized):
+    """--experts cpu: the experts call reads its rows on the host, so it runs as an eager island between the
+    layer's graphs (it used to refuse the capture: the whole layer ran eagerly). Every entry has the attention
+    island and the experts island (three graphs); the tokens and logits equal the eager decode's. NF4: the host
+    kernel; fp32: transformers' grouped forward on host tensors."""
+    store = nf4_store(tmp_path_factory.mktemp(model_type), real_tokenizer, model_type,
+                      **GEMV_SHAPES.get(model_type, {})) if quantized else stores[model_type]
+    (want_tokens, want_logits), _, _, _ = _host_experts_decode(store, graphed=False)
+    (tokens, logits), graphs, calls, layers = _host_experts_decode(store, graphed=True)
+    assert tokens == want_tokens and torch.equal(logits, want_logits)
+    assert calls > 0 and graphs.stats["failed"] == 0 and graphs.stats["replays"] >= layers * 4, graphs.stats
+    assert all(len(e.islands) == 2 and len(e.graphs) == 3 for e in graphs._entries.values())
+
+
+def test_an_eager_island_outside_a_runner_is_the_call():
+    assert layer_graphs.eager_island(torch.add, torch.ones(2), 1).tolist() == [2.0, 2.0]
 
 
 def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
@@ -215,8 +248,8 @@ def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
                      **GEMV_SHAPES.get(model_type, {}))
 
 
-def _eager_then_graphed(monkeypatch, store, run):
-    opts = dict(device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+def _eager_then_graphed(monkeypatch, store, run, experts: str = "routed"):
+    opts = dict(device="cuda", dtype="bfloat16", experts=experts, resident_layers=0)
     engine = Engine.open(store, cuda_graphs=False, **opts)
     assert engine.graphs is None
     want = run(engine)
@@ -252,5 +285,20 @@ def test_cuda_batched_decode_passes_with_graphs_equal_eager(monkeypatch, tmp_pat
     store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
     (want_tokens, want_logits), (tokens, logits), stats, _ = _eager_then_graphed(monkeypatch, store, _batch)
     assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] > 0, stats
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_host_experts_between_graphs_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer):
+    """--experts cpu on CUDA (Qwen3-MoE NF4): the host experts' island between real graphs (its rows read on the
+    host, the sum copied back), the rest replayed; tokens and logits equal the eager decode's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    (want_tokens, want_logits), (tokens, logits), stats, layers = _eager_then_graphed(
+        monkeypatch, store, lambda engine: _decode(engine, steps=10), experts="cpu")
+    assert stats["experts"]["where"] == "host" and stats["experts"]["calls"] > 0, stats
+    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from airquant.engine import layer_graphs
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
 from airquant.engine.moe.pool import packed_into, packed_rows
@@ -82,7 +83,12 @@ class HostExperts:
         if len(args) != 3 or kwargs or args[1].is_floating_point():
             raise ExpertsError("--experts cpu needs an experts module called as (hidden, routing index, routing "
                                "weights); this model's is not (Llama 4's dispatched experts): use --experts routed.")
-        hidden, index, weights = args
+        # In a captured decode call this runs between two graphs (it reads the rows on the host): the layer's
+        # other parts replay from CUDA graphs.
+        return layer_graphs.eager_island(self._run, i, module, forward, *args)
+
+    def _run(self, i: int, module, forward, hidden: torch.Tensor, index: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         out = self._on_device(i, module, forward, hidden, index, weights)
         if out is not None:
