@@ -22,7 +22,7 @@ from airquant.engine import skeleton
 from airquant.engine.memory.placement import PlanError
 from airquant.engine.moe.host import HostExperts
 from airquant.engine.moe.layout import LayerExperts
-from airquant.engine.moe.sizing import EAGER_LAYER_S, HOST_CALL_S, ExpertsError, Figures, choose_experts, host_cost
+from airquant.engine.moe.sizing import HOST_CALL_S, ExpertsError, Figures, choose_experts, host_cost
 from airquant.engine.runner import Engine, placement_for
 from airquant.models import resolve
 from airquant.quant import QuantSpec
@@ -159,40 +159,6 @@ def test_more_rows_per_expert_cost_the_host_more():
     assert one.host_s == pytest.approx(one.experts * 2_430_000 / 60e9 + HOST_CALL_S)
     assert eight.rows > 1
     assert (eight.host_s - HOST_CALL_S) / eight.experts > (one.host_s - HOST_CALL_S) / one.experts
-
-
-def test_the_host_path_pays_for_the_layer_graphs_it_forfeits():
-    """Where the GPU path replays layer graphs, the host path's layers run eagerly: ``EAGER_LAYER_S`` more a
-    layer. A host that wins by less than that without graphs loses with them, and the arithmetic says why."""
-    manifest = _qwen3_30b_like()
-    entry = manifest.shards["layer.0"]
-    plain = host_cost(entry, 1, FAST_HOST)
-    graphs = host_cost(entry, 1, FAST_HOST, graphs=True)
-    assert graphs.host_s == pytest.approx(plain.host_s + EAGER_LAYER_S) and graphs.link_s == plain.link_s
-    assert "ms eager layer (no graphs)" in graphs.describe(FAST_HOST)
-    assert "eager" not in plain.describe(FAST_HOST)
-    # a link that loses to the host by half the eager cost: the host wins without graphs, the link with them
-    link_gbps = plain.experts * plain.expert_bytes / (plain.host_s + EAGER_LAYER_S / 2) / 1e9
-    close = Figures(host_gemv_gbps=FAST_HOST.host_gemv_gbps, link_gbps=link_gbps)
-    assert choose_experts("auto", manifest, True, 1, close).host
-    with_graphs = choose_experts("auto", manifest, True, 1, close, graphs=True)
-    assert with_graphs.routed and not with_graphs.host and "eager layer" in with_graphs.why
-
-
-def test_the_plan_weighs_the_graphs_only_where_they_would_run(mixtral):
-    """The planner adds the eager term on a CUDA run with --cuda-graphs, not with --no-cuda-graphs."""
-    layers = load_manifest(mixtral).layer_bytes
-    # the tiny store's experts are a few KB: a link so slow that the host wins by less than the eager term
-    entry = max((e for e in load_manifest(mixtral).shards.values() if e.is_layer and e.experts),
-                key=lambda e: e.bytes)
-    host_gbps = 100.0
-    plain = host_cost(entry, 1, Figures(host_gemv_gbps=host_gbps, link_gbps=1.0))
-    link_gbps = plain.experts * plain.expert_bytes / (plain.host_s + EAGER_LAYER_S / 2) / 1e9
-    figures = dict(max_ram_gb=1, host_gemv_gbps=host_gbps, link_gbps=link_gbps)
-    graphs = _plan(mixtral, **figures)
-    eager = _plan(mixtral, cuda_graphs=False, **figures)
-    assert not graphs.experts_host and "eager layer (no graphs)" in graphs.describe(layers)
-    assert eager.experts_host and "eager layer" not in eager.describe(layers)
 
 
 def _plan(store, **cfg):

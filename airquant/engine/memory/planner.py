@@ -361,14 +361,9 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
 
 def experts_choice(manifest: Manifest, wl: Workload, gpu: bool) -> expert_plan.ExpertsChoice:
     """``expert_plan.choose_experts`` at the workload's batch, with its figures (given, or airquant doctor's) where
-    there is a link to weigh the host against (a GPU), and whether the GPU path would replay layer graphs there
-    (``--cuda-graphs``, at most ``FUSED_TOKENS`` sequences: ``Engine.open`` sizes them so), which the host path
-    forfeits."""
-    from airquant.engine.moe.compute import FUSED_TOKENS
-
+    there is a link to weigh the host against (a GPU)."""
     figures = expert_plan.figures_for(wl.engine.host_gemv_gbps, wl.engine.link_gbps) if gpu else None
-    graphs = gpu and wl.engine.cuda_graphs and (wl.engine.batch_size or 1) <= FUSED_TOKENS
-    return expert_plan.choose_experts(wl.engine.experts, manifest, True, wl.engine.batch_size, figures, graphs)
+    return expert_plan.choose_experts(wl.engine.experts, manifest, True, wl.engine.batch_size, figures)
 
 
 def _host_tier_check(whole: StreamPlan, routed: dict[int, set[str]], choice: expert_plan.ExpertsChoice,

@@ -154,14 +154,6 @@ HOST_CALL_S = 3e-4
 # cache per row of W): 1536 x 2048 NF4 matrices on a 2-core EPYC VM took 0.53 ms at 1 row, 1.09 at 4, 2.30 at 8,
 # 3.21 at 16 (quant/kernels/nf4_cpu.c), ~0.4 of a row's time per extra row.
 HOST_ROW_COST = 0.4
-# What the host path forfeits on a CUDA run with layer graphs (--cuda-graphs, batch <= 8): its call reads the
-# rows on the host mid-layer, so its layers run eagerly where the GPU path replays each layer as two graphs. The
-# eager step's extra seconds a layer on the H200's host (moe_bench, direct reads, eager rows against graph rows
-# of the same store): Qwen3-30B-A3B 1.15 ms (hot set) and 2.2 ms (no cache), Mixtral 0.56 and 1.36 ms; the
-# host row there (cpu_bs1, wave3_moe12) took 0.226 s a step where its experts' bytes at the measured host GEMV
-# were ~0.036 s. The smallest measured figure, rounded: a layer class the graphs do not capture runs eagerly
-# either way, and for it this overstates the host's cost.
-EAGER_LAYER_S = 1e-3
 FIGURES_FILE = "figures.json"
 
 
@@ -225,7 +217,6 @@ class HostCost:
     rows: float  # rows each of them multiplies
     host_s: float
     link_s: float
-    eager_s: float = 0.0  # of host_s: the layer graphs the host path forfeits (EAGER_LAYER_S), or 0
 
     @property
     def host_wins(self) -> bool:
@@ -233,25 +224,22 @@ class HostCost:
 
     def describe(self, figures: Figures) -> str:
         moved = self.experts * self.expert_bytes / 1e6
-        eager = f" + {self.eager_s * 1e3:.3g} ms eager layer (no graphs)" if self.eager_s else ""
         return (f"host {moved:.3g} MB / {figures.host_gemv_gbps:.3g} GB/s x (1 + {HOST_ROW_COST} x "
-                f"({self.rows:.3g} - 1) rows) + {HOST_CALL_S * 1e3:.3g} ms{eager} = {self.host_s * 1e3:.3g} ms vs link "
+                f"({self.rows:.3g} - 1) rows) + {HOST_CALL_S * 1e3:.3g} ms = {self.host_s * 1e3:.3g} ms vs link "
                 f"{moved:.3g} MB / {figures.link_gbps:.3g} GB/s = {self.link_s * 1e3:.3g} ms a layer")
 
 
-def host_cost(entry: ShardEntry, batch: int, figures: Figures, graphs: bool = False) -> HostCost:
+def host_cost(entry: ShardEntry, batch: int, figures: Figures) -> HostCost:
     """The cost model of ``auto``'s host-or-link choice for one MoE layer at ``batch`` one-token sequences: the
     host reads each routed expert once for all its rows (bytes / host GEMV bandwidth, growing by ``HOST_ROW_COST``
-    per extra row) plus ``HOST_CALL_S``, plus ``EAGER_LAYER_S`` where the GPU path would replay layer graphs
-    (``graphs``); the link moves the same bytes (no VRAM cache hit assumed: a cache lowers the link's side). The
-    dense part and the attention run on the GPU either way."""
+    per extra row) plus ``HOST_CALL_S``; the link moves the same bytes (no VRAM cache hit assumed: a cache
+    lowers the link's side). The dense part and the attention run on the GPU either way."""
     num, top_k = entry.experts["num"], entry.experts["top_k"]
     experts = routed_share(top_k, num, batch) * num
     per = sum(end - start for ranges in entry.experts["ranges"] for start, end in ranges) / num
     rows = max(1.0, batch * min(top_k, num) / max(experts, 1e-9))
-    eager = EAGER_LAYER_S if graphs else 0.0
-    host = experts * per / (figures.host_gemv_gbps * GB) * (1 + HOST_ROW_COST * (rows - 1)) + HOST_CALL_S + eager
-    return HostCost(experts, per, rows, host, experts * per / (figures.link_gbps * GB), eager)
+    host = experts * per / (figures.host_gemv_gbps * GB) * (1 + HOST_ROW_COST * (rows - 1)) + HOST_CALL_S
+    return HostCost(experts, per, rows, host, experts * per / (figures.link_gbps * GB))
 
 
 def routed_share(top_k: int, num: int, batch: int) -> float:
@@ -262,13 +250,13 @@ def routed_share(top_k: int, num: int, batch: int) -> float:
 
 
 def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch: int | None = None,
-                   figures: Figures | None = None, graphs: bool = False) -> ExpertsChoice:
+                   figures: Figures | None = None) -> ExpertsChoice:
     """The one rule of how a streamed MoE store moves its experts (planner, ``Engine.open``, ``airquant plan``):
     ``whole`` moves whole layers; ``routed`` only the experts a call routes to (forced, whatever the batch);
     ``cpu`` computes the routed experts on the host (forced); ``auto`` routed while ``batch`` sequences route
     fewer than ``ROUTED_BELOW`` of a layer's experts a decode step (``batch`` None, not known: routed), and
     never for types in ``NOT_ROUTED``; routed ones on the host where ``figures`` say the host reads them faster
-    than the link moves them (``host_cost``; ``graphs``: the GPU path would replay layer graphs). The batch is the one the run is opened for: a decode loop whose
+    than the link moves them (``host_cost``). The batch is the one the run is opened for: a decode loop whose
     slots fill and drain keeps the mode chosen then."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     forced = mode in ("routed", "cpu")
@@ -292,7 +280,7 @@ def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch:
         raise ExpertsError(f"--experts cpu cannot run {model_type}: {not_host}; use --experts routed (or auto).")
     if mode == "cpu":
         return ExpertsChoice(True, "experts routed, computed on the host CPU (--experts cpu)"
-                             + _host_note(moe, batch or 1, figures, graphs), host=True)
+                             + _host_note(moe, batch or 1, figures), host=True)
     rule = f"auto streams routed below {ROUTED_BELOW * 100:.0f} %"
     if batch is None:
         return ExpertsChoice(True, f"experts routed: the batch is not known ({rule} of a layer's experts a step)")
@@ -311,16 +299,16 @@ def choose_experts(mode: ExpertsMode, manifest: Manifest, streamed: bool, batch:
     if figures is None:
         return ExpertsChoice(True, f"experts routed: {routes}; {rule}; host CPU not weighed (no measured host "
                                    "GEMV / link figures: run airquant doctor, or give --host-gemv-gbps and --link-gbps)")
-    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures, graphs)
+    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures)
     where = "on the host CPU" if cost.host_wins else "copied to the GPU"
     return ExpertsChoice(True, f"experts routed, {where}: {routes}; {rule}; {cost.describe(figures)} "
                                f"({figures.source})", host=cost.host_wins)
 
 
-def _host_note(moe: list[ShardEntry], batch: int, figures: Figures | None, graphs: bool) -> str:
+def _host_note(moe: list[ShardEntry], batch: int, figures: Figures | None) -> str:
     if figures is None:
         return ""
-    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures, graphs)
+    cost = host_cost(max(moe, key=lambda e: e.bytes), batch, figures)
     return f"; {cost.describe(figures)}" + ("" if cost.host_wins else ", so auto would copy them to the GPU")
 
 
