@@ -122,6 +122,22 @@ typedef __m256 vec;
 #endif
 
 #ifdef LANES
+/* Rows r0..r1 of W, each for the rows of x in groups of up to TOKENS from t0: PASS(c), c the group's size as a
+ * constant (so that the pass's accumulators stay in registers), leaves the group's sums in res; they go to out. */
+#define TOKEN_PASSES(PASS)                                                       \
+    for (int64_t r = r0; r < r1; r++) {                                          \
+        for (int64_t t0 = 0; t0 < t; t0 += TOKENS) {                             \
+            const int64_t tn = t - t0 < TOKENS ? t - t0 : TOKENS;                \
+            switch (tn) {                                                        \
+            case 1: PASS(1); break;                                              \
+            case 2: PASS(2); break;                                              \
+            case 3: PASS(3); break;                                              \
+            default: PASS(4); break;                                             \
+            }                                                                    \
+            for (int64_t u = 0; u < tn; u++) out[(t0 + u) * n + r] = res[u];     \
+        }                                                                        \
+    }
+
 /* One pass over row ``row`` of W for ``tn`` rows of x (xe/xo: their even and odd elements, [t, k/2], from
  * x row t0): a constant ``tn`` at each call site, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void row_pass(const uint8_t *row, int64_t first_block, int dbl,
@@ -155,21 +171,10 @@ static void rows_fast(int64_t r0, int64_t r1, const uint8_t *w, int dbl, const f
     const int64_t half = k / 2, hb = bs / 2, blocks = k / bs;
     const book lut = load_book(qm);
     float res[TOKENS];
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t t0 = 0; t0 < t; t0 += TOKENS) {
-            const int64_t tn = t - t0 < TOKENS ? t - t0 : TOKENS;
 #define PASS(c) row_pass(w + r * half, r * blocks, dbl, absmax, codes, nested_absmax, nested_code, offset, lut, \
                          half, hb, blocks, xe, xo, t0, c, res)
-            switch (tn) {
-            case 1: PASS(1); break;
-            case 2: PASS(2); break;
-            case 3: PASS(3); break;
-            default: PASS(4); break;
-            }
+    TOKEN_PASSES(PASS)
 #undef PASS
-            for (int64_t u = 0; u < tn; u++) out[(t0 + u) * n + r] = res[u];
-        }
-    }
 }
 #endif
 
@@ -265,20 +270,9 @@ static void rows_wide(int64_t r0, int64_t r1, const matrix *m, int dbl, int64_t 
                       const float *x8, int64_t t, float *out) {
     const book lut = load_book(m->qm);
     float res[TOKENS];
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t t0 = 0; t0 < t; t0 += TOKENS) {
-            const int64_t tn = t - t0 < TOKENS ? t - t0 : TOKENS;
 #define PASS(c) row_pass_wide(m->w + r * (k / 2), r * k, bs, m, dbl, lut, k, x8, t0, c, res)
-            switch (tn) {
-            case 1: PASS(1); break;
-            case 2: PASS(2); break;
-            case 3: PASS(3); break;
-            default: PASS(4); break;
-            }
+    TOKEN_PASSES(PASS)
 #undef PASS
-            for (int64_t u = 0; u < tn; u++) out[(t0 + u) * n + r] = res[u];
-        }
-    }
 }
 #endif
 
