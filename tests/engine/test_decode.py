@@ -178,6 +178,8 @@ def test_sampling_without_any_token_fails_that_sequence_only(engine, monkeypatch
     good = loop.submit(Request(ids, 5, ignore_eos=True))
     with pytest.raises(SamplingError, match="NaN or -inf"):
         sample(torch.full((4,), float("nan")), 1.0, 1.0, None)
+    with pytest.raises(SamplingError, match="NaN or -inf"):  # was: -inf made finite, then a uniform draw
+        sample(torch.tensor([float("-inf"), float("nan"), float("-inf")]), 1.0, 1.0, None)
     original = loop._sample
     monkeypatch.setattr(loop, "_sample", lambda seq, logits: original(seq, logits if seq is not bad else
                                                                       torch.full_like(logits, float("nan"))))

@@ -344,7 +344,7 @@ class DecodeLoop:
 
 def pick_greedy(logits: torch.Tensor) -> torch.Tensor:
     """Argmax per row ``[N, V] -> [N]``, a NaN never chosen (torch's argmax takes NaN as the largest)."""
-    return torch.nan_to_num(logits, nan=float("-inf")).argmax(-1)
+    return logits.masked_fill(logits.isnan(), float("-inf")).argmax(-1)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -354,7 +354,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     ``multinomial`` are finite and sum to 1 (the largest logit is subtracted before dividing by T, in
     float64); a row without any finite or +inf logit raises ``SamplingError`` (that sequence fails alone).
     """
-    logits = torch.nan_to_num(logits.detach().cpu().double(), nan=float("-inf"), posinf=float("inf"))
+    logits = logits.detach().cpu().double()
+    # NaN -> -inf, nothing else (nan_to_num also turned -inf into the lowest finite double: a row of -inf then
+    # sampled uniformly instead of failing)
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
     best = float(logits.max())
     if best == float("-inf"):
         raise SamplingError("every logit is NaN or -inf: the model produced no token to pick for this sequence.")
