@@ -182,7 +182,48 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
     rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
                        "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
     return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
+            **pass_breakdown(prof.profiler.kineto_results.events()),
             "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
+
+
+def pass_breakdown(events) -> dict:
+    """The last decode-loop pass of a trace (``events``: the profiler's kineto events), marked by
+    ``DecodeLoop.step`` (``PASS_MARK``). The pass ends in a device sync, so its device work lies inside its host
+    window. Returns its wall, the device's busy time in it (the union of kernels and copies: overlapping ones
+    count once), that busy time over the wall, and the busy time by kind (kernels, host-to-device copies, other
+    copies). A pass whose device is busy a small part of its wall waited for the host. {} without a pass."""
+    from airquant.engine.decode.loop import PASS_MARK
+
+    marks = [e for e in events if e.name() == PASS_MARK and e.device_type() == torch.autograd.DeviceType.CPU]
+    if not marks:
+        return {}
+    last = max(marks, key=lambda e: e.start_ns())
+    a, b = last.start_ns(), last.start_ns() + last.duration_ns()
+    spans: dict[str, list] = {"kernel": [], "memcpy_htod": [], "memcpy_other": []}
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU or e.is_user_annotation() or e.name() == PASS_MARK:
+            continue
+        s, f = max(e.start_ns(), a), min(e.start_ns() + e.duration_ns(), b)
+        if f > s:
+            name = e.name().lower()
+            kind = ("memcpy_htod" if "htod" in name else "memcpy_other") if "memcpy" in name else "kernel"
+            spans[kind].append((s, f))
+    busy = _union_ns([x for v in spans.values() for x in v])
+    return {"last_pass_wall_ms": (b - a) / 1e6, "last_pass_device_busy_ms": busy / 1e6,
+            "last_pass_busy_fraction": busy / (b - a) if b > a else None,
+            **{f"last_pass_{k}_ms": _union_ns(v) / 1e6 for k, v in spans.items()}}
+
+
+def _union_ns(spans: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for s, f in sorted(spans):
+        if end is None or s > end:
+            total += f - s
+            end = f
+        elif f > end:
+            total += f - end
+            end = f
+    return total
 
 
 def hf_decode_step(generate, ids: torch.Tensor, new: int, device: str) -> dict:

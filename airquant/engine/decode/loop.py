@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # Below this a temperature is greedy: logits / 1e-300 overflow to inf, and no sampling differs from argmax
 # there anyway (a gap of 1e-3 between the two best logits is already a 1 : e^-100 odds at 1e-5).
 GREEDY_BELOW = 1e-5
+# Each pass of ``step`` is marked under torch's profiler (a no-op without it): a trace then shows the passes,
+# and ``benchmarks/stream_bench.pass_breakdown`` reads the last one's wall against the device's busy time.
+PASS_MARK = "airquant.pass"
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -252,15 +255,16 @@ class DecodeLoop:
             if seq.cached + n >= seq.prompt_len:
                 emit.append((seq, len(ids) - 1))
         start = time.perf_counter()
-        logits = self._forward(ids, pos, segments, [i for _, i in emit])
-        for seq, n in plan:
-            self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
-            seq.cached += n
-        # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
-        greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
-        picked = dict(zip(greedy, pick_greedy(logits[greedy]).tolist())) if greedy else {}
-        events = [self._advance_alone(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
-        self.sync()
+        with torch.profiler.record_function(PASS_MARK):
+            logits = self._forward(ids, pos, segments, [i for _, i in emit])
+            for seq, n in plan:
+                self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
+                seq.cached += n
+            # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
+            greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
+            picked = dict(zip(greedy, pick_greedy(logits[greedy]).tolist())) if greedy else {}
+            events = [self._advance_alone(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
+            self.sync()
         took = time.perf_counter() - start
         self.stats.passes += 1
         self.stats.pass_s.append(took)
