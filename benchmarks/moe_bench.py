@@ -415,28 +415,62 @@ HOST_SECONDS = 2.0  # the host GEMV and copy measurements together (--quick: a t
 
 def part_host(b: Bench) -> None:
     """The host NF4 GEMV bandwidth at batch 1 (packed bytes read a second, over 64 MB of distinct matrices) and a
-    plain copy's on the same threads: the figures ``auto`` weighs against the link, and the kernel's efficiency."""
+    plain copy's on the same threads: the figures ``auto`` weighs against the link, and the kernel's efficiency.
+    Beside them (``details.host``): the same on one thread and on half the threads, and what the CPU is."""
     from airquant.quant.kernels import nf4_cpu
 
     seconds = HOST_SECONDS / 10 if b.quick else HOST_SECONDS
     bw = nf4_cpu.measure(seconds)
     b.results.update(host_gemv_gbps=bw.gemv_gbps, host_memcpy_gbps=bw.copy_gbps, host_gemv_over_memcpy=bw.efficiency)
-    # The same on one thread: whether the kernel is short of compute (one thread near the copy's pace, many
-    # threads scaling less than the copy does) or of memory (one thread far below it).
-    given = os.environ.get(nf4_cpu.THREADS_ENV)
-    os.environ[nf4_cpu.THREADS_ENV] = "1"
-    try:
+    # One thread: whether the kernel is short of compute (one thread near the copy's pace, many threads scaling
+    # less than the copy does) or of memory (one thread far below it). Half the threads: a GEMV as fast there as
+    # on all of them is bound per core (SMT siblings sharing a core's vector units, or all-core clocks).
+    with _host_threads(1):
         one = nf4_cpu.measure(seconds / 2)
-    finally:
-        if given is None:
-            os.environ.pop(nf4_cpu.THREADS_ENV)
-        else:
-            os.environ[nf4_cpu.THREADS_ENV] = given
+    with _host_threads(max(1, bw.threads // 2)):
+        half = nf4_cpu.measure(seconds / 2)
     b.results.setdefault("details", {})["host"] = {"kernel": bw.kernel, "threads": bw.threads,
                                                    "gemv_gbps_1_thread": one.gemv_gbps,
-                                                   "memcpy_gbps_1_thread": one.copy_gbps}
-    log.info("%s", bw.describe())
-    log.info("%s", one.describe())
+                                                   "memcpy_gbps_1_thread": one.copy_gbps,
+                                                   "half_threads": half.threads, "gemv_gbps_half_threads": half.gemv_gbps,
+                                                   "memcpy_gbps_half_threads": half.copy_gbps, **host_cpu()}
+    for m in (bw, one, half):
+        log.info("%s", m.describe())
+
+
+class _host_threads:
+    """``AIRQUANT_CPU_THREADS`` set to ``n`` for a measurement, then as it was."""
+
+    def __init__(self, n: int):
+        from airquant.quant.kernels import nf4_cpu
+
+        self.name, self.n = nf4_cpu.THREADS_ENV, n
+
+    def __enter__(self):
+        self.given = os.environ.get(self.name)
+        os.environ[self.name] = str(self.n)
+
+    def __exit__(self, *exc):
+        if self.given is None:
+            os.environ.pop(self.name)
+        else:
+            os.environ[self.name] = self.given
+
+
+def host_cpu() -> dict:
+    """What the host CPU is: its model, logical CPUs, physical cores (psutil) and the logical CPUs sharing cpu0's
+    core (its SMT siblings; a VM may hide them)."""
+    import psutil
+
+    info: dict = {"logical_cpus": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False)}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                                  if line.startswith("model name")), None)
+        info["cpu0_siblings"] = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        pass
+    return info
 
 
 def part_routed(b: Bench, name: str) -> None:

@@ -153,3 +153,15 @@ def test_auto_over_best_pairs_rows_of_one_run_only():
     assert "different runs" in why and "lfu_direct_r1: B" in why
     auto_over_best(r, rows({}))  # rows from before runs were stamped
     assert "qwen3_30b_nf4_bs1_auto_over_best" not in r and "unstamped" in r["auto_over_best_missing"]
+
+
+def test_the_host_part_records_the_cpu_and_its_thread_scaling(tmp_path):
+    """``--part host``: the GEMV and copy on all threads (the keys auto weighs), on one and on half of them, and
+    what the CPU is (whether a GEMV short of the copy is bound per core)."""
+    assert main(["--quick", "--part", "host", "--results", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "moe_bench.json").read_text())
+    host = out["details"]["host"]
+    assert out["host_gemv_gbps"] > 0 and out["host_memcpy_gbps"] > 0
+    assert host["gemv_gbps_1_thread"] > 0 and host["gemv_gbps_half_threads"] > 0
+    assert host["half_threads"] == max(1, host["threads"] // 2)
+    assert host["logical_cpus"] >= host["physical_cores"] >= 1 and "cpu_model" in host
