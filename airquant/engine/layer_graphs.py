@@ -5,10 +5,11 @@ Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the
 RMSNorm is 8 ops, bitsandbytes' Python wraps each 4-bit GEMV, rope, router). A graph replays a layer's
 launches in one call.
 
-How: a layer's call is captured as two graphs split around its attention (the *island*). The cache write and
-the attention (plain or TurboQuant, on the device or offloaded) read lengths and slots that change every pass,
-so they run eagerly between the graphs: ``SlotKV.update`` ends the first capture and ``ragged_attention``
-starts the second. Everything else of a decode call has static shapes for a given number of rows: norms,
+How: a layer's call is captured as graphs split around its eager *islands*. The cache write and the attention
+(plain or TurboQuant, on the device or offloaded) read lengths and slots that change every pass, so they run
+eagerly between two graphs: ``SlotKV.update`` ends the first capture and ``ragged_attention`` starts the
+second. A part that reads on the host (the host expert path) is another island (``eager_island``): a third
+graph follows it. Everything else of a decode call has static shapes for a given number of rows: norms,
 projections, rope, router, and the direct-read expert kernels (they find each expert through a table on the
 device). A graph reads fixed addresses, so it is keyed by the layer, the addresses of the weights the streamer
 fetched for it (its device slot) and the call's shapes. The layer is captured with static twins of the call's
