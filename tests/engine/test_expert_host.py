@@ -60,6 +60,28 @@ def test_host_experts_equal_the_whole_layer_path(tmp_path, real_tokenizer, model
         assert report["kernel_experts"] == report["experts"], report
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_one_token_decode_calls_equal_the_whole_layer_decode(tmp_path, real_tokenizer, model_type, monkeypatch):
+    """A batch-1 decode step's call (one token, its k experts distinct) skips the sort and the scatter back
+    (``HostExperts._one_token``; gpt-oss: with its experts' biases). The decode's tokens and every step's
+    logits equal the whole-layer decode's within fp32 rounding."""
+    from tests.engine.test_expert_gemv import _decode
+
+    store = _store(tmp_path, real_tokenizer, model_type, "nf4")
+    taken = []
+    real = HostExperts._one_token
+    monkeypatch.setattr(HostExperts, "_one_token", lambda self, *a: taken.append(1) or real(self, *a))
+    runs = {}
+    for mode in ("whole", "cpu"):
+        engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts=mode)
+        runs[mode] = _decode(engine, steps=6)
+        engine.close()
+    (want_tokens, want), (tokens, got) = runs["whole"], runs["cpu"]
+    assert taken  # the decode steps' calls took it
+    assert tokens == want_tokens
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 def _cpu_equals_whole(store):
     """Runs ``store`` with whole layers, then with ``--experts cpu`` (fp32, CPU): logits within fp32 rounding,
     greedy tokens equal. Returns the (closed) cpu engine and its experts' report."""

@@ -58,6 +58,7 @@ class HostExperts:
         self._specs: dict[int, expert_compute.FusedExperts | None] = {}
         # (layer, its host buffer's address) -> the layer's operands: made once, while the buffer holds the layer
         self._operands_of: dict[tuple[int, int], HostOperands] = {}
+        self._bytes_of: dict[int, list[int]] = {}  # layer -> its experts' stored bytes (``_sizes``)
         # experts: computed (per call, summed); kernel_experts: of them by the NF4 kernel (the rest: grouped)
         # host_s: whole calls; of it to_host_s (the rows' copy: waits for the GPU's work before it), kernel_s (the
         # NF4 kernel calls) and back_s (the sums' way back)
@@ -136,19 +137,28 @@ class HostExperts:
     def _compute(self, i: int, module, forward, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> torch.Tensor:
         layer, (src, arranged) = self.layers[i], self.host_image(i)
-        if int(ids.max()) >= len(layer.ranges):
-            raise ExpertsError(f"layer {i} routed a token to expert {int(ids.max())}, which holds no weights in the "
+        flat = ids.reshape(-1)  # [P = T * k]
+        pairs = flat.tolist()
+        if max(pairs) >= len(layer.ranges):
+            raise ExpertsError(f"layer {i} routed a token to expert {max(pairs)}, which holds no weights in the "
                                f"store ({len(layer.ranges)} stored: LongCat-Flash's zero-computation experts are "
                                "such ids); --experts cpu does not compute them: use --experts routed or whole.")
-        flat = ids.reshape(-1)  # [P = T * k]
+        spec = self._spec(i, module)
+        sizes = self._sizes(i)
+        self.stats["pairs"] += len(pairs)
+        if spec is not None and ids.shape[0] == 1 and len(set(pairs)) == len(pairs):
+            # One token (a batch-1 decode step), its k experts each once: the pairs are already one row an
+            # expert, in the order the sum below wants; no sort, no scatter back.
+            self.stats["experts"] += len(pairs)
+            self.stats["bytes_read"] += sum(sizes[e] for e in pairs)
+            return self._one_token(i, module, spec, src, arranged, x, flat, w)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        self.stats["experts"] += experts.numel()
-        self.stats["pairs"] += flat.numel()
-        self.stats["bytes_read"] += sum(layer.expert_bytes(e) for e in experts.tolist())
-        spec = self._spec(i, module)
+        routed = experts.tolist()
+        self.stats["experts"] += len(routed)
+        self.stats["bytes_read"] += sum(sizes[e] for e in routed)
         if spec is None:
-            return _grouped(module, forward, layer, x, ids, w, experts.tolist(), src, arranged)
+            return _grouped(module, forward, layer, x, ids, w, routed, src, arranged)
         self.stats["kernel_experts"] += experts.numel()
         ops, rows_of = self._operands(i, spec, src, arranged, experts)
         rows = torch.cat((counts.new_zeros(1), counts.cumsum(0)))  # [u + 1]: each expert's pairs
@@ -172,6 +182,37 @@ class HostExperts:
         out = torch.empty_like(y)
         out[order] = y * w.reshape(-1)[order].unsqueeze(-1)  # back to (token, slot) order
         return out.view(*ids.shape, -1).sum(dim=1)  # [T, H]: a token's k weighted rows summed
+
+    def _one_token(self, i: int, module, spec: expert_compute.FusedExperts, src: torch.Tensor | None, arranged,
+                   x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``_compute`` for one token whose ``k`` routed experts (``experts`` [k], in routing order) are distinct:
+        row j of each product is pair j's, so the k rows are weighted and summed as they come."""
+        self.stats["kernel_experts"] += experts.numel()
+        ops, rows_of = self._operands(i, spec, src, arranged, experts)
+        k = experts.numel()
+        rows = torch.arange(k + 1)  # one row an expert
+        kernel = time.perf_counter()
+        h = nf4_cpu.matmul_experts(x.expand(k, -1), ops.up, rows_of, rows, spec.up.n, spec.up.k, spec.blocksize,
+                                   spec.double)  # [k, N]
+        self.stats["kernel_s"] += time.perf_counter() - kernel
+        if ops.up_bias is not None:
+            h += ops.up_bias[rows_of]
+        h = expert_compute.activate(module, h, spec.gated)  # [k, I]
+        kernel = time.perf_counter()
+        y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
+                                   spec.double)  # [k, H]
+        self.stats["kernel_s"] += time.perf_counter() - kernel
+        if ops.down_bias is not None:
+            y += ops.down_bias[rows_of]
+        return (y * w.reshape(k, 1)).sum(dim=0, keepdim=True)  # [1, H]
+
+    def _sizes(self, i: int) -> list[int]:
+        """Layer i's experts' stored bytes, by expert (made once per layer)."""
+        sizes = self._bytes_of.get(i)
+        if sizes is None:
+            layer = self.layers[i]
+            sizes = self._bytes_of[i] = [layer.expert_bytes(e) for e in range(len(layer.ranges))]
+        return sizes
 
     def _operands(self, i: int, spec: expert_compute.FusedExperts, src: torch.Tensor | None, arranged,
                   experts: torch.Tensor) -> tuple["HostOperands", torch.Tensor]:
