@@ -181,15 +181,19 @@ def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows:
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     table = mats.ptrs.index_select(0, experts).contiguous()
     rows = rows.to(torch.int64).contiguous()
-    counts = rows[1:] - rows[:-1]
-    many = counts >= GEMM_ROWS  # [u]: experts whose rows go through a decode and a BLAS product
-    skip = many.to(torch.uint8).contiguous()
-    if not bool(many.all()):
-        ran = lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(), skip.data_ptr(), n, k, blocksize,
-                              int(double), x.data_ptr(), out.data_ptr(), threads())
+    if x.shape[0] < GEMM_ROWS:  # no expert can have GEMM_ROWS rows (a decode call): the kernel takes them all
+        many, skip = None, None
+    else:
+        counts = rows[1:] - rows[:-1]
+        many = counts >= GEMM_ROWS  # [u]: experts whose rows go through a decode and a BLAS product
+        skip = many.to(torch.uint8).contiguous()
+    if many is None or not bool(many.all()):
+        ran = lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(),
+                              skip.data_ptr() if skip is not None else None, n, k, blocksize, int(double),
+                              x.data_ptr(), out.data_ptr(), threads())
         if ran < 0:
             raise MemoryError(f"host NF4 kernel: no memory for the {x.shape[0]} x {k} rows of this call's input")
-    for j in torch.nonzero(many).flatten().tolist():
+    for j in torch.nonzero(many).flatten().tolist() if many is not None else ():
         _decoded_product(lib, table[j], x, out, int(rows[j]), int(rows[j + 1]), n, k, blocksize, double)
     return out
 
