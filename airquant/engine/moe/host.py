@@ -166,19 +166,7 @@ class HostExperts:
         # for a few elements on a busy 2-core host)
         pair_rows = rows_of[torch.searchsorted(experts, flat[order])] if ops.up_bias is not None or \
             ops.down_bias is not None else None
-        kernel = time.perf_counter()
-        h = nf4_cpu.matmul_experts(x[order // ids.shape[1]], ops.up, rows_of, rows, spec.up.n, spec.up.k,
-                                   spec.blocksize, spec.double)  # [P, N]
-        self.stats["kernel_s"] += time.perf_counter() - kernel
-        if ops.up_bias is not None:
-            h += ops.up_bias[pair_rows]
-        h = expert_compute.activate(module, h, spec.gated)  # [P, I]
-        kernel = time.perf_counter()
-        y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
-                                   spec.double)  # [P, H]
-        self.stats["kernel_s"] += time.perf_counter() - kernel
-        if ops.down_bias is not None:
-            y += ops.down_bias[pair_rows]
+        y = self._products(module, spec, ops, x[order // ids.shape[1]], rows_of, rows, pair_rows)  # [P, H]
         out = torch.empty_like(y)
         out[order] = y * w.reshape(-1)[order].unsqueeze(-1)  # back to (token, slot) order
         return out.view(*ids.shape, -1).sum(dim=1)  # [T, H]: a token's k weighted rows summed
@@ -190,21 +178,28 @@ class HostExperts:
         self.stats["kernel_experts"] += experts.numel()
         ops, rows_of = self._operands(i, spec, src, arranged, experts)
         k = experts.numel()
-        rows = torch.arange(k + 1)  # one row an expert
+        y = self._products(module, spec, ops, x.expand(k, -1), rows_of, torch.arange(k + 1), rows_of)  # [k, H]
+        return (y * w.reshape(k, 1)).sum(dim=0, keepdim=True)  # [1, H]
+
+    def _products(self, module, spec: expert_compute.FusedExperts, ops: "HostOperands", x: torch.Tensor,
+                  rows_of: torch.Tensor, rows: torch.Tensor, pair_rows: torch.Tensor | None) -> torch.Tensor:
+        """``[P, H]``: the P rows of ``x`` (grouped by expert: ``rows`` [u + 1] offsets, ``rows_of`` [u] each
+        group's expert row in ``ops``) through the (gate/)up matrix, the module's gating and the down matrix;
+        ``pair_rows`` [P]: each row's expert row, for the biases (None without biases)."""
         kernel = time.perf_counter()
-        h = nf4_cpu.matmul_experts(x.expand(k, -1), ops.up, rows_of, rows, spec.up.n, spec.up.k, spec.blocksize,
-                                   spec.double)  # [k, N]
+        h = nf4_cpu.matmul_experts(x, ops.up, rows_of, rows, spec.up.n, spec.up.k, spec.blocksize,
+                                   spec.double)  # [P, N]
         self.stats["kernel_s"] += time.perf_counter() - kernel
         if ops.up_bias is not None:
-            h += ops.up_bias[rows_of]
-        h = expert_compute.activate(module, h, spec.gated)  # [k, I]
+            h += ops.up_bias[pair_rows]
+        h = expert_compute.activate(module, h, spec.gated)  # [P, I]
         kernel = time.perf_counter()
         y = nf4_cpu.matmul_experts(h, ops.down, rows_of, rows, spec.down.n, spec.down.k, spec.blocksize,
-                                   spec.double)  # [k, H]
+                                   spec.double)  # [P, H]
         self.stats["kernel_s"] += time.perf_counter() - kernel
         if ops.down_bias is not None:
-            y += ops.down_bias[rows_of]
-        return (y * w.reshape(k, 1)).sum(dim=0, keepdim=True)  # [1, H]
+            y += ops.down_bias[pair_rows]
+        return y
 
     def _sizes(self, i: int) -> list[int]:
         """Layer i's experts' stored bytes, by expert (made once per layer)."""
