@@ -425,10 +425,8 @@ def part_host(b: Bench) -> None:
     # One thread: whether the kernel is short of compute (one thread near the copy's pace, many threads scaling
     # less than the copy does) or of memory (one thread far below it). Half the threads: a GEMV as fast there as
     # on all of them is bound per core (SMT siblings sharing a core's vector units, or all-core clocks).
-    with _host_threads(1):
-        one = nf4_cpu.measure(seconds / 2)
-    with _host_threads(max(1, bw.threads // 2)):
-        half = nf4_cpu.measure(seconds / 2)
+    one = nf4_cpu.measure(seconds / 2, n_threads=1)
+    half = nf4_cpu.measure(seconds / 2, n_threads=max(1, bw.threads // 2))
     b.results.setdefault("details", {})["host"] = {"kernel": bw.kernel, "threads": bw.threads,
                                                    "gemv_gbps_1_thread": one.gemv_gbps,
                                                    "memcpy_gbps_1_thread": one.copy_gbps,
@@ -436,25 +434,6 @@ def part_host(b: Bench) -> None:
                                                    "memcpy_gbps_half_threads": half.copy_gbps, **host_cpu()}
     for m in (bw, one, half):
         log.info("%s", m.describe())
-
-
-class _host_threads:
-    """``AIRQUANT_CPU_THREADS`` set to ``n`` for a measurement, then as it was."""
-
-    def __init__(self, n: int):
-        from airquant.quant.kernels import nf4_cpu
-
-        self.name, self.n = nf4_cpu.THREADS_ENV, n
-
-    def __enter__(self):
-        self.given = os.environ.get(self.name)
-        os.environ[self.name] = str(self.n)
-
-    def __exit__(self, *exc):
-        if self.given is None:
-            os.environ.pop(self.name)
-        else:
-            os.environ[self.name] = self.given
 
 
 def host_cpu() -> dict:

@@ -158,19 +158,22 @@ class Matrices:
 
 
 def matmul(x: torch.Tensor, bufs: dict[str, torch.Tensor], n: int, k: int, blocksize: int,
-           double: bool) -> torch.Tensor:
+           double: bool, n_threads: int | None = None) -> torch.Tensor:
     """``[T, n]`` fp32: ``x`` ``[T, k]`` times the NF4 matrix ``[n, k]`` (transposed) held by ``bufs``
     (``weight_packed``, ``absmax``, ``quant_map``; with double quant ``nested_absmax``, ``nested_quant_map``,
-    ``nested_offset``: host tensors, any alignment)."""
+    ``nested_offset``: host tensors, any alignment); on ``n_threads`` (None: ``threads()``)."""
     rows = torch.tensor([0, x.shape[0]], dtype=torch.int64)
-    return matmul_experts(x, Matrices.of([bufs]), torch.zeros(1, dtype=torch.int64), rows, n, k, blocksize, double)
+    return matmul_experts(x, Matrices.of([bufs]), torch.zeros(1, dtype=torch.int64), rows, n, k, blocksize, double,
+                          n_threads)
 
 
 def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows: torch.Tensor, n: int, k: int,
-                   blocksize: int, double: bool) -> torch.Tensor:
+                   blocksize: int, double: bool, n_threads: int | None = None) -> torch.Tensor:
     """``[R, n]`` fp32: rows ``rows[j] .. rows[j + 1]`` of ``x`` ``[R, k]`` times the matrix of ``mats``'s expert
-    ``experts[j]`` (``experts`` ``[u]``, ``rows`` ``[u + 1]`` int64): every expert of a call in one kernel call."""
+    ``experts[j]`` (``experts`` ``[u]``, ``rows`` ``[u + 1]`` int64): every expert of a call in one kernel call,
+    on ``n_threads`` (None: ``threads()``)."""
     x = x.to(torch.float32).contiguous()
+    n_threads = n_threads or threads()
     lib = library()
     if lib is None:
         out = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -190,23 +193,23 @@ def matmul_experts(x: torch.Tensor, mats: Matrices, experts: torch.Tensor, rows:
     if many is None or not bool(many.all()):
         ran = lib.nf4_experts(experts.numel(), table.data_ptr(), rows.data_ptr(),
                               skip.data_ptr() if skip is not None else None, n, k, blocksize, int(double),
-                              x.data_ptr(), out.data_ptr(), threads())
+                              x.data_ptr(), out.data_ptr(), n_threads)
         if ran < 0:
             raise MemoryError(f"host NF4 kernel: no memory for the {x.shape[0]} x {k} rows of this call's input")
     for j in torch.nonzero(many).flatten().tolist() if many is not None else ():
-        _decoded_product(lib, table[j], x, out, int(rows[j]), int(rows[j + 1]), n, k, blocksize, double)
+        _decoded_product(lib, table[j], x, out, int(rows[j]), int(rows[j + 1]), n, k, blocksize, double, n_threads)
     return out
 
 
 def _decoded_product(lib, ptrs: torch.Tensor, x: torch.Tensor, out: torch.Tensor, a: int, b: int, n: int, k: int,
-                     blocksize: int, double: bool) -> None:
+                     blocksize: int, double: bool, n_threads: int) -> None:
     """``out[a:b] = x[a:b] @ W'`` for one expert (``ptrs``: its row of the pointer table), W decoded by the C
     kernel ``DECODE_BYTES`` of fp32 at a time and multiplied by torch's BLAS."""
     step = max(1, min(n, DECODE_BYTES // (4 * k)))
     w = torch.empty((step, k), dtype=torch.float32)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        lib.nf4_decode(ptrs.data_ptr(), r0, r1, k, blocksize, int(double), w.data_ptr(), threads())
+        lib.nf4_decode(ptrs.data_ptr(), r0, r1, k, blocksize, int(double), w.data_ptr(), n_threads)
         if r0 == 0 and r1 == n:
             torch.mm(x[a:b], w.t(), out=out[a:b])
         else:
@@ -265,9 +268,11 @@ def random_nf4(n: int, k: int, blocksize: int = 64, double: bool = True, seed: i
     return bufs
 
 
-def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096) -> HostBandwidth:
+def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096, n_threads: int | None = None) -> HostBandwidth:
     """``HostBandwidth`` in about ``seconds``: batch-1 products over enough distinct matrices (64 MB of packed
-    bytes) that the caches do not hold them, and copies of as many bytes."""
+    bytes) that the caches do not hold them, and copies of as many bytes; on ``n_threads`` (None: ``threads()``,
+    what the host path runs on)."""
+    n_threads = n_threads or threads()
     copies = max(1, (64 << 20) // (n * k // 2))
     # The bytes' values do not change the kernel's pace (every nibble and code indexes its table): one fill, and
     # the tables of one random matrix shared by all.
@@ -278,16 +283,16 @@ def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096) -> HostBandwidth
              "nested_absmax": torch.ones(-(-blocks // 256))} for _ in range(copies)]
     x = torch.randn(1, k)
     per = mats[0]["weight_packed"].numel() + mats[0]["absmax"].numel()
-    gemv = _rate([lambda m=m: matmul(x, m, n, k, 64, True) for m in mats], per, seconds / 2)
+    gemv = _rate([lambda m=m: matmul(x, m, n, k, 64, True, n_threads) for m in mats], per, seconds / 2)
     src = torch.randint(0, 256, (per * copies,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     lib = library()
     if lib is not None:
-        copy = _rate([lambda: lib.host_copy(dst.data_ptr(), src.data_ptr(), src.numel(), threads())], src.numel(),
+        copy = _rate([lambda: lib.host_copy(dst.data_ptr(), src.data_ptr(), src.numel(), n_threads)], src.numel(),
                      seconds / 2)
     else:
         copy = _rate([lambda: dst.copy_(src)], src.numel(), seconds / 2)
-    return HostBandwidth(gemv / GB, copy / GB, host_kernel(), threads())
+    return HostBandwidth(gemv / GB, copy / GB, host_kernel(), n_threads)
 
 
 def _rate(calls: list, nbytes: int, seconds: float) -> float:
