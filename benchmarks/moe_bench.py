@@ -54,6 +54,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
 from airquant.engine.moe import direct as direct_mod  # noqa: E402
@@ -149,7 +150,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
-                   direct=experts_mod.DIRECT)
+                   direct=experts_mod.DIRECT, static_passes=slots_mod.STATIC_PASSES)
     for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
         kw.pop(name, None)
     kw.setdefault("experts", "whole")
@@ -334,6 +335,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
                                      cuda_graphs=False)),
     "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, cuda_graphs=False)),
     "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, cuda_graphs=False)),
+    # The layer graphs with the cache write and attention as an eager island between two graphs (the path before
+    # static passes, engine/decode/slots.py STATIC_PASSES): what capturing the attention gains.
+    "nocache_direct_island": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                      static=False)),
+    "lfu_direct_r1_island": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, static=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -400,13 +406,14 @@ def measure_max_batch(b: Bench, store: Path, model: str, cap: float, case: str) 
 GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
                         "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1",
-                        "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager", *HOST_CASES),
+                        "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager",
+                        "nocache_direct_island", "lfu_direct_r1_island", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
-                         "nocache_direct_eager", "lfu_direct_r1_eager"),
+                         "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
-            "refresh": (direct_mod, "REFRESH_PASSES")}
+            "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -5,14 +5,19 @@ Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the
 RMSNorm is 8 ops, bitsandbytes' Python wraps each 4-bit GEMV, rope, router). A graph replays a layer's
 launches in one call.
 
-How: a layer's call is captured as graphs split around its eager *islands*. The cache write and the attention
-(plain or TurboQuant, on the device or offloaded) read lengths and slots that change every pass, so they run
-eagerly between two graphs: ``SlotKV.update`` ends the first capture and ``ragged_attention`` starts the
-second. A part that reads on the host (the host expert path) is another island (``eager_island``): a third
-graph follows it. Everything else of a decode call has static shapes for a given number of rows: norms,
-projections, rope, router, and the direct-read expert kernels (they find each expert through a table on the
-device). A graph reads fixed addresses, so it is keyed by the layer, the addresses of the weights the streamer
-fetched for it (its device slot) and the call's shapes. The layer is captured with static twins of the call's
+How: a layer's call is captured as graphs split around its eager *islands*. The plain cache's write and
+attention on the device are captured too: the runner marks the cache (``SlotKV.graph_rows``), whose decode
+passes then keep their slots, positions and lengths in one device tensor at a fixed address and attend over a
+bucketed span (``SlotKV`` static passes); the layer's key then holds the cache buffers' addresses and the
+bucket, so a layer is one graph. Where the write and the attention read lengths and slots on the host
+(TurboQuant arenas, offloaded layers) they run eagerly between two graphs: ``SlotKV.update`` ends the first
+capture and ``ragged_attention`` starts the second. A part that reads on the host (the host expert path) is
+another island (``eager_island``): a graph follows it. Everything else of a decode call has static shapes for
+a given number of rows: norms, projections, rope, router, and the direct-read expert kernels (they find each
+expert through a table on the device). A graph reads fixed addresses, so it is keyed by the layer, the
+addresses of the weights the streamer fetched for it (its device slot), the cache's (static layers) and the
+call's shapes. A new cache (the next loop) has new buffers: its static layers are captured again, and the
+graphs of the previous cache are dropped. The layer is captured with static twins of the call's
 tensors, shared by every layer: before a replay, a tensor is copied into its twin unless that twin got the same
 tensor earlier in the same pass (the rope tables passed to every layer of a pass are copied once).
 
@@ -176,6 +181,9 @@ class _SyncCheck:
     def island_end(self, *args) -> None:
         torch.cuda.set_sync_debug_mode("warn")
 
+    def static_update(self, key) -> None:
+        pass  # a static write and attention are part of the graph: their syncs count
+
     def eager(self, fn, args: tuple):
         self.island_begin()
         try:
@@ -265,6 +273,9 @@ class _NoCheck:
     def island_end(self, *args) -> None:
         pass
 
+    def static_update(self, key) -> None:
+        pass
+
     @staticmethod
     def eager(fn, args: tuple):
         return fn(*args)
@@ -322,11 +333,13 @@ class Recorder:
     """Set on the cache (``SlotKV.recorder``) while a layer call is captured: the cache update ends the first
     graph and the attention's return starts the second."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, static=None):
         self.backend = backend
         self.graphs: list = []
         self.islands: list = []  # in call order; an _Island waits for its attention until island_end
         self.capturing = False
+        self.static = static  # the key's ``SlotKV.static_key``: a static cache update must match it
+        self.updates = 0
 
     @property
     def pending(self) -> bool:
@@ -350,8 +363,17 @@ class Recorder:
             except Exception:  # noqa: BLE001 - the capture is already invalid; its error was raised
                 pass
 
+    def static_update(self, key) -> None:
+        """A static cache update: captured with the rest, on the buffers the call's key names."""
+        self.updates += 1
+        if self.updates > 1 or not self.capturing or self.pending:
+            raise Unsupported("more than one cache update in a layer call")
+        if key is None or key != self.static:
+            raise Unsupported("the cache update's buffers are not those of the call's key")
+
     def island_begin(self, key, value, layer_idx: int, args: tuple, kwargs: dict) -> None:
-        if any(isinstance(x, _Island) for x in self.islands) or not self.capturing:
+        self.updates += 1
+        if self.updates > 1 or not self.capturing:
             raise Unsupported("more than one cache update in a layer call")
         self.end()
         self.islands.append(_Island(layer_idx, key, value, args, kwargs))
@@ -434,6 +456,9 @@ class LayerGraphs:
         # one pass only
         self._held: dict[int, tuple] = {}
         self._keys: dict[int, set] = {}  # layer -> the keys it was called with
+        # keys of static layers -> their cache (weakly): when another cache comes, they are dropped
+        self._owner: dict[tuple, weakref.ref] = {}
+        self._kv: weakref.ref | None = None  # the cache of the last call
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
 
     @classmethod
@@ -452,9 +477,13 @@ class LayerGraphs:
             return call(*args, **kwargs)
         leaves, spec = flat
         kv = next((x for x in leaves if isinstance(x, SlotKV)), None)
-        if kv is None or kv.prefix or not 0 < len(kv.segments) <= self.max_rows or \
-                any(s.n != 1 for s in kv.segments) or type(layer).__name__ not in CAPTURED_LAYERS:
+        if kv is None or type(layer).__name__ not in CAPTURED_LAYERS:
             return call(*args, **kwargs)
+        kv.graph_rows = self.max_rows  # its next decode passes are static (SlotKV.begin)
+        if kv.prefix or not 0 < len(kv.segments) <= self.max_rows or any(s.n != 1 for s in kv.segments):
+            return call(*args, **kwargs)
+        if self._kv is None or self._kv() is not kv:
+            self._new_cache(kv)
         sig = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
@@ -465,7 +494,10 @@ class LayerGraphs:
                 sig.append(SlotKV)
             else:
                 return call(*args, **kwargs)
-        key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()))
+        static = kv.static_key(index)
+        key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()), static)
+        if static is not None and key not in self._owner:
+            self._owner[key] = weakref.ref(kv)
         entry = self._entries.get(key)
         if entry is not None:
             return self._replay(entry, leaves, kv)
@@ -499,6 +531,18 @@ class LayerGraphs:
             return out
         return self._capture(key, call, leaves, spec, kv)
 
+    def _new_cache(self, kv) -> None:
+        """Another cache's calls from now on: the static layers' keys of the others go (their graphs read
+        those caches' buffers)."""
+        self._kv = weakref.ref(kv)
+        for key in [k for k, owner in self._owner.items() if owner() is not kv]:
+            del self._owner[key]
+            self._entries.pop(key, None)
+            self._work.pop(key, None)
+            self._eager.discard(key)
+            self._synced.pop(key, None)
+            self._keys.get(key[0], set()).discard(key)
+
     def _twin(self, position: int, x: torch.Tensor) -> torch.Tensor:
         slot = (position, tuple(x.shape), x.dtype, x.device)
         twin = self._twins.get(slot)
@@ -523,7 +567,7 @@ class LayerGraphs:
         work = self._work.pop(key)
         for fn in work:
             fn()
-        recorder = Recorder(self.backend)
+        recorder = Recorder(self.backend, key[-1])
         kv.recorder = recorder
         try:
             with _mode("runner"), _recording(recorder):
@@ -572,3 +616,5 @@ class LayerGraphs:
         self._keys.clear()
         self._twins.clear()
         self._held.clear()
+        self._owner.clear()
+        self._kv = None

@@ -1,10 +1,12 @@
-"""Layer graphs (engine/layer_graphs.py): streamed layers' decode calls captured in graphs around the attention
-island (and the host experts' island) and replayed.
+"""Layer graphs (engine/layer_graphs.py): streamed layers' decode calls captured in graphs (with the plain cache's
+static write and attention, or around the attention island) and replayed.
 
 On the CPU the graphs are emulated (``EmulatedBackend``: the ops a capture saw, replayed on the same tensors, a
-host read inside a capture refused as CUDA refuses it), so the split, the keys by weight slot, the static twins
-and the island replay are checked against the eager decode in fp32, where they must agree exactly. On CUDA the
-real graphs against the eager path, with direct expert reads (GPU tests)."""
+host read inside a capture refused as CUDA refuses it), so the split, the keys by weight slot and cache buffers,
+the static twins and the island replay are checked in fp32 against the same decode run eagerly (``_static_eager``:
+the cache's passes static as under graphs, nothing captured), where they must agree exactly; the static passes
+against the plain cache's eager decode within fp32 rounding (another attention: masked, over a bucketed span).
+On CUDA the real graphs against the eager path, with direct expert reads (GPU tests)."""
 
 from __future__ import annotations
 
@@ -36,20 +38,34 @@ def stores(tmp_path_factory, real_tokenizer):
             for t in ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss")}
 
 
-def _graphed(store) -> tuple[Engine, layer_graphs.LayerGraphs]:
-    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="whole")
+def _graphed(store, **opts) -> tuple[Engine, layer_graphs.LayerGraphs]:
+    opts = {"experts": "whole", **opts}
+    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, **opts)
     graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
     return engine, graphs
 
 
+def _static_eager(store, run, **opts):
+    """``run(engine)`` with the graph runner attached but no key ever captured: the cache's decode passes are
+    static as under graphs and every call runs eagerly, the decode a replay must equal exactly."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(layer_graphs, "KEYS_PER_LAYER", 0)
+        engine, graphs = _graphed(store, **opts)
+        try:
+            got = run(engine)
+        finally:
+            engine.close()
+    assert graphs.stats["captures"] == 0 and graphs.stats["eager"] > 0
+    return got
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2", "mistral"])
 def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     """Every layer is warmed up, captured, then replayed (its twins refreshed each pass, its cache write and
-    attention run between its graphs): the greedy tokens and every step's logits equal the eager decode's."""
-    engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0)
-    want_tokens, want_logits = _decode(engine, steps=8)
-    engine.close()
+    attention in its one graph, reading the pass's slots and lengths from the cache's static tensor): the
+    greedy tokens and every step's logits equal the same decode run eagerly."""
+    want_tokens, want_logits = _static_eager(stores[model_type], lambda e: _decode(e, steps=8))
     engine, graphs = _graphed(stores[model_type])
     tokens, logits = _decode(engine, steps=8)
     layers = len(skeleton.decoder_layers(engine.model))
@@ -58,7 +74,45 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     assert torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["captures"] >= layers
     assert graphs.stats["replays"] >= layers * 4  # 8 steps: a warm-up and a capture per key, the rest replays
-    assert all(len(e.islands) == 1 and len(e.graphs) == 2 for e in graphs._entries.values())
+    assert all(not e.islands and len(e.graphs) == 1 and key[-1] is not None for key, e in graphs._entries.items())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss"])
+def test_static_passes_decode_as_the_plain_cache(stores, model_type):
+    """The static passes (slots and lengths in a device tensor, a mask over a bucketed span) attend to what the
+    plain cache's passes attend to: the same greedy tokens, logits within fp32 rounding; batch 1 and passes of
+    3, 2 and 1 rows; gpt-oss with its sinks and sliding layers."""
+    for run in (lambda e: _decode(e, steps=8), _batch):
+        engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
+        want_tokens, want_logits = run(engine)
+        engine.close()
+        tokens, logits = _static_eager(stores[model_type], run)
+        assert tokens == want_tokens
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_static_span_buckets():
+    from airquant.engine.decode.slots import static_span
+
+    assert [static_span(n, 1 << 20) for n in (1, 256, 257, 1024, 1025, 2049, 5000)] == \
+        [256, 256, 512, 1024, 1280, 2560, 5120]
+    assert static_span(300, 300) == 300  # never past the buffers
+
+
+def test_a_new_bucket_is_captured_again(stores, monkeypatch):
+    """A decode crossing a bucket (here every 4 columns) attends over more columns: each layer gets a key per
+    bucket, each captured and replayed, and the decode equals the same decode run eagerly."""
+    from airquant.engine.decode import slots
+
+    monkeypatch.setattr(slots, "STATIC_STEP", 4)
+    want = _static_eager(stores["qwen3"], lambda e: _decode(e, steps=12))
+    engine, graphs = _graphed(stores["qwen3"])
+    tokens, logits = _decode(engine, steps=12)
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    spans = {key[-1][0] for key in graphs._entries}
+    assert len(spans) >= 3 and len(graphs._entries) == layers * len(spans) and graphs.stats["failed"] == 0
 
 
 def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
@@ -83,9 +137,7 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     from airquant.kv.config import KVConfig
 
     config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4) if kv == "tq" else None
-    engine = Engine.open(stores["qwen3"], device="cpu", dtype="float32", resident_layers=0)
-    want_tokens, want_logits = _batch(engine, config)
-    engine.close()
+    want_tokens, want_logits = _static_eager(stores["qwen3"], lambda e: _batch(e, config))
     engine, graphs = _graphed(stores["qwen3"])
     tokens, logits = _batch(engine, config)
     rows = {key[2][0][0][1] for key in graphs._entries}  # the hidden states' [1, T, H]: T per key
@@ -93,29 +145,39 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0 and rows == {1, 2, 3}
+    # the TurboQuant arena is written and read on the host: its write and attention stay an island
+    assert all((len(e.islands), key[-1] is None) == ((1, True) if kv == "tq" else (0, False))
+               for key, e in graphs._entries.items())
 
 
-def test_a_second_request_replays_the_same_graphs(stores):
-    """Graphs read no cache buffer (the island gets the pass's cache): a new request, with a new cache, replays
-    the graphs captured for the first one and decodes as eager does."""
-    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
-    want = _decode(engine, steps=4)
-    engine.close()
+def test_a_second_request_captures_its_own_cache(stores):
+    """A static layer's graph reads its cache's buffers: a new request (a new cache) has its layers captured
+    again, the first cache's graphs are dropped (not kept, nor counted against a layer's keys), and it decodes
+    as the same decode run eagerly. An offloaded cache's layers keep the island, whose graphs any cache
+    replays."""
+    want = _static_eager(stores["llama"], lambda e: _decode(e, steps=4))
     engine, graphs = _graphed(stores["llama"])
+    layers = len(skeleton.decoder_layers(engine.model))
     _decode(engine, steps=4)
-    captures = graphs.stats["captures"]
+    assert graphs.stats["captures"] == layers
     tokens, logits = _decode(engine, steps=4)
+    assert graphs.stats["captures"] == 2 * layers and len(graphs._entries) == layers
+    assert all(len(keys) == 1 for keys in graphs._keys.values())
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    # offloaded: the island's graphs are the cache's own no more; a second loop replays them
+    run = lambda e: e.decode_loop(1, context=64, offload=set(range(layers))).run(  # noqa: E731
+        [e.request(PROMPT, GenerateConfig(max_new_tokens=4, ignore_eos=True))])[0].out
+    first = run(engine)
+    captures = graphs.stats["captures"]
+    assert run(engine) == first and graphs.stats["captures"] == captures
     engine.close()
-    assert graphs.stats["captures"] == captures and tokens == want[0] and torch.equal(logits, want[1])
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_layers_replay_exactly_as_eager(stores, model_type):
     """MoE layers with their experts run whole (transformers 5's fused experts: routing on the device, no host
     read): replayed, equal; gpt-oss with its attention sinks and sliding layers."""
-    engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
-    want_tokens, want_logits = _decode(engine, steps=8)
-    engine.close()
+    want_tokens, want_logits = _static_eager(stores[model_type], lambda e: _decode(e, steps=8))
     engine, graphs = _graphed(stores[model_type])
     tokens, logits = _decode(engine, steps=8)
     engine.close()
@@ -123,12 +185,8 @@ def test_moe_layers_replay_exactly_as_eager(stores, model_type):
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0
 
 
-def _host_experts_decode(store, graphed: bool):
-    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0, experts="cpu")
-    graphs = None
-    if graphed:
-        graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
-        skeleton.attach_graphs(engine.model, graphs)
+def _host_experts_decode(store):
+    engine, graphs = _graphed(store, experts="cpu")
     got = _decode(engine, steps=8)
     calls = engine.experts.stats["calls"]
     layers = len(skeleton.decoder_layers(engine.model))
@@ -140,16 +198,16 @@ def _host_experts_decode(store, graphed: bool):
 def test_host_experts_run_between_the_graphs_exactly_as_eager(stores, tmp_path_factory, real_tokenizer, model_type,
                                                              quantized):
     """--experts cpu: the experts call reads its rows on the host, so it runs as an eager island between the
-    layer's graphs (it used to refuse the capture: the whole layer ran eagerly). Every entry has the attention
-    island and the experts island (three graphs); the tokens and logits equal the eager decode's. NF4: the host
-    kernel; fp32: transformers' grouped forward on host tensors."""
+    layer's graphs (it used to refuse the capture: the whole layer ran eagerly). Every entry has the experts
+    island (two graphs; the attention is in the first); the tokens and logits equal the same decode run eagerly.
+    NF4: the host kernel; fp32: transformers' grouped forward on host tensors."""
     store = nf4_store(tmp_path_factory.mktemp(model_type), real_tokenizer, model_type,
                       **GEMV_SHAPES.get(model_type, {})) if quantized else stores[model_type]
-    (want_tokens, want_logits), _, _, _ = _host_experts_decode(store, graphed=False)
-    (tokens, logits), graphs, calls, layers = _host_experts_decode(store, graphed=True)
+    want_tokens, want_logits = _static_eager(store, lambda e: _decode(e, steps=8), experts="cpu")
+    (tokens, logits), graphs, calls, layers = _host_experts_decode(store)
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert calls > 0 and graphs.stats["failed"] == 0 and graphs.stats["replays"] >= layers * 4, graphs.stats
-    assert all(len(e.islands) == 2 and len(e.graphs) == 3 for e in graphs._entries.values())
+    assert all(len(e.islands) == 1 and len(e.graphs) == 2 for e in graphs._entries.values())
 
 
 def test_an_eager_island_outside_a_runner_is_the_call():
@@ -160,9 +218,7 @@ def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
     """A layer whose call reads a tensor on the host (here its MLP branches on a value, as a copy path reading
     its routing does): the capture is refused, the call runs eagerly, the key is never captured again, and the
     decode equals the eager one; the other layers still replay."""
-    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
-    want_tokens, want_logits = _decode(engine, steps=8)
-    engine.close()
+    want_tokens, want_logits = _static_eager(stores["llama"], lambda e: _decode(e, steps=8))
     engine, graphs = _graphed(stores["llama"])
     mlp = skeleton.decoder_layers(engine.model)[1].layer.mlp
     real = mlp.forward
@@ -186,9 +242,7 @@ def test_a_call_that_synchronizes_at_warm_up_twice_is_never_captured(stores):
         def warmup():
             return Synced()
 
-    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
-    want = _decode(engine, steps=5)
-    engine.close()
+    want = _static_eager(stores["llama"], lambda e: _decode(e, steps=5))
     engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
     graphs = layer_graphs.LayerGraphs(Backend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
@@ -249,14 +303,21 @@ def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
 
 
 def _eager_then_graphed(monkeypatch, store, run, experts: str = "routed"):
+    """``run`` with CUDA graphs on but nothing captured (the static passes run eagerly), then replayed; the
+    stats of the second, with ``static``: the captured keys' (static write and attention, attention islands)."""
     opts = dict(device="cuda", dtype="bfloat16", experts=experts, resident_layers=0)
-    engine = Engine.open(store, cuda_graphs=False, **opts)
-    assert engine.graphs is None
-    want = run(engine)
-    engine.close()
-    engine = Engine.open(store, **opts)  # --cuda-graphs is the default
+    with monkeypatch.context() as m:
+        m.setattr(layer_graphs, "KEYS_PER_LAYER", 0)
+        engine = Engine.open(store, **opts)  # --cuda-graphs is the default
+        want = run(engine)
+        assert engine.graphs.stats["captures"] == 0
+        engine.close()
+    engine = Engine.open(store, **opts)
     got = run(engine)
     stats = engine.stats()
+    entries = engine.graphs._entries
+    stats["static"] = (sum(key[-1] is not None for key in entries),
+                       sum(isinstance(i, layer_graphs._Island) for e in entries.values() for i in e.islands))
     engine.close()
     return want, got, stats, len(skeleton.decoder_layers(engine.model))
 
@@ -273,6 +334,7 @@ def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_f
         monkeypatch, store, lambda engine: _decode(engine, steps=10))
     assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
     assert stats["experts"]["direct"]["direct_pairs"] > 0, stats
+    assert stats["static"][0] >= layers and stats["static"][1] == 0, stats  # the attention in the graphs
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
 
@@ -285,6 +347,7 @@ def test_cuda_batched_decode_passes_with_graphs_equal_eager(monkeypatch, tmp_pat
     store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
     (want_tokens, want_logits), (tokens, logits), stats, _ = _eager_then_graphed(monkeypatch, store, _batch)
     assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] > 0, stats
+    assert stats["static"][0] > 0 and stats["static"][1] == 0, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
 

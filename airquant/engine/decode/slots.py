@@ -37,6 +37,14 @@ KV offload: the offloaded layers' buffers live in (pinned) host memory; a layer'
 copied to the device when the layer runs, its new tokens are written there and sent back to the host
 copy without blocking, landing in it before that layer's next pass. A TurboQuant layer's
 arena moves whole to the device before its update and back after its attention.
+
+Static passes (for the layer graphs, ``engine/layer_graphs.py``): where the layer graphs run this cache's
+decode passes (``graph_rows``: they set it), a pass of decode tokens only, of up to ``graph_rows`` rows, is
+*static*: its slots, positions, row offsets and per-slot lengths go to one device tensor at fixed addresses
+(``begin``), and each device layer writes and attends through them over ``static_span`` columns, the pass's
+span rounded up to a bucket (``static_span``; a mask keeps each slot's own columns). The cache write and the
+attention then have no Python value that changes from pass to pass, and a layer graph captures them too: a
+layer is one graph instead of two around an eager island. Offloaded and TurboQuant layers keep the island.
 """
 
 from __future__ import annotations
@@ -56,6 +64,21 @@ from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
 
 ATTN_NAME = "airquant_ragged"
+
+
+# Decode passes under the layer graphs are static (False: the write and the attention stay an eager island
+# between two graphs, as before; moe_bench's ``*_island`` cases measure the two side by side).
+STATIC_PASSES = True
+# Static passes attend over the span rounded up to a multiple of a quarter of its power of two, at least this
+# (columns past a slot's length are masked): a layer graph per bucket, four buckets an octave, at most a
+# quarter of the columns wasted.
+STATIC_STEP = 256
+
+
+def static_span(span: int, cap: int) -> int:
+    """The columns a static pass attends over: ``span`` rounded up to its bucket, at most ``cap``."""
+    step = max(STATIC_STEP, 1 << max(0, (span - 1).bit_length() - 3))
+    return min(cap, -(-span // step) * step)
 
 
 class CacheOutputChanged(Exception):
@@ -90,6 +113,7 @@ class PassContext:
     tq: SlotArena | None = None  # TurboQuant: this layer's arena
     row: tuple[torch.Tensor, torch.Tensor] | None = None  # TurboQuant: the pass's new keys/values [1, Hkv, T, D]
     returned: torch.Tensor | None = None  # the value update returned: the attention must get this one
+    static: bool = False  # a static pass's device layer: the write and the attention read only device tensors
 
 
 class SlotKV:
@@ -120,6 +144,11 @@ class SlotKV:
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
         self.passes = 0  # ``begin`` calls: layer graphs' static inputs are refreshed once a pass
         self.recorder = None  # engine/layer_graphs: a capture's Recorder, or a warm-up's sync check
+        self.graph_rows = 0  # engine/layer_graphs: decode passes of up to this many rows are static
+        self.static = False  # this pass is static (``begin``)
+        self.static_span = 0  # its attended columns
+        self._static: torch.Tensor | None = None  # [4, slots]: slots, starts, offsets (rows), lengths (slots)
+        self._length: torch.Tensor | None = None  # static passes: tokens per slot after the pass (idle: 1)
 
     # -- the pass ------------------------------------------------------------------------------
     def begin(self, segments: list[Segment]) -> None:
@@ -127,15 +156,20 @@ class SlotKV:
         self.passes += 1
         self.decode_masks = {}  # (span, window) -> the pass's [S, L] decode mask, built by the first layer
         dec = [s for s in segments if s.n == 1]
+        self.span = max(s.start + s.n for s in segments)
+        self.static = STATIC_PASSES and bool(dec) and len(dec) == len(segments) <= self.graph_rows and \
+            not self.prefix and not self.tq
         # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
         # with no index tensors, scatter or mask (~10 fewer ops a layer on the host, and sdpa without a mask).
-        self.single = dec[0] if len(segments) == 1 and dec else None
+        self.single = dec[0] if len(segments) == 1 and dec and not self.static else None
         # Every slot decoding, slot n's token at row offset n (a full continuous batch): the row is already in
         # slot order, so its tokens are read and its outputs placed as views (no gather, zero fill or scatter).
-        self.full = len(dec) == len(segments) == self.slots and all(
+        self.full = not self.static and len(dec) == len(segments) == self.slots and all(
             s.slot == n and s.offset == n for n, s in enumerate(dec))
         self._decode = self._decode_host = None
-        if dec:
+        if self.static:
+            self._static_begin(dec)
+        elif dec:
             dev = self.device
             self._decode = (torch.tensor([s.slot for s in dec], device=dev),
                             torch.tensor([s.start for s in dec], device=dev),
@@ -144,9 +178,39 @@ class SlotKV:
                 self._decode_host = (torch.tensor([s.slot for s in dec]), torch.tensor([s.start for s in dec]))
             else:
                 self._decode_host = self._decode[:2]
-        self.span = max(s.start + s.n for s in segments)
         if self.tq:
             self._tq_begin(segments, dec)
+
+    def _static_begin(self, dec: list[Segment]) -> None:
+        """The pass's decode tokens in the static tensor (one copy), read through views at fixed addresses."""
+        n, rows = self.slots, len(dec)
+        if self._static is None:
+            self._static = torch.zeros(4, n, dtype=torch.long, device=self.device)
+        host = torch.zeros(4, n, dtype=torch.long)
+        host[3] = 1  # an idle slot attends to its first column (a row of its padding query, never read)
+        for r, s in enumerate(dec):
+            host[0, r], host[1, r], host[2, r], host[3, s.slot] = s.slot, s.start, s.offset, s.start + 1
+        self._static.copy_(host)
+        self._decode = (self._static[0, :rows], self._static[1, :rows], self._static[2, :rows])
+        self._length = self._static[3]
+        # where offloaded layers' host copies land the tokens: this pass's own host tensor (the static one
+        # changes before a layer lands them, at its next pass)
+        self._decode_host = (host[0, :rows], host[1, :rows])
+        self.static_span = static_span(self.span, self.cap)
+
+    def static_layer(self, i: int) -> bool:
+        """Whether layer ``i`` writes and attends statically this pass: a static pass, its buffers on the device
+        (made by its first update)."""
+        return self.static and i not in self.offload and self._k[i] is not None
+
+    def static_key(self, i: int) -> tuple | None:
+        """What a static layer's graph reads besides its call's tensors (the buffers' and the static tensor's
+        addresses and shapes, the attended columns); None where layer ``i`` is not static this pass."""
+        if not self.static_layer(i):
+            return None
+        k, v = self._k[i], self._v[i]
+        return (self.static_span, k.data_ptr(), tuple(k.shape), v.data_ptr(), tuple(v.shape), k.dtype,
+                self._static.data_ptr())
 
     def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
         for s in segments:
@@ -177,15 +241,19 @@ class SlotKV:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``[1, Hkv, T, D]`` new keys/values of the packed row; returns keys tagged with the pass context
         (``prefix``: every slot's cached prefix ``[slots, Hkv, L, D]``, which the model changes)."""
-        if self.recorder is not None:  # a layer graph's capture ends here: the write and the attention run eagerly
-            self.recorder.island_begin(key, value, layer_idx, args, kwargs)
+        static = self.static_layer(layer_idx)
+        if self.recorder is not None:
+            if static:  # a layer graph's capture goes on through the write and the attention
+                self.recorder.static_update(self.static_key(layer_idx))
+            else:  # a layer graph's capture ends here: the write and the attention run eagerly
+                self.recorder.island_begin(key, value, layer_idx, args, kwargs)
         if self.prefix:
             return self._plain_update(key, value, layer_idx)
-        ctx = PassContext(self, layer_idx, returned=value)
+        ctx = PassContext(self, layer_idx, returned=value, static=static)
         if self.tq:
             ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
         else:
-            ctx.keys, ctx.values = self._plain_update(key, value, layer_idx)
+            ctx.keys, ctx.values = self._plain_update(key, value, layer_idx, static)
         return tag(key, ctx), value
 
     def _buffers(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,11 +266,12 @@ class SlotKV:
                 bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home, pin_memory=pin)
         return self._k[i], self._v[i]
 
-    def _plain_update(self, key, value, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plain_update(self, key, value, i: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         k_home, v_home = self._buffers(i, key, value)
         rows = self._new_rows(key, value)
         if i not in self.offload:
-            k_dev, v_dev = k_home[:, :, : self.span], v_home[:, :, : self.span]
+            span = self.static_span if static else self.span
+            k_dev, v_dev = k_home[:, :, :span], v_home[:, :, :span]
             _scatter(k_dev, v_dev, rows, self._decode)
             return k_dev, v_dev
         # The prefix in use goes to the device and the new tokens are written there; they reach the host copy
@@ -313,7 +382,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     result = _ragged_attention(module, query, key, value, attention_mask, scaling, dropout, slot_kv=slot_kv,
                                **kwargs)
     ctx = context_of(key)
-    if isinstance(ctx, PassContext) and ctx.kv.recorder is not None:
+    if isinstance(ctx, PassContext) and ctx.kv.recorder is not None and not ctx.static:
         ctx.kv.recorder.island_end(ragged_attention, module, query, key, value, (attention_mask,),
                                    dict(scaling=scaling, dropout=dropout, slot_kv=slot_kv, **kwargs), result)
     return result
@@ -406,15 +475,20 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
         else:
             q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
             q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
-        keep = kv.decode_masks.get((keys.shape[2], window))
-        if keep is None:  # built once per pass: every layer of a window reads the same columns
-            length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
-            length[slots] = starts + 1
+        keep = None if ctx.static else kv.decode_masks.get((keys.shape[2], window))
+        if keep is None:  # built once per pass (every layer of a window reads the same columns), or by each
+            # static layer from the static lengths (its graph builds it again at each replay)
+            if ctx.static:
+                length = kv._length
+            else:
+                length = torch.ones(keys.shape[0], dtype=torch.long, device=query.device)
+                length[slots] = starts + 1
             cols = torch.arange(keys.shape[2], device=query.device)
             keep = cols < length[:, None]  # [S, L]
             if window:
                 keep &= cols > (length[:, None] - 1 - window)
-            kv.decode_masks[(keys.shape[2], window)] = keep
+            if not ctx.static:
+                kv.decode_masks[(keys.shape[2], window)] = keep
         o = _attend(q, keys, values, keep[:, None, None, :], scale, sink)
         if kv.full:
             return o.reshape(t, hq, dv).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dv]
