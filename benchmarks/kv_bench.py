@@ -85,6 +85,7 @@ WARM = 1  # untimed decode steps: Triton compiles its kernels at the first step 
 def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     """Cache bytes after the prompt, then prefill and median decode step of a timed generation."""
     cache_bytes = prefill_bytes(engine, ids, kv)  # also warms up the prefill path at this shape
+    engine.release_kv()  # the previous case's cache, kept for the layer graphs, is not the weights
     free_gpu()
     cuda = engine.device.type == "cuda"
     weights = torch.cuda.memory_allocated(engine.device) / GB if cuda else None

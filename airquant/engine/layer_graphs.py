@@ -16,8 +16,10 @@ another island (``eager_island``): a graph follows it. Everything else of a deco
 a given number of rows: norms, projections, rope, router, and the direct-read expert kernels (they find each
 expert through a table on the device). A graph reads fixed addresses, so it is keyed by the layer, the
 addresses of the weights the streamer fetched for it (its device slot), the cache's (static layers) and the
-call's shapes. A new cache (the next loop) has new buffers: its static layers are captured again, and the
-graphs of the previous cache are dropped. The layer is captured with static twins of the call's
+call's shapes. The runner keeps the plain cache's device buffers from one loop to the next (``KVBuffers``) and
+lends them to the next loop's cache, whose static layers then replay the same graphs; a cache with other
+buffers (another batch, two loops at once) is captured for its own, and the graphs of a finished cache whose
+buffers nobody holds are dropped when another cache comes. The layer is captured with static twins of the call's
 tensors, shared by every layer: before a replay, a tensor is copied into its twin unless that twin got the same
 tensor earlier in the same pass (the rope tables passed to every layer of a pass are copied once).
 
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils import _pytree as pytree
+
+from airquant.engine.decode.slots import KVBuffers, SlotKV
 
 log = logging.getLogger(__name__)
 
@@ -459,6 +463,7 @@ class LayerGraphs:
         # keys of static layers -> their cache (weakly): when another cache comes, they are dropped
         self._owner: dict[tuple, weakref.ref] = {}
         self._kv: weakref.ref | None = None  # the cache of the last call
+        self.buffers = KVBuffers()  # the plain cache's device buffers, lent from one loop's cache to the next
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
 
     @classmethod
@@ -470,8 +475,6 @@ class LayerGraphs:
 
     def run(self, index: int, layer, weights: dict, call, args: tuple, kwargs: dict):
         """``call(*args, **kwargs)`` (the layer with ``weights`` in place), replayed from graphs where it can."""
-        from airquant.engine.decode.slots import SlotKV
-
         flat = _flatten(args, kwargs)
         if flat is None:
             return call(*args, **kwargs)
@@ -480,6 +483,8 @@ class LayerGraphs:
         if kv is None or type(layer).__name__ not in CAPTURED_LAYERS:
             return call(*args, **kwargs)
         kv.graph_rows = self.max_rows  # its next decode passes are static (SlotKV.begin)
+        if kv.pool is None and self.buffers.attach(kv):  # before its first update makes its buffers
+            kv.pool = self.buffers
         if kv.prefix or not 0 < len(kv.segments) <= self.max_rows or any(s.n != 1 for s in kv.segments):
             return call(*args, **kwargs)
         if self._kv is None or self._kv() is not kv:
@@ -496,7 +501,7 @@ class LayerGraphs:
                 return call(*args, **kwargs)
         static = kv.static_key(index)
         key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()), static)
-        if static is not None and key not in self._owner:
+        if static is not None:
             self._owner[key] = weakref.ref(kv)
         entry = self._entries.get(key)
         if entry is not None:
@@ -533,9 +538,10 @@ class LayerGraphs:
 
     def _new_cache(self, kv) -> None:
         """Another cache's calls from now on: the static layers' keys of the others go (their graphs read
-        those caches' buffers)."""
+        those caches' buffers), unless this cache has the same buffers (lent by ``buffers``)."""
         self._kv = weakref.ref(kv)
-        for key in [k for k, owner in self._owner.items() if owner() is not kv]:
+        live = {t.data_ptr() for t in kv._k if t is not None}
+        for key in [k for k, owner in self._owner.items() if owner() is not kv and k[-1][1] not in live]:
             del self._owner[key]
             self._entries.pop(key, None)
             self._work.pop(key, None)
@@ -618,3 +624,4 @@ class LayerGraphs:
         self._held.clear()
         self._owner.clear()
         self._kv = None
+        self.buffers.clear()

@@ -336,10 +336,19 @@ class Engine:
             out["experts"] = self.experts.report()
         if self.graphs is not None:
             out["layer_graphs"] = dict(self.graphs.stats)
+            out["kv_kept_gb"] = self.graphs.buffers.nbytes() / 1e9
         if self.device.type == "cuda":
             out["peak_vram_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
             out["peak_vram_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
         return out
+
+    def release_kv(self) -> None:
+        """Free the plain cache's device buffers the layer graphs keep from one decode loop for the next (the
+        next loop's cache then allocates its own and its layers are captured again): what a measurement of
+        the memory between calls, or a caller that needs the memory back, calls first. A loop of another
+        batch, dtype or cache kind frees them itself when it starts."""
+        if self.graphs is not None:
+            self.graphs.buffers.clear()
 
     def host_memory(self) -> dict[str, int]:
         """Host bytes the engine's buffers hold now, by the parts ``plan.host_parts`` plans (and what it

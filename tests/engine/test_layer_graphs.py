@@ -109,10 +109,10 @@ def test_a_new_bucket_is_captured_again(stores, monkeypatch):
     engine, graphs = _graphed(stores["qwen3"])
     tokens, logits = _decode(engine, steps=12)
     layers = len(skeleton.decoder_layers(engine.model))
+    spans, entries = {key[-1][0] for key in graphs._entries}, len(graphs._entries)
     engine.close()
     assert tokens == want[0] and torch.equal(logits, want[1])
-    spans = {key[-1][0] for key in graphs._entries}
-    assert len(spans) >= 3 and len(graphs._entries) == layers * len(spans) and graphs.stats["failed"] == 0
+    assert len(spans) >= 3 and entries == layers * len(spans) and graphs.stats["failed"] == 0
 
 
 def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
@@ -150,26 +150,60 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
                for key, e in graphs._entries.items())
 
 
-def test_a_second_request_captures_its_own_cache(stores):
-    """A static layer's graph reads its cache's buffers: a new request (a new cache) has its layers captured
-    again, the first cache's graphs are dropped (not kept, nor counted against a layer's keys), and it decodes
-    as the same decode run eagerly. An offloaded cache's layers keep the island, whose graphs any cache
-    replays."""
+def test_a_second_request_replays_the_same_graphs(stores):
+    """A static layer's graph reads its cache's buffers at their addresses: the runner keeps them
+    (``KVBuffers``) and lends them to the next request's cache, which replays the graphs captured for the first
+    and decodes as the same decode run eagerly. An offloaded cache's layers keep the island, whose graphs any
+    cache replays."""
     want = _static_eager(stores["llama"], lambda e: _decode(e, steps=4))
     engine, graphs = _graphed(stores["llama"])
     layers = len(skeleton.decoder_layers(engine.model))
     _decode(engine, steps=4)
-    assert graphs.stats["captures"] == layers
+    assert graphs.stats["captures"] == layers and graphs.buffers.nbytes() > 0
     tokens, logits = _decode(engine, steps=4)
-    assert graphs.stats["captures"] == 2 * layers and len(graphs._entries) == layers
-    assert all(len(keys) == 1 for keys in graphs._keys.values())
+    assert graphs.stats["captures"] == layers and len(graphs._entries) == layers
     assert tokens == want[0] and torch.equal(logits, want[1])
-    # offloaded: the island's graphs are the cache's own no more; a second loop replays them
     run = lambda e: e.decode_loop(1, context=64, offload=set(range(layers))).run(  # noqa: E731
         [e.request(PROMPT, GenerateConfig(max_new_tokens=4, ignore_eos=True))])[0].out
     first = run(engine)
     captures = graphs.stats["captures"]
     assert run(engine) == first and graphs.stats["captures"] == captures
+    engine.close()
+
+
+def test_two_loops_at_once_do_not_share_buffers(stores):
+    """A loop's cache that attaches while another loop's is alive gets its own buffers (and its own graphs): the
+    first loop, resumed after the second ran whole, decodes as it would alone. A loop of another batch frees the
+    kept buffers it cannot use, and a TurboQuant loop frees them all."""
+    from airquant.kv.config import KVConfig
+
+    req = lambda e, n: e.request(PROMPT, GenerateConfig(max_new_tokens=n, ignore_eos=True))  # noqa: E731
+    want = _static_eager(stores["llama"], lambda e: [e.decode_loop(1, context=64).run([req(e, 8)])[0].out,
+                                                    e.decode_loop(1, context=64).run([req(e, 6)])[0].out])
+    engine, graphs = _graphed(stores["llama"])
+    engine.graphs = graphs  # as Engine.open sets it on CUDA: release_kv and stats reach it
+    first = engine.decode_loop(1, context=64)
+    seq = first.submit(req(engine, 8))
+    for _ in range(4):
+        first.step()
+    second = engine.decode_loop(1, context=64)
+    other = second.run([req(engine, 6)])[0]
+    assert second.kv.pool is None and first.kv.pool is graphs.buffers
+    assert {t.data_ptr() for t in second.kv._k}.isdisjoint(t.data_ptr() for t in first.kv._k)
+    while not first.idle:
+        first.step()
+    assert [seq.out, other.out] == want and graphs.stats["failed"] == 0
+    del first, second
+    kept = graphs.buffers.nbytes()
+    engine.generate_requests([req(engine, 3), req(engine, 3)])  # two slots: the one-slot buffers go
+    assert 0 < graphs.buffers.nbytes() != kept and all(b.shape[0] == 2 for b in graphs.buffers._bufs.values())
+    assert engine.stats()["kv_kept_gb"] == graphs.buffers.nbytes() / 1e9
+    engine.release_kv()
+    assert graphs.buffers.nbytes() == 0
+    engine.generate_requests([req(engine, 3)])
+    assert graphs.buffers.nbytes() > 0
+    engine.generate_requests([req(engine, 3)], kv=KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4))
+    assert graphs.buffers.nbytes() == 0
     engine.close()
 
 
@@ -224,9 +258,10 @@ def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
     real = mlp.forward
     monkeypatch.setattr(mlp, "forward", lambda x: real(x) if x.abs().sum().item() >= 0 else x)
     tokens, logits = _decode(engine, steps=8)
+    eager = len(graphs._eager)
     engine.close()
     assert tokens == want_tokens and torch.equal(logits, want_logits)
-    assert graphs.stats["failed"] == 1 and len(graphs._eager) == 1 and graphs.stats["eager"] > 0
+    assert graphs.stats["failed"] == 1 and eager == 1 and graphs.stats["eager"] > 0
     assert graphs.stats["replays"] > 0
 
 
@@ -365,3 +400,20 @@ def test_cuda_host_experts_between_graphs_equal_eager(monkeypatch, tmp_path_fact
     assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_a_second_request_replays_the_same_graphs(tmp_path_factory, real_tokenizer):
+    """On CUDA the kept KV buffers make the second request's cache replay the first one's graphs (the
+    attention captured in them): no capture, the same tokens and logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    engine = Engine.open(store, device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    first = _decode(engine, steps=6)
+    captures = engine.graphs.stats["captures"]
+    second = _decode(engine, steps=6)
+    stats = engine.stats()
+    engine.close()
+    assert captures > 0 and stats["layer_graphs"]["captures"] == captures and stats["kv_kept_gb"] > 0, stats
+    assert first[0] == second[0] and torch.equal(first[1], second[1])

@@ -45,10 +45,13 @@ decode passes (``graph_rows``: they set it), a pass of decode tokens only, of up
 span rounded up to a bucket (``static_span``; a mask keeps each slot's own columns). The cache write and the
 attention then have no Python value that changes from pass to pass, and a layer graph captures them too: a
 layer is one graph instead of two around an eager island. Offloaded and TurboQuant layers keep the island.
+Such a graph reads the cache's buffers at their addresses: the runner lends the next loop's cache the same
+buffers (``KVBuffers``), so that one replays the graphs instead of capturing its own.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +82,68 @@ def static_span(span: int, cap: int) -> int:
     """The columns a static pass attends over: ``span`` rounded up to its bucket, at most ``cap``."""
     step = max(STATIC_STEP, 1 << max(0, (span - 1).bit_length() - 3))
     return min(cap, -(-span // step) * step)
+
+
+class KVBuffers:
+    """The plain cache's device buffers and static tensor, kept by the layer graphs' runner from one decode loop
+    to the next: a graph that captured a static pass's write and attention reads them at their addresses, so the
+    next loop's cache, lent the same buffers, replays it instead of capturing its own (a capture pass and a
+    warm-up pass per request otherwise).
+
+    One cache holds them at a time: a cache that attaches while another is alive (two loops at once) gets its own
+    buffers. Only caches of at most ``graph_rows`` slots take them (a larger batch decodes statically only at its
+    tail). A cache of another batch, dtype or device, a TurboQuant or prefix cache, or a shorter buffer than a
+    cache needs frees what it cannot use when it attaches, so the loop after another kind never finds the
+    previous one's buffers still held (``Engine.release_kv`` frees them at once). A reused buffer is zeroed up to
+    the new cache's length, as a new one is."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[int, str], torch.Tensor] = {}
+        self._static: torch.Tensor | None = None
+        self._owner: weakref.ref | None = None
+
+    def attach(self, kv: "SlotKV") -> bool:
+        """Whether ``kv`` takes its device buffers from here (it does when no other live cache holds them)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is kv:
+            return True
+        if owner is not None:
+            return False
+        self._owner = weakref.ref(kv)
+        if kv.tq or kv.prefix or kv.slots > kv.graph_rows:  # no static pass reads them, or few of its passes
+            self.clear()
+            return False
+        self._bufs = {key: b for key, b in self._bufs.items()
+                      if b.shape[0] == kv.slots and b.shape[2] >= kv.cap and b.dtype == kv.dtype and
+                      b.device == kv.device and key[0] not in kv.offload}
+        if self._static is not None and (self._static.shape[1] != kv.slots or self._static.device != kv.device):
+            self._static = None
+        return True
+
+    def get(self, layer: int, which: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s ``which`` ("k" or "v") buffer of ``shape`` ``[slots, H, cap, D]``, zeroed: the kept
+        one's first ``cap`` columns where it matches, else a new one (the old freed first)."""
+        buf = self._bufs.pop((layer, which), None)
+        if buf is not None and buf.shape[:2] == shape[:2] and buf.shape[3] == shape[3] and \
+                buf.shape[2] >= shape[2] and buf.dtype == dtype and buf.device == device:
+            self._bufs[(layer, which)] = buf
+            return buf[:, :, :shape[2]].zero_()
+        del buf  # freed before the new one is made
+        buf = self._bufs[(layer, which)] = torch.zeros(shape, dtype=dtype, device=device)
+        return buf
+
+    def static(self, slots: int, device: torch.device) -> torch.Tensor:
+        if self._static is None or self._static.shape[1] != slots or self._static.device != device:
+            self._static = torch.zeros(4, slots, dtype=torch.long, device=device)
+        return self._static
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
+        self._static = None
+        self._owner = None
 
 
 class CacheOutputChanged(Exception):
@@ -149,6 +214,7 @@ class SlotKV:
         self.static_span = 0  # its attended columns
         self._static: torch.Tensor | None = None  # [4, slots]: slots, starts, offsets (rows), lengths (slots)
         self._length: torch.Tensor | None = None  # static passes: tokens per slot after the pass (idle: 1)
+        self.pool: KVBuffers | None = None  # the layer graphs' kept device buffers, where they lend them
 
     # -- the pass ------------------------------------------------------------------------------
     def begin(self, segments: list[Segment]) -> None:
@@ -185,7 +251,8 @@ class SlotKV:
         """The pass's decode tokens in the static tensor (one copy), read through views at fixed addresses."""
         n, rows = self.slots, len(dec)
         if self._static is None:
-            self._static = torch.zeros(4, n, dtype=torch.long, device=self.device)
+            self._static = self.pool.static(n, self.device) if self.pool is not None else \
+                torch.zeros(4, n, dtype=torch.long, device=self.device)
         host = torch.zeros(4, n, dtype=torch.long)
         host[3] = 1  # an idle slot attends to its first column (a row of its padding query, never read)
         for r, s in enumerate(dec):
@@ -208,9 +275,9 @@ class SlotKV:
         addresses and shapes, the attended columns); None where layer ``i`` is not static this pass."""
         if not self.static_layer(i):
             return None
-        k, v = self._k[i], self._v[i]
-        return (self.static_span, k.data_ptr(), tuple(k.shape), v.data_ptr(), tuple(v.shape), k.dtype,
-                self._static.data_ptr())
+        k, v = self._k[i], self._v[i]  # addresses and strides (a kept buffer's view: its own cap's strides)
+        return (self.static_span, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), (*k.shape[:2], k.shape[3]),
+                (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr())
 
     def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
         for s in segments:
@@ -261,9 +328,12 @@ class SlotKV:
         if self._k[i] is None:
             home = torch.device("cpu") if i in self.offload else self.device
             pin = self.pin and i in self.offload
-            for bufs, x in ((self._k, key), (self._v, value)):
+            for bufs, x, which in ((self._k, key, "k"), (self._v, value, "v")):
                 shape = (self.slots, x.shape[1], self.cap, x.shape[3])
-                bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home, pin_memory=pin)
+                if self.pool is not None and i not in self.offload:
+                    bufs[i] = self.pool.get(i, which, shape, self.dtype, home)
+                else:
+                    bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home, pin_memory=pin)
         return self._k[i], self._v[i]
 
     def _plain_update(self, key, value, i: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
