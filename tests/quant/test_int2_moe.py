@@ -1,5 +1,6 @@
 """The fused int2 expert GEMV (quant/kernels/int2_moe ``up_int2``/``down_int2``): each pair's expert found by index in a
-stacked operand or in pool slots, against the products of each expert's ``Int2Linear.dequantize`` (codes,
+stacked operand or in pool slots, and the tiered GEMV of direct reads (``tiered_*_int2``: from a hot slot or a host
+buffer by a device table, counting pairs and hits), against the products of each expert's ``Int2Linear.dequantize`` (codes,
 group scales and zeros, fp16 outlier residuals), under Triton's interpreter (a process of its own:
 ``TRITON_INTERPRET=1`` must be set before Triton defines the kernels)."""
 
@@ -19,6 +20,7 @@ import os
 import torch
 from airquant.quant import make_linear, quantize_linear
 from airquant.quant.kernels import int2_moe
+from airquant.quant.kernels.nf4_moe import Tiers
 from airquant.quant.spec import QuantSpec
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
@@ -70,6 +72,23 @@ for outliers, bias in ((0.035, False), (0.0, True), (0.42, True)):
         down = int2_moe.down_int2(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
         assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (down - want_down).abs().max()
     assert n_out == round(outliers * k)
+    # direct reads: expert e's image in a host buffer at 64 + e * slot_bytes, experts 1 and 3 also in hot slots
+    host = torch.zeros(64 + num * slot_bytes, dtype=torch.uint8)
+    for e in range(num):
+        host[64 + e * slot_bytes:64 + (e + 1) * slot_bytes] = pool[order[e]]
+    hot = torch.full((3, slot_bytes), 9, dtype=torch.uint8)
+    hot[2], hot[0] = pool[order[1]], pool[order[3]]
+    table = torch.tensor([-1, 2, -1, 0, -1], dtype=torch.int32, device=dev)
+    counts, hits = torch.zeros(num, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
+    tiers = Tiers(host.to(dev), 64, slot_bytes, hot.to(dev), table, counts, hits)
+    image = int2_moe.ImageMatrixInt2(n, k, 32, n_out, cols, tuple(offsets.get(b) for b in int2_moe.BUFFERS),
+                                     (bias_at, torch.float32) if bias else None)
+    up = int2_moe.tiered_up_int2(x.to(dev), ids.to(dev), image, tiers).cpu()
+    assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
+    down = int2_moe.tiered_down_int2(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()
+    assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), ("tiered", (down - want_down).abs().max())
+    assert counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
+    assert int(hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
 print("ok")
 """
 

@@ -61,7 +61,7 @@ GEMV_TOKENS = 4
 FUSED = True
 # Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
-# Formats the routed pool's and a whole layer's fused calls take (direct reads and the host kernel: NF4 only).
+# Formats the routed pool's and a whole layer's fused calls take (the host kernel: NF4 only).
 FUSED_SCHEMES = ("nf4", "int2")
 # Routed rows per expert, on average, up to which a whole layer's call takes the fused kernels. Each 16-row
 # block of the grouped kernel decodes its expert's tile again: at 16 rows an expert (Qwen3-30B-A3B, batch 256)
@@ -349,7 +349,7 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     another quantized or dense tensor). With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors
     relative to the module) the slot must hold exactly those matrices and biases, and their offsets are
     recorded. ``straddling``: NF4 blocks may straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any
-    layout; the Triton kernels do not). Direct reads and the host kernel take NF4 only (the default)."""
+    layout; the Triton kernels do not). The host kernel takes NF4 only (the default); direct reads ask for both."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     gated = getattr(module, "has_gate", True)

@@ -1,5 +1,6 @@
-"""Direct expert reads: a few-row routed call's NF4 experts are read by the fused kernel itself, where they
-are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe ``tiered_*``).
+"""Direct expert reads: a few-row routed call's NF4 or int2 experts are read by the fused kernel itself, where
+they are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe ``tiered_*``,
+int2_moe ``tiered_*_int2``).
 
 Why: Qwen3-30B-A3B at batch 1 moved 1.55 GB a step in 0.154 s where its bytes allow 0.028 s (H200,
 benchmarks/moe_bench.py). The pool's path reads each call's routing to the host (a sync that stops the host
@@ -16,8 +17,8 @@ experts over all layers: experts that left are pointed back at the RAM tier firs
 ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
 before the refresh reads the old slots; one queued after, the new ones).
 
-Applies where a layer's experts are NF4 (``compute.fused_experts``; gpt-oss's bias rows are read from the image
-too), its bytes are in the arranged RAM tier (``layout.HostArrangement``) and its router picks only stored
+Applies where a layer's experts are NF4 or int2 (``compute.fused_experts``; int2 rows in whole 16-code words;
+gpt-oss's bias rows are read from the image too), its bytes are in the arranged RAM tier (``layout.HostArrangement``) and its router picks only stored
 experts; other calls take the pool's copy path. Counters are per (token, expert) pair, which at batch 1 is per
 expert, as the copy path counts.
 """
@@ -40,6 +41,24 @@ log = logging.getLogger(__name__)
 # against 0.140 (H200, same run).
 REFRESH_PASSES = 1
 HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refreshes ago counts 1/16
+
+
+# The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
+INT2_DTYPES = {"codes": torch.uint8, "scales": torch.float16, "zeros": torch.float16,
+               "outlier_weight": torch.float16, "outlier_idx": torch.int32}
+
+
+def _int2_images(spec) -> tuple | None:
+    """(spec, up, down ``int2_moe.ImageMatrixInt2``) of an int2 experts module, or None: a matrix the tiered
+    kernel does not take (``int2_moe.tiered_applies``) or a buffer of another dtype."""
+    from airquant.quant.kernels import int2_moe
+
+    if any(spec.dtypes.get(name, dtype) != dtype for name, dtype in INT2_DTYPES.items()) or \
+            not all(int2_moe.tiered_applies(m.n, m.k, spec.group) for m in (spec.up, spec.down)):
+        return None
+    return spec, *(int2_moe.ImageMatrixInt2(m.n, m.k, spec.group, m.n_out, m.cols,
+                                             tuple(m.offsets.get(b) for b in int2_moe.BUFFERS), m.bias)
+                   for m in (spec.up, spec.down))
 
 
 class DirectReads:
@@ -76,14 +95,18 @@ class DirectReads:
         return self._reachable
 
     def matrices(self, i: int, module) -> tuple | None:
-        """Layer i's (spec, up ImageMatrix, down ImageMatrix), or None: its experts module does not qualify."""
+        """Layer i's (spec, up image matrix, down image matrix), or None: its experts module does not qualify."""
         if i not in self._matrices:
             from airquant.quant.kernels.nf4_moe import BIAS_KINDS, BUFFERS, ImageMatrix
 
             layer = self.layers[i]
-            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets)
-            if spec is None or spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8 or \
-                    any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
+            spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets,
+                                                schemes=("nf4", "int2"))
+            if spec is None or any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
+                self._matrices[i] = None
+            elif spec.scheme == "int2":
+                self._matrices[i] = _int2_images(spec)
+            elif spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8:
                 self._matrices[i] = None
             else:
                 def image(m):
@@ -106,15 +129,22 @@ class DirectReads:
         if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
             work()
         spec, up_m, down_m = found
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if spec.scheme == "int2":
+            from airquant.quant.kernels import int2_moe
+
+            tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i],
+                                  self.counts[i], self.hits[i:i + 1])
+            h = expert_compute.activate(module, int2_moe.tiered_up_int2(flat, index, up_m, tiers), spec.gated)
+            return int2_moe.tiered_down_int2(h, index, weights, down_m, tiers, hidden.dtype)
         if i not in self._books:
             self._books[i] = self.code_books(src, arranged, (up_m, down_m))
         tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
                               self.hits[i:i + 1], **self._books[i])
-        flat = hidden.reshape(-1, hidden.shape[-1])
         h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
         return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
 
-    def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:
+    def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:  # NF4 only
         """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier
         bytes holds, as device copies, where all images and ``matrices`` agree; else {} (each image's own).
 

@@ -154,3 +154,149 @@ def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.
                        op.cols, top_k, DOWN=down, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
                        BLOCK_O=min(OUTLIER_BLOCK, max(triton.next_power_of_2(op.n_out), 16)), num_warps=4)
     return out
+
+
+# -- direct reads: each pair's expert read where it is (engine/moe/direct.py) ---------------------------------
+@dataclass(frozen=True)
+class ImageMatrixInt2:
+    """One ``[n, k]`` int2 matrix inside an expert's image (the RAM tier's arranged bytes, or a hot-set slot
+    holding the same bytes): the byte offset of each of its buffers (``BUFFERS``; no outlier channels: None), its
+    group, outlier count and stored outlier row width, and its bias row ``[n]`` (offset, dtype) if any."""
+
+    n: int
+    k: int
+    group: int
+    n_out: int
+    cols: int
+    offsets: tuple[int | None, ...]
+    bias: tuple[int, torch.dtype] | None = None
+
+    def args(self) -> list[int]:
+        codes = self.offsets[0]
+        return [codes if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
+
+    @property
+    def bias_kind(self) -> int:
+        from airquant.quant.kernels.nf4_moe import BIAS_KINDS
+
+        return 0 if self.bias is None else BIAS_KINDS[self.bias[1]]
+
+
+def tiered_applies(n: int, k: int, group: int) -> bool:
+    """Whether the tiered kernel takes a matrix: its rows in whole 16-code words (``k`` a multiple of 16, so
+    every row starts on a word) and its groups in whole words (int2 groups are multiples of 16 anyway)."""
+    return n > 0 and k % 16 == 0 and group % 16 == 0
+
+
+@triton.jit
+def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, lv_ptr, table_ptr, counts_ptr, hits_ptr,
+                   host_ptr, host_start, host_stride, pool_ptr, slot_bytes,
+                   off_c, off_s, off_z, off_ow, off_oi, off_bias,
+                   N, K: tl.constexpr, G: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+                   TOP_K: tl.constexpr, DOWN: tl.constexpr, COUNT: tl.constexpr, BIAS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_O: tl.constexpr):
+    """As ``_gemv_kernel`` (up: one program per pair and block of outputs; down: per token, its ``TOP_K`` pairs
+    weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier, read in
+    int32 words of 16 codes (a group holds whole words: one scale and zero a word, ``w = scale * level + zero``
+    summed as ``scale * sum(level * x) + zero * sum(x)``). ``COUNT``: the programs of the first output block
+    also count each pair's expert and pool hits. ``BIAS`` (``nf4_moe.BIAS_KINDS``, 0: none): the expert's bias
+    row, added to its product before the routing weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_W)
+    l0 = tl.load(lv_ptr)
+    l1 = tl.load(lv_ptr + 1)
+    l2 = tl.load(lv_ptr + 2)
+    l3 = tl.load(lv_ptr + 3)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        if slot >= 0:
+            base = pool_ptr + slot * slot_bytes
+        else:
+            base = host_ptr + host_start + e * host_stride
+        if COUNT:
+            if tl.program_id(1) == 0:
+                tl.atomic_add(counts_ptr + e, 1)
+                tl.atomic_add(hits_ptr, (slot >= 0).to(tl.int64))
+        words_ptr = (base + off_c).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 16)
+        scales = (base + off_s).to(tl.pointer_type(tl.float16)) + rows[:, None] * (K // G)
+        zeros = (base + off_z).to(tl.pointer_type(tl.float16)) + rows[:, None] * (K // G)
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, 16 * BLOCK_W):
+            cols = k0 + 16 * offs_w  # the first element of each word
+            k_mask = cols < K
+            mask = n_mask[:, None] & k_mask[None, :]
+            words = tl.load(words_ptr + (k0 // 16 + offs_w)[None, :], mask=mask, other=0)
+            dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
+            for m in tl.static_range(16):
+                code = (words >> (2 * m)) & 3  # channel 4 * b + c at bits 2 * c of byte b: bits 2 * m of the word
+                level = tl.where(code == 0, l0, tl.where(code == 1, l1, tl.where(code == 2, l2, l3)))
+                xm = tl.load(x_row + cols + m, mask=k_mask, other=0.0).to(tl.float32)
+                dot += level * xm[None, :]
+                xsum += xm
+            scale = tl.load(scales + (cols // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+            zero = tl.load(zeros + (cols // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(scale * dot + zero * xsum[None, :], axis=1)
+        if NOUT > 0:  # the outlier channels' residuals: w[:, idx[o]] += ow[:, o]
+            idx_ptr = (base + off_oi).to(tl.pointer_type(tl.int32))
+            ow_ptr = (base + off_ow).to(tl.pointer_type(tl.float16))
+            for o0 in range(0, NOUT, BLOCK_O):
+                oc = o0 + tl.arange(0, BLOCK_O)
+                o_mask = oc < NOUT
+                idx = tl.load(idx_ptr + oc, mask=o_mask, other=0)
+                xo = tl.load(x_row + idx, mask=o_mask, other=0.0).to(tl.float32)
+                ow = tl.load(ow_ptr + rows[:, None] * COLS + oc[None, :], mask=n_mask[:, None] & o_mask[None, :],
+                             other=0.0).to(tl.float32)
+                acc += tl.sum(ow * xo[None, :], axis=1)
+        if BIAS == 1:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float32)) + offs_n, mask=n_mask, other=0.0)
+        elif BIAS == 2:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.bfloat16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
+        elif BIAS == 3:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def tiered_up_int2(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrixInt2, tiers) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias), the
+    expert read where ``tiers`` (``nf4_moe.Tiers``) has it; counts each pair's expert and pool hit."""
+    out = torch.empty((ids.numel(), m.n), dtype=x.dtype, device=x.device)
+    return _launch_tiered(x.contiguous(), out, ids, None, m, tiers, ids.shape[-1], down=False)
+
+
+def tiered_down_int2(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: ImageMatrixInt2, tiers,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
+    weighted by ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
+    return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
+
+
+def _launch_tiered(x, out, ids, weights, m: ImageMatrixInt2, tiers, top_k: int, down: bool) -> torch.Tensor:
+    if not tiered_applies(m.n, m.k, m.group):
+        raise ValueError(f"tiered int2 GEMV needs in_features ({m.k}) and the group ({m.group}) multiples of 16")
+    # 32 words a K step: 512 codes, 128 bytes of a row (one line of the link), as the NF4 tiered kernel reads
+    block_w = min(32, max(triton.next_power_of_2(m.k // 16), 1))
+    block_n = min(16 if down else 32, triton.next_power_of_2(m.n))
+    grid = (out.shape[0], triton.cdiv(m.n, block_n))
+    _tiered_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
+                         _levels(x.device), tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start,
+                         tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, m.group,
+                         m.n_out, m.cols, top_k, DOWN=down, COUNT=not down, BIAS=m.bias_kind, BLOCK_N=block_n,
+                         BLOCK_W=block_w, BLOCK_O=min(OUTLIER_BLOCK, max(triton.next_power_of_2(m.n_out), 16)),
+                         num_warps=4)
+    return out
