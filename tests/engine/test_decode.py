@@ -73,6 +73,32 @@ def test_continuous_equals_one_at_a_time(engine, references, kv, offload, order)
     assert got == references[kv]
 
 
+def test_turboquant_prompts_fill_a_pass_first_fit(engine):
+    """TurboQuant prompts are prefilled whole: where the next waiting prompt does not fit what is left of a pass,
+    the first one that does goes in its place (a job fed longest first used to fill about half of each pass),
+    and every sequence decodes as it does alone. A prompt too long for a pass with every slot decoding is not
+    passed."""
+    lengths, new = (30, 28, 5, 4), 3
+    reqs = [Request(tuple(range(7, 7 + n)), new, ignore_eos=True) for n in lengths]
+    loop = engine.decode_loop(3, context=64, kv=TQ, token_budget=40)
+    seqs = [loop.submit(r) for r in reqs]
+    first = loop._schedule()
+    assert [(seqs.index(s), n) for s, n in first] == [(0, 30), (2, 5), (3, 4)]  # 28 waits for the next pass
+    loop = engine.decode_loop(3, context=64, kv=TQ, token_budget=40)
+    seqs = [loop.submit(r) for r in reqs]
+    while not loop.idle:
+        loop.step()
+    alone = []
+    for r in reqs:
+        one = engine.decode_loop(1, context=64, kv=TQ, token_budget=40)
+        alone.append(one.run([r])[0].out)
+    assert [s.out for s in seqs] == alone
+    # 28 + 30 > 40 - 3 decoding slots: a second prompt that long is never passed
+    loop = engine.decode_loop(3, context=64, kv=TQ, token_budget=40)
+    seqs = [loop.submit(Request(tuple(range(7, 7 + n)), new, ignore_eos=True)) for n in (30, 38, 5)]
+    assert [(seqs.index(s), n) for s, n in loop._schedule()] == [(0, 30)]
+
+
 def test_a_pass_of_prefill_chunks_only_emits_nothing_and_the_prompt_goes_on(engine, hf):
     """A prompt longer than the token budget: its first passes are prefill chunks that need no logits (an
     empty ``logits_to_keep``; a float one failed as an index on the device) and the tokens are the reference's."""

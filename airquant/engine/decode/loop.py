@@ -227,8 +227,17 @@ class DecodeLoop:
         while free and self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.kv.tq and seq.prompt_len > budget and plan:
-                break  # a TurboQuant prompt is prefilled whole (its flush points then match one-at-a-time)
-            self.waiting.popleft()
+                # A TurboQuant prompt is prefilled whole (its flush points then match one-at-a-time): the first
+                # waiting prompt that fits what is left of the pass goes now (a job fed longest first filled
+                # ~half of each pass's budget otherwise), where the one it passes fits the next pass even with
+                # every slot decoding; a prompt that does not waits, and none passes it.
+                seq = None if self.waiting[0].prompt_len > self.token_budget - self.slots else \
+                    next((s for s in self.waiting if s.prompt_len <= budget), None)
+                if seq is None:
+                    break
+                self.waiting.remove(seq)
+            else:
+                self.waiting.popleft()
             seq.slot = free.pop(0)
             self.running[seq.slot] = seq
             budget -= self._chunk(plan, seq, budget)
