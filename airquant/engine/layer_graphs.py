@@ -186,7 +186,11 @@ class _SyncCheck:
         torch.cuda.set_sync_debug_mode("warn")
 
     def static_update(self, key) -> None:
-        pass  # a static write and attention are part of the graph: their syncs count
+        self._mark = len(self.seen)  # a static write and attention are part of the graph: their syncs count
+
+    def static_end(self) -> None:
+        if len(self.seen) > self._mark and any(_is_sync(w) for w in self.seen[self._mark:]):
+            self.static_synced = True
 
     def eager(self, fn, args: tuple):
         self.island_begin()
@@ -196,6 +200,7 @@ class _SyncCheck:
             self.island_end()
 
     def __enter__(self):
+        self.static_synced, self._mark = False, 0
         self.caught = warnings.catch_warnings(record=True)
         self.seen = self.caught.__enter__()
         warnings.simplefilter("always")
@@ -269,7 +274,7 @@ class EmulatedBackend:
 
 
 class _NoCheck:
-    synced = False
+    synced = static_synced = False
 
     def island_begin(self, *args) -> None:
         pass
@@ -278,6 +283,9 @@ class _NoCheck:
         pass
 
     def static_update(self, key) -> None:
+        pass
+
+    def static_end(self) -> None:
         pass
 
     @staticmethod
@@ -344,6 +352,7 @@ class Recorder:
         self.capturing = False
         self.static = static  # the key's ``SlotKV.static_key``: a static cache update must match it
         self.updates = 0
+        self.in_static = False
 
     @property
     def pending(self) -> bool:
@@ -369,11 +378,15 @@ class Recorder:
 
     def static_update(self, key) -> None:
         """A static cache update: captured with the rest, on the buffers the call's key names."""
+        self.in_static = True  # a failure from here to static_end is the static write's or attention's
         self.updates += 1
         if self.updates > 1 or not self.capturing or self.pending:
             raise Unsupported("more than one cache update in a layer call")
         if key is None or key != self.static:
             raise Unsupported("the cache update's buffers are not those of the call's key")
+
+    def static_end(self) -> None:
+        self.in_static = False  # the capture goes on
 
     def island_begin(self, key, value, layer_idx: int, args: tuple, kwargs: dict) -> None:
         self.updates += 1
@@ -464,6 +477,9 @@ class LayerGraphs:
         self._owner: dict[tuple, weakref.ref] = {}
         self._kv: weakref.ref | None = None  # the cache of the last call
         self.buffers = KVBuffers()  # the plain cache's device buffers, lent from one loop's cache to the next
+        # Static passes (the cache write and attention in the graphs) until one fails: a static key's capture
+        # failed or its warm-up synchronized in the write or attention. Then every cache keeps the island.
+        self.static_ok = True
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
 
     @classmethod
@@ -482,7 +498,7 @@ class LayerGraphs:
         kv = next((x for x in leaves if isinstance(x, SlotKV)), None)
         if kv is None or type(layer).__name__ not in CAPTURED_LAYERS:
             return call(*args, **kwargs)
-        kv.graph_rows = self.max_rows  # its next decode passes are static (SlotKV.begin)
+        kv.graph_rows = self.max_rows if self.static_ok else 0  # its next decode passes are static (SlotKV.begin)
         if kv.pool is None and self.buffers.attach(kv):  # before its first update makes its buffers
             kv.pool = self.buffers
         if kv.prefix or not 0 < len(kv.segments) <= self.max_rows or any(s.n != 1 for s in kv.segments):
@@ -525,6 +541,8 @@ class LayerGraphs:
                     out = call(*args, **kwargs)
                 finally:
                     kv.recorder = None
+            if check.static_synced:
+                self._static_off(index, "its cache write or attention synchronized")
             if check.synced:
                 self._synced[key] = self._synced.get(key, 0) + 1
                 if self._synced[key] >= 2:
@@ -535,6 +553,15 @@ class LayerGraphs:
                 self._work[key] = work
             return out
         return self._capture(key, call, leaves, spec, kv)
+
+    def _static_off(self, index: int, why: str) -> None:
+        """No more static passes (from the next pass on): layers keep the cache write and attention as an
+        island, as before they were captured (their graphs then key on no cache buffer)."""
+        if self.static_ok:
+            self.static_ok = False
+            self.buffers.clear()
+            log.warning("layer %d: its decode call with the cache write and attention could not be captured (%s); "
+                        "the layer graphs leave them between two graphs from the next pass on", index, why)
 
     def _new_cache(self, kv) -> None:
         """Another cache's calls from now on: the static layers' keys of the others go (their graphs read
@@ -589,6 +616,8 @@ class LayerGraphs:
             kv.recorder = None
             self._eager.add(key)
             self.stats["failed"] += 1
+            if recorder.in_static:
+                self._static_off(key[0], f"{type(err).__name__}: {err}")
             self._held.clear()
             log.warning("layer %d: its decode call could not be captured as a CUDA graph (%s: %s); it runs "
                         "without one", key[0], type(err).__name__, err)

@@ -91,6 +91,52 @@ def test_static_passes_decode_as_the_plain_cache(stores, model_type):
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_failed_static_capture_falls_back_to_the_island(stores, monkeypatch):
+    """A static capture that fails in the cache write or attention (here the attention reads a value on the
+    host, which a capture refuses) turns static passes off from the next pass on: the layers are captured around
+    the attention island instead and replayed, and the decode is the plain cache's (tokens equal, logits within
+    fp32 rounding: the first passes ran static). A failure elsewhere in the call leaves them on (the test
+    above: the layer runs eagerly)."""
+    from airquant.engine.decode import slots
+
+    engine = Engine.open(stores["qwen3"], device="cpu", dtype="float32", resident_layers=0)
+    want_tokens, want_logits = _decode(engine, steps=8)
+    engine.close()
+    real = slots._attend
+    monkeypatch.setattr(slots, "_attend", lambda q, k, v, keep, *a: real(q, k, v, keep, *a) * keep.any().item())
+    engine, graphs = _graphed(stores["qwen3"])
+    tokens, logits = _decode(engine, steps=8)
+    islands = [len(e.islands) for key, e in graphs._entries.items()]
+    engine.close()
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert not graphs.static_ok and graphs.stats["failed"] >= 1 and graphs.stats["replays"] > 0
+    assert islands and all(n == 1 for n in islands)
+
+
+def test_a_static_warm_up_that_synchronizes_falls_back_to_the_island(stores):
+    """The warm-up's sync check saw a sync inside the static cache write or attention (CUDA:
+    ``set_sync_debug_mode``): static passes go off, nothing is marked eager for it, and the layers are captured
+    around the island from the next pass on."""
+
+    class Synced(layer_graphs._NoCheck):
+        static_synced = True
+
+    class Backend(layer_graphs.EmulatedBackend):
+        @staticmethod
+        def warmup():
+            return Synced()
+
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+    graphs = layer_graphs.LayerGraphs(Backend(), FUSED_TOKENS)
+    skeleton.attach_graphs(engine.model, graphs)
+    _decode(engine, steps=6)
+    entries = list(graphs._entries.items())
+    engine.close()
+    assert not graphs.static_ok and graphs.stats["failed"] == 0 and not graphs._eager
+    assert entries and all(key[-1] is None and len(e.islands) == 1 for key, e in entries)
+
+
 def test_static_span_buckets():
     from airquant.engine.decode.slots import static_span
 
@@ -262,7 +308,7 @@ def test_a_layer_that_reads_on_the_host_runs_eagerly(stores, monkeypatch):
     engine.close()
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 1 and eager == 1 and graphs.stats["eager"] > 0
-    assert graphs.stats["replays"] > 0
+    assert graphs.stats["replays"] > 0 and graphs.static_ok
 
 
 def test_a_call_that_synchronizes_at_warm_up_twice_is_never_captured(stores):

@@ -452,9 +452,12 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     result = _ragged_attention(module, query, key, value, attention_mask, scaling, dropout, slot_kv=slot_kv,
                                **kwargs)
     ctx = context_of(key)
-    if isinstance(ctx, PassContext) and ctx.kv.recorder is not None and not ctx.static:
-        ctx.kv.recorder.island_end(ragged_attention, module, query, key, value, (attention_mask,),
-                                   dict(scaling=scaling, dropout=dropout, slot_kv=slot_kv, **kwargs), result)
+    if isinstance(ctx, PassContext) and ctx.kv.recorder is not None:
+        if ctx.static:
+            ctx.kv.recorder.static_end()
+        else:
+            ctx.kv.recorder.island_end(ragged_attention, module, query, key, value, (attention_mask,),
+                                       dict(scaling=scaling, dropout=dropout, slot_kv=slot_kv, **kwargs), result)
     return result
 
 
