@@ -12,7 +12,8 @@ import torch
 from airquant.quant.kernels import nf4_cpu
 
 CASES = [(64, 128, 64, True, 1), (33, 256, 64, False, 3), (17, 70, 64, True, 2), (5, 9, 64, False, 1),
-         (128, 512, 128, True, 16), (40, 192, 32, False, 9), (300, 1024, 64, True, 19), (7, 64, 64, False, 8)]
+         (128, 512, 128, True, 16), (40, 192, 32, False, 9), (300, 1024, 64, True, 19), (7, 64, 64, False, 8),
+         (37, 384, 128, True, 1)]  # batch 1 in the wide pass: rows in fours (AVX2: twos) and a remainder
 
 
 def _reference(x: torch.Tensor, bufs: dict, n: int, k: int, bs: int, double: bool) -> torch.Tensor:
@@ -132,7 +133,8 @@ def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tm
     try:
         assert nf4_cpu.library() is not None and nf4_cpu.library().nf4_lanes() == lanes
         for n, k, bs, double, t in [(24, 256, 64, True, 1), (16, 512, 128, False, 4), (9, 384, 64, False, 9),
-                                    (8, 192, 32, True, 3), (5, 64, 64, False, 2), (3, 70, 64, True, 1)]:
+                                    (8, 192, 32, True, 3), (5, 64, 64, False, 2), (3, 70, 64, True, 1),
+                                    (23, 256, 64, False, 1)]:  # batch 1: rows in fours or twos, a remainder
             bufs = nf4_cpu.random_nf4(n, k, bs, double, seed=k + t)
             x = torch.randn(t, k)
             _check(nf4_cpu.matmul(x, bufs, n, k, bs, double), _reference(x, bufs, n, k, bs, double))
