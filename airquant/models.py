@@ -80,7 +80,12 @@ class ModelSource:
     @cached_property
     def _targets(self) -> dict[str, str]:
         """Checkpoint tensor name -> the model's tensor name, through transformers' key conversions."""
-        return checkpoint_targets(self.skeleton, list(self._index))
+        return checkpoint_targets(self.skeleton, list(self._index), self._expert_parts)
+
+    @cached_property
+    def _expert_parts(self) -> dict[str, ExpertPart]:
+        """Pre-quantized tensors of per-expert linears that transformers merges (filled by ``_targets``)."""
+        return {}
 
     def block(self, group: str):
         """The meta module of decoder layer ``layer.N``."""
@@ -95,9 +100,13 @@ class ModelSource:
         return MoEInfo(num=counts[0], top_k=counts[1], modules=tuple(modules)) if modules else None
 
     def check_tensors(self) -> None:
-        """Map every checkpoint name now, so a checkpoint AirQuant cannot take is refused before anything is written."""
+        """Map every checkpoint name now, so a checkpoint AirQuant cannot take is refused before anything is written
+        (pre-quantized experts: their act-order groups read and compared too, a few KB a linear)."""
         if self._index:
             self._targets  # noqa: B018 - computing it raises the clear error
+            g_idx = _read_tensors(self._index, [n for n in self._expert_parts if n.endswith(".g_idx")])
+            if g_idx:
+                merge_expert_parts(self, g_idx)
 
     @property
     def tied(self) -> bool:
@@ -285,13 +294,43 @@ def _tensor_names(file: Path) -> list[str]:
     return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
 
 
-def checkpoint_targets(skeleton, names: list[str]) -> dict[str, str]:
+@dataclass(frozen=True)
+class ExpertPart:
+    """A pre-quantized tensor of one expert's linear that transformers merges into a fused experts parameter
+    (``experts.3.up_proj.qweight`` into ``experts.gate_up_proj``): its expert, and its place among the linears
+    concatenated along the output (gate 0, up 1 of 2; a down projection is 0 of 1)."""
+
+    expert: int
+    part: int
+    parts: int
+
+
+def _merge_parts(converter, pattern: str, name: str) -> ExpertPart | None:
+    """Where checkpoint tensor ``name`` (matched by ``converter``'s source ``pattern``) goes in the fused
+    parameter: transformers' experts merge (stack the experts, then concatenate the linears along the output);
+    None for any other conversion."""
+    import re
+
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
+    if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) or \
+            pattern.count("*") != 1 or not pattern.endswith(".weight"):
+        return None
+    found = re.search(re.escape(pattern.removesuffix(".weight")).replace(r"\*", r"(\d+)") + r"\.[a-z_]+$", name)
+    if found is None:
+        return None
+    sources = list(converter.source_patterns)
+    return ExpertPart(int(found.group(1)), sources.index(pattern), len(sources))
+
+
+def checkpoint_targets(skeleton, names: list[str], expert_parts: dict | None = None) -> dict[str, str]:
     """Checkpoint name -> model tensor name for every checkpoint tensor the model has a place for.
 
     transformers 5 renames keys and merges some (per-expert ``experts.N.w1`` into fused
     ``experts.gate_up_proj``) while loading; the rename is the first step of that same loading.
     Pre-quantized tensors (GPTQ/AWQ ``qweight``, ``scales`` ...) have no place in the dense model:
-    they follow their module's ``weight`` and are stored as they are.
+    they follow their module's ``weight`` and are stored as they are. Those of per-expert linears that
+    transformers merges go to the fused parameter's name + suffix (``experts.gate_up_proj.qweight``), their
+    expert and part recorded in ``expert_parts`` (``merge_expert_parts`` builds the stacked tensors).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -301,11 +340,11 @@ def checkpoint_targets(skeleton, names: list[str]) -> dict[str, str]:
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     model_names = skeleton.state_dict()
 
-    def target(name: str) -> tuple[str | None, bool]:
+    def target(name: str) -> tuple[str | None, str | None]:
         renamed, merged = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, model_names)
         if renamed in model_names:
-            return renamed, merged is not None
-        return (name, False) if name in model_names else (None, False)
+            return renamed, merged
+        return (name, None) if name in model_names else (None, None)
 
     out = {}
     for name in sorted(names):
@@ -313,12 +352,18 @@ def checkpoint_targets(skeleton, names: list[str]) -> dict[str, str]:
         if found is None and name.endswith(PACKED_SUFFIXES):
             module, _, suffix = name.rpartition(".")
             weight, merged = target(module + ".weight")
-            if merged:
-                raise UnsupportedModelError(
-                    f"{name} is a pre-quantized tensor of a module transformers merges on loading (fused experts); "
-                    "AirQuant keeps GPTQ/AWQ tensors only for plain linears. Shard the unquantized checkpoint "
-                    "with --quant nf4 or int2 instead.")
-            found = weight.removesuffix(".weight") + "." + suffix if weight else None
+            if merged is not None:
+                converter = next((c for c in converters if merged in c.source_patterns), None)
+                part = _merge_parts(converter, merged, module + ".weight") if converter is not None else None
+                if part is None or expert_parts is None:
+                    raise UnsupportedModelError(
+                        f"{name} is a pre-quantized tensor of a module transformers merges on loading in a way "
+                        "AirQuant does not rebuild for packed tensors (it stacks per-expert GPTQ/AWQ linears); "
+                        "shard the unquantized checkpoint with --quant nf4 or int2 instead.")
+                expert_parts[name] = part
+                found = f"{weight}.{suffix}"
+            else:
+                found = weight.removesuffix(".weight") + "." + suffix if weight else None
         if found is None:
             log.debug("skipping checkpoint tensor %s (the model has no place for it)", name)
         else:
@@ -377,8 +422,69 @@ def _folder_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tens
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the checkpoint is incomplete.")
         dense = [n for n in names if src._targets[n] in model_names]
         tensors = convert_tensors(src.skeleton, {n: _read_tensor(src._index[n], n) for n in dense})
-        tensors.update({src._targets[n]: _read_tensor(src._index[n], n) for n in names if n not in dense})
+        parts = [n for n in names if n in src._expert_parts]
+        tensors.update({src._targets[n]: _read_tensor(src._index[n], n) for n in names
+                        if n not in dense and n not in src._expert_parts})
+        if parts:
+            tensors.update(merge_expert_parts(src, {n: _read_tensor(src._index[n], n) for n in parts}))
         yield group, {src.layout.group_of(k)[1]: v for k, v in tensors.items()}
+
+
+def merge_expert_parts(src: ModelSource, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert GPTQ/AWQ tensors (``src._expert_parts``) -> the fused parameter's stacked ones ``[E, ...]``:
+    the linears of one expert concatenated along their output (the packed tensors' last dimension: GPTQ's
+    ``qweight`` ``[in/8, out]``, ``qzeros`` ``[groups, out/8]``, ``scales`` ``[groups, out]``; AWQ's the same
+    way), as transformers concatenates gate and up; ``g_idx`` (the input channels' groups) must agree between
+    them. The fused parameter must hold each expert as ``[out, in]`` (not gpt-oss's transposed ``[in, out]``)."""
+    by_target: dict[str, dict[tuple[int, int], torch.Tensor]] = defaultdict(dict)
+    n_parts: dict[str, int] = {}
+    for name, t in tensors.items():
+        part = src._expert_parts[name]
+        by_target[src._targets[name]][(part.expert, part.part)] = t
+        n_parts[src._targets[name]] = part.parts
+    params = src.skeleton.state_dict()
+    out = {}
+    for target, found in sorted(by_target.items()):
+        param, _, suffix = target.rpartition(".")
+        experts, parts = int(params[param].shape[0]), n_parts[target]
+        missing = [(e, p) for e in range(experts) for p in range(parts) if (e, p) not in found]
+        if missing or len(found) != experts * parts:
+            raise UnsupportedModelError(
+                f"{param}: the checkpoint's {suffix} tensors of {experts} experts x {parts} linears are incomplete "
+                f"(first missing: expert {missing[0][0] if missing else '?'}); the checkpoint is damaged.")
+        rows = []
+        for e in range(experts):
+            pieces = [found[(e, p)] for p in range(parts)]
+            if suffix == "g_idx":
+                if any(not torch.equal(x, pieces[0]) for x in pieces[1:]):
+                    raise UnsupportedModelError(
+                        f"{param}: expert {e}'s linears have different act-order groups (g_idx), which one fused "
+                        "matrix cannot hold; shard the unquantized checkpoint with --quant nf4 or int2 instead.")
+                rows.append(pieces[0])
+            else:
+                rows.append(torch.cat(pieces, dim=-1) if parts > 1 else pieces[0])
+        out[target] = torch.stack(rows).contiguous()
+        if suffix == "scales" and out[target].shape[-1] != params[param].shape[1]:
+            raise UnsupportedModelError(
+                f"{param}: {suffix} holds {out[target].shape[-1]} outputs an expert, but the model's fused "
+                f"parameter is {list(params[param].shape)} (experts stored [in, out], as gpt-oss's): AirQuant "
+                "keeps packed experts only as [out, in]; shard the unquantized checkpoint with --quant nf4 or int2.")
+    return out
+
+
+def _read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """``names`` read with each file opened once (a MoE checkpoint's act-order groups: ~18 000 small tensors)."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[index[name]].append(name)
+    out = {}
+    for file, some in by_file.items():
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in some})
+        else:
+            out.update({n: _read_tensor(file, n) for n in some})
+    return out
 
 
 def _read_tensor(file: Path, name: str) -> torch.Tensor:

@@ -119,11 +119,24 @@ def _prequant_transform(detected: dict) -> GroupTransform:
         for name in tensors:
             module, _, suffix = name.rpartition(".")
             suffixes[module].append(suffix)
-        modules = {m: {**detected["module_meta"], "tensors": sorted(s for s in sfx if s != "bias")}
+        modules = {m: {**detected["module_meta"], "tensors": sorted(s for s in sfx if s != "bias"),
+                       **_stacked_meta(detected["module_meta"], tensors[f"{m}.qweight"])}
                    for m, sfx in suffixes.items() if "qweight" in sfx and should_convert(m, detected)}
         return tensors, modules
 
     return transform
+
+
+def _stacked_meta(meta: dict, qweight: torch.Tensor) -> dict:
+    """A fused experts parameter's packed tensors (``models.merge_expert_parts``: ``[E, ...]``): its module meta
+    says so as ``quantize_experts``' does (experts, ``[out, in]`` an expert, not transposed); a plain linear's
+    (2-D) adds nothing. GPTQ packs ``qweight`` ``[in / per, out]``, AWQ ``[in, out / per]`` (per = 32 / bits)."""
+    if qweight.dim() != 3:
+        return {}
+    per = 32 // int(meta["bits"])
+    experts, a, b = qweight.shape
+    out_f, in_f = (b, a * per) if meta["scheme"] == "gptq" else (b * per, a)
+    return {"experts": int(experts), "shape": [int(out_f), int(in_f)], "transposed": False}
 
 
 def _gguf_keep_transform(source: ModelSource) -> GroupTransform:

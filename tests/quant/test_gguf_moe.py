@@ -1,5 +1,6 @@
 """GGUF Mixture-of-Experts files: a tiny qwen3moe GGUF (Q8_0/Q4_0 expert blocks) sharded dequantized and with
-``--quant keep`` streams the logits transformers' own GGUF loader gives; pre-quantized GPTQ experts are refused."""
+``--quant keep`` streams the logits transformers' own GGUF loader gives; pre-quantized GPTQ experts shard through
+the CLI stacked (their logits: tests/store/test_quantized_stores.py)."""
 
 from __future__ import annotations
 
@@ -227,8 +228,9 @@ def test_gate_and_up_of_different_types_are_stored_dequantized(tmp_path):
     assert shards["layer.1"].modules["mlp.experts.gate_up_proj"]["ggml_type"] == "Q4_0"
 
 
-def test_gptq_experts_are_refused_and_nothing_is_written(tmp_path, capsys, real_tokenizer):
-    """transformers fuses per-expert linears on loading; GPTQ tensors of those have no fused form to keep."""
+def test_gptq_experts_shard_stacked_through_the_cli(tmp_path, capsys, real_tokenizer):
+    """transformers fuses per-expert linears on loading; their GPTQ tensors are stacked the same way (``w1`` and
+    ``w3`` concatenated along the output, the experts stacked): ``airquant shard`` writes them packed."""
     from safetensors.torch import save_file
 
     from airquant.quant.rtn import gptq_tensors, quantization_config, rtn_quantize
@@ -247,14 +249,24 @@ def test_gptq_experts_are_refused_and_nothing_is_written(tmp_path, capsys, real_
                 rtn = rtn_quantize(torch.randn(shape) * 0.05, 4, 32, sym=True)
                 prefix = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}."
                 tensors.update({prefix + k: v for k, v in gptq_tensors(rtn, 4).items()})
-    save_file(tensors, str(folder / "model.safetensors"))
     real_tokenizer.save_pretrained(folder)
+    for layer in range(2):  # the rest of the layer, dense
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{name}.weight"] = torch.ones(hidden)
+        heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        for name, shape in (("q_proj", (heads * dim, hidden)), ("k_proj", (kv * dim, hidden)),
+                            ("v_proj", (kv * dim, hidden)), ("o_proj", (hidden, heads * dim))):
+            tensors[f"model.layers.{layer}.self_attn.{name}.weight"] = torch.randn(shape) * 0.05
+        tensors[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = torch.randn(config["num_local_experts"],
+                                                                                    hidden)
+    tensors.update({"model.norm.weight": torch.ones(hidden), "lm_head.weight": torch.randn(len(real_tokenizer),
+                                                                                            hidden)})
+    save_file(tensors, str(folder / "model.safetensors"))
     store = tmp_path / "store"
-    assert main(["shard", str(folder), "--store", str(store)]) == 2
-    err = capsys.readouterr().err
-    assert "block_sparse_moe.experts.0.w1." in err and "merges on loading (fused experts)" in err
-    assert "--quant nf4 or int2" in err
-    assert not store.exists() or not any(store.iterdir())
+    assert main(["shard", str(folder), "--store", str(store)]) == 0, capsys.readouterr().err
+    meta = load_manifest(store).shards["layer.1"].modules["mlp.experts.gate_up_proj"]
+    assert meta["scheme"] == "gptq" and meta["experts"] == config["num_local_experts"]
+    assert meta["shape"] == [2 * inter, hidden]
 
 
 def test_store_written_with_keep_resumes_under_either_name(stores, moe_gguf, tmp_path):

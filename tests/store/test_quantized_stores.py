@@ -85,6 +85,63 @@ def test_prequantized_checkpoint_streams_its_packed_tensors(tmp_path, real_token
     assert _rel(engine.forward(**enc)[mask], want[mask]) <= 1e-4
 
 
+MOE_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("model_type, method, desc_act", [("qwen3_moe", "gptq", False), ("qwen3_moe", "gptq", True),
+                                                          ("mixtral", "gptq", False), ("qwen3_moe", "awq", False)])
+def test_prequantized_moe_checkpoint_streams_its_stacked_experts(tmp_path, real_tokenizer, model_type, method,
+                                                                  desc_act):
+    """A hub GPTQ/AWQ MoE checkpoint (every expert's gate, up and down packed under its own name): each layer's
+    experts are stored stacked as transformers fuses them (gate and up concatenated along the output), with a
+    module meta of experts and shape, and the streamed model's logits equal a plain model holding the
+    checkpoint's dequantized weights; routed experts decode as whole layers do."""
+    from tests.quant.checkpoints import write_synthetic_gptq_moe_checkpoint
+
+    ckpt = write_synthetic_gptq_moe_checkpoint(tmp_path / "ckpt", real_tokenizer, model_type, method=method,
+                                               desc_act=desc_act, layers=2, **MOE_SIZES)
+    source = resolve(str(ckpt.path))
+    transform, quant = make_transform(source)
+    store = tmp_path / "store"
+    split(source, store, dtype="float32", quant=quant, transform=transform, progress=False)
+    entry = load_manifest(store).shards["layer.1"]
+    meta = entry.modules["mlp.experts.gate_up_proj"]
+    experts = source.config.num_experts if model_type == "qwen3_moe" else source.config.num_local_experts
+    inter = source.config.moe_intermediate_size if model_type == "qwen3_moe" else source.config.intermediate_size
+    assert meta["scheme"] == method and meta["experts"] == experts and meta["shape"] == [2 * inter, 64]
+    assert entry.modules["mlp.experts.down_proj"]["shape"] == [64, inter]
+    assert entry.tensors["mlp.experts.gate_up_proj.qweight"]["shape"][0] == experts
+    ref = AutoModelForCausalLM.from_config(source.config.__class__(**{
+        k: v for k, v in ckpt.config.items() if k != "quantization_config"}), dtype=torch.float32).eval()
+    ref.load_state_dict(ckpt.reference_state_dict)
+    engine = Engine.open(store, device="cpu", experts="whole")
+    enc = engine.encode(PROMPTS)
+    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = ref(**enc, position_ids=position_ids).logits
+    mask = enc["attention_mask"].bool()
+    assert _rel(engine.forward(**enc)[mask], want[mask]) <= 1e-4
+    whole = [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=5)]
+    engine.close()
+    engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
+    assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=5)] == whole
+    engine.close()
+
+
+def test_a_moe_checkpoint_whose_gate_and_up_groups_differ_is_refused(tmp_path, real_tokenizer):
+    """Act-order groups that differ between an expert's gate and up linears cannot share one fused matrix's
+    g_idx: the shard is refused with the fix, before anything is stored."""
+    from tests.quant.checkpoints import write_synthetic_gptq_moe_checkpoint
+
+    ckpt = write_synthetic_gptq_moe_checkpoint(tmp_path / "ckpt", real_tokenizer, "qwen3_moe", desc_act=True,
+                                               shared_perm=False, layers=1, **MOE_SIZES)
+    source = resolve(str(ckpt.path))
+    transform, quant = make_transform(source)
+    with pytest.raises(AirQuantError, match="different act-order groups.*--quant nf4"):
+        split(source, tmp_path / "store", dtype="float32", quant=quant, transform=transform, progress=False)
+    assert not (tmp_path / "store" / "manifest.json").exists()
+
+
 def test_quantizing_a_prequantized_checkpoint_is_refused(tmp_path, real_tokenizer):
     from airquant.quant import QuantSpec
     from tests.quant.checkpoints import write_synthetic_gptq_checkpoint
