@@ -1,6 +1,7 @@
 """Run by tests/engine/test_expert_fused.py in a process of its own, with ``TRITON_INTERPRET=1`` set before Triton
 defines the kernels (so they run on CPU tensors): a batch-1 routed decode of tiny NF4 or int2 MoE stores with the
-fused kernels (``expert_compute.run_fused``) and with them off (per-expert ``run_gemv`` or the stacked decode), fp32.
+fused kernels (``expert_compute.run_fused``) and with them off (per-expert ``run_gemv`` or the stacked decode), fp32;
+a hub GPTQ checkpoint's (TYPE:gptq) stacked at the split.
 Prints one JSON line per store: greedy tokens, the largest logit difference, and how many calls each path made."""
 
 from __future__ import annotations
@@ -43,10 +44,18 @@ def decode(engine: Engine, steps: int) -> tuple[list[int], torch.Tensor]:
 def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool, method: str = "nf4") -> dict:
     from transformers import AutoTokenizer
 
-    model = make_model(folder / "model", AutoTokenizer.from_pretrained(tokenizer_dir), model_type,
-                       **SHAPES[model_type])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if method == "gptq":  # a hub GPTQ checkpoint, act-order groups: its experts stacked at the split
+        from tests.quant.checkpoints import write_synthetic_gptq_moe_checkpoint
+
+        model = write_synthetic_gptq_moe_checkpoint(folder / "model", tokenizer, model_type, desc_act=True,
+                                                    **SHAPES[model_type]).path
+        spec = None
+    else:
+        model = make_model(folder / "model", tokenizer, model_type, **SHAPES[model_type])
+        spec = QuantSpec(method="int2", group=16) if method == "int2" else \
+            QuantSpec(method="nf4", double_quant=double_quant)
     source = resolve(str(model))
-    spec = QuantSpec(method="int2", group=16) if method == "int2" else QuantSpec(method="nf4", double_quant=double_quant)
     transform, record = make_transform(source, spec)
     split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
     row = {"type": model_type, "method": method, "double_quant": double_quant}
@@ -114,8 +123,8 @@ def check_direct(store: Path) -> dict:
 
 if __name__ == "__main__":
     tokenizer_dir = sys.argv[1]
-    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant) or TYPE:int2
+    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2 or TYPE:gptq
         model_type, _, option = spec.partition(":")
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(check(model_type, Path(tmp), tokenizer_dir, option == "dq",
-                                   "int2" if option == "int2" else "nf4")), flush=True)
+                                   option if option in ("int2", "gptq") else "nf4")), flush=True)

@@ -6,8 +6,8 @@ set before Triton defines them): a batch-1 routed decode of tiny NF4 stores of f
 gpt-oss's biased, clamped experts; plain and double-quant absmax) equals the same decode with the fused path off
 (per-expert bitsandbytes matmul or the stacked decode) within fp32 rounding, greedy tokens equal, every MoE layer
 of every decode step computed by the fused path. On CUDA the same in bf16 at the module level, and the gather
-copy against the copy engine. int2 experts take the fused int2 GEMV at up to 8 tokens a call (the same decode of
-the same stores in int2); GPTQ experts do not take a fused path (their calls go on as before).
+copy against the copy engine. int2 and GPTQ experts take their fused GEMV at up to 8 tokens a call (the same
+decode of the same stores in int2; GPTQ experts of a hub checkpoint, stacked at the split).
 """
 
 from __future__ import annotations
@@ -74,6 +74,21 @@ def test_fused_int2_decode_equals_the_per_expert_decode():
         direct = r["direct"]
         assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
+
+
+def test_fused_gptq_decode_equals_the_per_expert_decode():
+    """GPTQ experts of a hub checkpoint (act-order groups, each expert's linears stacked at the split) through the
+    fused GPTQ GEMV (quant/kernels/gptq_moe): routed from the pool's slots and from a whole layer's buffers, every
+    one-token step of every MoE layer, as the per-expert decode; direct reads leave them to the pool."""
+    rows = _interpreted("qwen3_moe:gptq", "mixtral:gptq")
+    assert [(r["type"], r["method"]) for r in rows] == [("qwen3_moe", "gptq"), ("mixtral", "gptq")]
+    for r in rows:
+        for mode in ("routed", "whole"):  # the 12-token prefill is over gptq_moe.GEMV_ROWS: per expert
+            assert r[mode]["fused_calls"] >= 3 * r[mode]["layers"], r
+        for mode in ("routed", "whole", "direct"):
+            assert r[mode]["tokens_equal"], r
+            assert r[mode]["max_rel_diff"] <= 1e-5, r
+        assert r["direct"]["direct_calls"] == 0, r
 
 
 def test_gather_copy_kernel_copies_each_slice_to_its_place():

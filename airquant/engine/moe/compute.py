@@ -37,6 +37,7 @@ import torch
 from airquant.layout import swap_tensor
 from airquant.quant import kernels
 from airquant.quant.experts import ExpertWeights
+from airquant.quant.gptq import GPTQLinear
 from airquant.quant.int2 import Int2Linear
 from airquant.quant.nf4 import NF4Linear
 
@@ -55,14 +56,14 @@ DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
 # kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
 # ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
 GEMV_TOKENS = 4
-# NF4 and int2 experts computed by the fused kernels (``run_fused``: two launches a call, straight from the
+# NF4, int2 and GPTQ experts computed by the fused kernels (``run_fused``: two launches a call, straight from the
 # packed bytes: a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its
 # interpreter in tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
 FUSED = True
 # Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
 # Formats the routed pool's and a whole layer's fused calls take (the host kernel: NF4 only).
-FUSED_SCHEMES = ("nf4", "int2")
+FUSED_SCHEMES = ("nf4", "int2", "gptq")
 # Routed rows per expert, on average, up to which a whole layer's call takes the fused kernels. Each 16-row
 # block of the grouped kernel decodes its expert's tile again: at 16 rows an expert (Qwen3-30B-A3B, batch 256)
 # that is 0.92 of the link, at ~124 (Mixtral, batch 498) it decoded every expert 8 times over, 2.33 s a step
@@ -291,8 +292,9 @@ class FusedMatrix:
 @dataclass(frozen=True)
 class FusedExperts:
     """A quantized experts module whose calls ``run_fused`` computes in two kernel launches from the packed
-    bytes: NF4 (quant/kernels/nf4_moe: one blocksize and double-quant setting) or int2 (quant/kernels/int2_moe:
-    one group; calls of up to ``int2_moe.GEMV_ROWS`` tokens) (gate/)up and down matrices, optional per-expert
+    bytes: NF4 (quant/kernels/nf4_moe: one blocksize and double-quant setting), int2 (quant/kernels/int2_moe:
+    one group; calls of up to ``int2_moe.GEMV_ROWS`` tokens) or GPTQ (quant/kernels/gptq_moe: one bit width and
+    zero offset; calls of up to ``gptq_moe.GEMV_ROWS`` tokens) (gate/)up and down matrices, optional per-expert
     biases; ``dtypes`` of each buffer."""
 
     up: FusedMatrix
@@ -303,9 +305,16 @@ class FusedExperts:
     dtypes: dict
     scheme: str = "nf4"
     group: int = 0  # int2
+    bits: int = 0  # GPTQ
+    zero_offset: int = 0  # GPTQ: what its stored zeros lack (1 in the v1 "gptq" format)
 
     def pool_operands(self, pool: torch.Tensor) -> tuple:
         """The two matrices' operands over an expert pool's slots (an expert's index is its slot)."""
+        if self.scheme == "gptq":
+            from airquant.quant.kernels import gptq_moe
+
+            return tuple(gptq_moe.pool_operand_gptq(pool, m.offsets, self.dtypes, m.n, m.k, self.bits,
+                                                    self.zero_offset, m.bias) for m in (self.up, self.down))
         if self.scheme == "int2":
             from airquant.quant.kernels import int2_moe
 
@@ -318,7 +327,7 @@ class FusedExperts:
 
     def module_operands(self, module) -> tuple:
         """The two matrices' operands over the module's own stacked ``[E, ...]`` buffers (a whole layer)."""
-        from airquant.quant.kernels import int2_moe
+        from airquant.quant.kernels import gptq_moe, int2_moe
         from airquant.quant.kernels.nf4_moe import stacked_operand
 
         ops = []
@@ -326,18 +335,25 @@ class FusedExperts:
             child = getattr(module, m.name)
             bias = getattr(module, f"{m.name}_bias", None) if m.bias is not None else None
             buffers = {s: getattr(child, s) for s in child.suffixes}
-            ops.append(int2_moe.stacked_operand_int2(buffers, m.n, m.k, self.group, m.n_out, m.cols, bias)
-                       if self.scheme == "int2" else
-                       stacked_operand(buffers, m.n, m.k, self.blocksize, self.double, bias))
+            if self.scheme == "gptq":
+                ops.append(gptq_moe.stacked_operand_gptq(buffers, m.n, m.k, self.bits, self.zero_offset, bias))
+            elif self.scheme == "int2":
+                ops.append(int2_moe.stacked_operand_int2(buffers, m.n, m.k, self.group, m.n_out, m.cols, bias))
+            else:
+                ops.append(stacked_operand(buffers, m.n, m.k, self.blocksize, self.double, bias))
         return tuple(ops)
 
     @property
     def max_tokens(self) -> int | None:
-        """Tokens a call may have for ``run_fused`` (None: any; int2 has no grouped kernel)."""
+        """Tokens a call may have for ``run_fused`` (None: any; int2 and GPTQ have no grouped kernel)."""
         if self.scheme == "int2":
             from airquant.quant.kernels import int2_moe
 
             return int2_moe.GEMV_ROWS
+        if self.scheme == "gptq":
+            from airquant.quant.kernels import gptq_moe
+
+            return gptq_moe.GEMV_ROWS
         return None
 
 
@@ -345,11 +361,12 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
                   offsets: tuple[int, ...] | None = None, straddling: bool = False,
                   schemes: tuple[str, ...] = ("nf4",)) -> FusedExperts | None:
     """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (a scheme
-    not in ``schemes``: "nf4", "int2"; a block straddling two rows, a post-expert norm, expert parallelism,
+    not in ``schemes``: "nf4", "int2", "gptq"; a block straddling two rows, a post-expert norm, expert parallelism,
     another quantized or dense tensor). With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors
     relative to the module) the slot must hold exactly those matrices and biases, and their offsets are
     recorded. ``straddling``: NF4 blocks may straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any
-    layout; the Triton kernels do not). The host kernel takes NF4 only (the default); direct reads ask for both."""
+    layout; the Triton kernels do not). The host kernel takes NF4 only (the default); direct reads ask for NF4
+    and int2; the pool's and a whole layer's fused calls for ``FUSED_SCHEMES``."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     gated = getattr(module, "has_gate", True)
@@ -364,6 +381,10 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
         if len({t.group for t in templates}) != 1 or any(t.in_features % 4 for t in templates):
             return None
         scheme = "int2"
+    elif "gptq" in schemes and all(isinstance(t, GPTQLinear) for t in templates):
+        if len({(t.bits, t.zero_offset) for t in templates}) != 1:
+            return None
+        scheme = "gptq"
     elif "nf4" in schemes and all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0)
                                   for t in templates) and len({(t.blocksize, t.double_quant) for t in templates}) == 1:
         scheme = "nf4"
@@ -385,6 +406,9 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
         return None
     if scheme == "int2":
         return FusedExperts(matrices[0], matrices[1], 0, False, gated, kinds, scheme="int2", group=templates[0].group)
+    if scheme == "gptq":
+        return FusedExperts(matrices[0], matrices[1], 0, False, gated, kinds, scheme="gptq", bits=templates[0].bits,
+                            zero_offset=templates[0].zero_offset)
     return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated, kinds)
 
 
@@ -396,6 +420,11 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
     down matrix, weighting and sum in another (GEMV for few tokens; above, pairs sorted into per-expert blocks
     of a grouped tensor-core product, on the device)."""
     up_op, down_op = operands
+    if spec.scheme == "gptq":
+        from airquant.quant.kernels import gptq_moe
+
+        h = activate(module, gptq_moe.up_gptq(hidden, ids, up_op), spec.gated)  # [T * k, I]
+        return gptq_moe.down_gptq(h, ids, weights, down_op, hidden.dtype)  # [T, H]
     if spec.scheme == "int2":
         from airquant.quant.kernels import int2_moe
 

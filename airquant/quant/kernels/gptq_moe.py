@@ -1,0 +1,134 @@
+"""Routed GPTQ experts multiplied straight from their packed bytes: two launches a MoE layer call of a few tokens.
+
+The GPTQ counterpart of ``int2_moe``'s GEMV (pre-quantized MoE checkpoints: ``models.merge_expert_parts`` stacks
+each expert's linears): every (token, expert) pair of a call is a row, its expert found by index in the operand
+(the expert pool's slots or a whole layer's stacked buffers), the codes unpacked in registers, fp32 sums; no
+per-expert Python and no dense weight (the per-expert path decodes every routed expert to a dense matrix a
+call). Up to ``GEMV_ROWS`` tokens a call (decode); larger calls keep the per-expert path.
+
+Layout (quant/gptq.py ``GPTQLinear``, ``bits`` in 2/4/8, ``per = 32 / bits`` codes a word): ``qweight`` int32
+``[k / per, n]``, input channel c of output o at bits ``bits * (c % per)`` of word ``[c // per, o]``; ``qzeros``
+int32 ``[groups, n / per]`` packed along the outputs the same way, stored as zero - ``zero_offset``; ``scales``
+fp16 ``[groups, n]``; ``g_idx`` int32 ``[k]``: input channel c's group (act-order when not ``c // group``).
+``w[o, c] = scales[g, o] * (q - (zero[g, o] + zero_offset))`` with ``g = g_idx[c]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
+
+BUFFERS = ("qweight", "qzeros", "scales", "g_idx")
+GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
+
+
+@dataclass(frozen=True)
+class Operand(Buffers):
+    """One ``[n, k]`` GPTQ matrix of every expert (``expert_operands.Buffers``: a base tensor and the elements from
+    one expert's copy to the next per buffer of ``BUFFERS``; the experts' dense bias rows ``[experts, n]`` if any),
+    its bits and the zero offset of its stored zeros."""
+
+    n: int
+    k: int
+    bits: int
+    zero_offset: int
+    bases: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+    bias: torch.Tensor | None = None
+
+
+def pool_operand_gptq(pool: torch.Tensor, offsets: dict[str, int], dtypes: dict[str, torch.dtype], n: int, k: int,
+                      bits: int, zero_offset: int, bias: tuple[int, torch.dtype] | None = None) -> Operand:
+    """A matrix whose buffers sit at ``offsets`` (bytes) inside every slot of ``pool`` ``[slots, slot_bytes]``."""
+    bases, strides = in_slots(pool, offsets, dtypes, BUFFERS, set(BUFFERS), "qweight")
+    return Operand(n, k, bits, zero_offset, bases, strides, slot_bias(pool, bias, n))
+
+
+def stacked_operand_gptq(buffers: dict[str, torch.Tensor], n: int, k: int, bits: int, zero_offset: int,
+                         bias: torch.Tensor | None = None) -> Operand:
+    """A matrix whose buffers are stacked ``[E, ...]`` tensors (a quantized experts module's)."""
+    bases, strides = stacked(buffers, BUFFERS, set(BUFFERS), "qweight")
+    return Operand(n, k, bits, zero_offset, bases, strides, bias)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
+                 qw_ptr, qw_st, qz_ptr, qz_st, s_ptr, s_st, g_ptr, g_st,
+                 N, K: tl.constexpr, BITS: tl.constexpr, ZOFF: tl.constexpr, TOP_K: tl.constexpr,
+                 DOWN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """up (``DOWN`` False): ``out[p] = W[ids[p]] @ x[p // TOP_K] (+ bias[p])``, one program per pair and block of
+    outputs; down: ``out[t] = sum_j weights[t, j] * (W[ids[t, j]] @ x[t * TOP_K + j] (+ bias))``. A K step loads
+    ``BLOCK_K / per`` words of each output's column (contiguous along the outputs)."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    cols = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        qw = qw_ptr + e * qw_st
+        qz = qz_ptr + e * qz_st
+        sc = s_ptr + e * s_st
+        gi = g_ptr + e * g_st
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            mask = k_mask[:, None] & n_mask[None, :]
+            words = tl.load(qw + (kk // PER).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+            q = (words >> ((kk % PER) * BITS)[:, None]) & MASK
+            g = tl.load(gi + kk, mask=k_mask, other=0).to(tl.int64)
+            zw = tl.load(qz + g[:, None] * (N // PER) + (cols // PER)[None, :], mask=mask, other=0)
+            z = ((zw >> ((offs_n % PER) * BITS)[None, :]) & MASK) + ZOFF
+            s = tl.load(sc + g[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            xk = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum((q - z).to(tl.float32) * s * xk[:, None], axis=0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + p * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def up_gptq(x: torch.Tensor, ids: torch.Tensor, op: Operand) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias)."""
+    out = torch.empty((ids.numel(), op.n), dtype=x.dtype, device=x.device)
+    return _launch(x.contiguous(), out, ids, None, op, ids.shape[-1], down=False)
+
+
+def down_gptq(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, op: Operand, out_dtype: torch.dtype
+              ) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
+    weighted by ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, op.n), dtype=out_dtype, device=h.device)
+    return _launch(h.contiguous(), out, ids, weights.contiguous(), op, top_k, down=True)
+
+
+def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.Tensor:
+    tokens = ids.shape[0] if ids.dim() > 1 else ids.numel() // top_k
+    if tokens > GEMV_ROWS:
+        raise ValueError(f"GPTQ fused experts run calls of at most {GEMV_ROWS} tokens, not {tokens}")
+    per = 32 // op.bits
+    if op.bits not in (2, 4, 8) or op.k % per or op.n % per:
+        raise ValueError(f"GPTQ fused experts need bits 2/4/8 and in ({op.k}) and out ({op.n}) multiples of {per}")
+    block_n = min(64, triton.next_power_of_2(op.n))
+    block_k = min(64, max(triton.next_power_of_2(op.k), 16))
+    bias = op.bias_rows(ids)
+    grid = (out.shape[0], triton.cdiv(op.n, block_n))
+    _gemv_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out,
+                       ids.reshape(-1).contiguous(), *op.args(), op.n, op.k, op.bits, op.zero_offset, top_k,
+                       DOWN=down, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out

@@ -1,0 +1,86 @@
+"""The fused GPTQ expert GEMV (quant/kernels/gptq_moe ``up_gptq``/``down_gptq``): each pair's expert found by index in
+a stacked operand or in pool slots, against the products of each expert's ``dequantize_gptq`` (codes, act-order
+groups, packed zeros, scales), under Triton's interpreter (a process of its own: ``TRITON_INTERPRET=1`` must be
+set before Triton defines the kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import os
+import torch
+from airquant.quant.gptq import dequantize_gptq
+from airquant.quant.kernels import gptq_moe
+from airquant.quant.rtn import gptq_tensors, rtn_quantize
+
+dev = os.environ.get("AQ_DEVICE", "cpu")
+torch.manual_seed(0)
+num, top, n, k = 5, 3, 48, 96
+for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True, 1), (8, True, False, 0),
+                                           (2, False, True, 1)):
+    parts = []
+    for _ in range(num):
+        perm = torch.randperm(k) if act_order else None
+        rtn = rtn_quantize(torch.randn(n, k), bits, 32, sym=False, perm=perm)
+        parts.append(gptq_tensors(rtn, bits, zero_offset=zero_offset))
+    dense = torch.stack([dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, zero_offset)
+                         for t in parts])
+    stacked = {s: torch.stack([t[s] for t in parts]) for s in gptq_moe.BUFFERS}
+    rows = torch.randn(num, n) if bias else None
+    b = rows if bias else torch.zeros(num, n)
+    stack_op = gptq_moe.stacked_operand_gptq({s: t.to(dev) for s, t in stacked.items()}, n, k, bits, zero_offset,
+                                             rows.to(dev) if bias else None)
+    # pool slots: each expert's buffers at 64-byte aligned offsets of a slot, the slots in another order
+    offsets, dtypes, at = {}, {}, 0
+    for s, t in stacked.items():
+        offsets[s], dtypes[s] = at, t.dtype
+        at += -(-t[0].numel() * t.element_size() // 64) * 64
+    bias_at = at
+    slot_bytes = at + (-(-n * 4 // 64) * 64 if bias else 0)
+    order = [3, 0, 4, 1, 2]  # expert e in slot order[e]
+    pool = torch.full((num, slot_bytes), 7, dtype=torch.uint8)
+    for e in range(num):
+        for s, t in stacked.items():
+            raw = t[e].contiguous().reshape(-1).view(torch.uint8)
+            pool[order[e], offsets[s]:offsets[s] + raw.numel()] = raw
+        if bias:
+            pool[order[e], bias_at:bias_at + n * 4] = rows[e].view(torch.uint8)
+    pool_op = gptq_moe.pool_operand_gptq(pool.to(dev), offsets, dtypes, n, k, bits, zero_offset,
+                                         (bias_at, torch.float32) if bias else None)
+    ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
+    x, h, w = torch.randn(2, k), torch.randn(6, k), torch.rand(2, top)
+    want_up = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
+    want_down = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + b[ids[t, j]]) for j in range(top))
+                             for t in range(2)])
+    slots = torch.tensor(order)[ids]
+    for op, route in ((stack_op, ids), (pool_op, slots)):
+        up = gptq_moe.up_gptq(x.to(dev), route.to(dev), op).cpu()
+        assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (bits, (up - want_up).abs().max())
+        down = gptq_moe.down_gptq(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
+        assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (bits, (down - want_down).abs().max())
+print("ok")
+"""
+
+
+def _run(env: dict) -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_gptq_gemv_equals_each_experts_dequantized_product():
+    pytest.importorskip("triton")
+    _run({**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.gpu
+def test_cuda_gptq_gemv_equals_each_experts_dequantized_product():
+    _run({**os.environ, "AQ_DEVICE": "cuda", "PYTHONPATH": str(REPO)})
