@@ -465,7 +465,7 @@ def part_routed(b: Bench, name: str) -> None:
     # GPTOSS_LAYERS layers stand for all 36 (the key scales the step; the row records the layers measured).
     layers = a.layers or (GPTOSS_LAYERS if name == "gptoss" and not b.quick else None)
     store = make_store(b, shape, a.experts_dtype, layers)
-    label = f"{shape} {a.experts_dtype}"  # the targets read the nf4 rows; int2 rows stand beside them
+    label = f"{shape} {a.experts_dtype}"  # the targets read the nf4 rows; int2 and gptq rows stand beside them
     cap = 4.0 if name == "qwen3" else 15.0
     cases = PART_CASES[name]
     chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
@@ -743,9 +743,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--airllm-layers", type=int, default=2, help="layers of the Mixtral-shaped store AirLLM runs")
     p.add_argument("--cap-airllm", type=float, default=15.0,
                    help="GPU cap (GB) of the airllm part (a bf16 Mixtral layer is 2.9 GB, two buffers 5.8 GB)")
-    p.add_argument("--experts-dtype", choices=["nf4", "int2"], default="nf4",
-                   help="routed parts: the store's format (`airquant synth --dtype`); int2 rows are labelled "
-                        "'<shape> int2' beside the nf4 rows the targets read")
+    p.add_argument("--experts-dtype", choices=["nf4", "int2", "gptq"], default="nf4",
+                   help="routed parts: the store's format (`airquant synth --dtype`); int2 and gptq rows are "
+                        "labelled '<shape> int2' / '<shape> gptq' beside the nf4 rows the targets read")
     p.add_argument("--tiered", default=None, metavar="UVA_BENCH_JSON",
                    help="the tiered kernel's launch per projection from uva_bench.py's fastest configs for each "
                         "model (default: the code's); recorded in each row as 'tiered'")

@@ -128,10 +128,11 @@ class SynthSpec:
         if self.shape not in SHAPES:
             raise StoreError(f"--shape {self.shape} is not one of {', '.join(SHAPES)}.")
         base = SHAPES[self.shape]
-        if self.dtype == "gptq" and base.model_type != "llama":
-            llamas = [k for k, v in SHAPES.items() if v.model_type == "llama"]
-            raise StoreError(f"--dtype gptq is made for the Llama shapes only ({', '.join(llamas)}); "
-                             f"use --dtype nf4 or bfloat16 for {self.shape}.")
+        if self.dtype == "gptq" and base.model_type == "gpt_oss":  # its experts are stored [in, out]
+            takes = [k for k, v in SHAPES.items() if v.model_type != "gpt_oss"]
+            raise StoreError(f"--dtype gptq keeps experts as [out, in], as hub GPTQ MoE checkpoints stack; "
+                             f"{self.shape} stores them transposed: use --dtype nf4, int2 or bfloat16 for it "
+                             f"(gptq: {', '.join(takes)}).")
         fields = {f.name for f in dataclasses.fields(Shape)}
         values = {k: v for k, v in self.overrides if k in fields}
         extra = {**dict(base.extra), **{k: v for k, v in self.overrides if k not in fields}}
@@ -269,6 +270,11 @@ class _Groups:
 
     def _pack(self, w: torch.Tensor, transposed: bool | None) -> tuple[dict[str, torch.Tensor], dict]:
         spec = INT2_SPEC if self.spec.dtype == "int2" else QuantSpec(method="nf4")
+        if transposed is not None and self.spec.dtype == "gptq":  # as models.merge_expert_parts stacks them
+            parts = [_gptq_pack(e) for e in w]
+            return ({k: torch.stack([p[k] for p in parts]) for k in parts[0]},
+                    {**GPTQ_META, "experts": int(w.shape[0]), "shape": [int(w.shape[1]), int(w.shape[2])],
+                     "transposed": False})
         if transposed is not None:
             return quantize_experts(spec, w, transposed=transposed)
         if self.spec.dtype == "gptq":
@@ -316,7 +322,10 @@ def _packed_metas(dtype: str, shape: tuple[int, ...], transposed: bool | None) -
         return _int2_metas(out_f, in_f) if dtype == "int2" else (_nf4_metas(out_f, in_f), NF4_META)
     num, a, b = shape  # a fused expert parameter, quantized expert by expert as [out, in] and stacked
     out_f, in_f = (b, a) if transposed else (a, b)
-    one, meta = _int2_metas(out_f, in_f) if dtype == "int2" else (_nf4_metas(out_f, in_f), NF4_META)
+    if dtype == "gptq":
+        one, meta = _gptq_metas(out_f, in_f), GPTQ_META
+    else:
+        one, meta = _int2_metas(out_f, in_f) if dtype == "int2" else (_nf4_metas(out_f, in_f), NF4_META)
     part = {k: (d, (num, *s)) for k, (d, s) in one.items()}
     return part, {**meta, "experts": num, "shape": [out_f, in_f], "transposed": transposed}
 

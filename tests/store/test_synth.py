@@ -162,10 +162,14 @@ def _data_bytes(store: Path, entry, start: int, end: int) -> bytes:
 @pytest.mark.parametrize("shape, dtype", [
     ("mixtral-8x7b", "bfloat16"), pytest.param("mixtral-8x7b", "nf4", marks=needs_bnb),
     pytest.param("qwen3-30b-a3b", "nf4", marks=needs_bnb), pytest.param("gpt-oss-120b", "nf4", marks=needs_bnb),
-    ("deepseek-v3", "bfloat16"), ("qwen3-30b-a3b", "int2"), ("gpt-oss-120b", "int2"),
+    ("deepseek-v3", "bfloat16"), ("qwen3-30b-a3b", "int2"), ("gpt-oss-120b", "int2"), ("qwen3-30b-a3b", "gptq"),
+    ("mixtral-8x7b", "gptq"),
 ])
 def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_tokenizer, shape, dtype):
-    spec = SynthSpec(shape, dtype, layers=2, overrides=MOE_OVERRIDES[shape])
+    # GPTQ's groups of 128 input channels: every matrix's in_features a multiple of it
+    over = MOE_OVERRIDES[shape] + ((("hidden", 128), ("intermediate", 256), ("moe_intermediate", 128),
+                                    ("head_dim", 32)) if dtype == "gptq" else ())
+    spec = SynthSpec(shape, dtype, layers=2, overrides=over)
     real = synth(spec, tmp_path / "real", tokenizer=real_tokenizer, progress=False)
     twin = synth(spec, tmp_path / "twin", manifest_only=True, tokenizer=real_tokenizer, progress=False)
     for group, entry in real.shards.items():
@@ -179,7 +183,7 @@ def test_tiny_moe_store_matches_its_manifest_only_twin_and_runs(tmp_path, real_t
     assert len(moe) == (1 if shape == "deepseek-v3" else 2)  # DeepSeek's first layer stays dense
     entry = moe[-1]
     assert (entry.experts["num"], entry.experts["top_k"], len(entry.experts["ranges"])) == (4, 2, 4)
-    if dtype in ("nf4", "int2"):
+    if dtype in ("nf4", "int2", "gptq"):
         experts = {m: meta for m, meta in entry.modules.items() if "experts" in meta}
         assert experts and all(m["scheme"] == dtype and m["experts"] == 4 for m in experts.values())
         assert all(m["transposed"] == (shape == "gpt-oss-120b") for m in experts.values())
@@ -240,7 +244,7 @@ def test_cli_synth_moe_manifest_only_and_gptq_refusal(tmp_path, capsys):
                  "--layers", "2", "--tokenizer", str(TOKENIZER_DIR)]) == 0
     assert "qwen3-235b-a22b (nf4), 2 layers" in capsys.readouterr().out
     assert load_manifest(store).shards["layer.1"].experts["num"] == 128
-    assert main(["synth", "--shape", "mixtral-8x7b", "--dtype", "gptq", "--store", str(tmp_path / "g"),
+    assert main(["synth", "--shape", "gpt-oss-120b", "--dtype", "gptq", "--store", str(tmp_path / "g"),
                  "--manifest-only"]) == 2
     err = capsys.readouterr().err
-    assert "Llama shapes only" in err and "llama3-70b" in err
+    assert "stores them transposed" in err and "--dtype nf4" in err and "qwen3-30b-a3b" in err
