@@ -1,5 +1,6 @@
 """The fused GPTQ expert GEMV (quant/kernels/gptq_moe ``up_gptq``/``down_gptq``): each pair's expert found by index in
-a stacked operand or in pool slots, against the products of each expert's ``dequantize_gptq`` (codes, act-order
+a stacked operand or in pool slots, and the tiered GEMV of direct reads (``tiered_*_gptq``: from a hot slot or a
+host buffer by a device table, counting pairs and hits), against the products of each expert's ``dequantize_gptq`` (codes, act-order
 groups, packed zeros, scales), under Triton's interpreter (a process of its own: ``TRITON_INTERPRET=1`` must be
 set before Triton defines the kernels)."""
 
@@ -19,6 +20,7 @@ import os
 import torch
 from airquant.quant.gptq import dequantize_gptq
 from airquant.quant.kernels import gptq_moe
+from airquant.quant.kernels.nf4_moe import Tiers
 from airquant.quant.rtn import gptq_tensors, rtn_quantize
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
@@ -66,6 +68,23 @@ for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True,
         assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (bits, (up - want_up).abs().max())
         down = gptq_moe.down_gptq(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
         assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (bits, (down - want_down).abs().max())
+    # direct reads: expert e's image in a host buffer at 64 + e * slot_bytes, experts 1 and 3 also in hot slots
+    host = torch.zeros(64 + num * slot_bytes, dtype=torch.uint8)
+    for e in range(num):
+        host[64 + e * slot_bytes:64 + (e + 1) * slot_bytes] = pool[order[e]]
+    hot = torch.full((3, slot_bytes), 9, dtype=torch.uint8)
+    hot[2], hot[0] = pool[order[1]], pool[order[3]]
+    table = torch.tensor([-1, 2, -1, 0, -1], dtype=torch.int32, device=dev)
+    counts, hits = torch.zeros(num, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
+    tiers = Tiers(host.to(dev), 64, slot_bytes, hot.to(dev), table, counts, hits)
+    image = gptq_moe.ImageMatrixGPTQ(n, k, bits, zero_offset, tuple(offsets[b] for b in gptq_moe.BUFFERS),
+                                     (bias_at, torch.float32) if bias else None)
+    up = gptq_moe.tiered_up_gptq(x.to(dev), ids.to(dev), image, tiers).cpu()
+    assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
+    down = gptq_moe.tiered_down_gptq(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()
+    assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), ("tiered", (down - want_down).abs().max())
+    assert counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
+    assert int(hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
 print("ok")
 """
 

@@ -1,6 +1,6 @@
-"""Direct expert reads: a few-row routed call's NF4 or int2 experts are read by the fused kernel itself, where
-they are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe ``tiered_*``,
-int2_moe ``tiered_*_int2``).
+"""Direct expert reads: a few-row routed call's NF4, int2 or GPTQ experts are read by the fused kernel itself,
+where they are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe
+``tiered_*``, int2_moe ``tiered_*_int2``, gptq_moe ``tiered_*_gptq``).
 
 Why: Qwen3-30B-A3B at batch 1 moved 1.55 GB a step in 0.154 s where its bytes allow 0.028 s (H200,
 benchmarks/moe_bench.py). The pool's path reads each call's routing to the host (a sync that stops the host
@@ -17,8 +17,8 @@ experts over all layers: experts that left are pointed back at the RAM tier firs
 ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
 before the refresh reads the old slots; one queued after, the new ones).
 
-Applies where a layer's experts are NF4 or int2 (``compute.fused_experts``; int2 rows in whole 16-code words;
-gpt-oss's bias rows are read from the image too), its bytes are in the arranged RAM tier (``layout.HostArrangement``) and its router picks only stored
+Applies where a layer's experts are NF4, int2 or GPTQ (``compute.fused_experts``; int2 rows in whole 16-code
+words; gpt-oss's bias rows are read from the image too), its bytes are in the arranged RAM tier (``layout.HostArrangement``) and its router picks only stored
 experts; other calls take the pool's copy path. Counters are per (token, expert) pair, which at batch 1 is per
 expert, as the copy path counts.
 """
@@ -58,6 +58,23 @@ def _int2_images(spec) -> tuple | None:
         return None
     return spec, *(int2_moe.ImageMatrixInt2(m.n, m.k, spec.group, m.n_out, m.cols,
                                              tuple(m.offsets.get(b) for b in int2_moe.BUFFERS), m.bias)
+                   for m in (spec.up, spec.down))
+
+
+# The buffers' dtypes the GPTQ tiered kernel reads (quant/gptq.py ``GPTQLinear``'s).
+GPTQ_DTYPES = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
+
+
+def _gptq_images(spec) -> tuple | None:
+    """(spec, up, down ``gptq_moe.ImageMatrixGPTQ``) of a GPTQ experts module, or None: a matrix the tiered kernel
+    does not take or a buffer of another dtype."""
+    from airquant.quant.kernels import gptq_moe
+
+    if any(spec.dtypes.get(name) != dtype for name, dtype in GPTQ_DTYPES.items()) or \
+            not all(gptq_moe.tiered_applies(m.n, m.k, spec.bits) for m in (spec.up, spec.down)):
+        return None
+    return spec, *(gptq_moe.ImageMatrixGPTQ(m.n, m.k, spec.bits, spec.zero_offset,
+                                             tuple(m.offsets[b] for b in gptq_moe.BUFFERS), m.bias)
                    for m in (spec.up, spec.down))
 
 
@@ -101,11 +118,13 @@ class DirectReads:
 
             layer = self.layers[i]
             spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets,
-                                                schemes=("nf4", "int2"))
+                                                schemes=("nf4", "int2", "gptq"))
             if spec is None or any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
                 self._matrices[i] = None
             elif spec.scheme == "int2":
                 self._matrices[i] = _int2_images(spec)
+            elif spec.scheme == "gptq":
+                self._matrices[i] = _gptq_images(spec)
             elif spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8:
                 self._matrices[i] = None
             else:
@@ -130,13 +149,15 @@ class DirectReads:
             work()
         spec, up_m, down_m = found
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if spec.scheme == "int2":
-            from airquant.quant.kernels import int2_moe
+        if spec.scheme in ("int2", "gptq"):
+            from airquant.quant.kernels import gptq_moe, int2_moe
 
+            up, down = (int2_moe.tiered_up_int2, int2_moe.tiered_down_int2) if spec.scheme == "int2" else \
+                (gptq_moe.tiered_up_gptq, gptq_moe.tiered_down_gptq)
             tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i],
                                   self.counts[i], self.hits[i:i + 1])
-            h = expert_compute.activate(module, int2_moe.tiered_up_int2(flat, index, up_m, tiers), spec.gated)
-            return int2_moe.tiered_down_int2(h, index, weights, down_m, tiers, hidden.dtype)
+            h = expert_compute.activate(module, up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
+            return down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
         if i not in self._books:
             self._books[i] = self.code_books(src, arranged, (up_m, down_m))
         tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],

@@ -57,20 +57,40 @@ def stacked_operand_gptq(buffers: dict[str, torch.Tensor], n: int, k: int, bits:
 
 
 @triton.jit
+def _dot(qw, qz, sc, gi, x_row, offs_n, n_mask, N, K: tl.constexpr, BITS: tl.constexpr, ZOFF: tl.constexpr,
+         BLOCK_K: tl.constexpr):
+    """One expert's outputs ``offs_n`` times ``x_row`` (fp32): a K step loads ``BLOCK_K / per`` words of each
+    output's column (contiguous along the outputs), the act-order groups of its channels, their zeros and scales."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    cols = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        mask = k_mask[:, None] & n_mask[None, :]
+        words = tl.load(qw + (kk // PER).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+        q = (words >> ((kk % PER) * BITS)[:, None]) & MASK
+        g = tl.load(gi + kk, mask=k_mask, other=0).to(tl.int64)
+        zw = tl.load(qz + g[:, None] * (N // PER) + (cols // PER)[None, :], mask=mask, other=0)
+        z = ((zw >> ((offs_n % PER) * BITS)[None, :]) & MASK) + ZOFF
+        s = tl.load(sc + g[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xk = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum((q - z).to(tl.float32) * s * xk[:, None], axis=0)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
                  qw_ptr, qw_st, qz_ptr, qz_st, s_ptr, s_st, g_ptr, g_st,
                  N, K: tl.constexpr, BITS: tl.constexpr, ZOFF: tl.constexpr, TOP_K: tl.constexpr,
                  DOWN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """up (``DOWN`` False): ``out[p] = W[ids[p]] @ x[p // TOP_K] (+ bias[p])``, one program per pair and block of
-    outputs; down: ``out[t] = sum_j weights[t, j] * (W[ids[t, j]] @ x[t * TOP_K + j] (+ bias))``. A K step loads
-    ``BLOCK_K / per`` words of each output's column (contiguous along the outputs)."""
-    PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    outputs; down: ``out[t] = sum_j weights[t, j] * (W[ids[t, j]] @ x[t * TOP_K + j] (+ bias))``."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    cols = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, TOP_K if DOWN else 1):
         p = row * TOP_K + j if DOWN else row
@@ -80,19 +100,7 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
         qz = qz_ptr + e * qz_st
         sc = s_ptr + e * s_st
         gi = g_ptr + e * g_st
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            mask = k_mask[:, None] & n_mask[None, :]
-            words = tl.load(qw + (kk // PER).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
-            q = (words >> ((kk % PER) * BITS)[:, None]) & MASK
-            g = tl.load(gi + kk, mask=k_mask, other=0).to(tl.int64)
-            zw = tl.load(qz + g[:, None] * (N // PER) + (cols // PER)[None, :], mask=mask, other=0)
-            z = ((zw >> ((offs_n % PER) * BITS)[None, :]) & MASK) + ZOFF
-            s = tl.load(sc + g[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xk = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-            acc += tl.sum((q - z).to(tl.float32) * s * xk[:, None], axis=0)
+        acc = _dot(qw, qz, sc, gi, x_row, offs_n, n_mask, N, K, BITS, ZOFF, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + p * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if DOWN:
@@ -131,4 +139,110 @@ def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.
     _gemv_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out,
                        ids.reshape(-1).contiguous(), *op.args(), op.n, op.k, op.bits, op.zero_offset, top_k,
                        DOWN=down, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+# -- direct reads: each pair's expert read where it is (engine/moe/direct.py) ---------------------------------
+@dataclass(frozen=True)
+class ImageMatrixGPTQ:
+    """One ``[n, k]`` GPTQ matrix inside an expert's image (the RAM tier's arranged bytes, or a hot-set slot
+    holding the same bytes): the byte offset of each of its buffers (``BUFFERS``), its bits and zero offset, and
+    its bias row ``[n]`` (offset, dtype) if any."""
+
+    n: int
+    k: int
+    bits: int
+    zero_offset: int
+    offsets: tuple[int, ...]
+    bias: tuple[int, torch.dtype] | None = None
+
+    def args(self) -> list[int]:
+        return [*self.offsets, self.bias[0] if self.bias else 0]
+
+    @property
+    def bias_kind(self) -> int:
+        from airquant.quant.kernels.nf4_moe import BIAS_KINDS
+
+        return 0 if self.bias is None else BIAS_KINDS[self.bias[1]]
+
+
+@triton.jit
+def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, hits_ptr,
+                   host_ptr, host_start, host_stride, pool_ptr, slot_bytes,
+                   off_qw, off_qz, off_s, off_g, off_bias,
+                   N, K: tl.constexpr, BITS: tl.constexpr, ZOFF: tl.constexpr, TOP_K: tl.constexpr,
+                   DOWN: tl.constexpr, COUNT: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """As ``_gemv_kernel``, each pair's expert image found by ``table``: a pool slot or the RAM tier.
+    ``COUNT``: the programs of the first output block also count each pair's expert and pool hits. ``BIAS``
+    (``nf4_moe.BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOP_K if DOWN else 1):
+        p = row * TOP_K + j if DOWN else row
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        if slot >= 0:
+            base = pool_ptr + slot * slot_bytes
+        else:
+            base = host_ptr + host_start + e * host_stride
+        if COUNT:
+            if tl.program_id(1) == 0:
+                tl.atomic_add(counts_ptr + e, 1)
+                tl.atomic_add(hits_ptr, (slot >= 0).to(tl.int64))
+        qw = (base + off_qw).to(tl.pointer_type(tl.int32))
+        qz = (base + off_qz).to(tl.pointer_type(tl.int32))
+        sc = (base + off_s).to(tl.pointer_type(tl.float16))
+        gi = (base + off_g).to(tl.pointer_type(tl.int32))
+        x_row = x_ptr + (p if DOWN else p // TOP_K) * K
+        acc = _dot(qw, qz, sc, gi, x_row, offs_n, n_mask, N, K, BITS, ZOFF, BLOCK_K)
+        if BIAS == 1:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float32)) + offs_n, mask=n_mask, other=0.0)
+        elif BIAS == 2:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.bfloat16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
+        elif BIAS == 3:
+            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float16)) + offs_n, mask=n_mask,
+                           other=0.0).to(tl.float32)
+        if DOWN:
+            total += tl.load(weights_ptr + p).to(tl.float32) * acc
+        else:
+            total = acc
+    tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def tiered_up_gptq(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrixGPTQ, tiers) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias), the
+    expert read where ``tiers`` (``nf4_moe.Tiers``) has it; counts each pair's expert and pool hit."""
+    out = torch.empty((ids.numel(), m.n), dtype=x.dtype, device=x.device)
+    return _launch_tiered(x.contiguous(), out, ids, None, m, tiers, ids.shape[-1], down=False)
+
+
+def tiered_down_gptq(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: ImageMatrixGPTQ, tiers,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
+    weighted by ``weights`` ``[T, k]`` and summed in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
+    return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
+
+
+def tiered_applies(n: int, k: int, bits: int) -> bool:
+    per = 32 // bits if bits in (2, 4, 8) else 0
+    return bool(per) and n % per == 0 and k % per == 0
+
+
+def _launch_tiered(x, out, ids, weights, m: ImageMatrixGPTQ, tiers, top_k: int, down: bool) -> torch.Tensor:
+    if not tiered_applies(m.n, m.k, m.bits):
+        raise ValueError(f"tiered GPTQ GEMV needs bits 2/4/8 and in ({m.k}) and out ({m.n}) in whole words")
+    block_n = min(64, triton.next_power_of_2(m.n))
+    block_k = min(64, max(triton.next_power_of_2(m.k), 16))
+    grid = (out.shape[0], triton.cdiv(m.n, block_n))
+    _tiered_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
+                         tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start, tiers.host_stride,
+                         tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, m.bits, m.zero_offset, top_k,
+                         DOWN=down, COUNT=not down, BIAS=m.bias_kind, BLOCK_N=block_n, BLOCK_K=block_k,
+                         num_warps=4)
     return out
