@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -309,8 +310,6 @@ def _merge_parts(converter, pattern: str, name: str) -> ExpertPart | None:
     """Where checkpoint tensor ``name`` (matched by ``converter``'s source ``pattern``) goes in the fused
     parameter: transformers' experts merge (stack the experts, then concatenate the linears along the output);
     None for any other conversion."""
-    import re
-
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
     if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) or \
             pattern.count("*") != 1 or not pattern.endswith(".weight"):

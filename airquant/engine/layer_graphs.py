@@ -48,6 +48,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from airquant.engine.decode.slots import KVBuffers, SlotKV
+from airquant.kv.cache import context_of
 
 log = logging.getLogger(__name__)
 
@@ -396,8 +397,6 @@ class Recorder:
         self.islands.append(_Island(layer_idx, key, value, args, kwargs))
 
     def island_end(self, fn, module, query, key, value, rest: tuple, kwargs: dict, result) -> None:
-        from airquant.kv.cache import context_of
-
         island = self.islands[-1] if self.pending else None
         ctx = context_of(key)
         if island is None or value is not island.value or ctx is None or \

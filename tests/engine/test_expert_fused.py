@@ -56,35 +56,20 @@ def test_fused_decode_equals_the_per_expert_decode():
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
 
 
-@pytest.mark.slow
-def test_fused_int2_decode_equals_the_per_expert_decode():
+@pytest.mark.parametrize("method, types", [
+    pytest.param("int2", ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"), marks=pytest.mark.slow),
+    ("gptq", ("qwen3_moe", "mixtral"))])
+def test_fused_int2_and_gptq_decode_equal_the_per_expert_decode(method, types):
     """int2 experts (2-bit codes, group scales, fp16 outlier residuals; gpt-oss's biases) through the fused int2
-    GEMV (quant/kernels/int2_moe): routed from the pool's slots and from a whole layer's buffers, every
-    one-token step of every MoE layer; direct reads (``int2_moe._tiered_kernel``: each expert from the hot set
-    or the RAM tier, in 16-code words) every one-token step of every MoE layer, some pairs from the hot set."""
-    rows = _interpreted("mixtral:int2", "qwen3_moe:int2", "gpt_oss:int2", "deepseek_v3:int2")
-    assert [(r["type"], r["method"]) for r in rows] == [(t, "int2") for t in ("mixtral", "qwen3_moe", "gpt_oss",
-                                                                             "deepseek_v3")]
+    GEMV (quant/kernels/int2_moe), and GPTQ experts of a hub checkpoint (act-order groups, each expert's linears
+    stacked at the split) through the fused GPTQ GEMV (gptq_moe): routed from the pool's slots and from a whole
+    layer's buffers, every one-token step of every MoE layer, as the per-expert decode; direct reads (their
+    ``_tiered_kernel``: each expert from the hot set or the RAM tier) every one-token step of every MoE layer,
+    some pairs from the hot set."""
+    rows = _interpreted(*(f"{t}:{method}" for t in types))
+    assert [(r["type"], r["method"]) for r in rows] == [(t, method) for t in types]
     for r in rows:
-        for mode in ("routed", "whole"):  # the 12-token prefill is over int2_moe.GEMV_ROWS: per expert
-            assert r[mode]["fused_calls"] >= 3 * r[mode]["layers"], r
-        for mode in ("routed", "whole", "direct"):
-            assert r[mode]["tokens_equal"], r
-            assert r[mode]["max_rel_diff"] <= 1e-5, r
-        direct = r["direct"]
-        assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
-        assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
-
-
-def test_fused_gptq_decode_equals_the_per_expert_decode():
-    """GPTQ experts of a hub checkpoint (act-order groups, each expert's linears stacked at the split) through the
-    fused GPTQ GEMV (quant/kernels/gptq_moe): routed from the pool's slots and from a whole layer's buffers, every
-    one-token step of every MoE layer, as the per-expert decode; direct reads (``gptq_moe._tiered_kernel``) every
-    one-token step of every MoE layer, some pairs from the hot set."""
-    rows = _interpreted("qwen3_moe:gptq", "mixtral:gptq")
-    assert [(r["type"], r["method"]) for r in rows] == [("qwen3_moe", "gptq"), ("mixtral", "gptq")]
-    for r in rows:
-        for mode in ("routed", "whole"):  # the 12-token prefill is over gptq_moe.GEMV_ROWS: per expert
+        for mode in ("routed", "whole"):  # the 12-token prefill is over the GEMVs' 8 tokens: per expert
             assert r[mode]["fused_calls"] >= 3 * r[mode]["layers"], r
         for mode in ("routed", "whole", "direct"):
             assert r[mode]["tokens_equal"], r

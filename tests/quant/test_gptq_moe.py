@@ -20,8 +20,8 @@ import os
 import torch
 from airquant.quant.gptq import dequantize_gptq
 from airquant.quant.kernels import gptq_moe
-from airquant.quant.kernels.nf4_moe import Tiers
 from airquant.quant.rtn import gptq_tensors, rtn_quantize
+from tests.quant.expert_images import direct_tiers, slot_images
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
 torch.manual_seed(0)
@@ -40,21 +40,8 @@ for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True,
     b = rows if bias else torch.zeros(num, n)
     stack_op = gptq_moe.stacked_operand_gptq({s: t.to(dev) for s, t in stacked.items()}, n, k, bits, zero_offset,
                                              rows.to(dev) if bias else None)
-    # pool slots: each expert's buffers at 64-byte aligned offsets of a slot, the slots in another order
-    offsets, dtypes, at = {}, {}, 0
-    for s, t in stacked.items():
-        offsets[s], dtypes[s] = at, t.dtype
-        at += -(-t[0].numel() * t.element_size() // 64) * 64
-    bias_at = at
-    slot_bytes = at + (-(-n * 4 // 64) * 64 if bias else 0)
     order = [3, 0, 4, 1, 2]  # expert e in slot order[e]
-    pool = torch.full((num, slot_bytes), 7, dtype=torch.uint8)
-    for e in range(num):
-        for s, t in stacked.items():
-            raw = t[e].contiguous().reshape(-1).view(torch.uint8)
-            pool[order[e], offsets[s]:offsets[s] + raw.numel()] = raw
-        if bias:
-            pool[order[e], bias_at:bias_at + n * 4] = rows[e].view(torch.uint8)
+    pool, offsets, dtypes, bias_at, slot_bytes = slot_images(stacked, rows if bias else None, order)
     pool_op = gptq_moe.pool_operand_gptq(pool.to(dev), offsets, dtypes, n, k, bits, zero_offset,
                                          (bias_at, torch.float32) if bias else None)
     ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
@@ -68,23 +55,16 @@ for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True,
         assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (bits, (up - want_up).abs().max())
         down = gptq_moe.down_gptq(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
         assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (bits, (down - want_down).abs().max())
-    # direct reads: expert e's image in a host buffer at 64 + e * slot_bytes, experts 1 and 3 also in hot slots
-    host = torch.zeros(64 + num * slot_bytes, dtype=torch.uint8)
-    for e in range(num):
-        host[64 + e * slot_bytes:64 + (e + 1) * slot_bytes] = pool[order[e]]
-    hot = torch.full((3, slot_bytes), 9, dtype=torch.uint8)
-    hot[2], hot[0] = pool[order[1]], pool[order[3]]
-    table = torch.tensor([-1, 2, -1, 0, -1], dtype=torch.int32, device=dev)
-    counts, hits = torch.zeros(num, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
-    tiers = Tiers(host.to(dev), 64, slot_bytes, hot.to(dev), table, counts, hits)
+    # direct reads: every expert's image in a host buffer, experts 1 and 3 also in hot slots
+    tiers = direct_tiers(pool, order, dev)
     image = gptq_moe.ImageMatrixGPTQ(n, k, bits, zero_offset, tuple(offsets[b] for b in gptq_moe.BUFFERS),
                                      (bias_at, torch.float32) if bias else None)
     up = gptq_moe.tiered_up_gptq(x.to(dev), ids.to(dev), image, tiers).cpu()
     assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
     down = gptq_moe.tiered_down_gptq(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()
     assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), ("tiered", (down - want_down).abs().max())
-    assert counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
-    assert int(hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
+    assert tiers.counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
+    assert int(tiers.hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
 print("ok")
 """
 

@@ -54,7 +54,7 @@ def _int2_images(spec) -> tuple | None:
     from airquant.quant.kernels import int2_moe
 
     if any(spec.dtypes.get(name, dtype) != dtype for name, dtype in INT2_DTYPES.items()) or \
-            not all(int2_moe.tiered_applies(m.n, m.k, spec.group) for m in (spec.up, spec.down)):
+            not all(int2_moe.tiered_int2_applies(m.n, m.k, spec.group) for m in (spec.up, spec.down)):
         return None
     return spec, *(int2_moe.ImageMatrixInt2(m.n, m.k, spec.group, m.n_out, m.cols,
                                              tuple(m.offsets.get(b) for b in int2_moe.BUFFERS), m.bias)
@@ -71,7 +71,7 @@ def _gptq_images(spec) -> tuple | None:
     from airquant.quant.kernels import gptq_moe
 
     if any(spec.dtypes.get(name) != dtype for name, dtype in GPTQ_DTYPES.items()) or \
-            not all(gptq_moe.tiered_applies(m.n, m.k, spec.bits) for m in (spec.up, spec.down)):
+            not all(gptq_moe.tiered_gptq_applies(m.n, m.k, spec.bits) for m in (spec.up, spec.down)):
         return None
     return spec, *(gptq_moe.ImageMatrixGPTQ(m.n, m.k, spec.bits, spec.zero_offset,
                                              tuple(m.offsets[b] for b in gptq_moe.BUFFERS), m.bias)

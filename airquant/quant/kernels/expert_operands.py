@@ -59,3 +59,19 @@ def stacked(buffers: dict[str, torch.Tensor], names: tuple[str, ...], used,
         bases.append(buffers[fallback] if t is None else t)
         strides.append(0 if t is None or not t.dim() else t.stride(0))
     return tuple(bases), tuple(strides)
+
+
+def pairs_up(launch, x: torch.Tensor, ids: torch.Tensor, operand, n: int) -> torch.Tensor:
+    """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix, by a format's
+    ``launch(x, out, ids, weights, operand, top_k, down)`` (its GEMV or tiered kernel)."""
+    out = torch.empty((ids.numel(), n), dtype=x.dtype, device=x.device)
+    return launch(x.contiguous(), out, ids, None, operand, ids.shape[-1], down=False)
+
+
+def tokens_down(launch, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, operand, n: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices, weighted by
+    ``weights`` ``[T, k]`` and summed in fp32 (``launch`` as for ``pairs_up``)."""
+    tokens, top_k = weights.shape
+    out = torch.empty((tokens, n), dtype=out_dtype, device=h.device)
+    return launch(h.contiguous(), out, ids, weights.contiguous(), operand, top_k, down=True)

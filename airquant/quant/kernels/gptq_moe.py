@@ -15,13 +15,15 @@ fp16 ``[groups, n]``; ``g_idx`` int32 ``[k]``: input channel c's group (act-orde
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
+from airquant.quant.kernels.expert_operands import Buffers, in_slots, pairs_up, slot_bias, stacked, tokens_down
+from airquant.quant.kernels.tiered import add_bias, bias_kind, expert_image, launch_args
 
 BUFFERS = ("qweight", "qzeros", "scales", "g_idx")
 GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
@@ -112,17 +114,14 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr,
 
 def up_gptq(x: torch.Tensor, ids: torch.Tensor, op: Operand) -> torch.Tensor:
     """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias)."""
-    out = torch.empty((ids.numel(), op.n), dtype=x.dtype, device=x.device)
-    return _launch(x.contiguous(), out, ids, None, op, ids.shape[-1], down=False)
+    return pairs_up(_launch, x, ids, op, op.n)
 
 
 def down_gptq(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, op: Operand, out_dtype: torch.dtype
               ) -> torch.Tensor:
     """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
     weighted by ``weights`` ``[T, k]`` and summed in fp32."""
-    tokens, top_k = weights.shape
-    out = torch.empty((tokens, op.n), dtype=out_dtype, device=h.device)
-    return _launch(h.contiguous(), out, ids, weights.contiguous(), op, top_k, down=True)
+    return tokens_down(_launch, h, ids, weights, op, op.n, out_dtype)
 
 
 def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.Tensor:
@@ -161,9 +160,7 @@ class ImageMatrixGPTQ:
 
     @property
     def bias_kind(self) -> int:
-        from airquant.quant.kernels.nf4_moe import BIAS_KINDS
-
-        return 0 if self.bias is None else BIAS_KINDS[self.bias[1]]
+        return bias_kind(self.bias)
 
 
 @triton.jit
@@ -175,37 +172,22 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, 
                    BLOCK_K: tl.constexpr):
     """As ``_gemv_kernel``, each pair's expert image found by ``table``: a pool slot or the RAM tier.
     ``COUNT``: the programs of the first output block also count each pair's expert and pool hits. ``BIAS``
-    (``nf4_moe.BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight."""
+    (``tiered.BIAS_KINDS``, 0: none): the expert's bias row, added to its product before the routing weight."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, TOP_K if DOWN else 1):
         p = row * TOP_K + j if DOWN else row
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        slot = tl.load(table_ptr + e).to(tl.int64)
-        if slot >= 0:
-            base = pool_ptr + slot * slot_bytes
-        else:
-            base = host_ptr + host_start + e * host_stride
-        if COUNT:
-            if tl.program_id(1) == 0:
-                tl.atomic_add(counts_ptr + e, 1)
-                tl.atomic_add(hits_ptr, (slot >= 0).to(tl.int64))
+        base = expert_image(ids_ptr, p, table_ptr, counts_ptr, hits_ptr, host_ptr, host_start, host_stride, pool_ptr,
+                            slot_bytes, COUNT)
         qw = (base + off_qw).to(tl.pointer_type(tl.int32))
         qz = (base + off_qz).to(tl.pointer_type(tl.int32))
         sc = (base + off_s).to(tl.pointer_type(tl.float16))
         gi = (base + off_g).to(tl.pointer_type(tl.int32))
         x_row = x_ptr + (p if DOWN else p // TOP_K) * K
         acc = _dot(qw, qz, sc, gi, x_row, offs_n, n_mask, N, K, BITS, ZOFF, BLOCK_K)
-        if BIAS == 1:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float32)) + offs_n, mask=n_mask, other=0.0)
-        elif BIAS == 2:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.bfloat16)) + offs_n, mask=n_mask,
-                           other=0.0).to(tl.float32)
-        elif BIAS == 3:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float16)) + offs_n, mask=n_mask,
-                           other=0.0).to(tl.float32)
+        acc = add_bias(acc, base, off_bias, offs_n, n_mask, BIAS)
         if DOWN:
             total += tl.load(weights_ptr + p).to(tl.float32) * acc
         else:
@@ -215,34 +197,30 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, table_ptr, counts_ptr, 
 
 def tiered_up_gptq(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrixGPTQ, tiers) -> torch.Tensor:
     """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias), the
-    expert read where ``tiers`` (``nf4_moe.Tiers``) has it; counts each pair's expert and pool hit."""
-    out = torch.empty((ids.numel(), m.n), dtype=x.dtype, device=x.device)
-    return _launch_tiered(x.contiguous(), out, ids, None, m, tiers, ids.shape[-1], down=False)
+    expert read where ``tiers`` (``tiered.Tiers``) has it; counts each pair's expert and pool hit."""
+    return pairs_up(functools.partial(_launch_tiered, tiers=tiers), x, ids, m, m.n)
 
 
 def tiered_down_gptq(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: ImageMatrixGPTQ, tiers,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
     weighted by ``weights`` ``[T, k]`` and summed in fp32."""
-    tokens, top_k = weights.shape
-    out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
-    return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
+    return tokens_down(functools.partial(_launch_tiered, tiers=tiers), h, ids, weights, m, m.n, out_dtype)
 
 
-def tiered_applies(n: int, k: int, bits: int) -> bool:
+def tiered_gptq_applies(n: int, k: int, bits: int) -> bool:
     per = 32 // bits if bits in (2, 4, 8) else 0
     return bool(per) and n % per == 0 and k % per == 0
 
 
-def _launch_tiered(x, out, ids, weights, m: ImageMatrixGPTQ, tiers, top_k: int, down: bool) -> torch.Tensor:
-    if not tiered_applies(m.n, m.k, m.bits):
+def _launch_tiered(x, out, ids, weights, m: ImageMatrixGPTQ, top_k: int, down: bool, *, tiers) -> torch.Tensor:
+    if not tiered_gptq_applies(m.n, m.k, m.bits):
         raise ValueError(f"tiered GPTQ GEMV needs bits 2/4/8 and in ({m.k}) and out ({m.n}) in whole words")
     block_n = min(64, triton.next_power_of_2(m.n))
     block_k = min(64, max(triton.next_power_of_2(m.k), 16))
     grid = (out.shape[0], triton.cdiv(m.n, block_n))
     _tiered_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
-                         tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start, tiers.host_stride,
-                         tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, m.bits, m.zero_offset, top_k,
+                         *launch_args(tiers), *m.args(), m.n, m.k, m.bits, m.zero_offset, top_k,
                          DOWN=down, COUNT=not down, BIAS=m.bias_kind, BLOCK_N=block_n, BLOCK_K=block_k,
                          num_warps=4)
     return out

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from airquant.quant.int2_levels import LLOYD_MAX_4
-from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
+from airquant.quant.kernels.expert_operands import Buffers, in_slots, pairs_up, slot_bias, stacked, tokens_down
+from airquant.quant.kernels.tiered import add_bias, bias_kind, expert_image, launch_args
 
 BUFFERS = ("codes", "scales", "zeros", "outlier_weight", "outlier_idx")
 GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
@@ -126,17 +127,14 @@ def _gemv_kernel(x_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr, lv_ptr,
 
 def up_int2(x: torch.Tensor, ids: torch.Tensor, op: Operand) -> torch.Tensor:
     """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias)."""
-    out = torch.empty((ids.numel(), op.n), dtype=x.dtype, device=x.device)
-    return _launch(x.contiguous(), out, ids, None, op, ids.shape[-1], down=False)
+    return pairs_up(_launch, x, ids, op, op.n)
 
 
 def down_int2(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, op: Operand, out_dtype: torch.dtype
          ) -> torch.Tensor:
     """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
     weighted by ``weights`` ``[T, k]`` and summed in fp32."""
-    tokens, top_k = weights.shape
-    out = torch.empty((tokens, op.n), dtype=out_dtype, device=h.device)
-    return _launch(h.contiguous(), out, ids, weights.contiguous(), op, top_k, down=True)
+    return tokens_down(_launch, h, ids, weights, op, op.n, out_dtype)
 
 
 def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.Tensor:
@@ -177,12 +175,10 @@ class ImageMatrixInt2:
 
     @property
     def bias_kind(self) -> int:
-        from airquant.quant.kernels.nf4_moe import BIAS_KINDS
-
-        return 0 if self.bias is None else BIAS_KINDS[self.bias[1]]
+        return bias_kind(self.bias)
 
 
-def tiered_applies(n: int, k: int, group: int) -> bool:
+def tiered_int2_applies(n: int, k: int, group: int) -> bool:
     """Whether the tiered kernel takes a matrix: its rows in whole 16-code words (``k`` a multiple of 16, so
     every row starts on a word) and its groups in whole words (int2 groups are multiples of 16 anyway)."""
     return n > 0 and k % 16 == 0 and group % 16 == 0
@@ -199,7 +195,7 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, lv_ptr, table_ptr, coun
     weighted and summed), each pair's expert image found by ``table``: a pool slot or the RAM tier, read in
     int32 words of 16 codes (a group holds whole words: one scale and zero a word, ``w = scale * level + zero``
     summed as ``scale * sum(level * x) + zero * sum(x)``). ``COUNT``: the programs of the first output block
-    also count each pair's expert and pool hits. ``BIAS`` (``nf4_moe.BIAS_KINDS``, 0: none): the expert's bias
+    also count each pair's expert and pool hits. ``BIAS`` (``tiered.BIAS_KINDS``, 0: none): the expert's bias
     row, added to its product before the routing weight."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,16 +209,8 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, lv_ptr, table_ptr, coun
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, TOP_K if DOWN else 1):
         p = row * TOP_K + j if DOWN else row
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        slot = tl.load(table_ptr + e).to(tl.int64)
-        if slot >= 0:
-            base = pool_ptr + slot * slot_bytes
-        else:
-            base = host_ptr + host_start + e * host_stride
-        if COUNT:
-            if tl.program_id(1) == 0:
-                tl.atomic_add(counts_ptr + e, 1)
-                tl.atomic_add(hits_ptr, (slot >= 0).to(tl.int64))
+        base = expert_image(ids_ptr, p, table_ptr, counts_ptr, hits_ptr, host_ptr, host_start, host_stride, pool_ptr,
+                            slot_bytes, COUNT)
         words_ptr = (base + off_c).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 16)
         scales = (base + off_s).to(tl.pointer_type(tl.float16)) + rows[:, None] * (K // G)
         zeros = (base + off_z).to(tl.pointer_type(tl.float16)) + rows[:, None] * (K // G)
@@ -255,14 +243,7 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, lv_ptr, table_ptr, coun
                 ow = tl.load(ow_ptr + rows[:, None] * COLS + oc[None, :], mask=n_mask[:, None] & o_mask[None, :],
                              other=0.0).to(tl.float32)
                 acc += tl.sum(ow * xo[None, :], axis=1)
-        if BIAS == 1:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float32)) + offs_n, mask=n_mask, other=0.0)
-        elif BIAS == 2:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.bfloat16)) + offs_n, mask=n_mask,
-                           other=0.0).to(tl.float32)
-        elif BIAS == 3:
-            acc += tl.load((base + off_bias).to(tl.pointer_type(tl.float16)) + offs_n, mask=n_mask,
-                           other=0.0).to(tl.float32)
+        acc = add_bias(acc, base, off_bias, offs_n, n_mask, BIAS)
         if DOWN:
             total += tl.load(weights_ptr + p).to(tl.float32) * acc
         else:
@@ -272,30 +253,26 @@ def _tiered_kernel(x_ptr, out_ptr, weights_ptr, ids_ptr, lv_ptr, table_ptr, coun
 
 def tiered_up_int2(x: torch.Tensor, ids: torch.Tensor, m: ImageMatrixInt2, tiers) -> torch.Tensor:
     """``[P, n]``: pair p (``ids`` ``[T, k]``, flat) is ``x[p // k]`` times its expert's matrix (+ bias), the
-    expert read where ``tiers`` (``nf4_moe.Tiers``) has it; counts each pair's expert and pool hit."""
-    out = torch.empty((ids.numel(), m.n), dtype=x.dtype, device=x.device)
-    return _launch_tiered(x.contiguous(), out, ids, None, m, tiers, ids.shape[-1], down=False)
+    expert read where ``tiers`` (``tiered.Tiers``) has it; counts each pair's expert and pool hit."""
+    return pairs_up(functools.partial(_launch_tiered, tiers=tiers), x, ids, m, m.n)
 
 
 def tiered_down_int2(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, m: ImageMatrixInt2, tiers,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """``[T, n]``: each token's ``k`` rows of ``h`` ``[T * k, K]`` through their experts' matrices (+ bias),
     weighted by ``weights`` ``[T, k]`` and summed in fp32."""
-    tokens, top_k = weights.shape
-    out = torch.empty((tokens, m.n), dtype=out_dtype, device=h.device)
-    return _launch_tiered(h.contiguous(), out, ids, weights.contiguous(), m, tiers, top_k, down=True)
+    return tokens_down(functools.partial(_launch_tiered, tiers=tiers), h, ids, weights, m, m.n, out_dtype)
 
 
-def _launch_tiered(x, out, ids, weights, m: ImageMatrixInt2, tiers, top_k: int, down: bool) -> torch.Tensor:
-    if not tiered_applies(m.n, m.k, m.group):
+def _launch_tiered(x, out, ids, weights, m: ImageMatrixInt2, top_k: int, down: bool, *, tiers) -> torch.Tensor:
+    if not tiered_int2_applies(m.n, m.k, m.group):
         raise ValueError(f"tiered int2 GEMV needs in_features ({m.k}) and the group ({m.group}) multiples of 16")
     # 32 words a K step: 512 codes, 128 bytes of a row (one line of the link), as the NF4 tiered kernel reads
     block_w = min(32, max(triton.next_power_of_2(m.k // 16), 1))
     block_n = min(16 if down else 32, triton.next_power_of_2(m.n))
     grid = (out.shape[0], triton.cdiv(m.n, block_n))
     _tiered_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
-                         _levels(x.device), tiers.table, tiers.counts, tiers.hits, tiers.host, tiers.host_start,
-                         tiers.host_stride, tiers.pool, tiers.pool.shape[1], *m.args(), m.n, m.k, m.group,
+                         _levels(x.device), *launch_args(tiers), *m.args(), m.n, m.k, m.group,
                          m.n_out, m.cols, top_k, DOWN=down, COUNT=not down, BIAS=m.bias_kind, BLOCK_N=block_n,
                          BLOCK_W=block_w, BLOCK_O=min(OUTLIER_BLOCK, max(triton.next_power_of_2(m.n_out), 16)),
                          num_warps=4)

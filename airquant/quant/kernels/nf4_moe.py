@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
+from airquant.quant.kernels.tiered import BIAS_KINDS, Tiers  # noqa: F401 - Tiers: this module's callers take it here
 
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
@@ -266,29 +267,6 @@ def _launch_gemv(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> t
 # link at ~13 GB/s (engine/uva_copy). Here each thread loads 16 contiguous bytes of a row at a time (int32 words,
 # eight nibbles each), and many programs are in flight. Measured (H200, Qwen3-30B-A3B batch 1, a step's 96
 # launches reading ~1 GB, mostly from the RAM tier): 29.8 ms, ~34 GB/s, 0.62 of the copy engine's 55 GB/s.
-@dataclass(frozen=True)
-class Tiers:
-    """Where one layer's experts are: ``host`` (uint8, the RAM tier's layer buffer; expert e's image at
-    ``host_start + e * host_stride``), ``pool`` (uint8 ``[slots, slot_bytes]``; slot s's image at
-    ``s * slot_bytes``), ``table`` (int32 ``[E]``, on the device: the slot holding expert e, -1 for none) and
-    per-layer counters on the device (``counts`` int32 ``[E]``: pairs routed to each expert; ``hits`` int64
-    ``[1]``: pairs read from the pool)."""
-
-    host: torch.Tensor
-    host_start: int
-    host_stride: int
-    pool: torch.Tensor
-    table: torch.Tensor
-    counts: torch.Tensor
-    hits: torch.Tensor
-    quant_map: torch.Tensor | None = None  # fp32 [16] on the device: every expert's code book, where all agree
-    nested_quant_map: torch.Tensor | None = None  # fp32 [256], the same for the nested code book
-
-
-# The dtype of an expert's dense bias rows in its image, as the tiered kernel's BIAS code (0: no bias).
-BIAS_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
 @dataclass(frozen=True)
 class ImageMatrix:
     """One ``[n, k]`` NF4 matrix inside an expert's image: the byte offset of each of its buffers
