@@ -217,6 +217,31 @@ def test_a_second_request_replays_the_same_graphs(stores):
     engine.close()
 
 
+def test_a_partly_offloaded_cache_mixes_static_layers_and_islands(stores):
+    """KV offloaded for some layers only: in the same static pass, the device layers write and attend in their
+    graph and the offloaded ones keep the island (their host copies land the pass's own slots); tokens and
+    logits equal the same decode run eagerly."""
+    def run(engine):
+        logits = []
+        hook = engine.model.get_output_embeddings().register_forward_hook(
+            lambda _m, _a, out: logits.append(out[:, -1].float().cpu()))
+        try:
+            seqs = engine.decode_loop(2, context=64, offload={0}).run(
+                [engine.request(p, GenerateConfig(max_new_tokens=n, ignore_eos=True))
+                 for p, n in ((PROMPT, 7), (PROMPT[:5], 5))])
+        finally:
+            hook.remove()
+        return [s.out for s in seqs], torch.cat(logits)
+
+    want = _static_eager(stores["llama"], run)
+    engine, graphs = _graphed(stores["llama"])
+    got = run(engine)
+    kinds = {(key[0], key[-1] is None, len(e.islands)) for key, e in graphs._entries.items()}
+    engine.close()
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert {k for k in kinds if k[0] == 0} == {(0, True, 1)} and (1, False, 0) in kinds, kinds
+
+
 def test_two_loops_at_once_do_not_share_buffers(stores):
     """A loop's cache that attaches while another loop's is alive gets its own buffers (and its own graphs): the
     first loop, resumed after the second ran whole, decodes as it would alone. A loop of another batch frees the
