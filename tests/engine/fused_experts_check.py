@@ -1,7 +1,7 @@
 """Run by tests/engine/test_expert_fused.py in a process of its own, with ``TRITON_INTERPRET=1`` set before Triton
 defines the kernels (so they run on CPU tensors): a batch-1 routed decode of tiny NF4 or int2 MoE stores with the
 fused kernels (``expert_compute.run_fused``) and with them off (per-expert ``run_gemv`` or the stacked decode), fp32;
-a hub GPTQ checkpoint's (TYPE:gptq) stacked at the split.
+a hub GPTQ or AWQ checkpoint's (TYPE:gptq, TYPE:awq) stacked at the split.
 Prints one JSON line per store: greedy tokens, the largest logit difference, and how many calls each path made."""
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if method == "gptq":  # a hub GPTQ checkpoint, act-order groups: its experts stacked at the split
+    if method in ("gptq", "awq"):  # a hub checkpoint (GPTQ: act-order groups): its experts stacked at the split
         from tests.quant.checkpoints import write_synthetic_gptq_moe_checkpoint
 
-        model = write_synthetic_gptq_moe_checkpoint(folder / "model", tokenizer, model_type, desc_act=True,
-                                                    **SHAPES[model_type]).path
+        model = write_synthetic_gptq_moe_checkpoint(folder / "model", tokenizer, model_type, method=method,
+                                                    desc_act=method == "gptq", **SHAPES[model_type]).path
         spec = None
     else:
         model = make_model(folder / "model", tokenizer, model_type, **SHAPES[model_type])
@@ -123,8 +123,8 @@ def check_direct(store: Path) -> dict:
 
 if __name__ == "__main__":
     tokenizer_dir = sys.argv[1]
-    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2 or TYPE:gptq
+    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2, TYPE:gptq or TYPE:awq
         model_type, _, option = spec.partition(":")
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(check(model_type, Path(tmp), tokenizer_dir, option == "dq",
-                                   option if option in ("int2", "gptq") else "nf4")), flush=True)
+                                   option if option in ("int2", "gptq", "awq") else "nf4")), flush=True)

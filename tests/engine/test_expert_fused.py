@@ -6,8 +6,8 @@ set before Triton defines them): a batch-1 routed decode of tiny NF4 stores of f
 gpt-oss's biased, clamped experts; plain and double-quant absmax) equals the same decode with the fused path off
 (per-expert bitsandbytes matmul or the stacked decode) within fp32 rounding, greedy tokens equal, every MoE layer
 of every decode step computed by the fused path. On CUDA the same in bf16 at the module level, and the gather
-copy against the copy engine. int2 and GPTQ experts take their fused GEMV at up to 8 tokens a call (the same
-decode of the same stores in int2; GPTQ experts of a hub checkpoint, stacked at the split).
+copy against the copy engine. int2, GPTQ and AWQ experts take their fused GEMV at up to 8 tokens a call (the same
+decode of the same stores in int2; GPTQ and AWQ experts of a hub checkpoint, stacked at the split).
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def test_fused_decode_equals_the_per_expert_decode():
 
 @pytest.mark.parametrize("method, types", [
     pytest.param("int2", ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"), marks=pytest.mark.slow),
-    ("gptq", ("qwen3_moe", "mixtral"))])
-def test_fused_int2_and_gptq_decode_equal_the_per_expert_decode(method, types):
+    ("gptq", ("qwen3_moe", "mixtral")), ("awq", ("qwen3_moe",))])
+def test_fused_int2_gptq_and_awq_decode_equal_the_per_expert_decode(method, types):
     """int2 experts (2-bit codes, group scales, fp16 outlier residuals; gpt-oss's biases) through the fused int2
-    GEMV (quant/kernels/int2_moe), and GPTQ experts of a hub checkpoint (act-order groups, each expert's linears
-    stacked at the split) through the fused GPTQ GEMV (gptq_moe): routed from the pool's slots and from a whole
+    GEMV (quant/kernels/int2_moe), and GPTQ (act-order groups) and AWQ experts of a hub checkpoint (each expert's
+    linears stacked at the split) through the fused GPTQ/AWQ GEMV (gptq_moe): routed from the pool's slots and from a whole
     layer's buffers, every one-token step of every MoE layer, as the per-expert decode; direct reads (their
     ``_tiered_kernel``: each expert from the hot set or the RAM tier) every one-token step of every MoE layer,
     some pairs from the hot set."""

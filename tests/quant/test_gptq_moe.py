@@ -1,4 +1,4 @@
-"""The fused GPTQ expert GEMV (quant/kernels/gptq_moe ``up_gptq``/``down_gptq``): each pair's expert found by index in
+"""The fused GPTQ and AWQ expert GEMV (quant/kernels/gptq_moe ``up_gptq``/``down_gptq``): each pair's expert found by index in
 a stacked operand or in pool slots, and the tiered GEMV of direct reads (``tiered_*_gptq``: from a hot slot or a
 host buffer by a device table, counting pairs and hits), against the products of each expert's ``dequantize_gptq`` (codes, act-order
 groups, packed zeros, scales), under Triton's interpreter (a process of its own: ``TRITON_INTERPRET=1`` must be
@@ -18,32 +18,33 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os
 import torch
-from airquant.quant.gptq import dequantize_gptq
+from airquant.quant.gptq import dequantize_awq, dequantize_gptq
 from airquant.quant.kernels import gptq_moe
-from airquant.quant.rtn import gptq_tensors, rtn_quantize
+from airquant.quant.rtn import awq_tensors, gptq_tensors, rtn_quantize
 from tests.quant.expert_images import direct_tiers, slot_images
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
 torch.manual_seed(0)
 num, top, n, k = 5, 3, 48, 96
-for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True, 1), (8, True, False, 0),
-                                           (2, False, True, 1)):
+for awq, bits, act_order, bias, zero_offset in ((0, 4, False, False, 1), (0, 4, True, True, 1), (0, 8, True, False, 0),
+                                                (0, 2, False, True, 1), (32, 4, False, True, 0), (96, 4, False, False, 0)):
     parts = []
     for _ in range(num):
         perm = torch.randperm(k) if act_order else None
-        rtn = rtn_quantize(torch.randn(n, k), bits, 32, sym=False, perm=perm)
-        parts.append(gptq_tensors(rtn, bits, zero_offset=zero_offset))
-    dense = torch.stack([dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, zero_offset)
+        rtn = rtn_quantize(torch.randn(n, k), bits, awq or 32, sym=False, perm=perm)
+        parts.append(awq_tensors(rtn) if awq else gptq_tensors(rtn, bits, zero_offset=zero_offset))
+    dense = torch.stack([dequantize_awq(t["qweight"], t["qzeros"], t["scales"], awq) if awq else
+                         dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, zero_offset)
                          for t in parts])
-    stacked = {s: torch.stack([t[s] for t in parts]) for s in gptq_moe.BUFFERS}
+    stacked = {s: torch.stack([t[s] for t in parts]) for s in gptq_moe.BUFFERS if s in parts[0]}
     rows = torch.randn(num, n) if bias else None
     b = rows if bias else torch.zeros(num, n)
     stack_op = gptq_moe.stacked_operand_gptq({s: t.to(dev) for s, t in stacked.items()}, n, k, bits, zero_offset,
-                                             rows.to(dev) if bias else None)
+                                             rows.to(dev) if bias else None, awq)
     order = [3, 0, 4, 1, 2]  # expert e in slot order[e]
     pool, offsets, dtypes, bias_at, slot_bytes = slot_images(stacked, rows if bias else None, order)
     pool_op = gptq_moe.pool_operand_gptq(pool.to(dev), offsets, dtypes, n, k, bits, zero_offset,
-                                         (bias_at, torch.float32) if bias else None)
+                                         (bias_at, torch.float32) if bias else None, awq)
     ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
     x, h, w = torch.randn(2, k), torch.randn(6, k), torch.rand(2, top)
     want_up = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
@@ -57,8 +58,8 @@ for bits, act_order, bias, zero_offset in ((4, False, False, 1), (4, True, True,
         assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (bits, (down - want_down).abs().max())
     # direct reads: every expert's image in a host buffer, experts 1 and 3 also in hot slots
     tiers = direct_tiers(pool, order, dev)
-    image = gptq_moe.ImageMatrixGPTQ(n, k, bits, zero_offset, tuple(offsets[b] for b in gptq_moe.BUFFERS),
-                                     (bias_at, torch.float32) if bias else None)
+    image = gptq_moe.ImageMatrixGPTQ(n, k, bits, zero_offset, tuple(offsets.get(b) for b in gptq_moe.BUFFERS),
+                                     (bias_at, torch.float32) if bias else None, awq)
     up = gptq_moe.tiered_up_gptq(x.to(dev), ids.to(dev), image, tiers).cpu()
     assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
     down = gptq_moe.tiered_down_gptq(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()

@@ -37,7 +37,7 @@ import torch
 from airquant.layout import swap_tensor
 from airquant.quant import kernels
 from airquant.quant.experts import ExpertWeights
-from airquant.quant.gptq import GPTQLinear
+from airquant.quant.gptq import AWQLinear, GPTQLinear
 from airquant.quant.int2 import Int2Linear
 from airquant.quant.nf4 import NF4Linear
 
@@ -56,14 +56,14 @@ DECODE_TEMP_PER_ELEM = {"cuda": 0.5, "cpu": 16.5}
 # kernel for 1 row, a dequantize per expert above); from 5 rows on H100/H200 it mostly dequantizes and runs
 # ``F.linear`` per expert, the stacked path's work in more launches. 0 turns the path off.
 GEMV_TOKENS = 4
-# NF4, int2 and GPTQ experts computed by the fused kernels (``run_fused``: two launches a call, straight from the
+# NF4, int2, GPTQ and AWQ experts computed by the fused kernels (``run_fused``: two launches a call, straight from the
 # packed bytes: a routed pool's slots or a whole layer's buffers) where a Triton kernel can run (CUDA, or its
 # interpreter in tests); False: the per-expert paths (``run_gemv``, the stacked decode, transformers' eager loop).
 FUSED = True
 # Tokens a routed call may have for the fused kernels (its host list of slots, one per pair, is built per call).
 FUSED_TOKENS = 8
 # Formats the routed pool's and a whole layer's fused calls take (the host kernel: NF4 only).
-FUSED_SCHEMES = ("nf4", "int2", "gptq")
+FUSED_SCHEMES = ("nf4", "int2", "gptq", "awq")
 # Routed rows per expert, on average, up to which a whole layer's call takes the fused kernels. Each 16-row
 # block of the grouped kernel decodes its expert's tile again: at 16 rows an expert (Qwen3-30B-A3B, batch 256)
 # that is 0.92 of the link, at ~124 (Mixtral, batch 498) it decoded every expert 8 times over, 2.33 s a step
@@ -293,8 +293,8 @@ class FusedMatrix:
 class FusedExperts:
     """A quantized experts module whose calls ``run_fused`` computes in two kernel launches from the packed
     bytes: NF4 (quant/kernels/nf4_moe: one blocksize and double-quant setting), int2 (quant/kernels/int2_moe:
-    one group; calls of up to ``int2_moe.GEMV_ROWS`` tokens) or GPTQ (quant/kernels/gptq_moe: one bit width and
-    zero offset; calls of up to ``gptq_moe.GEMV_ROWS`` tokens) (gate/)up and down matrices, optional per-expert
+    one group; calls of up to ``int2_moe.GEMV_ROWS`` tokens), GPTQ or AWQ (quant/kernels/gptq_moe: one bit width and
+    zero offset, or one group; calls of up to ``gptq_moe.GEMV_ROWS`` tokens) (gate/)up and down matrices, optional per-expert
     biases; ``dtypes`` of each buffer."""
 
     up: FusedMatrix
@@ -304,17 +304,18 @@ class FusedExperts:
     gated: bool
     dtypes: dict
     scheme: str = "nf4"
-    group: int = 0  # int2
+    group: int = 0  # int2, AWQ
     bits: int = 0  # GPTQ
     zero_offset: int = 0  # GPTQ: what its stored zeros lack (1 in the v1 "gptq" format)
 
     def pool_operands(self, pool: torch.Tensor) -> tuple:
         """The two matrices' operands over an expert pool's slots (an expert's index is its slot)."""
-        if self.scheme == "gptq":
+        if self.scheme in ("gptq", "awq"):
             from airquant.quant.kernels import gptq_moe
 
             return tuple(gptq_moe.pool_operand_gptq(pool, m.offsets, self.dtypes, m.n, m.k, self.bits,
-                                                    self.zero_offset, m.bias) for m in (self.up, self.down))
+                                                    self.zero_offset, m.bias, self.awq_group(m))
+                         for m in (self.up, self.down))
         if self.scheme == "int2":
             from airquant.quant.kernels import int2_moe
 
@@ -335,8 +336,9 @@ class FusedExperts:
             child = getattr(module, m.name)
             bias = getattr(module, f"{m.name}_bias", None) if m.bias is not None else None
             buffers = {s: getattr(child, s) for s in child.suffixes}
-            if self.scheme == "gptq":
-                ops.append(gptq_moe.stacked_operand_gptq(buffers, m.n, m.k, self.bits, self.zero_offset, bias))
+            if self.scheme in ("gptq", "awq"):
+                ops.append(gptq_moe.stacked_operand_gptq(buffers, m.n, m.k, self.bits, self.zero_offset, bias,
+                                                         self.awq_group(m)))
             elif self.scheme == "int2":
                 ops.append(int2_moe.stacked_operand_int2(buffers, m.n, m.k, self.group, m.n_out, m.cols, bias))
             else:
@@ -350,18 +352,26 @@ class FusedExperts:
             from airquant.quant.kernels import int2_moe
 
             return int2_moe.GEMV_ROWS
-        if self.scheme == "gptq":
+        if self.scheme in ("gptq", "awq"):
             from airquant.quant.kernels import gptq_moe
 
             return gptq_moe.GEMV_ROWS
         return None
+
+    def awq_group(self, m: FusedMatrix) -> int:
+        """AWQ: matrix ``m``'s group for the GPTQ/AWQ kernels (the whole row for a group size <= 0); else 0."""
+        if self.scheme != "awq":
+            return 0
+        from airquant.quant.kernels import gptq_moe
+
+        return gptq_moe.awq_group(self.group, m.k)
 
 
 def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | None = None,
                   offsets: tuple[int, ...] | None = None, straddling: bool = False,
                   schemes: tuple[str, ...] = ("nf4",)) -> FusedExperts | None:
     """The ``FusedExperts`` of a quantized experts module, or None: the fused kernels do not apply (a scheme
-    not in ``schemes``: "nf4", "int2", "gptq"; a block straddling two rows, a post-expert norm, expert parallelism,
+    not in ``schemes``: "nf4", "int2", "gptq", "awq"; a block straddling two rows, a post-expert norm, expert parallelism,
     another quantized or dense tensor). With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors
     relative to the module) the slot must hold exactly those matrices and biases, and their offsets are
     recorded. ``straddling``: NF4 blocks may straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any
@@ -385,6 +395,10 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
         if len({(t.bits, t.zero_offset) for t in templates}) != 1:
             return None
         scheme = "gptq"
+    elif "awq" in schemes and all(isinstance(t, AWQLinear) for t in templates):
+        if len({t.group_size for t in templates}) != 1:
+            return None
+        scheme = "awq"
     elif "nf4" in schemes and all(isinstance(t, NF4Linear) and (straddling or t.in_features % t.blocksize == 0)
                                   for t in templates) and len({(t.blocksize, t.double_quant) for t in templates}) == 1:
         scheme = "nf4"
@@ -409,6 +423,9 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     if scheme == "gptq":
         return FusedExperts(matrices[0], matrices[1], 0, False, gated, kinds, scheme="gptq", bits=templates[0].bits,
                             zero_offset=templates[0].zero_offset)
+    if scheme == "awq":
+        return FusedExperts(matrices[0], matrices[1], 0, False, gated, kinds, scheme="awq", bits=4,
+                            group=templates[0].group_size)
     return FusedExperts(matrices[0], matrices[1], templates[0].blocksize, templates[0].double_quant, gated, kinds)
 
 
@@ -420,7 +437,7 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
     down matrix, weighting and sum in another (GEMV for few tokens; above, pairs sorted into per-expert blocks
     of a grouped tensor-core product, on the device)."""
     up_op, down_op = operands
-    if spec.scheme == "gptq":
+    if spec.scheme in ("gptq", "awq"):
         from airquant.quant.kernels import gptq_moe
 
         h = activate(module, gptq_moe.up_gptq(hidden, ids, up_op), spec.gated)  # [T * k, I]

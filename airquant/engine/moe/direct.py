@@ -1,4 +1,4 @@
-"""Direct expert reads: a few-row routed call's NF4, int2 or GPTQ experts are read by the fused kernel itself,
+"""Direct expert reads: a few-row routed call's NF4, int2, GPTQ or AWQ experts are read by the fused kernel itself,
 where they are, without a copy and without the routing ever reaching the host (quant/kernels/nf4_moe
 ``tiered_*``, int2_moe ``tiered_*_int2``, gptq_moe ``tiered_*_gptq``).
 
@@ -17,7 +17,7 @@ experts over all layers: experts that left are pointed back at the RAM tier firs
 ones are copied into the freed slots and pointed at, all in the compute stream's order (a kernel queued
 before the refresh reads the old slots; one queued after, the new ones).
 
-Applies where a layer's experts are NF4, int2 or GPTQ (``compute.fused_experts``; int2 rows in whole 16-code
+Applies where a layer's experts are NF4, int2, GPTQ or AWQ (``compute.fused_experts``; int2 rows in whole 16-code
 words; gpt-oss's bias rows are read from the image too), its bytes are in the arranged RAM tier (``layout.HostArrangement``) and its router picks only stored
 experts; other calls take the pool's copy path. Counters are per (token, expert) pair, which at batch 1 is per
 expert, as the copy path counts.
@@ -66,15 +66,17 @@ GPTQ_DTYPES = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.fl
 
 
 def _gptq_images(spec) -> tuple | None:
-    """(spec, up, down ``gptq_moe.ImageMatrixGPTQ``) of a GPTQ experts module, or None: a matrix the tiered kernel
-    does not take or a buffer of another dtype."""
+    """(spec, up, down ``gptq_moe.ImageMatrixGPTQ``) of a GPTQ or AWQ experts module (AWQ: no ``g_idx``), or None:
+    a matrix the tiered kernel does not take or a buffer of another dtype."""
     from airquant.quant.kernels import gptq_moe
 
-    if any(spec.dtypes.get(name) != dtype for name, dtype in GPTQ_DTYPES.items()) or \
+    wanted = {k: v for k, v in GPTQ_DTYPES.items() if spec.scheme == "gptq" or k != "g_idx"}
+    if any(spec.dtypes.get(name) != dtype for name, dtype in wanted.items()) or \
             not all(gptq_moe.tiered_gptq_applies(m.n, m.k, spec.bits) for m in (spec.up, spec.down)):
         return None
     return spec, *(gptq_moe.ImageMatrixGPTQ(m.n, m.k, spec.bits, spec.zero_offset,
-                                             tuple(m.offsets[b] for b in gptq_moe.BUFFERS), m.bias)
+                                             tuple(m.offsets.get(b) for b in gptq_moe.BUFFERS), m.bias,
+                                             spec.awq_group(m))
                    for m in (spec.up, spec.down))
 
 
@@ -118,12 +120,12 @@ class DirectReads:
 
             layer = self.layers[i]
             spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets,
-                                                schemes=("nf4", "int2", "gptq"))
+                                                schemes=("nf4", "int2", "gptq", "awq"))
             if spec is None or any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
                 self._matrices[i] = None
             elif spec.scheme == "int2":
                 self._matrices[i] = _int2_images(spec)
-            elif spec.scheme == "gptq":
+            elif spec.scheme in ("gptq", "awq"):
                 self._matrices[i] = _gptq_images(spec)
             elif spec.up.k % 8 or spec.down.k % 8 or spec.blocksize % 8:
                 self._matrices[i] = None
@@ -149,7 +151,7 @@ class DirectReads:
             work()
         spec, up_m, down_m = found
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if spec.scheme in ("int2", "gptq"):
+        if spec.scheme in ("int2", "gptq", "awq"):
             from airquant.quant.kernels import gptq_moe, int2_moe
 
             up, down = (int2_moe.tiered_up_int2, int2_moe.tiered_down_int2) if spec.scheme == "int2" else \
