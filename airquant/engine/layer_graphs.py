@@ -58,9 +58,12 @@ log = logging.getLogger(__name__)
 CAPTURED_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                              "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer"})
 _SIMPLE = (bool, int, float, str, type(None))
-# Keys a layer may have: one per device slot it lands in and row count; a layer whose weights move every call
-# (dense tensors cast at fetch: a float32 store run in bf16) would add one a call: it runs eagerly.
+# Keys a layer may have: one per device slot it lands in, row count and (static passes) attended bucket; a layer
+# whose weights move every call (dense tensors cast at fetch: a float32 store run in bf16) would add one a call:
+# past the limit it runs eagerly. A key unused for STALE_PASSES passes gives its place to a new one (a long
+# decode crosses buckets, a server sees every row count).
 KEYS_PER_LAYER = 32
+STALE_PASSES = 64
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
 
@@ -471,7 +474,9 @@ class LayerGraphs:
         # version counter, and a graph's output is the same tensor every pass, so "the same tensor" holds within
         # one pass only
         self._held: dict[int, tuple] = {}
-        self._keys: dict[int, set] = {}  # layer -> the keys it was called with
+        self._keys: dict[int, dict] = {}  # layer -> the keys it was called with -> the call count at their last use
+        self._calls = 0  # layer calls so far (for the keys' last use)
+        self._full: set[int] = set()  # layers whose keys reached the limit (logged once)
         # keys of static layers -> their cache (weakly): when another cache comes, they are dropped
         self._owner: dict[tuple, weakref.ref] = {}
         self._kv: weakref.ref | None = None  # the cache of the last call
@@ -518,17 +523,19 @@ class LayerGraphs:
         key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()), static)
         if static is not None:
             self._owner[key] = weakref.ref(kv)
+        self._calls += 1
+        seen = self._keys.setdefault(index, {})
         entry = self._entries.get(key)
         if entry is not None:
+            seen[key] = self._calls
             return self._replay(entry, leaves, kv)
-        seen = self._keys.setdefault(index, set())
-        if key not in seen and len(seen) >= KEYS_PER_LAYER:
-            if len(seen) == KEYS_PER_LAYER:
+        if key not in seen and len(seen) >= KEYS_PER_LAYER and not self._drop_stale(seen):
+            if index not in self._full:
                 log.info("layer %d: its weights or shapes change from call to call; it runs without a graph", index)
-                seen.add(None)
+                self._full.add(index)
             self.stats["eager"] += 1
             return call(*args, **kwargs)
-        seen.add(key)
+        seen[key] = self._calls
         if key in self._eager:
             self.stats["eager"] += 1
             return call(*args, **kwargs)
@@ -553,6 +560,23 @@ class LayerGraphs:
             return out
         return self._capture(key, call, leaves, spec, kv)
 
+    def _drop_stale(self, seen: dict) -> bool:
+        """Forget the keys of a layer (``seen``) unused for ``STALE_PASSES`` passes (a pass calls every layer once,
+        so as many layer calls times the layers with keys); whether any went."""
+        oldest = self._calls - STALE_PASSES * max(1, len(self._keys))
+        stale = [k for k, last in seen.items() if last < oldest]
+        for key in stale:
+            self._forget(key)
+        return bool(stale)
+
+    def _forget(self, key: tuple) -> None:
+        self._entries.pop(key, None)
+        self._work.pop(key, None)
+        self._eager.discard(key)
+        self._synced.pop(key, None)
+        self._owner.pop(key, None)
+        self._keys.get(key[0], {}).pop(key, None)
+
     def _static_off(self, index: int, why: str) -> None:
         """No more static passes (from the next pass on): layers keep the cache write and attention as an
         island, as before they were captured (their graphs then key on no cache buffer)."""
@@ -568,12 +592,7 @@ class LayerGraphs:
         self._kv = weakref.ref(kv)
         live = {t.data_ptr() for t in kv._k if t is not None}
         for key in [k for k, owner in self._owner.items() if owner() is not kv and k[-1][1] not in live]:
-            del self._owner[key]
-            self._entries.pop(key, None)
-            self._work.pop(key, None)
-            self._eager.discard(key)
-            self._synced.pop(key, None)
-            self._keys.get(key[0], set()).discard(key)
+            self._forget(key)
 
     def _twin(self, position: int, x: torch.Tensor) -> torch.Tensor:
         slot = (position, tuple(x.shape), x.dtype, x.device)
@@ -653,3 +672,4 @@ class LayerGraphs:
         self._owner.clear()
         self._kv = None
         self.buffers.clear()
+        self._full.clear()

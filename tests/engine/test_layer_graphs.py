@@ -91,6 +91,25 @@ def test_static_passes_decode_as_the_plain_cache(stores, model_type):
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_stale_keys_give_their_place_to_new_buckets(stores, monkeypatch):
+    """A layer at its limit of keys forgets those unused for ``STALE_PASSES`` passes instead of running every new
+    one eagerly: a decode crossing many buckets (here every 4 columns, 2 keys a layer, stale after 1 pass) keeps
+    capturing and replaying its layers, and equals the same decode run eagerly."""
+    from airquant.engine.decode import slots
+
+    monkeypatch.setattr(slots, "STATIC_STEP", 4)
+    want = _static_eager(stores["qwen3"], lambda e: _decode(e, steps=14))
+    monkeypatch.setattr(layer_graphs, "KEYS_PER_LAYER", 2)
+    monkeypatch.setattr(layer_graphs, "STALE_PASSES", 1)
+    engine, graphs = _graphed(stores["qwen3"])
+    tokens, logits = _decode(engine, steps=14)
+    layers = len(skeleton.decoder_layers(engine.model))
+    left = max(len(keys) for keys in graphs._keys.values())
+    engine.close()
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    assert graphs.stats["captures"] >= 3 * layers and left <= 2 and graphs.stats["failed"] == 0, graphs.stats
+
+
 def test_a_failed_static_capture_falls_back_to_the_island(stores, monkeypatch):
     """A static capture that fails in the cache write or attention (here the attention reads a value on the
     host, which a capture refuses) turns static passes off from the next pass on: the layers are captured around
