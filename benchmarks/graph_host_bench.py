@@ -1,0 +1,114 @@
+"""Host time a replayed decode step's layer calls cost outside their graphs: the attention captured in the layer
+graph (static passes, ``engine/decode/slots.py``) against the attention as an eager island between two graphs
+(``STATIC_PASSES`` off, the path before), same store, same run.
+
+Why: the Qwen3-30B-A3B batch-1 step was host-bound on the H200 (GPU busy 21.8 of 62 ms traced, wave3_moe12); a
+layer's host time is what a step cannot hide. This measures that host time on any machine, with no GPU: the
+layer graphs are emulated (``layer_graphs.EmulatedBackend``) and their replay does nothing, so what is left is
+the runner (keys, static twins), the streamer and, on the island path, the eager cache write and attention
+with its second graph launch. A tiny Qwen3 (16 layers, fp32) decodes at batch 1; each variant runs ``--rounds``
+times alternately, ``--steps`` steps each, the median kept.
+
+Prints the two figures and their difference per layer, and writes ``results/graph_host_bench.json``
+(``--results``). On the GPU the same difference is what ``moe_bench``'s ``*_island`` cases show in a step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from airquant.config import GenerateConfig  # noqa: E402
+from airquant.engine import layer_graphs, skeleton  # noqa: E402
+from airquant.engine.decode import slots  # noqa: E402
+from airquant.engine.moe.compute import FUSED_TOKENS  # noqa: E402
+from airquant.engine.runner import Engine  # noqa: E402
+
+TOKENIZER_DIR = REPO / "tests" / "data" / "smollm2_tokenizer"
+
+
+def make_store(folder: Path, layers: int) -> Path:
+    from transformers import AutoTokenizer
+
+    from airquant.models import resolve
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    src = resolve(str(make_model(folder / "model", AutoTokenizer.from_pretrained(TOKENIZER_DIR), "qwen3",
+                                 num_hidden_layers=layers)))
+    split(src, folder / "store", dtype="float32", progress=False)
+    return folder / "store"
+
+
+def step_seconds(store: Path, static: bool, steps: int) -> tuple[float, int, set]:
+    """Seconds a decode step takes with every layer replayed (a no-op replay), the layers, and the islands an
+    entry holds."""
+    replay = layer_graphs.EmulatedBackend.__dict__["replay"]  # the staticmethod itself, put back after
+    slots.STATIC_PASSES = static
+    engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0)
+    graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
+    skeleton.attach_graphs(engine.model, graphs)
+    try:
+        loop = engine.decode_loop(1, context=64 + steps + 8)
+        loop.submit(engine.request(list(range(5, 25)), GenerateConfig(max_new_tokens=steps + 8, ignore_eos=True)))
+        for _ in range(4):  # prefill, warm-up, capture, a replay
+            loop.step()
+        layer_graphs.EmulatedBackend.replay = staticmethod(lambda graph: None)
+        start = time.perf_counter()
+        for _ in range(steps):
+            loop.step()
+        took = (time.perf_counter() - start) / steps
+        islands = {len(e.islands) for e in graphs._entries.values()}
+        return took, len(skeleton.decoder_layers(engine.model)), islands
+    finally:
+        layer_graphs.EmulatedBackend.replay = replay
+        slots.STATIC_PASSES = True
+        engine.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--results", default=None, help="folder of the results file (default: results/)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = make_store(Path(tmp), args.layers)
+        runs: dict[str, list[float]] = {"static": [], "island": []}
+        for _ in range(args.rounds):
+            for name in runs:
+                took, layers, islands = step_seconds(store, name == "static", args.steps)
+                assert islands == ({0} if name == "static" else {1}), (name, islands)
+                runs[name].append(took)
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    out = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "layers": layers,
+           "steps": args.steps, "rounds": args.rounds, "threads": 1,
+           "step_ms": {k: v * 1e3 for k, v in med.items()}, "runs_ms": {k: [x * 1e3 for x in v] for k, v in runs.items()},
+           "layer_us": {k: v / layers * 1e6 for k, v in med.items()},
+           "island_extra_us_per_layer": (med["island"] - med["static"]) / layers * 1e6,
+           "method": "tiny Qwen3 fp32 at batch 1 on the CPU, layer graphs emulated with a no-op replay: a step's "
+                     "host time (runner, streamer, and on the island path the eager cache write and attention "
+                     "and the second graph launch); variants alternate, median of the rounds"}
+    for name in runs:
+        print(f"{name:>6}: {out['step_ms'][name]:.3f} ms a step, {out['layer_us'][name]:.1f} us a layer")
+    print(f"the island costs {out['island_extra_us_per_layer']:.1f} us more a layer on this host")
+    path = Path(args.results or (REPO / "results")) / "graph_host_bench.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
