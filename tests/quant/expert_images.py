@@ -43,3 +43,27 @@ def direct_tiers(pool: torch.Tensor, order: list[int], device: str) -> Tiers:
     table[1], table[3] = 2, 0
     return Tiers(host.to(device), 64, slot_bytes, hot.to(device), table.to(device),
                  torch.zeros(num, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int64, device=device))
+
+
+def routed_products(dense: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
+                    w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What up and down must give for pairs ``ids`` ``[T, k]`` of experts ``dense`` ``[E, n, K]`` (+ ``bias``
+    ``[E, n]``): each pair's product with its token's ``x`` row, and each token's ``k`` rows of ``h`` through
+    their experts, weighted by ``w`` and summed."""
+    top, flat = ids.shape[1], ids.reshape(-1)
+    up = torch.stack([dense[flat[p]] @ x[p // top] + bias[flat[p]] for p in range(flat.numel())])
+    down = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + bias[ids[t, j]]) for j in range(top))
+                        for t in range(ids.shape[0])])
+    return up, down
+
+
+def check_pair(label, up: torch.Tensor, down: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``up`` and ``down`` (on the CPU) within fp32 rounding of ``routed_products``'."""
+    for got, exp, name in ((up, want[0], "up"), (down, want[1], "down")):
+        assert (got - exp).abs().max() <= 1e-5 * exp.abs().max(), (label, name, (got - exp).abs().max())
+
+
+def check_counted(tiers: Tiers, ids: torch.Tensor, experts: int) -> None:
+    """The up launch counted each pair's expert, and as hits the pairs of experts 1 and 3 (``direct_tiers``)."""
+    assert tiers.counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+    assert int(tiers.hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))

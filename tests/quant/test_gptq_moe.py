@@ -21,7 +21,7 @@ import torch
 from airquant.quant.gptq import dequantize_awq, dequantize_gptq
 from airquant.quant.kernels import gptq_moe
 from airquant.quant.rtn import awq_tensors, gptq_tensors, rtn_quantize
-from tests.quant.expert_images import direct_tiers, slot_images
+from tests.quant.expert_images import check_counted, check_pair, direct_tiers, routed_products, slot_images
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
 torch.manual_seed(0)
@@ -47,25 +47,18 @@ for awq, bits, act_order, bias, zero_offset in ((0, 4, False, False, 1), (0, 4, 
                                          (bias_at, torch.float32) if bias else None, awq)
     ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
     x, h, w = torch.randn(2, k), torch.randn(6, k), torch.rand(2, top)
-    want_up = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
-    want_down = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + b[ids[t, j]]) for j in range(top))
-                             for t in range(2)])
+    want = routed_products(dense, b, ids, x, h, w)
     slots = torch.tensor(order)[ids]
     for op, route in ((stack_op, ids), (pool_op, slots)):
-        up = gptq_moe.up_gptq(x.to(dev), route.to(dev), op).cpu()
-        assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (bits, (up - want_up).abs().max())
-        down = gptq_moe.down_gptq(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
-        assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (bits, (down - want_down).abs().max())
+        check_pair((awq, bits), gptq_moe.up_gptq(x.to(dev), route.to(dev), op).cpu(),
+                   gptq_moe.down_gptq(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu(), want)
     # direct reads: every expert's image in a host buffer, experts 1 and 3 also in hot slots
     tiers = direct_tiers(pool, order, dev)
     image = gptq_moe.ImageMatrixGPTQ(n, k, bits, zero_offset, tuple(offsets.get(b) for b in gptq_moe.BUFFERS),
                                      (bias_at, torch.float32) if bias else None, awq)
-    up = gptq_moe.tiered_up_gptq(x.to(dev), ids.to(dev), image, tiers).cpu()
-    assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
-    down = gptq_moe.tiered_down_gptq(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()
-    assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), ("tiered", (down - want_down).abs().max())
-    assert tiers.counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
-    assert int(tiers.hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
+    check_pair(("tiered", awq, bits), gptq_moe.tiered_up_gptq(x.to(dev), ids.to(dev), image, tiers).cpu(),
+               gptq_moe.tiered_down_gptq(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu(), want)
+    check_counted(tiers, ids, num)
 print("ok")
 """
 

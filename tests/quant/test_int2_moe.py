@@ -21,7 +21,7 @@ import torch
 from airquant.quant import make_linear, quantize_linear
 from airquant.quant.kernels import int2_moe
 from airquant.quant.spec import QuantSpec
-from tests.quant.expert_images import direct_tiers, slot_images
+from tests.quant.expert_images import check_counted, check_pair, direct_tiers, routed_products, slot_images
 
 dev = os.environ.get("AQ_DEVICE", "cpu")
 torch.manual_seed(0)
@@ -49,26 +49,19 @@ for outliers, bias in ((0.035, False), (0.0, True), (0.42, True)):
                                     (bias_at, torch.float32) if bias else None)
     ids = torch.tensor([[2, 0, 4], [1, 2, 3]])
     x, h, w = torch.randn(2, k), torch.randn(6, k), torch.rand(2, top)
-    want_up = torch.stack([dense[ids.reshape(-1)[p]] @ x[p // top] + b[ids.reshape(-1)[p]] for p in range(6)])
-    want_down = torch.stack([sum(w[t, j] * (dense[ids[t, j]] @ h[t * top + j] + b[ids[t, j]]) for j in range(top))
-                             for t in range(2)])
+    want = routed_products(dense, b, ids, x, h, w)
     slots = torch.tensor(order)[ids]
     for op, route in ((stack_op, ids), (pool_op, slots)):
-        up = int2_moe.up_int2(x.to(dev), route.to(dev), op).cpu()
-        assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), (outliers, (up - want_up).abs().max())
-        down = int2_moe.down_int2(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu()
-        assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), (down - want_down).abs().max()
+        check_pair(outliers, int2_moe.up_int2(x.to(dev), route.to(dev), op).cpu(),
+                   int2_moe.down_int2(h.to(dev), route.to(dev), w.to(dev), op, torch.float32).cpu(), want)
     assert n_out == round(outliers * k)
     # direct reads: every expert's image in a host buffer, experts 1 and 3 also in hot slots
     tiers = direct_tiers(pool, order, dev)
     image = int2_moe.ImageMatrixInt2(n, k, 32, n_out, cols, tuple(offsets.get(b) for b in int2_moe.BUFFERS),
                                      (bias_at, torch.float32) if bias else None)
-    up = int2_moe.tiered_up_int2(x.to(dev), ids.to(dev), image, tiers).cpu()
-    assert (up - want_up).abs().max() <= 1e-5 * want_up.abs().max(), ("tiered", (up - want_up).abs().max())
-    down = int2_moe.tiered_down_int2(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu()
-    assert (down - want_down).abs().max() <= 1e-5 * want_down.abs().max(), ("tiered", (down - want_down).abs().max())
-    assert tiers.counts.cpu().tolist() == torch.bincount(ids.reshape(-1), minlength=num).tolist()  # up counts, down not
-    assert int(tiers.hits) == sum(int(e) in (1, 3) for e in ids.reshape(-1))
+    check_pair("tiered", int2_moe.tiered_up_int2(x.to(dev), ids.to(dev), image, tiers).cpu(),
+               int2_moe.tiered_down_int2(h.to(dev), ids.to(dev), w.to(dev), image, tiers, torch.float32).cpu(), want)
+    check_counted(tiers, ids, num)
 print("ok")
 """
 
