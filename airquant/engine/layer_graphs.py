@@ -477,8 +477,6 @@ class LayerGraphs:
         self._keys: dict[int, dict] = {}  # layer -> the keys it was called with -> the call count at their last use
         self._calls = 0  # layer calls so far (for the keys' last use)
         self._full: set[int] = set()  # layers whose keys reached the limit (logged once)
-        # keys of static layers -> their cache (weakly): when another cache comes, they are dropped
-        self._owner: dict[tuple, weakref.ref] = {}
         self._kv: weakref.ref | None = None  # the cache of the last call
         self.buffers = KVBuffers()  # the plain cache's device buffers, lent from one loop's cache to the next
         # Static passes (the cache write and attention in the graphs) until one fails: a static key's capture
@@ -521,8 +519,6 @@ class LayerGraphs:
                 return call(*args, **kwargs)
         static = kv.static_key(index)
         key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()), static)
-        if static is not None:
-            self._owner[key] = weakref.ref(kv)
         self._calls += 1
         seen = self._keys.setdefault(index, {})
         entry = self._entries.get(key)
@@ -574,7 +570,6 @@ class LayerGraphs:
         self._work.pop(key, None)
         self._eager.discard(key)
         self._synced.pop(key, None)
-        self._owner.pop(key, None)
         self._keys.get(key[0], {}).pop(key, None)
 
     def _static_off(self, index: int, why: str) -> None:
@@ -587,11 +582,11 @@ class LayerGraphs:
                         "the layer graphs leave them between two graphs from the next pass on", index, why)
 
     def _new_cache(self, kv) -> None:
-        """Another cache's calls from now on: the static layers' keys of the others go (their graphs read
-        those caches' buffers), unless this cache has the same buffers (lent by ``buffers``)."""
+        """Another cache's calls from now on: the static layers' keys that name other buffers than this cache's
+        go (their graphs read those caches' buffers); those it shares (lent by ``buffers``) stay."""
         self._kv = weakref.ref(kv)
         live = {t.data_ptr() for t in kv._k if t is not None}
-        for key in [k for k, owner in self._owner.items() if owner() is not kv and k[-1][1] not in live]:
+        for key in [k for keys in self._keys.values() for k in keys if k[-1] is not None and k[-1][1] not in live]:
             self._forget(key)
 
     def _twin(self, position: int, x: torch.Tensor) -> torch.Tensor:
@@ -669,7 +664,6 @@ class LayerGraphs:
         self._keys.clear()
         self._twins.clear()
         self._held.clear()
-        self._owner.clear()
         self._kv = None
         self.buffers.clear()
         self._full.clear()
