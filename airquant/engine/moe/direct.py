@@ -80,6 +80,17 @@ def _gptq_images(spec) -> tuple | None:
                    for m in (spec.up, spec.down))
 
 
+def _tiered_kernels(scheme: str) -> tuple:
+    """The (up, down) tiered GEMVs of an experts format (they take the same arguments)."""
+    from airquant.quant.kernels import gptq_moe, int2_moe, nf4_moe
+
+    if scheme == "nf4":
+        return nf4_moe.tiered_up, nf4_moe.tiered_down
+    if scheme == "int2":
+        return int2_moe.tiered_up_int2, int2_moe.tiered_down_int2
+    return gptq_moe.tiered_up_gptq, gptq_moe.tiered_down_gptq  # GPTQ and AWQ
+
+
 class DirectReads:
     """Owns the device tables, counters and the hot set of direct reads for a pool's routed layers."""
 
@@ -150,22 +161,14 @@ class DirectReads:
         if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
             work()
         spec, up_m, down_m = found
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if spec.scheme in ("int2", "gptq", "awq"):
-            from airquant.quant.kernels import gptq_moe, int2_moe
-
-            up, down = (int2_moe.tiered_up_int2, int2_moe.tiered_down_int2) if spec.scheme == "int2" else \
-                (gptq_moe.tiered_up_gptq, gptq_moe.tiered_down_gptq)
-            tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i],
-                                  self.counts[i], self.hits[i:i + 1])
-            h = expert_compute.activate(module, up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
-            return down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
-        if i not in self._books:
+        if spec.scheme == "nf4" and i not in self._books:
             self._books[i] = self.code_books(src, arranged, (up_m, down_m))
         tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
-                              self.hits[i:i + 1], **self._books[i])
-        h = expert_compute.activate(module, nf4_moe.tiered_up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
-        return nf4_moe.tiered_down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+                              self.hits[i:i + 1], **self._books.get(i, {}))
+        up, down = _tiered_kernels(spec.scheme)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        h = expert_compute.activate(module, up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
+        return down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
 
     def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:  # NF4 only
         """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier
