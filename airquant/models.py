@@ -419,13 +419,13 @@ def _folder_groups(src: ModelSource) -> Iterator[tuple[str, dict[str, torch.Tens
         names = by_group.get(group, [])
         if not names and expected.get(group):
             raise UnsupportedModelError(f"{src.path} has no tensors for {group}; the checkpoint is incomplete.")
-        dense = [n for n in names if src._targets[n] in model_names]
-        tensors = convert_tensors(src.skeleton, {n: _read_tensor(src._index[n], n) for n in dense})
-        parts = [n for n in names if n in src._expert_parts]
-        tensors.update({src._targets[n]: _read_tensor(src._index[n], n) for n in names
-                        if n not in dense and n not in src._expert_parts})
+        read = _read_tensors(src._index, names)  # each file opened once for the group (a MoE layer's packed
+        # experts are thousands of small tensors)
+        tensors = convert_tensors(src.skeleton, {n: read.pop(n) for n in names if src._targets[n] in model_names})
+        parts = {n: read.pop(n) for n in names if n in src._expert_parts}
+        tensors.update({src._targets[n]: t for n, t in read.items()})
         if parts:
-            tensors.update(merge_expert_parts(src, {n: _read_tensor(src._index[n], n) for n in parts}))
+            tensors.update(merge_expert_parts(src, parts))
         yield group, {src.layout.group_of(k)[1]: v for k, v in tensors.items()}
 
 
@@ -472,7 +472,8 @@ def merge_expert_parts(src: ModelSource, tensors: dict[str, torch.Tensor]) -> di
 
 
 def _read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    """``names`` read with each file opened once (a MoE checkpoint's act-order groups: ~18 000 small tensors)."""
+    """``names`` read with each file opened once (a MoE layer's packed experts, a checkpoint's act-order groups:
+    thousands of small tensors), in ``names``' order."""
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in names:
         by_file[index[name]].append(name)
@@ -483,7 +484,7 @@ def _read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.T
                 out.update({n: f.get_tensor(n) for n in some})
         else:
             out.update({n: _read_tensor(file, n) for n in some})
-    return out
+    return {n: out[n] for n in names}
 
 
 def _read_tensor(file: Path, name: str) -> torch.Tensor:
