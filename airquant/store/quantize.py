@@ -120,16 +120,16 @@ def _prequant_transform(detected: dict) -> GroupTransform:
             module, _, suffix = name.rpartition(".")
             suffixes[module].append(suffix)
         modules = {m: {**detected["module_meta"], "tensors": sorted(s for s in sfx if s != "bias"),
-                       **_stacked_meta(detected["module_meta"], tensors[f"{m}.qweight"])}
+                       **packed_experts_meta(detected["module_meta"], tensors[f"{m}.qweight"])}
                    for m, sfx in suffixes.items() if "qweight" in sfx and should_convert(m, detected)}
         return tensors, modules
 
     return transform
 
 
-def _stacked_meta(meta: dict, qweight: torch.Tensor) -> dict:
-    """A fused experts parameter's packed tensors (``models.merge_expert_parts``: ``[E, ...]``): its module meta
-    says so as ``quantize_experts``' does (experts, ``[out, in]`` an expert, not transposed); a plain linear's
+def packed_experts_meta(meta: dict, qweight: torch.Tensor) -> dict:
+    """A fused experts parameter's GPTQ/AWQ tensors (``models.merge_expert_parts``, ``synth --dtype gptq``:
+    ``[E, ...]``): its module meta says so as ``quantize_experts``' does (experts, ``[out, in]`` an expert, not transposed); a plain linear's
     (2-D) adds nothing. GPTQ packs ``qweight`` ``[in / per, out]``, AWQ ``[in, out / per]`` (per = 32 / bits)."""
     if qweight.dim() != 3:
         return {}

@@ -44,7 +44,7 @@ from airquant.quant.rtn import RTNResult, gptq_tensors
 from airquant.store.files import refuse_links, replace_folder, write_atomic
 from airquant.store.head import head_chunk_rows, quantize_head
 from airquant.store.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, save_manifest, shard_ok
-from airquant.store.quantize import expert_params, quant_record
+from airquant.store.quantize import expert_params, packed_experts_meta, quant_record
 from airquant.store.split import check_disk, shard_file, write_shard
 
 log = logging.getLogger(__name__)
@@ -272,9 +272,8 @@ class _Groups:
         spec = INT2_SPEC if self.spec.dtype == "int2" else QuantSpec(method="nf4")
         if transposed is not None and self.spec.dtype == "gptq":  # as models.merge_expert_parts stacks them
             parts = [_gptq_pack(e) for e in w]
-            return ({k: torch.stack([p[k] for p in parts]) for k in parts[0]},
-                    {**GPTQ_META, "experts": int(w.shape[0]), "shape": [int(w.shape[1]), int(w.shape[2])],
-                     "transposed": False})
+            stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+            return stacked, {**GPTQ_META, **packed_experts_meta(GPTQ_META, stacked["qweight"])}
         if transposed is not None:
             return quantize_experts(spec, w, transposed=transposed)
         if self.spec.dtype == "gptq":
