@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from airquant.quant.kernels.expert_operands import Buffers, in_slots, pairs_up, slot_bias, stacked, tokens_down
-from airquant.quant.kernels.tiered import add_bias, bias_kind, expert_image, launch_args
+from airquant.quant.kernels.tiered import ImageBuffers, add_bias, expert_image, launch_args
 
 BUFFERS = ("qweight", "qzeros", "scales", "g_idx")
 GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
@@ -153,11 +153,7 @@ def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.
     tokens = ids.shape[0] if ids.dim() > 1 else ids.numel() // top_k
     if tokens > GEMV_ROWS:
         raise ValueError(f"GPTQ fused experts run calls of at most {GEMV_ROWS} tokens, not {tokens}")
-    if not tiered_gptq_applies(op.n, op.k, op.bits):
-        raise ValueError(f"GPTQ/AWQ fused experts need bits 2/4/8 (AWQ: 4) and in ({op.k}) and out ({op.n}) in whole "
-                         "words")
-    block_n = min(64, triton.next_power_of_2(op.n))
-    block_k = min(64, max(triton.next_power_of_2(op.k), 16))
+    block_n, block_k = _tiles(op.n, op.k, op.bits, "the fused GPTQ/AWQ GEMV")
     bias = op.bias_rows(ids)
     grid = (out.shape[0], triton.cdiv(op.n, block_n))
     _gemv_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out,
@@ -168,7 +164,7 @@ def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.
 
 # -- direct reads: each pair's expert read where it is (engine/moe/direct.py) ---------------------------------
 @dataclass(frozen=True)
-class ImageMatrixGPTQ:
+class ImageMatrixGPTQ(ImageBuffers):
     """One ``[n, k]`` GPTQ matrix inside an expert's image (the RAM tier's arranged bytes, or a hot-set slot
     holding the same bytes): the byte offset of each of its buffers (``BUFFERS``), its bits and zero offset, and
     its bias row ``[n]`` (offset, dtype) if any."""
@@ -180,13 +176,6 @@ class ImageMatrixGPTQ:
     offsets: tuple[int | None, ...]  # AWQ: no g_idx (None)
     bias: tuple[int, torch.dtype] | None = None
     awq_group: int = 0  # as ``Operand``'s
-
-    def args(self) -> list[int]:
-        return [self.offsets[0] if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
-
-    @property
-    def bias_kind(self) -> int:
-        return bias_kind(self.bias)
 
 
 @triton.jit
@@ -234,6 +223,14 @@ def tiered_down_gptq(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     return tokens_down(functools.partial(_launch_tiered, tiers=tiers), h, ids, weights, m, m.n, out_dtype)
 
 
+def _tiles(n: int, k: int, bits: int, what: str) -> tuple[int, int]:
+    """(outputs, input channels) a program takes a step, for both kernels; ValueError where ``what`` cannot
+    take the matrix."""
+    if not tiered_gptq_applies(n, k, bits):
+        raise ValueError(f"{what} takes bits 2/4/8 (AWQ: 4) with in ({k}) and out ({n}) in whole words of codes")
+    return min(64, triton.next_power_of_2(n)), min(64, max(triton.next_power_of_2(k), 16))
+
+
 def tiered_gptq_applies(n: int, k: int, bits: int) -> bool:
     """Whether the kernels take a ``[n, k]`` matrix of ``bits``: both sides in whole words of codes."""
     per = 32 // bits if bits in (2, 4, 8) else 0
@@ -241,10 +238,7 @@ def tiered_gptq_applies(n: int, k: int, bits: int) -> bool:
 
 
 def _launch_tiered(x, out, ids, weights, m: ImageMatrixGPTQ, top_k: int, down: bool, *, tiers) -> torch.Tensor:
-    if not tiered_gptq_applies(m.n, m.k, m.bits):
-        raise ValueError(f"tiered GPTQ GEMV needs bits 2/4/8 and in ({m.k}) and out ({m.n}) in whole words")
-    block_n = min(64, triton.next_power_of_2(m.n))
-    block_k = min(64, max(triton.next_power_of_2(m.k), 16))
+    block_n, block_k = _tiles(m.n, m.k, m.bits, "the tiered GPTQ/AWQ GEMV")
     grid = (out.shape[0], triton.cdiv(m.n, block_n))
     _tiered_kernel[grid](x, out, weights if weights is not None else out, ids.reshape(-1).contiguous(),
                          *launch_args(tiers), *m.args(), m.n, m.k, m.bits, m.zero_offset, m.awq_group, top_k,

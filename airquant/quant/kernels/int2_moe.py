@@ -23,7 +23,7 @@ import triton.language as tl
 
 from airquant.quant.int2_levels import LLOYD_MAX_4
 from airquant.quant.kernels.expert_operands import Buffers, in_slots, pairs_up, slot_bias, stacked, tokens_down
-from airquant.quant.kernels.tiered import add_bias, bias_kind, expert_image, launch_args
+from airquant.quant.kernels.tiered import ImageBuffers, add_bias, expert_image, launch_args
 
 BUFFERS = ("codes", "scales", "zeros", "outlier_weight", "outlier_idx")
 GEMV_ROWS = 8  # tokens a call may have (the routed pool's and a whole layer's few-token calls)
@@ -156,7 +156,7 @@ def _launch(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> torch.
 
 # -- direct reads: each pair's expert read where it is (engine/moe/direct.py) ---------------------------------
 @dataclass(frozen=True)
-class ImageMatrixInt2:
+class ImageMatrixInt2(ImageBuffers):
     """One ``[n, k]`` int2 matrix inside an expert's image (the RAM tier's arranged bytes, or a hot-set slot
     holding the same bytes): the byte offset of each of its buffers (``BUFFERS``; no outlier channels: None), its
     group, outlier count and stored outlier row width, and its bias row ``[n]`` (offset, dtype) if any."""
@@ -168,14 +168,6 @@ class ImageMatrixInt2:
     cols: int
     offsets: tuple[int | None, ...]
     bias: tuple[int, torch.dtype] | None = None
-
-    def args(self) -> list[int]:
-        codes = self.offsets[0]
-        return [codes if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
-
-    @property
-    def bias_kind(self) -> int:
-        return bias_kind(self.bias)
 
 
 def tiered_int2_applies(n: int, k: int, group: int) -> bool:

@@ -35,13 +35,27 @@ class Tiers:
     nested_quant_map: torch.Tensor | None = None  # NF4: fp32 [256], the same for the nested code book
 
 
-def bias_kind(bias: tuple[int, torch.dtype] | None) -> int:
-    """The BIAS code of an image matrix's bias row (offset, dtype), 0 for none."""
-    if bias is None:
-        return 0
-    if bias[1] not in BIAS_KINDS:
-        raise ValueError(f"tiered expert GEMV: bias dtype {bias[1]} is not one of {list(BIAS_KINDS)}")
-    return BIAS_KINDS[bias[1]]
+class ImageBuffers:
+    """What a format's image matrix (``int2_moe.ImageMatrixInt2``, ``gptq_moe.ImageMatrixGPTQ``) shares: the
+    byte offset of each of its buffers in an expert's image (None: absent, never read) and its bias row ``[n]``
+    (offset, dtype) if any."""
+
+    offsets: tuple[int | None, ...]
+    bias: tuple[int, torch.dtype] | None
+
+    def args(self) -> list[int]:
+        """The tiered kernel's offset arguments: the buffers' (an absent one as the first's) and the bias row's."""
+        first = self.offsets[0]
+        return [first if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
+
+    @property
+    def bias_kind(self) -> int:
+        """The BIAS code of the bias row, 0 for none."""
+        if self.bias is None:
+            return 0
+        if self.bias[1] not in BIAS_KINDS:
+            raise ValueError(f"tiered expert GEMV: bias dtype {self.bias[1]} is not one of {list(BIAS_KINDS)}")
+        return BIAS_KINDS[self.bias[1]]
 
 
 @triton.jit
