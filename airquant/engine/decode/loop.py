@@ -231,7 +231,7 @@ class DecodeLoop:
                 # waiting prompt that fits what is left of the pass goes now (a job fed longest first filled
                 # ~half of each pass's budget otherwise), where the one it passes fits the next pass even with
                 # every slot decoding; a prompt that does not waits, and none passes it.
-                seq = None if self.waiting[0].prompt_len > self.token_budget - self.slots else \
+                seq = None if seq.prompt_len > self.token_budget - self.slots else \
                     next((s for s in self.waiting if s.prompt_len <= budget), None)
                 if seq is None:
                     break

@@ -347,7 +347,7 @@ class FusedExperts:
 
     @property
     def max_tokens(self) -> int | None:
-        """Tokens a call may have for ``run_fused`` (None: any; int2 and GPTQ have no grouped kernel)."""
+        """Tokens a call may have for ``run_fused`` (None: any; int2, GPTQ and AWQ have no grouped kernel)."""
         if self.scheme == "int2":
             from airquant.quant.kernels import int2_moe
 
@@ -375,8 +375,8 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
     another quantized or dense tensor). With ``names``/``dtypes``/``offsets`` (a routed layer's slot: tensors
     relative to the module) the slot must hold exactly those matrices and biases, and their offsets are
     recorded. ``straddling``: NF4 blocks may straddle rows (the host kernel, quant/kernels/nf4_cpu, takes any
-    layout; the Triton kernels do not). The host kernel takes NF4 only (the default); direct reads ask for NF4
-    and int2; the pool's and a whole layer's fused calls for ``FUSED_SCHEMES``."""
+    layout; the Triton kernels do not). The host kernel takes NF4 only (the default); direct reads and the
+    pool's and a whole layer's fused calls ask for ``FUSED_SCHEMES``."""
     if any(getattr(module, flag, False) for flag in ("has_post_expert_norm", "_is_expert_parallel")):
         return None
     gated = getattr(module, "has_gate", True)

@@ -131,7 +131,7 @@ class DirectReads:
 
             layer = self.layers[i]
             spec = expert_compute.fused_experts(module, layer.names, layer.dtypes, layer.offsets,
-                                                schemes=("nf4", "int2", "gptq", "awq"))
+                                                schemes=expert_compute.FUSED_SCHEMES)
             if spec is None or any(m.bias is not None and m.bias[1] not in BIAS_KINDS for m in (spec.up, spec.down)):
                 self._matrices[i] = None
             elif spec.scheme == "int2":
