@@ -176,14 +176,18 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
     events = prof.key_averages()
     busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
     for e in events:
-        name, ms = e.key.lower(), device_us(e) / 1e3
-        kind = ("memcpy_htod_ms" if "htod" in name else "memcpy_other_ms") if "memcpy" in name else "kernel_ms"
-        busy[kind] += ms
+        busy[f"{device_kind(e.key)}_ms"] += device_us(e) / 1e3
     rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
                        "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
     return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
             **pass_breakdown(prof.profiler.kineto_results.events()),
             "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
+
+
+def device_kind(name: str) -> str:
+    """A device event's kind by its name: "memcpy_htod", "memcpy_other" or "kernel"."""
+    name = name.lower()
+    return ("memcpy_htod" if "htod" in name else "memcpy_other") if "memcpy" in name else "kernel"
 
 
 def pass_breakdown(events) -> dict:
@@ -205,9 +209,7 @@ def pass_breakdown(events) -> dict:
             continue
         s, f = max(e.start_ns(), a), min(e.start_ns() + e.duration_ns(), b)
         if f > s:
-            name = e.name().lower()
-            kind = ("memcpy_htod" if "htod" in name else "memcpy_other") if "memcpy" in name else "kernel"
-            spans[kind].append((s, f))
+            spans[device_kind(e.name())].append((s, f))
     busy = _union_ns([x for v in spans.values() for x in v])
     return {"last_pass_wall_ms": (b - a) / 1e6, "last_pass_device_busy_ms": busy / 1e6,
             "last_pass_busy_fraction": busy / (b - a) if b > a else None,
