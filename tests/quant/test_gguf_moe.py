@@ -231,41 +231,14 @@ def test_gate_and_up_of_different_types_are_stored_dequantized(tmp_path):
 def test_gptq_experts_shard_stacked_through_the_cli(tmp_path, capsys, real_tokenizer):
     """transformers fuses per-expert linears on loading; their GPTQ tensors are stacked the same way (``w1`` and
     ``w3`` concatenated along the output, the experts stacked): ``airquant shard`` writes them packed."""
-    from safetensors.torch import save_file
+    from tests.quant.checkpoints import write_synthetic_gptq_moe_checkpoint
 
-    from airquant.quant.rtn import gptq_tensors, quantization_config, rtn_quantize
-    from tests.zoo import tiny_config
-
-    folder = tmp_path / "mixtral-gptq"
-    folder.mkdir()
-    config = tiny_config("mixtral", real_tokenizer, layers=2).to_dict()
-    config["quantization_config"] = quantization_config("gptq", 4, 32, desc_act=False, sym=True)
-    (folder / "config.json").write_text(json.dumps(config, default=str))
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    tensors = {"model.embed_tokens.weight": torch.randn(len(real_tokenizer), hidden)}
-    for layer in range(2):
-        for e in range(config["num_local_experts"]):
-            for w, shape in (("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden))):
-                rtn = rtn_quantize(torch.randn(shape) * 0.05, 4, 32, sym=True)
-                prefix = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}."
-                tensors.update({prefix + k: v for k, v in gptq_tensors(rtn, 4).items()})
-    real_tokenizer.save_pretrained(folder)
-    for layer in range(2):  # the rest of the layer, dense
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"model.layers.{layer}.{name}.weight"] = torch.ones(hidden)
-        heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-        for name, shape in (("q_proj", (heads * dim, hidden)), ("k_proj", (kv * dim, hidden)),
-                            ("v_proj", (kv * dim, hidden)), ("o_proj", (hidden, heads * dim))):
-            tensors[f"model.layers.{layer}.self_attn.{name}.weight"] = torch.randn(shape) * 0.05
-        tensors[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = torch.randn(config["num_local_experts"],
-                                                                                    hidden)
-    tensors.update({"model.norm.weight": torch.ones(hidden), "lm_head.weight": torch.randn(len(real_tokenizer),
-                                                                                            hidden)})
-    save_file(tensors, str(folder / "model.safetensors"))
+    ckpt = write_synthetic_gptq_moe_checkpoint(tmp_path / "mixtral-gptq", real_tokenizer, "mixtral", layers=2)
     store = tmp_path / "store"
-    assert main(["shard", str(folder), "--store", str(store)]) == 0, capsys.readouterr().err
+    assert main(["shard", str(ckpt.path), "--store", str(store)]) == 0, capsys.readouterr().err
     meta = load_manifest(store).shards["layer.1"].modules["mlp.experts.gate_up_proj"]
-    assert meta["scheme"] == "gptq" and meta["experts"] == config["num_local_experts"]
+    hidden, inter = ckpt.config["hidden_size"], ckpt.config["intermediate_size"]
+    assert meta["scheme"] == "gptq" and meta["experts"] == ckpt.config["num_local_experts"]
     assert meta["shape"] == [2 * inter, hidden]
 
 

@@ -19,6 +19,20 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def _rel_to_reference(engine, source, ckpt) -> float:
+    """The streamed logits of ``PROMPTS`` against a plain model of the checkpoint's architecture holding its
+    exact dequantized weights (``ckpt.reference_state_dict``), as a relative difference."""
+    ref = AutoModelForCausalLM.from_config(source.config.__class__(**{
+        k: v for k, v in ckpt.config.items() if k != "quantization_config"}), dtype=torch.float32).eval()
+    ref.load_state_dict(ckpt.reference_state_dict)
+    enc = engine.encode(PROMPTS)
+    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = ref(**enc, position_ids=position_ids).logits
+    mask = enc["attention_mask"].bool()
+    return _rel(engine.forward(**enc)[mask], want[mask])
+
+
 def test_nf4_store_equals_bitsandbytes_in_memory(tmp_path, tiny_llama):
     pytest.importorskip("bitsandbytes")
     from airquant.quant import QuantSpec, quantize_model_inplace
@@ -73,16 +87,7 @@ def test_prequantized_checkpoint_streams_its_packed_tensors(tmp_path, real_token
     assert entry.modules["mlp.down_proj"]["scheme"] == method
     assert entry.tensors["mlp.down_proj.qweight"]["dtype"] == "int32"
     # the reference: a plain Llama holding the checkpoint's exact dequantized weights
-    ref = AutoModelForCausalLM.from_config(source.config.__class__(**{
-        k: v for k, v in ckpt.config.items() if k != "quantization_config"}), dtype=torch.float32).eval()
-    ref.load_state_dict(ckpt.reference_state_dict)
-    engine = Engine.open(store, device="cpu")
-    enc = engine.encode(PROMPTS)
-    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        want = ref(**enc, position_ids=position_ids).logits
-    mask = enc["attention_mask"].bool()
-    assert _rel(engine.forward(**enc)[mask], want[mask]) <= 1e-4
+    assert _rel_to_reference(Engine.open(store, device="cpu"), source, ckpt) <= 1e-4
 
 
 MOE_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32)
@@ -111,16 +116,8 @@ def test_prequantized_moe_checkpoint_streams_its_stacked_experts(tmp_path, real_
     assert meta["scheme"] == method and meta["experts"] == experts and meta["shape"] == [2 * inter, 64]
     assert entry.modules["mlp.experts.down_proj"]["shape"] == [64, inter]
     assert entry.tensors["mlp.experts.gate_up_proj.qweight"]["shape"][0] == experts
-    ref = AutoModelForCausalLM.from_config(source.config.__class__(**{
-        k: v for k, v in ckpt.config.items() if k != "quantization_config"}), dtype=torch.float32).eval()
-    ref.load_state_dict(ckpt.reference_state_dict)
     engine = Engine.open(store, device="cpu", experts="whole")
-    enc = engine.encode(PROMPTS)
-    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        want = ref(**enc, position_ids=position_ids).logits
-    mask = enc["attention_mask"].bool()
-    assert _rel(engine.forward(**enc)[mask], want[mask]) <= 1e-4
+    assert _rel_to_reference(engine, source, ckpt) <= 1e-4
     whole = [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=5)]
     engine.close()
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
