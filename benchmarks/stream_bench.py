@@ -138,16 +138,19 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
     out = engine.generate_requests([engine.request(row, gen) for row in ids.tolist()])
     assert all(c.new_tokens == 1 + warm + steps for c in out)
     step = statistics.median(engine.last_timings["step_s"][warm:])
+    host = engine.last_timings.get("host_s", [])[warm:]
     rows = engine.layer_profile()
     if rows:
         b.profiles[case] = rows[-len(engine.streamer.streamed):]  # the last pass
     stats = engine.stats()
     row = {"batch": batch, "step_s": step, "tok_s": batch / step, "steps_s": engine.last_timings["step_s"],
+           # the host's share: a step whose host_s is close to step_s is bound by the host, not by the device
+           "host_s": statistics.median(host) if host else None,
            "prefill_s": engine.last_timings["prefill_s"], "bytes_per_step": engine.describe()["bytes_per_decode_step"],
            "peak_allocated_gb": stats.get("peak_vram_allocated_gb"), "peak_reserved_gb": stats.get("peak_vram_reserved_gb"),
            "resident_layers": len(engine.plan.vram_layers)}
-    log.info("%s batch %d: %.4f s/step, %.1f tok/s, peak %s GB", case, batch, step, row["tok_s"],
-             row["peak_allocated_gb"])
+    log.info("%s batch %d: %.4f s/step (host queued it in %s s), %.1f tok/s, peak %s GB", case, batch, step,
+             f"{row['host_s']:.4f}" if host else "-", row["tok_s"], row["peak_allocated_gb"])
     return row
 
 

@@ -1,5 +1,7 @@
 """The streamed engine against the resident transformers model, loaded another way."""
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -77,6 +79,22 @@ def test_kv_cache_makes_decode_one_pass_per_token(tiny_store):
     steps = 1 + (out[0].new_tokens - 1)  # prefill, then one pass per further token
     assert len(calls) == engine.manifest.num_layers * steps
     assert engine.last_timings["decode_steps"] == out[0].new_tokens - 1
+
+
+def test_each_decode_pass_records_when_the_host_had_queued_it(tiny_store, monkeypatch):
+    """``host_s``: per decode pass, the seconds until the forward returned, which is what tells a host-bound step
+    (host_s near step_s) from a device-bound one in moe_bench's rows. Part of its pass, and it counts the
+    host's own work: a forward slowed on the host shows in it."""
+    from airquant.engine.decode import loop as decode_loop
+
+    engine = Engine.open(tiny_store, device="cpu")
+    forward = decode_loop.DecodeLoop._forward
+    monkeypatch.setattr(decode_loop.DecodeLoop, "_forward",
+                        lambda self, *a: (time.sleep(0.02), forward(self, *a))[1])
+    out = engine.generate(["Hello there"], max_new_tokens=4, ignore_eos=True)
+    timed = engine.last_timings
+    assert len(timed["host_s"]) == len(timed["step_s"]) == out[0].new_tokens - 1 == 3
+    assert all(0.02 <= host <= step for host, step in zip(timed["host_s"], timed["step_s"]))
 
 
 def test_bf16_store_streamed_equals_resident(tmp_path, tiny_qwen2):

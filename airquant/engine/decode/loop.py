@@ -140,6 +140,9 @@ class LoopStats:
     prompt_tokens: int = 0
     pass_s: list[float] = field(default_factory=list)
     decode_pass_s: list[float] = field(default_factory=list)  # passes without prefill
+    # Of each decode pass, the seconds until the host had queued all of it (the forward returned; the token read
+    # waits for the device after). Near the pass's time: the host bounds the step, not the device.
+    decode_host_s: list[float] = field(default_factory=list)
     busy_s: float = 0.0
 
     def utilization(self, slots: int) -> float:
@@ -266,6 +269,7 @@ class DecodeLoop:
         start = time.perf_counter()
         with torch.profiler.record_function(PASS_MARK):
             logits = self._forward(ids, pos, segments, [i for _, i in emit])
+            queued = time.perf_counter() - start
             for seq, n in plan:
                 self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
                 seq.cached += n
@@ -280,6 +284,7 @@ class DecodeLoop:
         self.stats.busy_s += took
         if all(n == 1 for _, n in plan):
             self.stats.decode_pass_s.append(took)
+            self.stats.decode_host_s.append(queued)
         return [e for e in events if e is not None]
 
     def _forward(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
