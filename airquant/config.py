@@ -80,6 +80,12 @@ class EngineConfig:
                                     "guess the next layer's experts with its router at batch <= 8 and copy them early "
                                     "(where experts are copied: decode reads NF4 experts in place on a GPU)",
                                     negatable=True)
+    # engine/memory/planner._place: what a routed decode step reads of every streamed MoE layer (attention, norms,
+    # router, shared experts) stays in VRAM, planned before the expert cache; the routed experts stay in host RAM.
+    dense_resident: bool = setting(True, "--dense-resident",
+                                   "routed MoE runs on a GPU: keep each streamed MoE layer's attention, norms and "
+                                   "router in VRAM (its routed experts stay in host RAM), planned before the expert "
+                                   "cache", negatable=True)
     # The figures auto weighs host against link with; None: what airquant doctor last measured here.
     host_gemv_gbps: float | None = setting(None, "--host-gemv-gbps",
                                            "host NF4 GEMV bandwidth auto weighs against the link", unit="GB/s",

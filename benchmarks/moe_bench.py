@@ -340,6 +340,13 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "nocache_direct_island": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
                                       static=False)),
     "lfu_direct_r1_island": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, static=False)),
+    # The dense parts (attention, norms, router) copied through the slots every step as before --dense-resident
+    # (planner._dense_resident, on by default): what keeping them in VRAM gains, the cache then larger.
+    "nocache_direct_streamdense": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                           dense_resident=False)),
+    "lfu_direct_r1_streamdense": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
+                                          dense_resident=False)),
+    "cpu_bs1_streamdense": (1, dict(experts="cpu", dense_resident=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -407,9 +414,11 @@ GPTOSS_LAYERS, GPTOSS_ALL_LAYERS = 12, 36
 PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu_bs4", "nocache_uva", "lfu_stacked",
                         "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1",
                         "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager",
-                        "nocache_direct_island", "lfu_direct_r1_island", *HOST_CASES),
+                        "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
+                        "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
-                         "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island"),
+                         "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
+                         "nocache_direct_streamdense", "lfu_direct_r1_streamdense"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),

@@ -142,15 +142,20 @@ class LayerStreamer:
         # Disk-tier reads are checked every time, RAM-tier and resident layers once (their first read).
         self.checks = ShardChecks({i: (store / e.file, e.checksum) for i, e in enumerate(entries)},
                                   integrity_fix(store, manifest)) if verify_reads else None
-        self.dense = [{k for k, m in e.tensors.items() if m.get("scheme", "dense") == "dense"} for e in entries]
+        self.dense_names = [{k for k, m in e.tensors.items() if m.get("scheme", "dense") == "dense"} for e in entries]
         if ops is None and device.type == "cuda":
             ops = CudaOps(device, timing=profile)
         self.ops = ops
         self.memory = HostMemory(pinned=device.type == "cuda")
         self.bytes_copied = 0
-        self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram"]
+        # Routed MoE layers whose dense part stays on the device (plan.dense_layers, on a GPU): copied once from the
+        # RAM tier at their first fetch, then used in place like a resident layer; their experts stay in the tier.
+        self.dense = set(plan.dense_layers) if ops is not None else set()
+        self._dense: dict[int, dict[str, torch.Tensor]] = {}
+        # Layers a pass copies through the device slots.
+        self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram" and i not in self.dense]
         size = max((lay.nbytes for lay in self.layouts), default=0)
-        slot_size = max((self.parts[i][1].nbytes for i in range(self.n) if plan.tiers[i] != "vram"), default=0)
+        slot_size = max((self.parts[i][1].nbytes for i in self.streamed), default=0)
         self._host: dict[int, torch.Tensor] = {}  # RAM tier, filled once (read-ahead thread) on first use
         self._vram: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airquant-read")
@@ -247,6 +252,8 @@ class LayerStreamer:
         """Tensors of layer i on the compute device, valid until ``release(i)``."""
         if self.plan.tiers[i] == "vram":
             tensors = self._resident(i)
+        elif i in self.dense:
+            tensors = self._dense_part(i)
         elif self.ops is None:
             flat, k = self._host_flat(i)
             self._inflight[i] = _InFlight(slot=-1, in_use=True, staging=k)
@@ -319,10 +326,28 @@ class LayerStreamer:
             self._vram[i] = self._cast(i, self.layouts[i].views(flat.to(self.device)))
         return self._vram[i]
 
+    def _dense_part(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's dense part on the device (``dense``): copied from the RAM tier at the first fetch, kept after."""
+        tensors = self._dense.get(i)
+        if tensors is None:
+            flat, k = self._host_flat(i)
+            layout = self.parts[i][1]
+            buf = self.ops.alloc(layout.nbytes)
+            runs = ((0, 0, layout.nbytes),) if k is None and i in self.arrangements else self.parts[i][2]
+            for src, dst, nbytes in runs:
+                _, done = self.ops.copy(buf[dst:dst + nbytes], flat[src:src + nbytes], None)
+            self.ops.wait(done)
+            if k is not None:  # a staging buffer (the planner keeps dense parts of RAM-tier layers only)
+                self.ops.host_wait(done)
+                self._staging_owner[k] = None
+            self.bytes_copied += layout.nbytes
+            tensors = self._dense[i] = self._cast(i, self._views_of(i, layout, buf))
+        return tensors
+
     def _prefetch_after(self, i: int) -> None:
         if not self.streamed:
             return
-        upcoming = [j for j in self._cycle_from(i)[1:] if self.plan.tiers[j] != "vram"]
+        upcoming = [j for j in self._cycle_from(i)[1:] if self.plan.tiers[j] != "vram" and j not in self.dense]
         if upcoming:
             self._schedule_reads(upcoming[0])
         if self.ops is not None:
@@ -382,7 +407,7 @@ class LayerStreamer:
         return views
 
     def _cast(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dense = self.dense[i]
+        dense = self.dense_names[i]
         return {k: (v.to(self.compute_dtype) if k in dense and v.is_floating_point()
                     and v.dtype != self.compute_dtype else v) for k, v in tensors.items()}
 
@@ -416,4 +441,5 @@ class LayerStreamer:
         if self.ops is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._views.clear()
+        self._dense.clear()
         self.memory.close()

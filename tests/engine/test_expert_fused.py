@@ -252,6 +252,28 @@ def test_cuda_routed_decode_by_direct_reads(stores, monkeypatch, model_type):  #
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_cuda_dense_parts_kept_in_vram_decode_as_streamed_ones(stores, model_type):  # noqa: F811
+    """--dense-resident (the default): the routed layers' dense parts are copied to the device once and kept; the
+    decode's tokens and logits are those of the same run with them streamed through the slots every pass."""
+    from airquant.engine.runner import Engine
+    from tests.engine.test_expert_gemv import _decode
+
+    runs = {}
+    for on in (True, False):
+        engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed",
+                             resident_layers=0, dense_resident=on)
+        routed = set(engine.experts.layers)
+        assert (engine.streamer.dense == routed) == on and bool(engine.plan.dense_layers) == on
+        runs[on] = _decode(engine)
+        if on:  # copied once, kept: no pass copies them through the slots
+            assert set(engine.streamer._dense) == routed and set(engine.streamer.streamed).isdisjoint(routed)
+        engine.close()
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_cuda_tiered_kernel_reads_pinned_host_and_pool(double_quant):
     """The tiered GEMV on CUDA: experts 1 and 3 in pool slots, the others read from a pinned (registered) host

@@ -131,8 +131,10 @@ def mixtral(tmp_path_factory, real_tokenizer):
 
 
 def _floor(store) -> int:
-    """The smallest budget a routed streamed plan of ``store`` needs with no resident layer and no cache."""
-    cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64)
+    """The smallest budget a routed streamed plan of ``store`` needs with no resident layer, no dense part kept
+    resident and no cache."""
+    cfg = EngineConfig(max_vram_gb=64, max_ram_gb=1, resident_layers=0, expert_cache_gb=0.0, context=64,
+                       dense_resident=False)
     plan = placement_for(load_manifest(store), cfg, torch.device("cuda"), skeleton.load_config(store), torch.float32)
     return plan.device_bytes
 
@@ -154,7 +156,8 @@ def test_plan_bytes_never_exceed_the_budget(mixtral, cache_gb, extra_layers):
     if streamed:  # a routed run: its pool is planned, and counted
         assert plan.experts is not None and plan.expert_bytes == plan.experts.arena_bytes
     assert plan.device_bytes == (plan.fixed_bytes + plan.slots * plan.slot_bytes + plan.reserve_bytes
-                                 + sum(manifest.layer_bytes[i] for i in plan.vram_layers) + plan.expert_bytes)
+                                 + sum(manifest.layer_bytes[i] for i in plan.vram_layers) + plan.expert_bytes
+                                 + plan.dense_bytes)
     assert plan.device_bytes <= hw.plan_vram <= hw.vram_bytes
     if extra_layers == 0 and not cache_gb:  # the floor itself: no layer resident, the arena got the room
         assert plan.vram_layers == []
@@ -174,6 +177,65 @@ def test_resident_layers_give_way_to_the_expert_arena(mixtral):
     assert routed.vram_layers == [] and routed.experts is not None and routed.experts_fit
     assert routed.expert_bytes >= routed.experts.work * routed.experts.slot_bytes + routed.experts.gather_bytes
     assert routed.device_bytes <= fill
+
+
+def _plan_of(store, **settings):
+    cfg = EngineConfig(max_ram_gb=1, context=64, **settings)
+    return placement_for(load_manifest(store), cfg, torch.device("cuda"), skeleton.load_config(store), torch.float32)
+
+
+def _dense_of(store) -> list[int]:
+    """Each layer's dense part: what a routed run streams through the slots (planner.stream_bytes)."""
+    from airquant.engine.moe.sizing import dense_bytes
+
+    manifest = load_manifest(store)
+    return [dense_bytes(manifest.shards[f"layer.{i}"]) for i in range(manifest.num_layers)]
+
+
+def test_dense_parts_of_routed_layers_stay_in_vram_before_the_expert_cache(mixtral):
+    """With room, every streamed routed layer's dense part is planned in VRAM (counted in the device total), and
+    the expert cache, which takes what is left, is that much smaller; --no-dense-resident streams them."""
+    dense = _dense_of(mixtral)
+    budget = (_floor(mixtral) + sum(dense) + 40 * max(dense) + MARGIN_MIN_BYTES) / GIB
+    on = _plan_of(mixtral, max_vram_gb=budget, resident_layers=0)
+    off = _plan_of(mixtral, max_vram_gb=budget, resident_layers=0, dense_resident=False)
+    assert off.dense_layers == [] and off.dense_bytes == 0
+    assert on.dense_layers == list(range(8)) and on.dense_bytes == sum(dense)
+    assert on.experts.cache < off.experts.cache  # the cache gave way
+    assert off.expert_bytes - on.expert_bytes <= on.dense_bytes
+    for plan in (on, off):
+        assert plan.device_bytes <= Hardware(int(budget * GIB), GIB).plan_vram
+    text = on.describe(load_manifest(mixtral).layer_bytes)
+    assert "MoE dense parts in VRAM : layers 0-7" in text and "kept in VRAM" in "\n".join(on.reasons)
+    assert "MoE dense parts" not in off.describe(load_manifest(mixtral).layer_bytes)
+
+
+def test_dense_parts_come_before_resident_whole_layers_and_fill_what_is_left(mixtral):
+    """A budget that holds a whole layer beside the routed floor: the whole layer gives way to the dense parts
+    (each read every step); a budget with room for some dense parts only keeps those that fit, in layer order."""
+    manifest, dense = load_manifest(mixtral), _dense_of(mixtral)
+    roomy = (_floor(mixtral) + max(manifest.layer_bytes) + MARGIN_MIN_BYTES) / GIB
+    assert _plan_of(mixtral, max_vram_gb=roomy, expert_cache_gb=0.0, dense_resident=False).vram_layers
+    plan = _plan_of(mixtral, max_vram_gb=roomy, expert_cache_gb=0.0)
+    assert len(plan.dense_layers) + len(plan.vram_layers) == 8 and plan.dense_layers
+    assert plan.device_bytes <= Hardware(int(roomy * GIB), GIB).plan_vram
+    tight = (_floor(mixtral) + 3 * max(dense) + max(dense) // 2 + MARGIN_MIN_BYTES) / GIB
+    some = _plan_of(mixtral, max_vram_gb=tight, resident_layers=0, expert_cache_gb=0.0)
+    assert some.dense_layers == [0, 1, 2] and any("the rest do not fit" in why for why in some.reasons)
+    assert some.device_bytes <= Hardware(int(tight * GIB), GIB).plan_vram
+
+
+def test_no_dense_parts_are_kept_with_an_offloaded_cache_or_whole_layers(mixtral):
+    """An offloaded KV cache moves with each streamed layer's copy, and whole-layer streaming has no dense part of
+    its own: neither plan keeps dense parts in VRAM."""
+    assert _plan_of(mixtral, max_vram_gb=64, resident_layers=0, kv_offload=True).dense_layers == []
+    assert _plan_of(mixtral, max_vram_gb=64, resident_layers=0, experts="whole").dense_layers == []
+
+
+def test_experts_on_the_host_keep_the_dense_parts_on_the_gpu(mixtral):
+    """--experts cpu: the routed experts are computed from the RAM tier, the layers' dense parts stay in VRAM."""
+    plan = _plan_of(mixtral, max_vram_gb=64, resident_layers=0, experts="cpu")
+    assert plan.experts_host and plan.dense_layers == list(range(8)) and plan.dense_bytes == sum(_dense_of(mixtral))
 
 
 def test_plan_and_engine_agree_on_a_routed_moe_store(mixtral, capsys):

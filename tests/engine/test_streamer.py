@@ -68,11 +68,13 @@ class SimOps:
         return 0.0
 
 
-def streamed_engine(store, tiers, ops, slots=2, readahead=2):
-    """A CPU engine whose streamer follows ``tiers`` through ``ops`` (None: layers used in place)."""
+def streamed_engine(store, tiers, ops, slots=2, readahead=2, dense_layers=()):
+    """A CPU engine whose streamer follows ``tiers`` through ``ops`` (None: layers used in place); ``dense_layers``
+    keep their (here: whole) layout on the device after one copy."""
     engine = Engine.open(store, device="cpu")
     layer_bytes = engine.manifest.layer_bytes
-    plan = StreamPlan(tiers=list(tiers), slot_bytes=max(layer_bytes), slots=slots, fixed_bytes=0)
+    plan = StreamPlan(tiers=list(tiers), slot_bytes=max(layer_bytes), slots=slots, fixed_bytes=0,
+                      dense_layers=list(dense_layers))
     streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype,
                              readahead=readahead, ops=ops)
     engine.streamer.close()
@@ -112,6 +114,28 @@ def test_every_tier_mix_gives_the_resident_logits(tiny_store, reference, tiers, 
         streamed = sum(t != "vram" for t in TIERS[tiers])
         assert engine.streamer.ops.copies >= 3 * streamed
         assert engine.stats()["bytes_streamed"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_dense_resident_layers_are_copied_once_and_keep_the_resident_logits(tiny_store, reference, ops):
+    """``plan.dense_layers`` (a routed MoE layer's dense part kept in VRAM, planner._dense_resident): the layer is
+    copied at its first fetch and used from that buffer after, while the other layers still cycle through the
+    slots, prefetched around it; the lazy copy engine shows a missing wait as wrong logits. Without a copy
+    engine (``in-place``) there is no device to keep it on and the layer streams as before."""
+    enc, want, _ = reference
+    engine = streamed_engine(tiny_store, ("ram", "ram", "ram"), OPS[ops](), dense_layers=[0, 2])
+    copies = []
+    for _ in range(3):
+        assert torch.equal(engine.forward(**enc), want)
+        copies.append(engine.streamer.ops.copies if engine.streamer.ops else 0)
+    if ops == "in-place":
+        assert engine.streamer.dense == set() and engine.streamer.streamed == [0, 1, 2]
+    else:
+        assert engine.streamer.dense == {0, 2} and engine.streamer.streamed == [1]
+        # the first pass: layers 0 and 2 once, layer 1, and layer 1 again for the next pass (prefetched across
+        # passes); every later pass copies layer 1 alone
+        assert copies[0] == 4 and copies[1] - copies[0] == copies[2] - copies[1] == 1
     engine.close()
 
 

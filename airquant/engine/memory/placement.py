@@ -67,6 +67,10 @@ class StreamPlan:
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
     ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
     pass_tokens: int | None = None  # the most tokens a forward pass may hold (None: a whole batch's prefill at once)
+    # Streamed routed MoE layers whose dense part (attention, norms, router: what each decode step reads) is kept
+    # in VRAM, copied once (--dense-resident); their routed experts stay in the RAM tier. planner._dense_resident.
+    dense_layers: list[int] = field(default_factory=list)
+    dense_bytes: int = 0
 
     @property
     def expert_staging_bytes(self) -> int:
@@ -77,7 +81,7 @@ class StreamPlan:
     def device_bytes(self) -> int:
         """Everything the plan puts on the device: fixed parts, slots, reserve, resident layers, expert pool."""
         return (self.fixed_bytes + self.slots * self.slot_bytes + self.reserve_bytes + self.resident_bytes
-                + self.expert_bytes)
+                + self.expert_bytes + self.dense_bytes)
 
     def host_parts(self, layer_bytes: list[int]) -> dict[str, int]:
         """Host RAM the engine's buffers take under this plan, by part (``LayerStreamer.host_held`` and the
@@ -113,6 +117,8 @@ class StreamPlan:
             f"layers pinned in RAM    : {_ranges(self.ram_layers)} ({total(self.ram_layers)})",
             f"layers read from disk   : {_ranges(self.disk_layers)} ({total(self.disk_layers)})",
             f"device slots            : {self.slots} x {self.slot_bytes / GB:.3f} GB",
+            *([f"MoE dense parts in VRAM : layers {_ranges(self.dense_layers)} ({self.dense_bytes / GB:.3f} GB: "
+               "attention, norms, router; their experts are streamed)"] if self.dense_layers else []),
             f"embeddings/norm/lm_head : {self.fixed_bytes / GB:.3f} GB on the device"
             + (f", embedding table {self.host_fixed_bytes / GB:.3f} GB in host RAM" if self.host_fixed_bytes else ""),
             f"reserve (KV + activ.)   : {self.reserve_bytes / GB:.3f} GB"

@@ -1,0 +1,20 @@
+# Device chain A for the next session (issues 34, 37), one call (~8 min), started detached from a copy of the tree:
+#   rm -rf /tmp/run /tmp/res; mkdir -p /tmp/run && cp -r . /tmp/run/ &&
+#   (setsid nohup bash /tmp/run/benchmarks/chains/wave3_moe15a.sh > /tmp/chain.log 2>&1 < /dev/null & disown)
+# then poll for $R/done in the same call and copy $R to $OUT before its limit. Chains of one session each start
+# from the committed results: fold them with benchmarks/merge_runs.py.
+# 1. GPU tests: dense parts kept in VRAM decode as streamed ones; direct reads.
+# 2. Qwen3 batch 1, 4 GB cap: the routed rows with the dense parts in VRAM (the default now) beside the same rows
+#    streaming them (*_streamdense), auto and the host-CPU row in the same run (auto_over_best), 8 steps each; each
+#    row records host_s (when the host had queued the step) beside step_s; a trace of the hot-set step.
+cd /tmp/run && . benchmarks/device_env.sh
+R=/tmp/res; mkdir -p $R/traces && cp results/moe_bench.json $R/
+python -m pytest -q -m gpu tests/engine/test_expert_fused.py -k "dense_parts or direct_reads" > $R/gpu_tests.log 2>&1
+M="python benchmarks/moe_bench.py --workdir /tmp/bw --keep-stores --steps 8 --results $R --trace-dir $R/traces"
+set -x
+$M --part link > $R/link.log 2>&1
+$M --part qwen3_routed \
+  --cases nocache_direct,lfu_direct_r1,lfu_direct_r1_streamdense,nocache_direct_streamdense,auto_bs1,cpu_bs1 \
+  --trace lfu_direct_r1 > $R/q.log 2>&1
+python benchmarks/moe_bench.py --results $R --part report > $R/report.log 2>&1
+echo CHAIN_DONE > $R/done
