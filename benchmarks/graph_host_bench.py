@@ -50,11 +50,12 @@ def make_store(folder: Path, layers: int) -> Path:
     return folder / "store"
 
 
-def step_seconds(store: Path, static: bool, steps: int) -> tuple[float, int, set]:
+def step_seconds(store: Path, static: bool, steps: int, carry: bool = True) -> tuple[float, int, set]:
     """Seconds a decode step takes with every layer replayed (a no-op replay), the layers, and the islands an
-    entry holds."""
+    entry holds; ``carry``: ``layer_graphs.CARRY`` (a layer's graph leaves its output in the next one's input)."""
     replay = layer_graphs.EmulatedBackend.__dict__["replay"]  # the staticmethod itself, put back after
     slots.STATIC_PASSES = static
+    layer_graphs.CARRY = carry
     engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0)
     graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
@@ -73,6 +74,7 @@ def step_seconds(store: Path, static: bool, steps: int) -> tuple[float, int, set
     finally:
         layer_graphs.EmulatedBackend.replay = replay
         slots.STATIC_PASSES = True
+        layer_graphs.CARRY = True
         engine.close()
 
 
@@ -86,11 +88,11 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         store = make_store(Path(tmp), args.layers)
-        runs: dict[str, list[float]] = {"static": [], "island": []}
+        runs: dict[str, list[float]] = {"static": [], "island": [], "static_no_carry": []}
         for _ in range(args.rounds):
             for name in runs:
-                took, layers, islands = step_seconds(store, name == "static", args.steps)
-                assert islands == ({0} if name == "static" else {1}), (name, islands)
+                took, layers, islands = step_seconds(store, name != "island", args.steps, name != "static_no_carry")
+                assert islands == ({1} if name == "island" else {0}), (name, islands)
                 runs[name].append(took)
     med = {name: statistics.median(v) for name, v in runs.items()}
     out = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "layers": layers,
@@ -98,12 +100,15 @@ def main(argv=None) -> None:
            "step_ms": {k: v * 1e3 for k, v in med.items()}, "runs_ms": {k: [x * 1e3 for x in v] for k, v in runs.items()},
            "layer_us": {k: v / layers * 1e6 for k, v in med.items()},
            "island_extra_us_per_layer": (med["island"] - med["static"]) / layers * 1e6,
+           "carry_saves_us_per_layer": (med["static_no_carry"] - med["static"]) / layers * 1e6,
            "method": "tiny Qwen3 fp32 at batch 1 on the CPU, layer graphs emulated with a no-op replay: a step's "
                      "host time (runner, streamer, and on the island path the eager cache write and attention "
-                     "and the second graph launch); variants alternate, median of the rounds"}
+                     "and the second graph launch; static_no_carry: layer_graphs.CARRY off, the hidden states "
+                     "copied into each layer's twin by the host); variants alternate, median of the rounds"}
     for name in runs:
         print(f"{name:>6}: {out['step_ms'][name]:.3f} ms a step, {out['layer_us'][name]:.1f} us a layer")
     print(f"the island costs {out['island_extra_us_per_layer']:.1f} us more a layer on this host")
+    print(f"the carried input saves {out['carry_saves_us_per_layer']:.1f} us a layer on this host")
     path = Path(args.results or (REPO / "results")) / "graph_host_bench.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

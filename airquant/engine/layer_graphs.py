@@ -64,6 +64,11 @@ _SIMPLE = (bool, int, float, str, type(None))
 # decode crosses buckets, a server sees every row count).
 KEYS_PER_LAYER = 32
 STALE_PASSES = 64
+# A layer's graph ends by writing its output into the static twin of its own first input (the hidden states, the
+# same twin for every layer of that shape): the next layer's graph then finds its input there, and the host copies
+# nothing between two layers. Each such copy was a torch call and a cudaMemcpyAsync a layer, host time a
+# host-bound decode step pays (the H200 machine's Qwen3-30B-A3B hot-set step, wave3_moe14).
+CARRY = True
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
 
@@ -138,6 +143,8 @@ class Unsupported(Exception):
 class CudaBackend:
     """Graphs captured on a side stream into one memory pool shared by every layer's graphs (they replay one at a
     time, on the compute stream); ``thread_local``: the streamer's threads may use CUDA during a capture."""
+
+    runs_at_capture = False  # the call's work runs at the replay that follows the capture
 
     def __init__(self, device: torch.device):
         self.pool = torch.cuda.graph_pool_handle()
@@ -258,6 +265,10 @@ class EmulatedGraph(torch.utils._python_dispatch.TorchDispatchMode):
 class EmulatedBackend:
     """Layer graphs on the CPU for the tests: the same split, keys, twins and islands as on CUDA."""
 
+    # The emulated capture runs the ops it records, so it is the call's one run, as the replay after a CUDA capture
+    # is (a second run would read a twin the first wrote: the output CARRY leaves in the input's twin).
+    runs_at_capture = True
+
     @staticmethod
     def begin():
         graph = EmulatedGraph()
@@ -343,6 +354,7 @@ class _Entry:
     islands: list  # _Island (the cache update and attention) and _EagerIsland, in call order
     output: object
     work: list = field(default_factory=list)
+    carry: torch.Tensor | None = None  # the twin its graph writes the output into (CARRY), the next call's input
 
 
 class Recorder:
@@ -370,7 +382,8 @@ class Recorder:
     def end(self) -> None:
         self.capturing = False
         self.backend.end(self.graphs[-1])
-        self.backend.replay(self.graphs[-1])  # a capture records without running: the graph runs once now
+        if not self.backend.runs_at_capture:  # a CUDA capture records without running: the graph runs once now
+            self.backend.replay(self.graphs[-1])
 
     def abort(self) -> None:
         if self.capturing:
@@ -482,7 +495,7 @@ class LayerGraphs:
         # Static passes (the cache write and attention in the graphs) until one fails: a static key's capture
         # failed or its warm-up synchronized in the write or attention. Then every cache keeps the island.
         self.static_ok = True
-        self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0}
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0}
 
     @classmethod
     def for_device(cls, device: torch.device, enabled: bool, max_rows: int) -> "LayerGraphs | None":
@@ -603,7 +616,14 @@ class LayerGraphs:
             held = self._held.get(id(twin))
             if held is None or held[0] is not x or held[1]() is not kv or held[2] != kv.passes:
                 twin.copy_(x)
+                self.stats["input_copies"] += 1
                 self._held[id(twin)] = (x, weakref.ref(kv), kv.passes)  # weak: a finished loop's cache is freed
+
+    def _carried(self, entry: _Entry, kv) -> None:
+        """``entry``'s graph has just written its output into its carry twin: a next call given that output as its
+        first input reads it there (``_load`` copies nothing)."""
+        if entry.carry is not None:
+            self._held[id(entry.carry)] = (entry.output, weakref.ref(kv), kv.passes)
 
     def _capture(self, key: tuple, call, leaves: list, spec, kv):
         twins = [self._twin(n, x) if isinstance(x, torch.Tensor) else None for n, x in enumerate(leaves)]
@@ -621,6 +641,11 @@ class LayerGraphs:
                 out = call(*c_args, **c_kwargs)
                 if recorder.pending:
                     raise Unsupported("the cache update was not followed by the attention")
+                carry = twins[0] if CARRY and isinstance(out, torch.Tensor) and twins and twins[0] is not None \
+                    and (out.shape, out.dtype, out.device) == (twins[0].shape, twins[0].dtype, twins[0].device) \
+                    else None
+                if carry is not None:
+                    carry.copy_(out)  # captured: the graph's last op
                 recorder.end()
         except BaseException as err:  # noqa: BLE001 - any capture failure: the call runs eagerly instead
             recorder.abort()
@@ -639,7 +664,8 @@ class LayerGraphs:
                 return call(*args, **kwargs)
         finally:
             kv.recorder = None
-        self._entries[key] = _Entry(recorder.graphs, twins, recorder.islands, out, work)
+        entry = self._entries[key] = _Entry(recorder.graphs, twins, recorder.islands, out, work, carry)
+        self._carried(entry, kv)
         self.stats["captures"] += 1
         return out
 
@@ -652,6 +678,7 @@ class LayerGraphs:
         for island, graph in zip(entry.islands, entry.graphs[1:]):
             island.run(kv)
             replay(graph)
+        self._carried(entry, kv)
         self.stats["replays"] += 1
         return entry.output
 

@@ -77,6 +77,27 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     assert all(not e.islands and len(e.graphs) == 1 and key[-1] is not None for key, e in graphs._entries.items())
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_layer_graph_hands_its_output_to_the_next_without_a_host_copy(stores, monkeypatch, model_type):
+    """``CARRY``: each layer's graph ends by writing its output into the hidden states' twin, so the next layer's
+    graph reads it there. The decode is the same, and a graphed pass copies its hidden states into a twin once, not
+    once a layer."""
+    runs = {}
+    for carry in (False, True):
+        monkeypatch.setattr(layer_graphs, "CARRY", carry)
+        engine, graphs = _graphed(stores[model_type])
+        result = _decode(engine, steps=8)
+        layers = len(skeleton.decoder_layers(engine.model))
+        engine.close()
+        runs[carry] = (result, dict(graphs.stats))
+    (tokens, logits), on = runs[True]
+    (want_tokens, want_logits), off = runs[False]
+    assert tokens == want_tokens and torch.equal(logits, want_logits)
+    graphed = on["captures"] + on["replays"]
+    assert graphed == off["captures"] + off["replays"] and graphed % layers == 0 and graphed >= 4 * layers
+    assert off["input_copies"] - on["input_copies"] == (layers - 1) * graphed // layers
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss"])
 def test_static_passes_decode_as_the_plain_cache(stores, model_type):
     """The static passes (slots and lengths in a device tensor, a mask over a bucketed span) attend to what the
@@ -395,7 +416,8 @@ def test_layers_not_known_to_capture_run_eagerly(stores, monkeypatch):
     engine, graphs = _graphed(stores["llama"])
     _decode(engine, steps=4)
     engine.close()
-    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 0, "failed": 0} and not graphs._work
+    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0} \
+        and not graphs._work
 
 
 def test_host_work_runs_once_a_call_whoever_owns_it():
