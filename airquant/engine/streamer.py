@@ -176,6 +176,7 @@ class LayerStreamer:
         # made once, as the buffers live as long as the streamer (24 slices and views a Qwen3-MoE layer were
         # ~0.35 ms of a batch-1 step's host time per layer, under the profiler)
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        self._orders()
 
     def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
         # Page-locked memory is what lets host->device copies run at the link's full speed.
@@ -199,7 +200,9 @@ class LayerStreamer:
 
     def _schedule_reads(self, i: int) -> None:
         """Start reads for the next ``readahead`` streamed layers from ``i`` whose bytes are not in RAM."""
-        wanted = [j for j in self._cycle_from(i) if self.plan.tiers[j] != "vram" and j not in self._host]
+        if self._ram_only and len(self._host) == self._ram_count:  # the RAM tier is full: nothing is ever read again
+            return
+        wanted = [j for j in self._order[i] if j not in self._host]
         for j in wanted[: self._readahead]:
             if j in self._reads:
                 continue
@@ -246,6 +249,16 @@ class LayerStreamer:
 
     def _cycle_from(self, i: int) -> list[int]:
         return [(i + d) % self.n for d in range(self.n)]
+
+    def _orders(self) -> None:
+        """Per layer i, the layers after it in pass order (i first, wrapping around) that leave VRAM (``_order``),
+        and those of them that go through the slots (``_upcoming``, i left out): fixed for the streamer's life, and
+        looked up at every layer call instead of rebuilt (two scans of every layer a call)."""
+        self._order = [[j for j in self._cycle_from(i) if self.plan.tiers[j] != "vram"] for i in range(self.n)]
+        self._upcoming = [[j for j in self._cycle_from(i)[1:] if self.plan.tiers[j] != "vram" and j not in self.dense]
+                          for i in range(self.n)]
+        self._ram_only = not any(t == "disk" for t in self.plan.tiers)
+        self._ram_count = sum(t == "ram" for t in self.plan.tiers)
 
     # -- device side -----------------------------------------------------------------------
     def fetch(self, i: int) -> dict[str, torch.Tensor]:
@@ -347,7 +360,7 @@ class LayerStreamer:
     def _prefetch_after(self, i: int) -> None:
         if not self.streamed:
             return
-        upcoming = [j for j in self._cycle_from(i)[1:] if self.plan.tiers[j] != "vram" and j not in self.dense]
+        upcoming = self._upcoming[i]
         if upcoming:
             self._schedule_reads(upcoming[0])
         if self.ops is not None:
