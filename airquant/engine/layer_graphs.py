@@ -489,6 +489,7 @@ class LayerGraphs:
         self._held: dict[int, tuple] = {}
         self._keys: dict[int, dict] = {}  # layer -> the keys it was called with -> the call count at their last use
         self._calls = 0  # layer calls so far (for the keys' last use)
+        self._weights: dict[int, tuple[dict, tuple]] = {}  # layer -> (its last weights dict, their addresses)
         self._full: set[int] = set()  # layers whose keys reached the limit (logged once)
         self._kv: weakref.ref | None = None  # the cache of the last call
         self.buffers = KVBuffers()  # the plain cache's device buffers, lent from one loop's cache to the next
@@ -531,7 +532,10 @@ class LayerGraphs:
             else:
                 return call(*args, **kwargs)
         static = kv.static_key(index)
-        key = (index, spec, tuple(sig), tuple(t.data_ptr() for t in weights.values()), static)
+        last = self._weights.get(index)
+        if last is None or last[0] is not weights:  # the streamer hands the same dict while the buffer is the same
+            last = self._weights[index] = (weights, tuple(t.data_ptr() for t in weights.values()))
+        key = (index, spec, tuple(sig), last[1], static)
         self._calls += 1
         seen = self._keys.setdefault(index, {})
         entry = self._entries.get(key)
@@ -685,6 +689,7 @@ class LayerGraphs:
     def clear(self) -> None:
         """Drop every graph (their memory pool goes with the last reference)."""
         self._entries.clear()
+        self._weights.clear()
         self._work.clear()
         self._eager.clear()
         self._synced.clear()

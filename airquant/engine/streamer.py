@@ -176,6 +176,7 @@ class LayerStreamer:
         # made once, as the buffers live as long as the streamer (24 slices and views a Qwen3-MoE layer were
         # ~0.35 ms of a batch-1 step's host time per layer, under the profiler)
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        self._cast_needed: dict[tuple[int, int], bool] = {}  # (layer, tensors) -> whether _cast casts any
         self._orders()
 
     def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
@@ -420,9 +421,19 @@ class LayerStreamer:
         return views
 
     def _cast(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dense = self.dense_names[i]
-        return {k: (v.to(self.compute_dtype) if k in dense and v.is_floating_point()
-                    and v.dtype != self.compute_dtype else v) for k, v in tensors.items()}
+        """The dense floating tensors in the compute dtype; ``tensors`` itself (the same dict as the last time the
+        layer was in that buffer: ``_views_of``) where none needs it, so that a layer graph's key finds its
+        weights unchanged without reading every tensor's address again."""
+        dense, dtype = self.dense_names[i], self.compute_dtype
+        key = (i, len(tensors))  # the layer's stored dtypes, per layout (whole, or less its experts)
+        needed = self._cast_needed.get(key)
+        if needed is None:
+            needed = self._cast_needed[key] = any(k in dense and v.is_floating_point() and v.dtype != dtype
+                                                for k, v in tensors.items())
+        if not needed:
+            return tensors
+        return {k: (v.to(dtype) if k in dense and v.is_floating_point() and v.dtype != dtype else v)
+                for k, v in tensors.items()}
 
     # -- reporting -------------------------------------------------------------------------
     def host_held(self, others: dict[str, int] | None = None) -> dict[str, int]:

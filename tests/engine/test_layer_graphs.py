@@ -257,6 +257,37 @@ def test_a_second_request_replays_the_same_graphs(stores):
     engine.close()
 
 
+def test_a_layer_in_either_device_slot_replays_the_graph_of_that_slot(tmp_path_factory, real_tokenizer):
+    """Three layers through two device slots (``SimOps``: the streamer's CUDA path on the CPU) land in the other
+    slot every pass: each layer has a graph per slot, keyed by its weights' addresses (looked up again only when
+    the streamer hands another weights dict), and the decode equals the same decode run eagerly. A replay of the
+    other slot's graph would compute with the weights that slot held."""
+    from airquant.engine.memory.placement import StreamPlan
+    from airquant.engine.streamer import LayerStreamer
+    from tests.engine.test_streamer import SimOps
+
+    store = _store(tmp_path_factory, real_tokenizer, "llama", num_hidden_layers=3)
+
+    def slotted(engine):
+        plan = StreamPlan(tiers=["ram"] * 3, slot_bytes=max(engine.manifest.layer_bytes), slots=2, fixed_bytes=0)
+        streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=SimOps(False))
+        engine.streamer.close()
+        for layer in skeleton.decoder_layers(engine.model):
+            layer.streamer = streamer
+        engine.streamer, engine.plan = streamer, plan
+        return _decode(engine, steps=8)
+
+    want = _static_eager(store, slotted)
+    engine, graphs = _graphed(store)
+    got = slotted(engine)
+    engine.close()
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    for index in range(3):
+        weights = {key[3] for key in graphs._entries if key[0] == index}
+        assert len(weights) == 2, (index, weights)  # one graph per slot
+    assert graphs.stats["failed"] == 0 and graphs.stats["replays"] >= 3 * 2  # each slot's graph replayed
+
+
 def test_a_partly_offloaded_cache_mixes_static_layers_and_islands(stores):
     """KV offloaded for some layers only: in the same static pass, the device layers write and attend in their
     graph and the offloaded ones keep the island (their host copies land the pass's own slots); tokens and
