@@ -170,6 +170,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
             # graphs' captures and replays, the experts' hits and pairs (one read of the device counters).
             stats = engine.stats()
             row["layer_graphs"], report = stats.get("layer_graphs"), stats.get("experts")
+            row["dense_resident_gb"] = stats.get("dense_resident_gb", 0.0)  # --dense-resident: kept, not moved
             if case is not None and case in (a.trace or "").split(","):
                 ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
                 row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))

@@ -335,6 +335,8 @@ class Engine:
                + (self.experts.bytes_copied if self.experts else 0)}
         if self.experts is not None:
             out["experts"] = self.experts.report()
+        if self.streamer is not None and self.streamer.dense:  # --dense-resident: MoE dense parts on the device
+            out["dense_resident_gb"] = self.streamer.dense_bytes() / 1e9
         if self.graphs is not None:
             out["layer_graphs"] = dict(self.graphs.stats)
             out["kv_kept_gb"] = self.graphs.buffers.nbytes() / 1e9

@@ -358,6 +358,10 @@ class LayerStreamer:
             tensors = self._dense[i] = self._cast(i, self._views_of(i, layout, buf))
         return tensors
 
+    def dense_bytes(self) -> int:
+        """Device bytes of the dense parts kept (``dense``) so far: each is copied at its layer's first fetch."""
+        return sum(self.parts[i][1].nbytes for i in self._dense)
+
     def _prefetch_after(self, i: int) -> None:
         if not self.streamed:
             return

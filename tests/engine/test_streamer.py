@@ -131,8 +131,11 @@ def test_dense_resident_layers_are_copied_once_and_keep_the_resident_logits(tiny
         copies.append(engine.streamer.ops.copies if engine.streamer.ops else 0)
     if ops == "in-place":
         assert engine.streamer.dense == set() and engine.streamer.streamed == [0, 1, 2]
+        assert "dense_resident_gb" not in engine.stats()
     else:
         assert engine.streamer.dense == {0, 2} and engine.streamer.streamed == [1]
+        kept = engine.streamer.layouts[0].nbytes + engine.streamer.layouts[2].nbytes  # their data sections
+        assert engine.stats()["dense_resident_gb"] == kept / 1e9
         # the first pass: layers 0 and 2 once, layer 1, and layer 1 again for the next pass (prefetched across
         # passes); every later pass copies layer 1 alone
         assert copies[0] == 4 and copies[1] - copies[0] == copies[2] - copies[1] == 1
