@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
-from airquant.quant.kernels.tiered import BIAS_KINDS, Tiers  # noqa: F401 - Tiers: this module's callers take it here
+from airquant.quant.kernels.tiered import BIAS_KINDS, ImageBuffers, Tiers  # noqa: F401 - Tiers: this module's callers take it here
 
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
@@ -268,7 +268,7 @@ def _launch_gemv(x, out, ids, weights, op: Operand, top_k: int, down: bool) -> t
 # eight nibbles each), and many programs are in flight. Measured (H200, Qwen3-30B-A3B batch 1, a step's 96
 # launches reading ~1 GB, mostly from the RAM tier): 29.8 ms, ~34 GB/s, 0.62 of the copy engine's 55 GB/s.
 @dataclass(frozen=True)
-class ImageMatrix:
+class ImageMatrix(ImageBuffers):
     """One ``[n, k]`` NF4 matrix inside an expert's image: the byte offset of each of its buffers
     (``BUFFERS``; absent double-quant buffers: None) and of its bias row ``[n]`` (offset, dtype) if any."""
 
@@ -278,18 +278,7 @@ class ImageMatrix:
     double: bool
     offsets: tuple[int | None, ...]
     bias: tuple[int, torch.dtype] | None = None
-
-    def args(self) -> list[int]:
-        qm = self.offsets[BUFFERS.index("quant_map")]
-        return [qm if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
-
-    @property
-    def bias_kind(self) -> int:
-        if self.bias is None:
-            return 0
-        if self.bias[1] not in BIAS_KINDS:
-            raise ValueError(f"tiered NF4 GEMV: expert bias dtype {self.bias[1]} is not one of {list(BIAS_KINDS)}")
-        return BIAS_KINDS[self.bias[1]]
+    FILL = BUFFERS.index("quant_map")  # every NF4 image has its code book
 
 
 @triton.jit

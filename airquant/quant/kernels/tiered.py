@@ -36,17 +36,18 @@ class Tiers:
 
 
 class ImageBuffers:
-    """What a format's image matrix (``int2_moe.ImageMatrixInt2``, ``gptq_moe.ImageMatrixGPTQ``) shares: the
-    byte offset of each of its buffers in an expert's image (None: absent, never read) and its bias row ``[n]``
-    (offset, dtype) if any."""
+    """What a format's image matrix (``nf4_moe.ImageMatrix``, ``int2_moe.ImageMatrixInt2``,
+    ``gptq_moe.ImageMatrixGPTQ``) shares: the byte offset of each of its buffers in an expert's image (None:
+    absent, never read) and its bias row ``[n]`` (offset, dtype) if any."""
 
     offsets: tuple[int | None, ...]
     bias: tuple[int, torch.dtype] | None
+    FILL = 0  # the buffer whose offset an absent one's argument takes
 
     def args(self) -> list[int]:
-        """The tiered kernel's offset arguments: the buffers' (an absent one as the first's) and the bias row's."""
-        first = self.offsets[0]
-        return [first if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
+        """The tiered kernel's offset arguments: the buffers' (an absent one as ``FILL``'s) and the bias row's."""
+        fill = self.offsets[self.FILL]
+        return [fill if off is None else off for off in self.offsets] + [self.bias[0] if self.bias else 0]
 
     @property
     def bias_kind(self) -> int:
