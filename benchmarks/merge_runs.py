@@ -23,11 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.moe_bench import merge_rows  # noqa: E402
+
 ROWS = ("expert_aware", "whole_layer")
-
-
-def _row_key(row: dict) -> tuple:
-    return row["model"], row["cap_gb"], row["batch"], row.get("case")
 
 
 def fold(base: dict, runs: list[dict]) -> dict:
@@ -40,9 +41,8 @@ def fold(base: dict, runs: list[dict]) -> dict:
                 continue
             if key in ROWS and isinstance(value, list):
                 before = {json.dumps(r, sort_keys=True) for r in old or []}
-                fresh = [r for r in value if json.dumps(r, sort_keys=True) not in before]
-                keys = {_row_key(r) for r in fresh}
-                out[key] = [r for r in out.get(key, []) if _row_key(r) not in keys] + fresh
+                out[key] = merge_rows(out.get(key, []),
+                                      [r for r in value if json.dumps(r, sort_keys=True) not in before])
             elif isinstance(value, dict) and isinstance(old, dict):
                 merged = out.setdefault(key, {})
                 for sub, v in value.items():

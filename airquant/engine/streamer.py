@@ -150,7 +150,8 @@ class LayerStreamer:
         self.bytes_copied = 0
         # Routed MoE layers whose dense part stays on the device (plan.dense_layers, on a GPU): copied once from the
         # RAM tier at their first fetch, then used in place like a resident layer; their experts stay in the tier.
-        self.dense = set(plan.dense_layers) if ops is not None else set()
+        # RAM-tier layers only (as the planner picks them): a disk-tier layer is read through staging every pass.
+        self.dense = {i for i in plan.dense_layers if plan.tiers[i] == "ram"} if ops is not None else set()
         self._dense: dict[int, dict[str, torch.Tensor]] = {}
         # Layers a pass copies through the device slots.
         self.streamed = [i for i in range(self.n) if plan.tiers[i] != "vram" and i not in self.dense]
@@ -344,16 +345,13 @@ class LayerStreamer:
         """Layer i's dense part on the device (``dense``): copied from the RAM tier at the first fetch, kept after."""
         tensors = self._dense.get(i)
         if tensors is None:
-            flat, k = self._host_flat(i)
+            flat, _ = self._host_flat(i)  # the RAM tier (``dense`` holds RAM-tier layers only): no staging buffer
             layout = self.parts[i][1]
             buf = self.ops.alloc(layout.nbytes)
-            runs = ((0, 0, layout.nbytes),) if k is None and i in self.arrangements else self.parts[i][2]
+            runs = ((0, 0, layout.nbytes),) if i in self.arrangements else self.parts[i][2]
             for src, dst, nbytes in runs:
                 _, done = self.ops.copy(buf[dst:dst + nbytes], flat[src:src + nbytes], None)
             self.ops.wait(done)
-            if k is not None:  # a staging buffer (the planner keeps dense parts of RAM-tier layers only)
-                self.ops.host_wait(done)
-                self._staging_owner[k] = None
             self.bytes_copied += layout.nbytes
             tensors = self._dense[i] = self._cast(i, self._views_of(i, layout, buf))
         return tensors

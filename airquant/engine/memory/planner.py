@@ -388,17 +388,17 @@ def _dense_resident(manifest: Manifest, placed: StreamPlan, fixed: int, budgets:
     except PlanError:  # not beside the floor: as many as the plan without them leaves room for
         pass
     room = budgets.vram_bytes - arena - placed.device_bytes
+    layers = candidates(placed)
     chosen, total = [], 0
-    for i in candidates(placed):
+    for i in layers:
         if total + streamed[i] <= room:
             chosen.append(i)
             total += streamed[i]
     if not chosen:
         return placed
-    n = len(candidates(placed))
-    why = (f"MoE dense parts of {len(chosen)} of {n} streamed routed layers kept in VRAM "
+    why = (f"MoE dense parts of {len(chosen)} of {len(layers)} streamed routed layers kept in VRAM "
            f"({total / GB:.2f} GB): every decode step reads them, and only the routed few of their experts"
-           + ("" if len(chosen) == n else "; the rest do not fit"))
+           + ("" if len(chosen) == len(layers) else "; the rest do not fit"))
     return replace(placed, dense_layers=chosen, dense_bytes=total, reasons=[*placed.reasons, why])
 
 
