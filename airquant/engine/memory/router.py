@@ -308,7 +308,8 @@ class Route:
             return self.plan
         wl = self.workload.updated(experts=engine.experts, expert_cache_gb=engine.expert_cache_gb,
                                    expert_policy=engine.expert_policy, expert_prefetch=engine.expert_prefetch,
-                                   dense_resident=engine.dense_resident, host_gemv_gbps=engine.host_gemv_gbps, link_gbps=engine.link_gbps)
+                                   dense_resident=engine.dense_resident, host_gemv_gbps=engine.host_gemv_gbps,
+                                   link_gbps=engine.link_gbps)
         if wl == self.workload:
             return self.plan
         try:

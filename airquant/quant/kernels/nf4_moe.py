@@ -32,7 +32,11 @@ import triton
 import triton.language as tl
 
 from airquant.quant.kernels.expert_operands import Buffers, in_slots, slot_bias, stacked
-from airquant.quant.kernels.tiered import BIAS_KINDS, ImageBuffers, Tiers  # noqa: F401 - Tiers: this module's callers take it here
+from airquant.quant.kernels.tiered import (  # noqa: F401 - BIAS_KINDS, Tiers: this module's callers take them here
+    BIAS_KINDS,
+    ImageBuffers,
+    Tiers,
+)
 
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
