@@ -1,5 +1,6 @@
-"""Host time a replayed decode step's layer calls cost outside their graphs: the attention captured in the layer
-graph (static passes, ``engine/decode/slots.py``) against the attention as an eager island between two graphs
+"""Host time a replayed decode step's layer calls cost outside their graphs: the whole pass replayed as one graph
+(``layer_graphs.PASS_GRAPHS``, the default), each layer replaying its own graph with the attention captured in it
+(static passes, ``engine/decode/slots.py``), and the attention as an eager island between two graphs
 (``STATIC_PASSES`` off, the path before), same store, same run.
 
 Why: the Qwen3-30B-A3B batch-1 step was host-bound on the H200 (GPU busy 21.8 of 62 ms traced, wave3_moe12); a
@@ -9,8 +10,8 @@ the runner (keys, static twins), the streamer and, on the island path, the eager
 with its second graph launch. A tiny Qwen3 (16 layers, fp32) decodes at batch 1; each variant runs ``--rounds``
 times alternately, ``--steps`` steps each, the median kept.
 
-Prints the two figures and their difference per layer, and writes ``results/graph_host_bench.json``
-(``--results``). On the GPU the same difference is what ``moe_bench``'s ``*_island`` cases show in a step."""
+Prints the figures and their differences per layer, and writes ``results/graph_host_bench.json`` (``--results``).
+On the GPU the same differences are what ``moe_bench``'s ``*_island`` and ``*_nopass`` cases show in a step."""
 
 from __future__ import annotations
 
@@ -50,31 +51,53 @@ def make_store(folder: Path, layers: int) -> Path:
     return folder / "store"
 
 
-def step_seconds(store: Path, static: bool, steps: int, carry: bool = True) -> tuple[float, int, set]:
-    """Seconds a decode step takes with every layer replayed (a no-op replay), the layers, and the islands an
-    entry holds; ``carry``: ``layer_graphs.CARRY`` (a layer's graph leaves its output in the next one's input)."""
+def step_seconds(store: Path, static: bool, steps: int, carry: bool = True,
+                 passes: bool = True) -> tuple[float, int, set, dict, float]:
+    """Seconds a decode step takes with every layer replayed (a no-op replay), the layers, the islands an entry
+    holds, the graphs' stats, and the seconds a step spends inside its decoder layers' calls (``steps`` more
+    steps, each layer call timed: the part of the step the layers' host path costs); ``carry``:
+    ``layer_graphs.CARRY`` (a layer's graph leaves its output in the next one's input); ``passes``:
+    ``layer_graphs.PASS_GRAPHS`` (a pass replayed as one graph)."""
     replay = layer_graphs.EmulatedBackend.__dict__["replay"]  # the staticmethod itself, put back after
     slots.STATIC_PASSES = static
     layer_graphs.CARRY = carry
+    layer_graphs.PASS_GRAPHS = passes
     engine = Engine.open(store, device="cpu", dtype="float32", resident_layers=0)
     graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), FUSED_TOKENS)
     skeleton.attach_graphs(engine.model, graphs)
     try:
-        loop = engine.decode_loop(1, context=64 + steps + 8)
-        loop.submit(engine.request(list(range(5, 25)), GenerateConfig(max_new_tokens=steps + 8, ignore_eos=True)))
-        for _ in range(4):  # prefill, warm-up, capture, a replay
+        loop = engine.decode_loop(1, context=64 + 2 * steps + 8)
+        loop.submit(engine.request(list(range(5, 25)), GenerateConfig(max_new_tokens=2 * steps + 8, ignore_eos=True)))
+        for _ in range(6):  # prefill, warm-up, capture, a replay, the pass graph's capture, its first replay
             loop.step()
         layer_graphs.EmulatedBackend.replay = staticmethod(lambda graph: None)
         start = time.perf_counter()
         for _ in range(steps):
             loop.step()
         took = (time.perf_counter() - start) / steps
+        inside = [0.0]
+        forward = skeleton.StreamedLayer.forward
+
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - t0
+
+        skeleton.StreamedLayer.forward = timed
+        try:
+            for _ in range(steps):
+                loop.step()
+        finally:
+            skeleton.StreamedLayer.forward = forward
         islands = {len(e.islands) for e in graphs._entries.values()}
-        return took, len(skeleton.decoder_layers(engine.model)), islands
+        return took, len(skeleton.decoder_layers(engine.model)), islands, dict(graphs.stats), inside[0] / steps
     finally:
         layer_graphs.EmulatedBackend.replay = replay
         slots.STATIC_PASSES = True
         layer_graphs.CARRY = True
+        layer_graphs.PASS_GRAPHS = True
         engine.close()
 
 
@@ -88,27 +111,44 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         store = make_store(Path(tmp), args.layers)
-        runs: dict[str, list[float]] = {"static": [], "island": [], "static_no_carry": []}
+        # pass: the pass graph; static: each layer's own graph (pass graphs off), the attention in it; island:
+        # the attention between two graphs; static_no_carry: as static, the hidden states copied by the host
+        runs: dict[str, list[float]] = {"pass": [], "static": [], "island": [], "static_no_carry": []}
+        calls: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name in runs:
-                took, layers, islands = step_seconds(store, name != "island", args.steps, name != "static_no_carry")
+                took, layers, islands, stats, inside = step_seconds(store, name != "island", args.steps,
+                                                                    name != "static_no_carry", name == "pass")
                 assert islands == ({1} if name == "island" else {0}), (name, islands)
+                assert (stats["pass_replays"] >= 2 * args.steps) == (name == "pass"), (name, stats)
                 runs[name].append(took)
+                calls[name].append(inside)
     med = {name: statistics.median(v) for name, v in runs.items()}
+    inside = {name: statistics.median(v) for name, v in calls.items()}
     out = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "layers": layers,
            "steps": args.steps, "rounds": args.rounds, "threads": 1,
            "step_ms": {k: v * 1e3 for k, v in med.items()}, "runs_ms": {k: [x * 1e3 for x in v] for k, v in runs.items()},
            "layer_us": {k: v / layers * 1e6 for k, v in med.items()},
+           "layer_call_us": {k: v / layers * 1e6 for k, v in inside.items()},
            "island_extra_us_per_layer": (med["island"] - med["static"]) / layers * 1e6,
            "carry_saves_us_per_layer": (med["static_no_carry"] - med["static"]) / layers * 1e6,
+           "pass_saves_us_per_layer": (med["static"] - med["pass"]) / layers * 1e6,
+           "pass_saves_us_per_layer_call": (inside["static"] - inside["pass"]) / layers * 1e6,
            "method": "tiny Qwen3 fp32 at batch 1 on the CPU, layer graphs emulated with a no-op replay: a step's "
                      "host time (runner, streamer, and on the island path the eager cache write and attention "
-                     "and the second graph launch; static_no_carry: layer_graphs.CARRY off, the hidden states "
-                     "copied into each layer's twin by the host); variants alternate, median of the rounds"}
+                     "and the second graph launch; pass: the whole pass replayed as one graph from the first "
+                     "layer's call, layer_graphs.PASS_GRAPHS, the other variants with it off; static_no_carry: "
+                     "layer_graphs.CARRY off, the hidden states copied into each layer's twin by the host); the "
+                     "step includes what is not a layer's (embedding, head, sampling, the loop); layer_call_us: the "
+                     "time inside the decoder layers' calls a step (timed in as many further steps), a layer; "
+                     "variants alternate, median of the rounds"}
     for name in runs:
-        print(f"{name:>6}: {out['step_ms'][name]:.3f} ms a step, {out['layer_us'][name]:.1f} us a layer")
+        print(f"{name:>15}: {out['step_ms'][name]:.3f} ms a step, {out['layer_us'][name]:.1f} us a layer; "
+              f"{out['layer_call_us'][name]:.1f} us inside a layer's call")
     print(f"the island costs {out['island_extra_us_per_layer']:.1f} us more a layer on this host")
     print(f"the carried input saves {out['carry_saves_us_per_layer']:.1f} us a layer on this host")
+    print(f"the pass graph saves {out['pass_saves_us_per_layer']:.1f} us a layer on this host "
+          f"({out['pass_saves_us_per_layer_call']:.1f} us of a layer's call)")
     path = Path(args.results or (REPO / "results")) / "graph_host_bench.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

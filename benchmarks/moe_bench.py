@@ -54,6 +54,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from airquant.engine import layer_graphs as graphs_mod  # noqa: E402
 from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
@@ -341,6 +342,12 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "nocache_direct_island": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
                                       static=False)),
     "lfu_direct_r1_island": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, static=False)),
+    # Each layer replaying its own graph, every pass (engine/layer_graphs.py PASS_GRAPHS off): what replaying a
+    # whole decode pass as one graph from its first layer's call gains.
+    "nocache_direct_nopass": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                      pass_graphs=False)),
+    "lfu_direct_r1_nopass": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
+                                     pass_graphs=False)),
     # The dense parts (attention, norms, router) copied through the slots every step as before --dense-resident
     # (planner._dense_resident, on by default): what keeping them in VRAM gains, the cache then larger.
     "nocache_direct_streamdense": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
@@ -416,14 +423,16 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_bs16", "nocache_direct", "lfu_direct", "lfu_bs4_direct", "lfu_direct_r1",
                         "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager",
                         "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
-                        "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", *HOST_CASES),
+                        "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
+                        "lfu_direct_r1_nopass", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
-                         "nocache_direct_streamdense", "lfu_direct_r1_streamdense"),
+                         "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
-            "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES")}
+            "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
+            "pass_graphs": (graphs_mod, "PASS_GRAPHS")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -34,6 +34,17 @@ eagerly (its cache write rewrites the same rows).
 
 Layers whose code between the cache update and the attention call is known to be empty are captured
 (``CAPTURED_LAYERS``): an op there would run once at capture and never again.
+
+Pass graphs (``PASS_GRAPHS``): where every layer call of a decode pass replayed a one-graph entry (no island),
+each layer's weights stay where they are between passes (``fixed``: resident, a dense part kept on the device;
+nothing copied before the call) and each layer got the previous one's output and the first call's other
+arguments, the next pass is captured as one graph: the first layer's call runs every layer's call in one
+capture, and later passes replay it there. The other layers' calls then only check that they got what the
+graph computed (the previous output, the same arguments, the same weights dict) and return their output: a
+host cost of a few microseconds a layer instead of a key, its twins and a graph launch (a host-bound step's
+whole difference: Qwen3-30B-A3B's hot-set step on the H200 waited on the host between layers, wave3_moe14).
+A call that differs from what the graph ran (another weights dict, other arguments) runs as before, from its own
+input: its cache write rewrites the rows the graph wrote.
 """
 
 from __future__ import annotations
@@ -69,6 +80,10 @@ STALE_PASSES = 64
 # nothing between two layers. Each such copy was a torch call and a cudaMemcpyAsync a layer, host time a
 # host-bound decode step pays (the H200 machine's Qwen3-30B-A3B hot-set step, wave3_moe14).
 CARRY = True
+# Whole decode passes captured in one graph (module docstring), and how many such graphs are kept (one per
+# attended bucket and row count in use; the least recently replayed goes first).
+PASS_GRAPHS = True
+PASSES_KEPT = 8
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
 
@@ -357,6 +372,58 @@ class _Entry:
     carry: torch.Tensor | None = None  # the twin its graph writes the output into (CARRY), the next call's input
 
 
+@dataclass
+class _Step:
+    """One replayed layer call of a traced pass: what a pass graph runs for it and checks it against."""
+
+    index: int
+    key: tuple
+    entry: _Entry
+    weights: dict
+    call: object
+
+
+@dataclass
+class _Trace:
+    """The layer calls of one decode pass so far (``kv``'s pass ``passes``), while each qualifies for a pass graph:
+    a replay of a one-graph entry whose weights are fixed, given the previous call's output and the first call's
+    other arguments (``args``, ``kwargs``)."""
+
+    kv: weakref.ref
+    passes: int
+    args: tuple | None  # ids: the call's objects live through its pass, and the trace holds no cache
+    kwargs: tuple | None
+    steps: list
+    ok: bool = True
+    replayed: bool = False  # the pass ran as a pass graph: it leaves the stable trace as it is
+
+
+@dataclass
+class _PassEntry:
+    """A decode pass in one graph: its steps, the output of each (the graph's tensors), the first call's twins, and
+    the cache buffers its static writes read (their addresses, checked before a replay)."""
+
+    graph: object
+    steps: list
+    outputs: list
+    twins: list
+    buffers: tuple
+    keys: frozenset
+    trace: _Trace  # the stable trace its steps are (another with the same keys is adopted)
+    checked: weakref.ref | None = None  # the cache whose buffers were last found at ``buffers``
+    used: int = 0  # the runner's call count at its last replay (its steps' keys are not stale before)
+
+
+@dataclass
+class _Replaying:
+    """A pass graph replayed this pass: the calls after the first are checked against it, ``pos`` the last one."""
+
+    entry: _PassEntry
+    args: tuple  # the first call's other arguments and keywords, as ``_Trace`` keeps them
+    kwargs: tuple
+    pos: int = 0
+
+
 class Recorder:
     """Set on the cache (``SlotKV.recorder``) while a layer call is captured: the cache update ends the first
     graph and the attention's return starts the second."""
@@ -435,6 +502,20 @@ class Recorder:
         return out
 
 
+class _PassRecorder(Recorder):
+    """``Recorder`` of a pass graph's capture: one static cache update a layer (``layer`` sets the key it must
+    match), no island."""
+
+    def layer(self, static) -> None:
+        self.static, self.updates = static, 0
+
+    def island_begin(self, *args) -> None:
+        raise Unsupported("a cache update outside the graph in a pass graph")
+
+    def eager(self, fn, args: tuple):
+        raise Unsupported("an eager island in a pass graph")
+
+
 def _flatten(args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
     """A layer call's arguments as leaves and a hashable spec (a decoder layer's: tensors, flags, the cache, and
     tuples of tensors such as the rope tables); None for deeper nesting (the call runs eagerly). A call's key
@@ -452,6 +533,14 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
             shape.append(-1)
             leaves.append(v)
     return leaves, (len(args), tuple(kwargs), tuple(shape))
+
+
+def _ids(args: tuple | None, kwargs: dict | None) -> tuple[tuple, tuple]:
+    """A call's arguments after the first and its keywords as object ids: two calls of one pass with equal ids got
+    the same objects (they live through the pass)."""
+    if args is None:
+        return (), ()
+    return tuple(map(id, args[1:])), tuple(zip(kwargs, map(id, kwargs.values())))
 
 
 def _unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
@@ -496,7 +585,13 @@ class LayerGraphs:
         # Static passes (the cache write and attention in the graphs) until one fails: a static key's capture
         # failed or its warm-up synchronized in the write or attention. Then every cache keeps the island.
         self.static_ok = True
-        self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0}
+        self._trace: _Trace | None = None  # the pass being traced for a pass graph
+        self._stable: _Trace | None = None  # the last pass traced whole, every call qualifying
+        self._passes: dict[tuple, _PassEntry] = {}  # its first call's key -> pass graph (oldest replay first)
+        self._no_pass: set[tuple] = set()  # first keys whose pass capture failed
+        self._replaying: _Replaying | None = None
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0, "pass_replays": 0,
+                      "pass_captures": 0, "pass_calls": 0, "pass_breaks": 0}
 
     @classmethod
     def for_device(cls, device: torch.device, enabled: bool, max_rows: int) -> "LayerGraphs | None":
@@ -505,8 +600,14 @@ class LayerGraphs:
             return None
         return cls(CudaBackend(device), max_rows)
 
-    def run(self, index: int, layer, weights: dict, call, args: tuple, kwargs: dict):
-        """``call(*args, **kwargs)`` (the layer with ``weights`` in place), replayed from graphs where it can."""
+    def run(self, index: int, layer, weights: dict, call, args: tuple, kwargs: dict, fixed: bool = False):
+        """``call(*args, **kwargs)`` (the layer with ``weights`` in place), replayed from graphs where it can;
+        ``fixed``: the weights stay where they are from one call to the next, with nothing copied before a call
+        (``LayerStreamer.fixed``), which a pass graph needs."""
+        if self._replaying is not None:
+            out = self._pass_next(index, weights, args, kwargs)
+            if out is not None:
+                return out
         flat = _flatten(args, kwargs)
         if flat is None:
             return call(*args, **kwargs)
@@ -541,7 +642,12 @@ class LayerGraphs:
         entry = self._entries.get(key)
         if entry is not None:
             seen[key] = self._calls
+            if PASS_GRAPHS:
+                out = self._trace_step(kv, _Step(index, key, entry, weights, call), leaves, spec, args, kwargs, fixed)
+                if out is not None:
+                    return out
             return self._replay(entry, leaves, kv)
+        self._spoil(kv)
         if key not in seen and len(seen) >= KEYS_PER_LAYER and not self._drop_stale(seen):
             if index not in self._full:
                 log.info("layer %d: its weights or shapes change from call to call; it runs without a graph", index)
@@ -577,12 +683,16 @@ class LayerGraphs:
         """Forget the keys of a layer (``seen``) unused for ``STALE_PASSES`` passes (a pass calls every layer once,
         so as many layer calls times the layers with keys); whether any went."""
         oldest = self._calls - STALE_PASSES * max(1, len(self._keys))
-        stale = [k for k, last in seen.items() if last < oldest]
+        fresh = set().union(*(p.keys for p in self._passes.values() if p.used >= oldest))  # replayed in a pass graph
+        stale = [k for k, last in seen.items() if last < oldest and k not in fresh]
         for key in stale:
             self._forget(key)
         return bool(stale)
 
     def _forget(self, key: tuple) -> None:
+        for first in [k for k, p in self._passes.items() if key in p.keys]:
+            del self._passes[first]
+        self._stable = self._trace = self._replaying = None
         self._entries.pop(key, None)
         self._work.pop(key, None)
         self._eager.discard(key)
@@ -673,6 +783,151 @@ class LayerGraphs:
         self.stats["captures"] += 1
         return out
 
+    # -- pass graphs ----------------------------------------------------------------------------------
+    def _spoil(self, kv) -> None:
+        """A call of ``kv``'s pass that a pass graph cannot hold (warm-up, capture, eager)."""
+        t = self._trace
+        if t is None or t.passes != kv.passes or t.kv() is not kv:
+            self._new_trace(kv, None, None)
+        self._trace.ok = False
+
+    def _new_trace(self, kv, args, kwargs) -> _Trace:
+        """A new pass: the one traced so far becomes the stable one where it qualified whole."""
+        t = self._trace
+        if t is not None and not t.replayed:
+            self._stable = t if t.ok and t.steps else None
+        self._trace = _Trace(weakref.ref(kv), kv.passes, *_ids(args, kwargs), [])
+        return self._trace
+
+    def _trace_step(self, kv, step: _Step, leaves: list, spec, args: tuple, kwargs: dict, fixed: bool):
+        """Trace a replayed call; at a pass's first call, its pass graph's replay (captured first if new), whose
+        output for this call is returned (None: the call replays its own graph)."""
+        entry = step.entry
+        ok = fixed and len(entry.graphs) == 1 and not entry.islands and isinstance(entry.output, torch.Tensor) \
+            and bool(args) and isinstance(args[0], torch.Tensor)
+        t = self._trace
+        if t is None or t.passes != kv.passes or t.kv() is not kv:  # the pass's first call
+            t = self._new_trace(kv, args, kwargs)
+            st = self._stable
+            if ok and st is not None and st.steps[0].key == step.key and st.steps[0].weights is step.weights:
+                found = self._passes.get(step.key)
+                if found is not None and self._matches(found, st, kv):
+                    self._passes[step.key] = self._passes.pop(step.key)  # the most recently used last
+                    return self._replay_pass(found, leaves, kv, args, kwargs)
+                if found is None and step.key not in self._no_pass:
+                    out = self._capture_pass(st.steps, leaves, spec, kv, args, kwargs)
+                    if out is not None:
+                        return out
+        elif t.ok:
+            ok = ok and args[0] is t.steps[-1].entry.output and _ids(args, kwargs) == (t.args, t.kwargs)
+        if t.ok and ok:
+            t.steps.append(step)
+        else:
+            t.ok = False
+        return None
+
+    def _matches(self, entry: _PassEntry, st: _Trace, kv) -> bool:
+        """Whether ``entry`` runs the stable trace's steps on ``kv``'s buffers (each checked once, not every pass)."""
+        if entry.trace is not st:
+            if [s.key for s in entry.steps] != [s.key for s in st.steps] or \
+                    any(a.weights is not b.weights for a, b in zip(entry.steps, st.steps)):
+                return False
+            entry.trace = st
+        if entry.checked is None or entry.checked() is not kv:
+            if self._buffers_of(kv, st.steps) != entry.buffers:
+                return False
+            entry.checked = weakref.ref(kv)
+        return True
+
+    @staticmethod
+    def _buffers_of(kv, steps: list) -> tuple:
+        """The addresses of the cache buffers and static tensor the steps' static writes read."""
+        return (kv._static.data_ptr() if kv._static is not None else None,
+                *((kv._k[s.index].data_ptr(), kv._v[s.index].data_ptr()) if kv._k[s.index] is not None else None
+                  for s in steps))
+
+    def _capture_pass(self, steps: list, leaves: list, spec, kv, args: tuple, kwargs: dict):
+        """Every step's call in one capture, from this call's inputs (in the first step's twins), each step's
+        output the next one's input; the first step's output (None: the capture failed, the call goes on alone)."""
+        first = steps[0]
+        twins = first.entry.twins
+        self._load(twins, leaves, kv)
+        static = [t if t is not None else x for t, x in zip(twins, leaves)]
+        c_args, c_kwargs = _unflatten(static, spec)
+        for step in steps:
+            for fn in step.entry.work:
+                fn()
+        recorder = _PassRecorder(self.backend)
+        kv.recorder = recorder
+        outputs = []
+        try:
+            with _mode("runner"), _recording(recorder):
+                recorder.begin()
+                hidden = c_args[0]
+                for step in steps:
+                    recorder.layer(step.key[-1])
+                    out = step.call(hidden, *c_args[1:], **c_kwargs)
+                    if recorder.pending or not isinstance(out, torch.Tensor) or \
+                            (out.shape, out.dtype) != (step.entry.output.shape, step.entry.output.dtype):
+                        raise Unsupported("a layer of the pass returned another output than its own graph")
+                    outputs.append(out)
+                    hidden = out
+                recorder.end()
+        except BaseException as err:  # noqa: BLE001 - the pass's calls run as before (their host work ran here)
+            recorder.abort()
+            if not isinstance(err, Exception):
+                raise
+            self._no_pass.add(first.key)
+            self._held.clear()
+            self._trace.ok = False
+            log.warning("a decode pass could not be captured as one CUDA graph (%s: %s); its layers replay their "
+                        "own graphs", type(err).__name__, err)
+            return None
+        finally:
+            kv.recorder = None
+        entry = _PassEntry(recorder.graphs[0], list(steps), outputs, twins, self._buffers_of(kv, steps),
+                           frozenset(s.key for s in steps), self._stable, weakref.ref(kv))
+        self._passes[first.key] = entry
+        while len(self._passes) > PASSES_KEPT:
+            del self._passes[next(iter(self._passes))]
+        self.stats["pass_captures"] += 1
+        return self._replayed(entry, args, kwargs)
+
+    def _replay_pass(self, entry: _PassEntry, leaves: list, kv, args: tuple, kwargs: dict):
+        for step in entry.steps:
+            for fn in step.entry.work:
+                fn()
+        self._load(entry.twins, leaves, kv)
+        self.backend.replay(entry.graph)
+        self.stats["pass_replays"] += 1
+        return self._replayed(entry, args, kwargs)
+
+    def _replayed(self, entry: _PassEntry, args: tuple, kwargs: dict):
+        """The pass graph has run (or is queued): the first call's output; its steps' keys count as used."""
+        self._trace.ok, self._trace.replayed = False, True  # this pass is not traced: the stable one stays
+        self._calls += len(entry.steps) - 1  # the first call was counted by run
+        entry.used = self._calls
+        self.stats["pass_calls"] += 1
+        self._replaying = _Replaying(entry, *_ids(args, kwargs)) if len(entry.steps) > 1 else None
+        return entry.outputs[0]
+
+    def _pass_next(self, index: int, weights: dict, args: tuple, kwargs: dict):
+        """A call after the first of a pass replayed as one graph: its output there, where it got what the graph
+        ran for it; else None (it runs on its own, and the next pass is traced again)."""
+        r = self._replaying
+        pos = r.pos + 1
+        step = r.entry.steps[pos]
+        if step.index == index and step.weights is weights and args and args[0] is r.entry.outputs[r.pos] and \
+                _ids(args, kwargs) == (r.args, r.kwargs):
+            r.pos = pos
+            self.stats["pass_calls"] += 1
+            if pos == len(r.entry.steps) - 1:
+                self._replaying = None
+            return r.entry.outputs[pos]
+        self._replaying = self._stable = None
+        self.stats["pass_breaks"] += 1
+        return None
+
     def _replay(self, entry: _Entry, leaves: list, kv):
         for fn in entry.work:
             fn()
@@ -699,3 +954,6 @@ class LayerGraphs:
         self._kv = None
         self.buffers.clear()
         self._full.clear()
+        self._passes.clear()
+        self._no_pass.clear()
+        self._stable = self._trace = self._replaying = None

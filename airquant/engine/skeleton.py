@@ -218,7 +218,8 @@ class StreamedLayer(nn.Module):
                 return torch.func.functional_call(self.layer, tensors, args, kwargs, strict=False)
             if self.graphs is not None:  # a replayed call reads the weights where it was captured: no swap
                 return self.graphs.run(self.index, self.layer, tensors,
-                                       lambda *a, **k: self._call(slots, tensors, a, k), args, kwargs)
+                                       lambda *a, **k: self._call(slots, tensors, a, k), args, kwargs,
+                                       self.streamer.fixed(self.index))
             return self._call(slots, tensors, args, kwargs)
         finally:
             self.streamer.release(self.index)

@@ -286,6 +286,13 @@ class LayerStreamer:
         self._prefetch_after(i)
         return tensors
 
+    def fixed(self, i: int) -> bool:
+        """Whether layer i's weights stay where they are from one call to the next, nothing copied or read into
+        them before a call: resident, a dense part kept on the device, or (no copy engine: the CPU) used in place
+        from the RAM tier. A pass graph (engine/layer_graphs) runs such layers' calls ahead of their fetch."""
+        tier = self.plan.tiers[i]
+        return tier == "vram" or i in self.dense or (self.ops is None and i in self._host and tier == "ram")
+
     def release(self, i: int) -> None:
         """Layer i's compute is enqueued (or it raised): its slot may be refilled after it."""
         entry = self._inflight.get(i)

@@ -3,11 +3,12 @@
 #   (setsid nohup bash /tmp/run/benchmarks/chains/wave3_moe15a.sh > /tmp/chain.log 2>&1 < /dev/null & disown)
 # then poll for $R/done in the same call and copy $R to $OUT before its limit. Chains of one session each start
 # from the committed results: fold them with benchmarks/merge_runs.py.
-# 1. GPU tests: layer graphs (the output carried into the next layer's input twin, static passes), dense parts
-#    kept in VRAM decode as streamed ones; direct reads.
+# 1. GPU tests: layer graphs (the output carried into the next layer's input twin, static passes, a decode pass
+#    replayed as one graph), dense parts kept in VRAM decode as streamed ones; direct reads.
 # 2. Qwen3 batch 1, 4 GB cap: the routed rows with the dense parts in VRAM (the default now) beside the same rows
 #    streaming them (*_streamdense), auto and the host-CPU row in the same run (auto_over_best), 8 steps each; each
-#    row records host_s (when the host had queued the step) beside step_s; a trace of the hot-set step.
+#    row records host_s (when the host had queued the step) beside step_s; the no-cache and hot-set rows with each
+#    layer replaying its own graph (*_nopass: what the pass graphs gain); a trace of the hot-set step.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces && cp results/moe_bench.json $R/
 python -m pytest -q -m gpu tests/engine/test_layer_graphs.py tests/engine/test_expert_fused.py \
@@ -16,7 +17,8 @@ M="python benchmarks/moe_bench.py --workdir /tmp/bw --keep-stores --steps 8 --re
 set -x
 $M --part link > $R/link.log 2>&1
 $M --part qwen3_routed \
-  --cases nocache_direct,lfu_direct_r1,lfu_direct_r1_streamdense,nocache_direct_streamdense,auto_bs1,cpu_bs1 \
+  --cases nocache_direct,lfu_direct_r1,lfu_direct_r1_nopass,nocache_direct_nopass,lfu_direct_r1_streamdense,\
+nocache_direct_streamdense,auto_bs1,cpu_bs1 \
   --trace lfu_direct_r1 > $R/q.log 2>&1
 python benchmarks/moe_bench.py --results $R --part report > $R/report.log 2>&1
 echo CHAIN_DONE > $R/done

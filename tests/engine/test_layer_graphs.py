@@ -73,7 +73,8 @@ def test_replayed_layers_decode_exactly_as_eager(stores, model_type):
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["captures"] >= layers
-    assert graphs.stats["replays"] >= layers * 4  # 8 steps: a warm-up and a capture per key, the rest replays
+    # 8 steps: a warm-up and a capture per key, a replay, then the pass graph's capture and its replays
+    assert graphs.stats["replays"] + graphs.stats["pass_calls"] >= layers * 4 and graphs.stats["pass_replays"] >= 2
     assert all(not e.islands and len(e.graphs) == 1 and key[-1] is not None for key, e in graphs._entries.items())
 
 
@@ -83,6 +84,7 @@ def test_a_layer_graph_hands_its_output_to_the_next_without_a_host_copy(stores, 
     graph reads it there. The decode is the same, and a graphed pass copies its hidden states into a twin once, not
     once a layer."""
     runs = {}
+    monkeypatch.setattr(layer_graphs, "PASS_GRAPHS", False)  # every pass through the layers' own graphs
     for carry in (False, True):
         monkeypatch.setattr(layer_graphs, "CARRY", carry)
         engine, graphs = _graphed(stores[model_type])
@@ -199,6 +201,78 @@ def test_a_new_bucket_is_captured_again(stores, monkeypatch):
     engine.close()
     assert tokens == want[0] and torch.equal(logits, want[1])
     assert len(spans) >= 3 and entries == layers * len(spans) and graphs.stats["failed"] == 0
+    assert graphs.stats["pass_captures"] >= 2  # a pass graph per bucket that lasted long enough
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_decode_pass_replays_as_one_graph(stores, model_type):
+    """Once a pass has replayed every layer's own graph (fixed weights, each layer fed the previous one's output),
+    the next pass is captured whole and the later ones replay it from the first layer's call; the other layers
+    only return their output. The decode equals the same decode run eagerly."""
+    want = _static_eager(stores[model_type], lambda e: _decode(e, steps=10))
+    engine, graphs = _graphed(stores[model_type])
+    tokens, logits = _decode(engine, steps=10)
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    s = graphs.stats
+    # 9 decode passes: a warm-up, a capture, one pass of replays (traced), the pass graph's capture, 5 replays
+    assert (s["captures"], s["replays"], s["pass_captures"], s["pass_replays"]) == (layers, layers, 1, 5), s
+    assert s["pass_calls"] == 6 * layers and s["pass_breaks"] == 0 and s["failed"] == 0
+
+
+def test_a_pass_whose_layer_gets_other_weights_runs_that_layer_alone(stores, monkeypatch):
+    """A layer handed another weights dict than the pass graph ran with (here once, the same tensors) runs from its
+    own input, replaying its own graph, and the pass goes on without the pass graph; the next passes are traced
+    again and replay it. The decode equals the same decode run eagerly."""
+    want = _static_eager(stores["llama"], lambda e: _decode(e, steps=10))
+    engine, graphs = _graphed(stores["llama"])
+    fetch, once = engine.streamer.fetch, []
+
+    def other_dict(i):
+        tensors = fetch(i)
+        if i == 1 and graphs.stats["pass_replays"] and not once:
+            once.append(i)
+            return dict(tensors)
+        return tensors
+
+    monkeypatch.setattr(engine.streamer, "fetch", other_dict)
+    tokens, logits = _decode(engine, steps=10)
+    engine.close()
+    assert once and tokens == want[0] and torch.equal(logits, want[1])
+    s = graphs.stats
+    assert s["pass_breaks"] == 1 and s["pass_captures"] == 1 and s["pass_replays"] >= 3, s
+
+
+def test_layers_copied_before_their_call_never_run_in_a_pass_graph(tmp_path_factory, real_tokenizer):
+    """Four layers through two device slots (``SimOps``): each lands in the same slot every pass, so its weights
+    dict, key and graph are the same, but its bytes are copied in before each call. A pass graph would run
+    layer 2 while its slot still holds layer 0: such layers are not ``fixed`` and no pass graph is captured; the
+    decode equals the same decode run eagerly."""
+    from airquant.engine.memory.placement import StreamPlan
+    from airquant.engine.streamer import LayerStreamer
+    from tests.engine.test_streamer import SimOps
+
+    store = _store(tmp_path_factory, real_tokenizer, "llama", num_hidden_layers=4)
+
+    def slotted(engine):
+        plan = StreamPlan(tiers=["ram"] * 4, slot_bytes=max(engine.manifest.layer_bytes), slots=2, fixed_bytes=0)
+        streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=SimOps(True))
+        engine.streamer.close()
+        for layer in skeleton.decoder_layers(engine.model):
+            layer.streamer = streamer
+        engine.streamer, engine.plan = streamer, plan
+        return _decode(engine, steps=10)
+
+    want = _static_eager(store, slotted)
+    engine, graphs = _graphed(store)
+    got = slotted(engine)
+    fixed = [engine.streamer.fixed(i) for i in range(4)]
+    engine.close()
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert all(len({key[3] for key in graphs._entries if key[0] == i}) == 1 for i in range(4))  # one slot each
+    assert graphs.stats["pass_captures"] == 0 and graphs.stats["replays"] >= 4 * 6, graphs.stats
+    assert not any(fixed)
 
 
 def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
@@ -447,7 +521,8 @@ def test_layers_not_known_to_capture_run_eagerly(stores, monkeypatch):
     engine, graphs = _graphed(stores["llama"])
     _decode(engine, steps=4)
     engine.close()
-    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0} \
+    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 0, "failed": 0, "input_copies": 0, "pass_replays": 0,
+                            "pass_captures": 0, "pass_calls": 0, "pass_breaks": 0} \
         and not graphs._work
 
 
@@ -510,7 +585,8 @@ def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_f
     store = _nf4_store(tmp_path_factory, real_tokenizer, model_type)
     (want_tokens, want_logits), (tokens, logits), stats, layers = _eager_then_graphed(
         monkeypatch, store, lambda engine: _decode(engine, steps=10))
-    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
+    graphed = stats["layer_graphs"]["replays"] + stats["layer_graphs"]["pass_calls"]
+    assert stats["layer_graphs"]["failed"] == 0 and graphed >= layers * 4, stats
     assert stats["experts"]["direct"]["direct_pairs"] > 0, stats
     assert stats["static"][0] >= layers and stats["static"][1] == 0, stats  # the attention in the graphs
     assert tokens == want_tokens
@@ -540,7 +616,8 @@ def test_cuda_host_experts_between_graphs_equal_eager(monkeypatch, tmp_path_fact
     (want_tokens, want_logits), (tokens, logits), stats, layers = _eager_then_graphed(
         monkeypatch, store, lambda engine: _decode(engine, steps=10), experts="cpu")
     assert stats["experts"]["where"] == "host" and stats["experts"]["calls"] > 0, stats
-    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["replays"] >= layers * 4, stats
+    graphed = stats["layer_graphs"]["replays"] + stats["layer_graphs"]["pass_calls"]
+    assert stats["layer_graphs"]["failed"] == 0 and graphed >= layers * 4, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
 
