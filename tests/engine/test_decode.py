@@ -256,3 +256,18 @@ def test_the_decode_loop_refuses_the_turboquant_package_by_name(engine):
     with the fix, never swapped for a plain cache."""
     with pytest.raises(KVConfigError, match="use --kv tq"):
         engine.decode_loop(2, context=64, kv=PACKAGE_TQ)
+
+
+def test_a_sequence_hands_the_pass_the_tokens_after_its_cached_ones():
+    """``Sequence.tokens``: a prompt chunk from the prompt, a decode step's token from the output, a span across
+    both joined, each what the whole sequence holds there."""
+    from airquant.engine.decode.loop import Sequence
+
+    seq = Sequence(0, Request(prompt_ids=(5, 6, 7, 8)), detok=None)
+    assert tuple(seq.tokens(3)) == (5, 6, 7)
+    seq.cached = 3
+    seq.out = [9, 10]
+    assert tuple(seq.tokens(1)) == (8,) and tuple(seq.tokens(2)) == (8, 9) and tuple(seq.tokens(3)) == (8, 9, 10)
+    seq.cached = 5
+    whole = (5, 6, 7, 8, 9, 10)
+    assert tuple(seq.tokens(1)) == whole[5:6]

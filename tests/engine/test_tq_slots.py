@@ -159,3 +159,21 @@ def _assert_same_histories(cache: SlotKV, refs, seen, layers) -> None:
                                        store.tensors[name][0, :, : store.length])
             window = layer.keys.shape[2]
             assert torch.equal(held["win_k"][slot, :, :window], layer.keys[0]), f"slot {slot} layer {i}"
+
+
+def test_reserve_all_reserves_what_reserve_does_and_again_after_a_release():
+    """A pass's (slot, history tokens) reserved at once: the pages ``reserve`` gives each slot, none for a slot its
+    pages already hold; a released slot holds none, so the next sequence in it gets pages again."""
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    one, many = (SlotArena(kv, 0, 3, 2, 16, "cpu", torch.float32) for _ in range(2))
+    passes = [[(0, 0), (1, 70), (2, 5)], [(0, 64), (1, 70), (2, 130)], [(0, 65), (1, 71), (2, 130)]]
+    for targets in passes:
+        for slot, tokens in targets:
+            one.reserve(slot, tokens)
+        many.reserve_all(targets)
+        assert many.pages == one.pages
+    assert [len(p) for p in many.pages] == [2, 2, 3] and many._room == [2 * PAGE_TOKENS, 2 * PAGE_TOKENS,
+                                                                         3 * PAGE_TOKENS]
+    many.release(1)
+    many.reserve_all([(1, 10)])
+    assert len(many.pages[1]) == 1 and many._room[1] == PAGE_TOKENS

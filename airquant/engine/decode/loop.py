@@ -106,6 +106,16 @@ class Sequence:
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
 
+    def tokens(self, n: int) -> list[int] | tuple[int, ...]:
+        """The ``n`` tokens after those cached: a prompt chunk, or the last token generated (a decode step), read
+        where they are (joining prompt and output was a copy of the whole sequence a pass)."""
+        start, prompt = self.cached, self.request.prompt_ids
+        if start + n <= len(prompt):
+            return prompt[start: start + n]
+        if start >= len(prompt):
+            return self.out[start - len(prompt): start - len(prompt) + n]
+        return (*prompt[start:], *self.out[: start + n - len(prompt)])
+
     @property
     def prefilling(self) -> bool:
         return self.cached < self.prompt_len
@@ -260,7 +270,7 @@ class DecodeLoop:
             return []
         ids, pos, segments, emit = [], [], [], []
         for seq, n in plan:
-            tokens = (seq.request.prompt_ids + tuple(seq.out))[seq.cached: seq.cached + n]
+            tokens = seq.tokens(n)
             segments.append(Segment(seq.slot, seq.cached, n, len(ids)))
             ids.extend(tokens)
             pos.extend(range(seq.cached, seq.cached + n))

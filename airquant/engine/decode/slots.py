@@ -200,6 +200,7 @@ class SlotKV:
         self._tq: list[SlotArena | None] = [None] * num_layers
         self._seen = [0] * slots  # tokens cached per slot (TurboQuant: checks the loop feeds them in order)
         self.plan: DecodePlan | None = None  # TurboQuant: the pass's decode tokens
+        self._tq_reserve: list[tuple[int, int]] = []  # TurboQuant: (slot, history tokens) after the pass
         self.segments: list[Segment] = []
         self.decode_masks: dict[tuple, torch.Tensor] = {}
         self.single: Segment | None = None  # the pass's one decode token, when it is the pass's only row
@@ -280,10 +281,13 @@ class SlotKV:
                 (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr())
 
     def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
+        count = self.kv.schedule.quantized_count
         for s in segments:
             # A TurboQuant prompt is prefilled whole (the scheduler's rule), then one token per pass.
             assert self._seen[s.slot] == s.start and (s.n == 1 or s.start == 0), "a TurboQuant slot is fed in order"
             self._seen[s.slot] += s.n
+        # the history each slot holds after this pass (its flush included): pages every layer's arena reserves
+        self._tq_reserve = [(s.slot, count(s.start + s.n)) for s in segments]
         self.plan = decode_plan(self.kv, self.slots, [(s.slot, s.start, s.offset) for s in dec],
                                 self.device) if dec else None
 
@@ -399,8 +403,7 @@ class SlotKV:
                                             self.dtype)
         elif i in self.offload:
             arena.prefetch()
-        for s in self.segments:
-            arena.reserve(s.slot, self.kv.schedule.quantized_count(s.start + s.n))
+        arena.reserve_all(self._tq_reserve)
         for s in self.segments:
             if s.n > 1:
                 arena.prefill(s.slot, key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
