@@ -410,7 +410,7 @@ class _PassEntry:
     buffers: tuple
     keys: frozenset
     trace: _Trace  # the stable trace its steps are (another with the same keys is adopted)
-    checked: weakref.ref | None = None  # the cache whose buffers were last found at ``buffers``
+    checked: tuple | None = None  # (the cache, its ``layout``) whose buffers were last found at ``buffers``
     used: int = 0  # the runner's call count at its last replay (its steps' keys are not stale before)
 
 
@@ -833,18 +833,18 @@ class LayerGraphs:
                     any(a.weights is not b.weights for a, b in zip(entry.steps, st.steps)):
                 return False
             entry.trace = st
-        if entry.checked is None or entry.checked() is not kv:
+        if entry.checked is None or entry.checked[0]() is not kv or entry.checked[1] != kv.layout:
             if self._buffers_of(kv, st.steps) != entry.buffers:
                 return False
-            entry.checked = weakref.ref(kv)
+            entry.checked = (weakref.ref(kv), kv.layout)
         return True
 
     @staticmethod
     def _buffers_of(kv, steps: list) -> tuple:
-        """The addresses of the cache buffers and static tensor the steps' static writes read."""
+        """The addresses of the cache buffers (arenas) and static tensors the steps' static writes read."""
         return (kv._static.data_ptr() if kv._static is not None else None,
-                *((kv._k[s.index].data_ptr(), kv._v[s.index].data_ptr()) if kv._k[s.index] is not None else None
-                  for s in steps))
+                kv._tq_static.data_ptr() if kv._tq_static is not None else None,
+                *(kv.addresses(s.index) for s in steps))
 
     def _capture_pass(self, steps: list, leaves: list, spec, kv, args: tuple, kwargs: dict):
         """Every step's call in one capture, from this call's inputs (in the first step's twins), each step's
@@ -886,7 +886,7 @@ class LayerGraphs:
         finally:
             kv.recorder = None
         entry = _PassEntry(recorder.graphs[0], list(steps), outputs, twins, self._buffers_of(kv, steps),
-                           frozenset(s.key for s in steps), self._stable, weakref.ref(kv))
+                           frozenset(s.key for s in steps), self._stable, (weakref.ref(kv), kv.layout))
         self._passes[first.key] = entry
         while len(self._passes) > PASSES_KEPT:
             del self._passes[next(iter(self._passes))]

@@ -15,6 +15,7 @@ import torch
 
 from airquant.config import GenerateConfig
 from airquant.engine import layer_graphs, skeleton
+from airquant.engine.decode.slots import SlotKV
 from airquant.engine.moe.compute import FUSED_TOKENS
 from airquant.engine.runner import Engine
 from tests.engine.test_expert_gemv import GEMV_SHAPES, PROMPT, _decode
@@ -292,8 +293,9 @@ def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
 @pytest.mark.parametrize("kv", ["plain", "tq"])
 def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     """Decode passes of 3, 2 and 1 rows (sequences ending at different steps): a key per row count, each
-    warmed up, captured and replayed; the island reads the pass's slots (and the TurboQuant arena, whose
-    writes and flushes stay eager); tokens and logits equal the eager loop's."""
+    warmed up, captured and replayed, the cache write and attention in the graph (the TurboQuant arena's too:
+    its pages reserved and its flushes run by the cache outside the layers); tokens and logits equal the eager
+    loop's."""
     from airquant.kv.config import KVConfig
 
     config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4) if kv == "tq" else None
@@ -305,9 +307,67 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0 and rows == {1, 2, 3}
-    # the TurboQuant arena is written and read on the host: its write and attention stay an island
-    assert all((len(e.islands), key[-1] is None) == ((1, True) if kv == "tq" else (0, False))
-               for key, e in graphs._entries.items())
+    assert all(not e.islands and key[-1] is not None for key, e in graphs._entries.items())
+
+
+@pytest.mark.parametrize("sink", [0, 2])
+def test_static_turboquant_passes_decode_as_the_bucketed_passes(stores, sink):
+    """TurboQuant static passes (every row at once over its whole window and the pass's bucketed history, a mask
+    from the rows' lengths on the device, the flushes at the end of the pass) against the bucketed passes without
+    layer graphs: the same greedy tokens, logits within fp32 rounding; histories quantized and flushed on the way
+    (window 8, block 4), with and without sink tokens."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=sink)
+    engine = Engine.open(stores["qwen3"], device="cpu", dtype="float32", resident_layers=0, experts="whole")
+    want_tokens, want_logits = _batch(engine, config)
+    engine.close()
+    seen = {}
+    with pytest.MonkeyPatch.context() as m:
+        begin = SlotKV._static_begin
+
+        def spy(kv, dec):
+            begin(kv, dec)
+            seen[kv.tq_hist] = seen.get(kv.tq_hist, 0) + 1
+
+        m.setattr(SlotKV, "_static_begin", spy)
+        tokens, logits = _static_eager(stores["qwen3"], lambda e: _batch(e, config))
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert 0 in seen and any(h > 0 for h in seen), seen  # passes before and after the first flush
+
+
+def test_a_turboquant_decode_pass_replays_as_one_graph(stores):
+    """A TurboQuant cache's static passes are captured whole too (its pages reserved and its flushes run by the cache
+    between passes): the decode equals the same decode run eagerly, the pass graph replayed with no break."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1)
+
+    def run(engine):
+        return _batch_of(engine, [PROMPT], 14, config)
+
+    want = _static_eager(stores["llama"], run)
+    engine, graphs = _graphed(stores["llama"])
+    got = run(engine)
+    engine.close()
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    s = graphs.stats
+    # a key (and a pass graph) before the first flush and one after: the history attended grows from none
+    assert s["pass_captures"] == 2 and s["pass_replays"] >= 3 and s["pass_breaks"] == 0 and s["failed"] == 0, s
+
+
+def _batch_of(engine: Engine, prompts: list, new: int, kv=None) -> tuple[list[list[int]], torch.Tensor]:
+    """``prompts`` decoded ``new`` tokens each in one decode loop (greedy): tokens and every pass's logits."""
+    logits = []
+    handle = engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: logits.append(out[0].float().cpu()))
+    try:
+        out = engine.generate_requests([engine.request(p, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+                                        for p in prompts], kv=kv)
+    finally:
+        handle.remove()
+    return [list(c.token_ids) for c in out], torch.cat(logits)
 
 
 def test_a_second_request_replays_the_same_graphs(stores):
@@ -362,16 +422,22 @@ def test_a_layer_in_either_device_slot_replays_the_graph_of_that_slot(tmp_path_f
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] >= 3 * 2  # each slot's graph replayed
 
 
-def test_a_partly_offloaded_cache_mixes_static_layers_and_islands(stores):
+@pytest.mark.parametrize("kv", ["plain", "tq"])
+def test_a_partly_offloaded_cache_mixes_static_layers_and_islands(stores, kv):
     """KV offloaded for some layers only: in the same static pass, the device layers write and attend in their
-    graph and the offloaded ones keep the island (their host copies land the pass's own slots); tokens and
-    logits equal the same decode run eagerly."""
+    graph and the offloaded ones keep the island (their host copies land the pass's own slots; a TurboQuant one
+    attends by buckets and flushes at once, the static ones at the end of the pass); tokens and logits equal the
+    same decode run eagerly."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=4, block=2) if kv == "tq" else None
+
     def run(engine):
         logits = []
         hook = engine.model.get_output_embeddings().register_forward_hook(
             lambda _m, _a, out: logits.append(out[:, -1].float().cpu()))
         try:
-            seqs = engine.decode_loop(2, context=64, offload={0}).run(
+            seqs = engine.decode_loop(2, context=64, offload={0}, kv=config).run(
                 [engine.request(p, GenerateConfig(max_new_tokens=n, ignore_eos=True))
                  for p, n in ((PROMPT, 7), (PROMPT[:5], 5))])
         finally:
@@ -606,6 +672,27 @@ def test_cuda_batched_decode_passes_with_graphs_equal_eager(monkeypatch, tmp_pat
     assert stats["static"][0] > 0 and stats["static"][1] == 0, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_turboquant_static_passes_with_graphs_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer):
+    """TurboQuant K4/V2 on CUDA (Qwen3-MoE NF4: the Triton kernel with fixed tiles reading the
+    arena in place): passes of 3, 2 and 1 rows and a batch-1 decode whose history grows past its first flushes,
+    their cache writes and attention captured in the layer graphs and the passes as one graph, equal to the same
+    passes run eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1)
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    for run in (lambda e: _batch(e, config), lambda e: _batch_of(e, [PROMPT], 20, config)):
+        (want_tokens, want_logits), (tokens, logits), stats, _ = _eager_then_graphed(monkeypatch, store, run)
+        assert stats["layer_graphs"]["failed"] == 0, stats
+        assert stats["static"][0] > 0 and stats["static"][1] == 0, stats  # no island
+        assert tokens == want_tokens
+        assert torch.equal(logits, want_logits)
+    assert stats["layer_graphs"]["pass_replays"] > 0 and stats["layer_graphs"]["pass_breaks"] == 0, stats
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ interpreter._patch_lang_tensor = _patch_lang_tensor
 
 import torch  # noqa: E402
 
-from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena, decode_plan  # noqa: E402
+from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena, decode_plan, static_keep  # noqa: E402
 from airquant.kv import attention, triton_kernel  # noqa: E402
 from airquant.kv.config import KVConfig  # noqa: E402
 
@@ -34,7 +34,7 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
     gen = torch.Generator().manual_seed(len(name))
     heads, dim, groups = 2, 64, 3
     arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device=device,
-                      dtype=torch.float32)
+                      dtype=torch.float32, cap=max(lengths) + 40)  # cap: the page table as wide as a full slot
     targets = [kv.schedule.quantized_count(n + 1) for n in lengths]
     # Pages handed out a page at a time, slot after slot: every slot's pages interleave with the others'.
     for step in range(1, max(targets) // PAGE_TOKENS + 2):
@@ -61,7 +61,32 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
         out["flat"] = max(out["flat"], (flat - ref).abs().max().item())
         out["paged"] = max(out["paged"], (got - ref).abs().max().item())
         out["buckets"] += 1
+    out.update(static_pass(arena, kv, plan, lengths, order, heads * groups, dim, block_n, gen, device))
     return out
+
+
+def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device) -> dict:
+    """A static pass's attention (every row, whole windows, the history rounded up past the longest, the mask from
+    the rows' lengths) against the bucketed one for the same queries (torch ops), and the paged kernel against it."""
+    count = kv.schedule.quantized_count
+    hist = [count(lengths[s]) for s in order]
+    win = [lengths[s] + 1 - h for s, h in zip(order, hist)]
+    span = min(max(hist) + 7, count(max(lengths) + 40))  # past the longest, not a page multiple, within the cap
+    slots = torch.tensor(order, device=device)
+    keep = static_keep(torch.tensor(hist, device=device)[:, None], torch.tensor(win, device=device)[:, None],
+                       min(kv.sink, arena.win_cap), arena.win_cap, span)
+    query = torch.randn(len(order), hq, 1, dim, generator=gen).to(device)
+    keys, values, ctx = arena.static_context(slots, span)
+    ref = attention.compressed_attention(query, keys, values, ctx, keep, dim**-0.5, kernel=False)
+    win_k, win_v, pctx, paged = arena.static_paged(slots, span)
+    got = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, paged=paged)
+    bucketed = 0.0
+    for bucket in plan.buckets:
+        if bucket.hist_len:
+            k, v, c = arena.context(plan, bucket)
+            part = attention.compressed_attention(query[bucket.rows], k, v, c, bucket.keep, dim**-0.5, kernel=False)
+            bucketed = max(bucketed, (part - ref[bucket.rows]).abs().max().item())
+    return {"static": (got - ref).abs().max().item(), "static_vs_buckets": bucketed}
 
 
 CASES = {

@@ -24,3 +24,6 @@ def test_flat_and_paged_kernels_equal_the_torch_ops():
         assert r["interleaved"], name  # slots' pages are not contiguous runs of the pool
         assert r["flat"] < 1e-5, (name, r)
         assert r["paged"] < 1e-5, (name, r)
+        # a static pass (every row at once, whole windows, a history span past the longest, the mask from the
+        # rows' lengths): the same rows as the bucketed calls, and the paged kernel equal to its torch ops
+        assert r["static_vs_buckets"] < 1e-5 and r["static"] < 1e-5, (name, r)

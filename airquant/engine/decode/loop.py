@@ -321,6 +321,7 @@ class DecodeLoop:
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                                  **{self.cache_arg: self.kv}, **self._prefix)
+            self.kv.end_pass()
         except BaseException:
             self.on_error()  # an OOM or an interrupt cut the pass short: the streamer's state is reset
             raise

@@ -44,7 +44,13 @@ decode passes (``graph_rows``: they set it), a pass of decode tokens only, of up
 (``begin``), and each device layer writes and attends through them over ``static_span`` columns, the pass's
 span rounded up to a bucket (``static_span``; a mask keeps each slot's own columns). The cache write and the
 attention then have no Python value that changes from pass to pass, and a layer graph captures them too: a
-layer is one graph instead of two around an eager island. Offloaded and TurboQuant layers keep the island.
+layer is one graph instead of two around an eager island. Offloaded layers keep the island. A TurboQuant layer
+is static too: ``begin`` reserves every arena's pages for the pass and rewrites their page tables in place (one
+tensor each, as wide as a full slot), the rows' window positions and history and window lengths go to a second
+device tensor, and the layer writes its rows' windows and attends every row at once over its whole window and
+``tq_hist`` history tokens (the pass's longest history rounded up as ``static_span`` rounds), a mask keeping
+each row's own; the flushes that move tokens from the windows to the histories wait for the end of the pass
+(``end_pass``, which the loop calls), as each layer's would have come after its attention.
 Such a graph reads the cache's buffers at their addresses: the runner lends the next loop's cache the same
 buffers (``KVBuffers``), so that one replays the graphs instead of capturing its own.
 """
@@ -61,7 +67,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan
+from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan, static_keep
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
@@ -214,6 +220,9 @@ class SlotKV:
         self.static = False  # this pass is static (``begin``)
         self.static_span = 0  # its attended columns
         self._static: torch.Tensor | None = None  # [4, slots]: slots, starts, offsets (rows), lengths (slots)
+        self._tq_static: torch.Tensor | None = None  # TurboQuant [3, slots]: window position, history, window
+        self.tq_hist = 0  # TurboQuant static passes: the history tokens attended
+        self.layout = 0  # counts the changes of the buffers' and arenas' addresses (a new buffer, a grown pool)
         self._length: torch.Tensor | None = None  # static passes: tokens per slot after the pass (idle: 1)
         self.pool: KVBuffers | None = None  # the layer graphs' kept device buffers, where they lend them
 
@@ -225,7 +234,7 @@ class SlotKV:
         dec = [s for s in segments if s.n == 1]
         self.span = max(s.start + s.n for s in segments)
         self.static = STATIC_PASSES and bool(dec) and len(dec) == len(segments) <= self.graph_rows and \
-            not self.prefix and not self.tq
+            not self.prefix
         # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
         # with no index tensors, scatter or mask (~10 fewer ops a layer on the host, and sdpa without a mask).
         self.single = dec[0] if len(segments) == 1 and dec and not self.static else None
@@ -265,17 +274,30 @@ class SlotKV:
         # changes before a layer lands them, at its next pass)
         self._decode_host = (host[0, :rows], host[1, :rows])
         self.static_span = static_span(self.span, self.cap)
+        if self.tq:
+            count = self.kv.schedule.quantized_count
+            if self._tq_static is None:
+                self._tq_static = torch.zeros(3, n, dtype=torch.long, device=self.device)
+            tq = torch.zeros(3, n, dtype=torch.long)
+            for r, s in enumerate(dec):
+                hist = count(s.start)
+                tq[0, r], tq[1, r], tq[2, r] = s.start - hist, hist, s.start + 1 - hist  # window: the new one's
+            self._tq_static.copy_(tq)
+            longest = int(tq[1].max())
+            self.tq_hist = static_span(longest, count(self.cap)) if longest else 0
 
     def static_layer(self, i: int) -> bool:
-        """Whether layer ``i`` writes and attends statically this pass: a static pass, its buffers on the device
-        (made by its first update)."""
-        return self.static and i not in self.offload and self._k[i] is not None
+        """Whether layer ``i`` writes and attends statically this pass: a static pass, its buffers (TurboQuant:
+        its arena) on the device, made by its first update."""
+        return self.static and i not in self.offload and (self._tq[i] if self.tq else self._k[i]) is not None
 
     def static_key(self, i: int) -> tuple | None:
         """What a static layer's graph reads besides its call's tensors (the buffers' and the static tensor's
         addresses and shapes, the attended columns); None where layer ``i`` is not static this pass."""
         if not self.static_layer(i):
             return None
+        if self.tq:
+            return (self.tq_hist, self._tq[i].static_key(), self._static.data_ptr(), self._tq_static.data_ptr())
         k, v = self._k[i], self._v[i]  # addresses and strides (a kept buffer's view: its own cap's strides)
         return (self.static_span, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), (*k.shape[:2], k.shape[3]),
                 (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr())
@@ -288,8 +310,17 @@ class SlotKV:
             self._seen[s.slot] += s.n
         # the history each slot holds after this pass (its flush included): pages every layer's arena reserves
         self._tq_reserve = [(s.slot, count(s.start + s.n)) for s in segments]
+        # buckets: for the layers that attend eagerly (an offloaded one, or one without its arena yet)
+        eager = not self.static or bool(self.offload) or any(a is None for a in self._tq)
         self.plan = decode_plan(self.kv, self.slots, [(s.slot, s.start, s.offset) for s in dec],
-                                self.device) if dec else None
+                                self.device, buckets=eager) if dec else None
+        if self.static:  # the static layers' updates run in graphs: their pages and page tables are set here
+            for i, arena in enumerate(self._tq):
+                if arena is not None and i not in self.offload:
+                    pages = arena.pool_pages
+                    arena.reserve_all(self._tq_reserve)
+                    arena.table()
+                    self.layout += arena.pool_pages != pages
 
     def use_prefix(self) -> None:
         """From now on ``update`` returns every slot's cached prefix (the model changes what it returns)."""
@@ -322,14 +353,23 @@ class SlotKV:
             return self._plain_update(key, value, layer_idx)
         ctx = PassContext(self, layer_idx, returned=value, static=static)
         if self.tq:
-            ctx.tq, ctx.row = self._tq_update(key, value, layer_idx), (key, value)
+            ctx.tq = self._tq_static_write(key, value, layer_idx) if static else self._tq_update(key, value, layer_idx)
+            ctx.row = (key, value)
         else:
             ctx.keys, ctx.values = self._plain_update(key, value, layer_idx, static)
         return tag(key, ctx), value
 
+    def addresses(self, i: int) -> tuple | None:
+        """Where layer ``i``'s cache lives on the device now (its buffers, or its arena's tensors), None before its
+        first update; with ``layout`` unchanged, still there."""
+        if self.tq:
+            return self._tq[i].static_key() if self._tq[i] is not None else None
+        return (self._k[i].data_ptr(), self._v[i].data_ptr()) if self._k[i] is not None else None
+
     def _buffers(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s buffers, shaped by its first update (keys and values may differ in heads and width)."""
         if self._k[i] is None:
+            self.layout += 1
             home = torch.device("cpu") if i in self.offload else self.device
             pin = self.pin and i in self.offload
             for bufs, x, which in ((self._k, key, "k"), (self._v, value, "v")):
@@ -400,10 +440,12 @@ class SlotKV:
         arena = self._tq[i]
         if arena is None:
             arena = self._tq[i] = SlotArena(self.kv, i, self.slots, key.shape[1], key.shape[3], self.device,
-                                            self.dtype)
+                                            self.dtype, cap=self.cap if i not in self.offload else None)
         elif i in self.offload:
             arena.prefetch()
+        pages = arena.pool_pages
         arena.reserve_all(self._tq_reserve)
+        self.layout += arena.pool_pages != pages
         for s in self.segments:
             if s.n > 1:
                 arena.prefill(s.slot, key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
@@ -411,12 +453,30 @@ class SlotKV:
             arena.write_decode(self.plan, key, value)
         return arena
 
+    def _tq_static_write(self, key, value, i: int) -> SlotArena:
+        """A static pass's decode tokens at the ends of their windows, through the static tensors (its pages were
+        reserved by ``begin``)."""
+        arena = self._tq[i]
+        slots, offsets = self._decode[0], self._decode[2]
+        write = self._tq_static[0, : slots.shape[0]]
+        for name, x in (("win_k", key), ("win_v", value)):
+            arena.t[name][slots, :, write] = x[0, :, offsets].transpose(0, 1).to(arena.t[name].dtype)
+        return arena
+
+    def end_pass(self) -> None:
+        """After a pass's forward: a static pass's flushes (each static layer's, deferred from its attention)."""
+        if not (self.tq and self.static) or self.plan is None or self.plan.flush is None:
+            return
+        for i, arena in enumerate(self._tq):
+            if arena is not None and self.static_layer(i):
+                arena.flush(self.plan)
+
     def arena(self, i: int) -> SlotArena | None:
         """Layer ``i``'s TurboQuant arena (None before its first pass, or with the plain cache)."""
         return self._tq[i]
 
     def after_attention(self, i: int) -> None:
-        if not self.tq:
+        if not self.tq or self.static_layer(i):  # a static layer's flush waits for the end of the pass (end_pass)
             return
         if self.plan is not None:
             self._tq[i].flush(self.plan)
@@ -601,6 +661,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tenso
 def _tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
     """Prompts (whole, nothing cached before them) attend causally to their own exact keys; the decode
     tokens of all slots in one call over the padded slot batch; a row's padding (``slot_cache``) gets zeros."""
+    if ctx.static:
+        return static_tq_attention(query, ctx, scale)
     plan = ctx.kv.plan
     if plan is not None and plan.packed and query.shape[2] == len(ctx.kv.segments) and \
             all(s.n == 1 for s in ctx.kv.segments):  # a decode-only pass: its output is the decode attention's
@@ -652,6 +714,43 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
             part = compressed_attention(qb, keys, values, tq, bucket.keep, scale).transpose(1, 2)
         out = _bucket_out(out, q, bucket, part)
     return out[:, :, 0].transpose(0, 1)
+
+
+# A static pass's compressed attention launches the Triton kernel with these tiles: the autotuner times its
+# configurations with synchronizing runs, which a graph capture cannot hold (and which would end static passes).
+# BLOCK_N 64 and 4 warps won every H200 sweep of the autotuned list (kv/triton_kernel.py).
+STATIC_TILES = {"block_n": 64, "num_warps": 4}
+
+
+def static_tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> torch.Tensor:
+    """A static pass's decode tokens ``[1, Hq, T, D]`` against their slots, every row in one call: each window
+    whole (``win_cap`` columns) and ``tq_hist`` history tokens, a mask built on the device from the rows' history
+    and window lengths keeping each row's own columns ([sink | history | recent], as ``tqslots._buckets`` lays
+    them out). Only device tensors at fixed addresses and the pass's ``tq_hist``: a layer graph captures it."""
+    kv, arena = ctx.kv, ctx.tq
+    slots, offsets = kv._decode[0], kv._decode[2]
+    rows, h, width = slots.shape[0], kv.tq_hist, arena.win_cap
+    sink = min(arena.kv.sink, width)
+    keep = static_keep(kv._tq_static[1, :rows, None], kv._tq_static[2, :rows, None], sink, width, h)
+    q = query[0, :, offsets].transpose(0, 1).unsqueeze(2)  # [n, Hq, 1, D]
+    part = None
+    if h and q.is_cuda:
+        from airquant.kv import triton_kernel
+
+        keys, values, tq, paged = arena.static_paged(slots, h)
+        if triton_kernel.applicable(q, tq):
+            part = triton_kernel.attention(q, keys, values, tq, keep, scale, paged=paged, **STATIC_TILES)
+    if part is None and h:
+        keys, values, tq = arena.static_context(slots, h)
+        part = compressed_attention(q, keys, values, tq, keep, scale, kernel=False)
+    if part is None:  # nothing quantized yet: exact attention over the windows
+        keys, values = arena.t["win_k"][slots], arena.t["win_v"][slots]
+        g = q.shape[1] // keys.shape[1]
+        part = F.scaled_dot_product_attention(q, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1),
+                                              attn_mask=keep, scale=scale).transpose(1, 2)
+    out = torch.zeros_like(query)
+    out[0, :, offsets] = part[:, 0].to(query.dtype).transpose(0, 1)  # [n, 1, Hq, D] -> [Hq, n, D]
+    return out
 
 
 def _bucket_out(out: torch.Tensor | None, q: torch.Tensor, bucket, part: torch.Tensor) -> torch.Tensor:

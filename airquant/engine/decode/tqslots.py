@@ -32,7 +32,7 @@ from airquant.kv.config import KVConfig
 from airquant.kv.paging import SPLIT_QUANTUM, Paged
 from airquant.kv.store import History, statistics
 
-__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan"]
+__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "static_keep"]
 
 
 # Tokens per history page: a multiple of the Triton kernel's splits (kv.paging.SPLIT_QUANTUM), and small
@@ -84,8 +84,10 @@ def on_device(values, device, dtype=torch.long) -> torch.Tensor:
     return t.to(device)
 
 
-def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], device) -> DecodePlan:
-    """``decode``: (slot, start, offset) of each decode token (``start`` tokens already cached)."""
+def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], device,
+                buckets: bool = True) -> DecodePlan:
+    """``decode``: (slot, start, offset) of each decode token (``start`` tokens already cached); ``buckets``
+    False: none (a static pass attends every row at once, ``SlotKV``)."""
     sched = kv.schedule
     hist = [sched.quantized_count(start) for _, start, _ in decode]
     win = [start + 1 - h for (_, start, _), h in zip(decode, hist)]  # the new token included
@@ -97,7 +99,8 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
 
     return DecodePlan(
         slots=tensor([d[0] for d in decode]), offsets=tensor([d[2] for d in decode]),
-        write=tensor([w - 1 for w in win]), buckets=_buckets(kv, [d[0] for d in decode], hist, win, w_max, device),
+        write=tensor([w - 1 for w in win]),
+        buckets=_buckets(kv, [d[0] for d in decode], hist, win, w_max, device) if buckets else (),
         win_len=w_max,
         hist_len=max(hist), flush=tensor([m[0] for m in moving]) if moving else None,
         flush_at=tensor([m[1] for m in moving]) if moving else None,
@@ -127,10 +130,21 @@ def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_
     return tuple(out)
 
 
+def static_keep(hist: torch.Tensor, win: torch.Tensor, sink: int, width: int, hist_len: int) -> torch.Tensor:
+    """``[n, 1, 1, width + hist_len]``: the columns each row of a static pass attends, [sink | history | recent]
+    as ``_buckets`` lays them out, from its history and window lengths ``hist``/``win`` (``[n, 1]``, on the
+    device: no host value but ``hist_len``), every window ``width`` columns wide."""
+    cols = torch.arange(width + hist_len, device=hist.device)[None, :]
+    keep = (cols < win.clamp(max=sink)) | ((cols >= sink) & (cols < sink + hist)) | \
+        ((cols >= sink + hist_len) & (cols < hist_len + win))
+    return keep[:, None, None, :]
+
+
 class SlotArena:
     """One layer's TurboQuant cache for every slot of the loop (see the module docstring)."""
 
-    def __init__(self, kv: KVConfig, layer_idx: int, slots: int, kv_heads: int, head_dim: int, device, dtype):
+    def __init__(self, kv: KVConfig, layer_idx: int, slots: int, kv_heads: int, head_dim: int, device, dtype,
+                 cap: int | None = None):
         self.kv, self.slots, self.heads, self.dim = kv, slots, kv_heads, head_dim
         self.k_codec, self.v_codec = layer_codecs(kv, layer_idx, head_dim)
         self.device = device
@@ -145,6 +159,10 @@ class SlotArena:
         self._room = [0] * slots  # history tokens each slot's pages hold
         self._free: list[int] = []
         self._table: torch.Tensor | None = None  # [slots, most pages] on the device; None: rebuild
+        # ``cap`` (tokens a slot holds): the page table is one tensor as wide as a full slot, rewritten in place, so
+        # a graph that read it reads the next pass's pages at the same address (static passes, ``SlotKV``)
+        width = -(-kv.schedule.quantized_count(cap) // PAGE_TOKENS) if cap else 0
+        self._fixed = torch.zeros(slots, max(1, width), dtype=torch.long, device=device) if cap else None
         for name, center in (("k_mean", kv.center_k), ("v_mean", kv.center_v)):
             if center:
                 self.t[name] = zeros(slots, kv_heads, 1, head_dim, device=device)
@@ -202,12 +220,26 @@ class SlotArena:
         self._table = None
 
     def table(self) -> torch.Tensor:
-        """``[slots, most pages]``: page of each slot's j-th ``PAGE_TOKENS`` history tokens (0 past its end)."""
+        """``[slots, pages]``: page of each slot's j-th ``PAGE_TOKENS`` history tokens (0 past its end); as wide
+        as the most pages a slot holds, or (``cap``) a full slot's, the same tensor rewritten in place."""
         if self._table is None:
             width = max(1, max(len(p) for p in self.pages))
+            fixed = self._fixed
+            if fixed is not None and width <= fixed.shape[1]:
+                width = fixed.shape[1]
             rows = [p + [0] * (width - len(p)) for p in self.pages]
-            self._table = on_device(rows, self.device)
+            if fixed is not None and width == fixed.shape[1]:
+                host = torch.tensor(rows, dtype=torch.long)
+                cuda = fixed.device.type == "cuda"
+                fixed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+                self._table = fixed
+            else:
+                self._table = on_device(rows, self.device)
         return self._table
+
+    def static_key(self) -> tuple:
+        """The addresses a static pass's graph reads here (windows, page pools, statistics, page table)."""
+        return (*(self.t[name].data_ptr() for name in sorted(self.t)), self.table().data_ptr(), self.win_cap)
 
     def _stat(self, name: str, rows) -> torch.Tensor | None:
         t = self.t.get(name)
@@ -272,7 +304,26 @@ class SlotArena:
     def context(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
         """Exact keys/values ``[n, Hkv, Wmax, D]`` of ``bucket``'s decode tokens and their histories, padded to
         the bucket's longest (its slots' pages gathered: no slot is read past its bucket's length)."""
-        t, h, slots = self.t, bucket.hist_len, bucket.slots
+        return self._gathered(bucket.slots, bucket.hist_len, plan.win_len)
+
+    def static_context(self, slots: torch.Tensor, hist_len: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        CompressedContext]:
+        """``context`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens."""
+        return self._gathered(slots, hist_len, self.win_cap)
+
+    def static_paged(self, slots: torch.Tensor, hist_len: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      CompressedContext, Paged]:
+        """``paged`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens."""
+        t = self.t
+        hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
+                       v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
+                       v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=hist_len)
+        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, self.win_cap))
+        ctx.receipt.consumed = True
+        return t["win_k"], t["win_v"], ctx, Paged(slots, self.table(), self.win_cap, PAGE_TOKENS)
+
+    def _gathered(self, slots: torch.Tensor, h: int, win_len: int):
+        t = self.t
         pages = self.table()[slots, : -(-h // PAGE_TOKENS)]  # [n, p]
 
         def history(name: str) -> torch.Tensor:
@@ -285,7 +336,9 @@ class SlotArena:
         hist = History(k=Encoded(codes=history("k_codes"), norms=history("k_norms")),
                        v=Encoded(codes=history("v_codes"), norms=history("v_norms")), k_mean=stat("k_mean"),
                        v_mean=stat("v_mean"), k_ref=stat("k_ref"), v_ref=stat("v_ref"), length=h)
-        return t["win_k"][slots, :, : plan.win_len], t["win_v"][slots, :, : plan.win_len], self._context(plan, hist)
+        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, win_len))
+        ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
+        return t["win_k"][slots, :, :win_len], t["win_v"][slots, :, :win_len], ctx
 
     def paged(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
         """What :func:`airquant.kv.triton_kernel.attention` reads in place for ``bucket`` (``Paged``): every

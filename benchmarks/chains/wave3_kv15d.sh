@@ -1,0 +1,15 @@
+# Device chain D for the next session (issue #38), one call (~8 min), started detached like wave3_moe15a.sh.
+# The 70B NF4 loop under 15 GB, plain and TurboQuant, the same 100 s window of the same request stream, after
+# the TQ pass's host work was cut (pages reserved once a pass, not per slot and layer; decode tokens read in
+# place): continuous_tq_useful_tok_s against 3x plain, and where the TQ pass's extra 0.2 s went (0.908 against
+# 0.709 s a decode pass at 99 slots on 2026-12-04).
+cd /tmp/run && . benchmarks/device_env.sh
+R=/tmp/res; mkdir -p $R && cp results/batch_bench.json $R/
+set -x
+python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
+for kv in none tq; do
+    timeout 240 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
+        > $R/cont_$kv.log 2>&1
+done
+python benchmarks/batch_bench.py --part report --out $R/batch_bench.json > $R/report.log 2>&1
+echo CHAIN_DONE > $R/done
