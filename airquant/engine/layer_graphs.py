@@ -5,12 +5,13 @@ Why: a Qwen3-30B-A3B batch-1 step with direct expert reads ran 0.086 s while the
 RMSNorm is 8 ops, bitsandbytes' Python wraps each 4-bit GEMV, rope, router). A graph replays a layer's
 launches in one call.
 
-How: a layer's call is captured as graphs split around its eager *islands*. The plain cache's write and
-attention on the device are captured too: the runner marks the cache (``SlotKV.graph_rows``), whose decode
-passes then keep their slots, positions and lengths in one device tensor at a fixed address and attend over a
-bucketed span (``SlotKV`` static passes); the layer's key then holds the cache buffers' addresses and the
-bucket, so a layer is one graph. Where the write and the attention read lengths and slots on the host
-(TurboQuant arenas, offloaded layers) they run eagerly between two graphs: ``SlotKV.update`` ends the first
+How: a layer's call is captured as graphs split around its eager *islands*. The cache's write and attention
+on the device are captured too: the runner marks the cache (``SlotKV.graph_rows``), whose decode passes then
+keep their slots, positions and lengths in device tensors at fixed addresses and attend over a bucketed span
+(``SlotKV`` static passes; a TurboQuant arena's pages are reserved and its flushes run by the cache outside
+the layer calls); the layer's key then holds the cache buffers' (arena's) addresses and the bucket, so a layer
+is one graph. Where the write and the attention read lengths and slots on the host (offloaded layers) they run
+eagerly between two graphs: ``SlotKV.update`` ends the first
 capture and ``ragged_attention`` starts the second. A part that reads on the host (the host expert path) is
 another island (``eager_island``): a graph follows it. Everything else of a decode call has static shapes for
 a given number of rows: norms, projections, rope, router, and the direct-read expert kernels (they find each
