@@ -250,21 +250,8 @@ def test_layers_copied_before_their_call_never_run_in_a_pass_graph(tmp_path_fact
     dict, key and graph are the same, but its bytes are copied in before each call. A pass graph would run
     layer 2 while its slot still holds layer 0: such layers are not ``fixed`` and no pass graph is captured; the
     decode equals the same decode run eagerly."""
-    from airquant.engine.memory.placement import StreamPlan
-    from airquant.engine.streamer import LayerStreamer
-    from tests.engine.test_streamer import SimOps
-
     store = _store(tmp_path_factory, real_tokenizer, "llama", num_hidden_layers=4)
-
-    def slotted(engine):
-        plan = StreamPlan(tiers=["ram"] * 4, slot_bytes=max(engine.manifest.layer_bytes), slots=2, fixed_bytes=0)
-        streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=SimOps(True))
-        engine.streamer.close()
-        for layer in skeleton.decoder_layers(engine.model):
-            layer.streamer = streamer
-        engine.streamer, engine.plan = streamer, plan
-        return _decode(engine, steps=10)
-
+    slotted = _through_two_slots(store, 4, lazy=True, steps=10)
     want = _static_eager(store, slotted)
     engine, graphs = _graphed(store)
     got = slotted(engine)
@@ -274,6 +261,26 @@ def test_layers_copied_before_their_call_never_run_in_a_pass_graph(tmp_path_fact
     assert all(len({key[3] for key in graphs._entries if key[0] == i}) == 1 for i in range(4))  # one slot each
     assert graphs.stats["pass_captures"] == 0 and graphs.stats["replays"] >= 4 * 6, graphs.stats
     assert not any(fixed)
+
+
+def _through_two_slots(store, layers: int, lazy: bool, steps: int):
+    """``run(engine)``: the engine's ``layers`` layers streamed through two device slots (``SimOps``: the streamer's
+    CUDA path on the CPU, ``lazy``: copies deferred until waited for), then a batch-1 decode of ``steps``."""
+    from airquant.engine.memory.placement import StreamPlan
+    from airquant.engine.streamer import LayerStreamer
+    from tests.engine.test_streamer import SimOps
+
+    def run(engine):
+        plan = StreamPlan(tiers=["ram"] * layers, slot_bytes=max(engine.manifest.layer_bytes), slots=2,
+                          fixed_bytes=0)
+        streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=SimOps(lazy))
+        engine.streamer.close()
+        for layer in skeleton.decoder_layers(engine.model):
+            layer.streamer = streamer
+        engine.streamer, engine.plan = streamer, plan
+        return _decode(engine, steps=steps)
+
+    return run
 
 
 def _batch(engine: Engine, kv=None) -> tuple[list[list[int]], torch.Tensor]:
@@ -396,21 +403,8 @@ def test_a_layer_in_either_device_slot_replays_the_graph_of_that_slot(tmp_path_f
     slot every pass: each layer has a graph per slot, keyed by its weights' addresses (looked up again only when
     the streamer hands another weights dict), and the decode equals the same decode run eagerly. A replay of the
     other slot's graph would compute with the weights that slot held."""
-    from airquant.engine.memory.placement import StreamPlan
-    from airquant.engine.streamer import LayerStreamer
-    from tests.engine.test_streamer import SimOps
-
     store = _store(tmp_path_factory, real_tokenizer, "llama", num_hidden_layers=3)
-
-    def slotted(engine):
-        plan = StreamPlan(tiers=["ram"] * 3, slot_bytes=max(engine.manifest.layer_bytes), slots=2, fixed_bytes=0)
-        streamer = LayerStreamer(store, engine.manifest, plan, torch.device("cpu"), engine.dtype, ops=SimOps(False))
-        engine.streamer.close()
-        for layer in skeleton.decoder_layers(engine.model):
-            layer.streamer = streamer
-        engine.streamer, engine.plan = streamer, plan
-        return _decode(engine, steps=8)
-
+    slotted = _through_two_slots(store, 3, lazy=False, steps=8)
     want = _static_eager(store, slotted)
     engine, graphs = _graphed(store)
     got = slotted(engine)
