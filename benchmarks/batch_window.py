@@ -106,17 +106,41 @@ def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf, pre
             f"{prefix}_requests_admitted": len(seqs), f"{prefix}_requests_finished": sum(s.done for s in seqs)}
 
 
+ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+def allocator_counts(device) -> dict | None:
+    """The CUDA caching allocator's counters (None off CUDA): a retry frees the cache and synchronizes, and a
+    device allocation or free is a driver call; a window with many of them waits on the allocator."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(key, 0) for key in ALLOCATOR}
+
+
 def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="continuous"):
-    """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent."""
+    """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent.
+    Beside the window's keys: the median pass before the first full one (the ramp: prompts admitted as slots
+    fill) and the median seconds until the host had queued a decode pass (``decode_host``), and the allocator's
+    counters over the window (CUDA), to say where a slow pass went."""
     window = Window(slots)  # from before the loop is made, as for each static batch
     loop = engine.decode_loop(slots, context=context, kv=kv)
     seqs = [loop.submit(r) for r in order]
+    before = allocator_counts(engine.device)
     step_within(loop, window, window.start + seconds)
+    after = allocator_counts(engine.device)
     ttft = [s.ttft_s for s in seqs if s.ttft_s is not None]
     out = window.keys(prefix, seconds)
     tag = "" if prefix == "continuous" else prefix.removeprefix("continuous_") + "_"  # the plain row's keys as before
+    ramp = loop.stats.pass_s[: out[f"{prefix}_steady_from_pass"] or 0]
     return {**out, f"{tag}slot_utilization": out[f"{prefix}_slot_utilization"],
             f"{prefix}_requests_admitted": sum(s.slot is not None or s.done for s in seqs),
             f"{prefix}_requests_finished": sum(s.done for s in seqs),
             f"{tag}ttft_median_s": statistics.median(ttft) if ttft else None,
-            f"{tag}decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0])}
+            f"{tag}decode_pass_median_s": statistics.median(loop.stats.decode_pass_s or [0.0]),
+            f"{prefix}_ramp_pass_median_s": statistics.median(ramp) if ramp else None,
+            f"{prefix}_decode_host_median_s": statistics.median(loop.stats.decode_host_s)
+            if loop.stats.decode_host_s else None,
+            f"{prefix}_allocator": {k: after[k] - before[k] for k in ALLOCATOR} if before is not None else None}

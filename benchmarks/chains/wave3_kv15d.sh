@@ -2,7 +2,9 @@
 # The 70B NF4 loop under 15 GB, plain and TurboQuant, the same 100 s window of the same request stream, after
 # the TQ pass's host work was cut (pages reserved once a pass, not per slot and layer; decode tokens read in
 # place): continuous_tq_useful_tok_s against 3x plain, and where the TQ pass's extra 0.2 s went (0.908 against
-# 0.709 s a decode pass at 99 slots on 2026-12-04).
+# 0.709 s a decode pass at 99 slots on 2026-12-04) and why its ramp passes took ~1.52 s where plain's took ~0.72 s
+# with as many prompt tokens a pass: each row now records its ramp's median pass, the host's queueing of a decode
+# pass and the CUDA allocator's retries, device allocations and frees over the window.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R && cp results/batch_bench.json $R/
 set -x

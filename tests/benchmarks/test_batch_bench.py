@@ -57,6 +57,12 @@ def test_whole_runs_serve_every_request_and_compare(store_dir):
     assert r["continuous_over_static"] == pytest.approx(r["continuous_useful_tok_s"] / r["static_useful_tok_s"])
     assert "continuous_useful_tok_s / static_useful_tok_s" in r["method"]
     assert r["quick"] is True and r["device"] == "cpu"
+    # where a slow pass went: the ramp's passes (before every slot decoded) and the host's queueing of a decode
+    # pass, each a median over the window; the allocator's counters only on CUDA
+    ramp = r["continuous_ramp_pass_median_s"]  # None where the first pass already filled every slot
+    assert (ramp is None) == (r["continuous_steady_from_pass"] == 0) and (ramp is None or ramp > 0)
+    assert 0 < r["continuous_decode_host_median_s"] <= r["decode_pass_median_s"]
+    assert r["continuous_allocator"] is None
     again = bench(tmp, "report")
     assert again == r  # report only prints
 
