@@ -22,7 +22,7 @@ interpreter._patch_lang_tensor = _patch_lang_tensor
 
 import torch  # noqa: E402
 
-from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena, decode_plan, static_keep  # noqa: E402
+from airquant.engine.decode.tqslots import PAGE_TOKENS, SlotArena, decode_plan, keep_columns  # noqa: E402
 from airquant.kv import attention, triton_kernel  # noqa: E402
 from airquant.kv.config import KVConfig  # noqa: E402
 
@@ -73,7 +73,7 @@ def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device) 
     win = [lengths[s] + 1 - h for s, h in zip(order, hist)]
     span = min(max(hist) + 7, count(max(lengths) + 40))  # past the longest, not a page multiple, within the cap
     slots = torch.tensor(order, device=device)
-    keep = static_keep(torch.tensor(hist, device=device)[:, None], torch.tensor(win, device=device)[:, None],
+    keep = keep_columns(torch.tensor(hist, device=device)[:, None], torch.tensor(win, device=device)[:, None],
                        min(kv.sink, arena.win_cap), arena.win_cap, span)
     query = torch.randn(len(order), hq, 1, dim, generator=gen).to(device)
     keys, values, ctx = arena.static_context(slots, span)

@@ -67,7 +67,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan, static_keep
+from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan, keep_columns
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
@@ -731,7 +731,7 @@ def static_tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> 
     slots, offsets = kv._decode[0], kv._decode[2]
     rows, h, width = slots.shape[0], kv.tq_hist, arena.win_cap
     sink = min(arena.kv.sink, width)
-    keep = static_keep(kv._tq_static[1, :rows, None], kv._tq_static[2, :rows, None], sink, width, h)
+    keep = keep_columns(kv._tq_static[1, :rows, None], kv._tq_static[2, :rows, None], sink, width, h)
     q = query[0, :, offsets].transpose(0, 1).unsqueeze(2)  # [n, Hq, 1, D]
     part = None
     if h and q.is_cuda:

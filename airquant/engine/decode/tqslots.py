@@ -32,7 +32,7 @@ from airquant.kv.config import KVConfig
 from airquant.kv.paging import SPLIT_QUANTUM, Paged
 from airquant.kv.store import History, statistics
 
-__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "static_keep"]
+__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "keep_columns"]
 
 
 # Tokens per history page: a multiple of the Triton kernel's splits (kv.paging.SPLIT_QUANTUM), and small
@@ -120,20 +120,17 @@ def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_
     out = []
     for _, rows in sorted(groups.items()):
         h_max = max(hist[n] for n in rows)
-        keep = torch.zeros(len(rows), w_max + h_max, dtype=torch.bool)
-        for r, n in enumerate(rows):  # layout [sink | history | recent]
-            keep[r, :min(sink, win[n])] = True
-            keep[r, sink:sink + hist[n]] = True
-            keep[r, sink + h_max:sink + h_max + win[n] - sink] = True
+        keep = keep_columns(torch.tensor([hist[n] for n in rows])[:, None], torch.tensor([win[n] for n in rows])[:, None],
+                            sink, w_max, h_max)
         out.append(Bucket(on_device(rows, device), on_device([slots[n] for n in rows], device), h_max,
-                          on_device(keep[:, None, None, :], device), whole=rows == list(range(len(hist)))))
+                          on_device(keep, device), whole=rows == list(range(len(hist)))))
     return tuple(out)
 
 
-def static_keep(hist: torch.Tensor, win: torch.Tensor, sink: int, width: int, hist_len: int) -> torch.Tensor:
-    """``[n, 1, 1, width + hist_len]``: the columns each row of a static pass attends, [sink | history | recent]
-    as ``_buckets`` lays them out, from its history and window lengths ``hist``/``win`` (``[n, 1]``, on the
-    device: no host value but ``hist_len``), every window ``width`` columns wide."""
+def keep_columns(hist: torch.Tensor, win: torch.Tensor, sink: int, width: int, hist_len: int) -> torch.Tensor:
+    """``[n, 1, 1, width + hist_len]``: the columns each decode row attends, laid out [sink | history | recent],
+    from its history and window lengths ``hist``/``win`` (``[n, 1]``, on any device: a static pass builds it on
+    the GPU from its device tensors), every window ``width`` columns wide and every history ``hist_len``."""
     cols = torch.arange(width + hist_len, device=hist.device)[None, :]
     keep = (cols < win.clamp(max=sink)) | ((cols >= sink) & (cols < sink + hist)) | \
         ((cols >= sink + hist_len) & (cols < hist_len + win))
@@ -224,11 +221,10 @@ class SlotArena:
         as the most pages a slot holds, or (``cap``) a full slot's, the same tensor rewritten in place."""
         if self._table is None:
             width = max(1, max(len(p) for p in self.pages))
-            fixed = self._fixed
-            if fixed is not None and width <= fixed.shape[1]:
-                width = fixed.shape[1]
+            fixed = self._fixed if self._fixed is not None and width <= self._fixed.shape[1] else None
+            width = fixed.shape[1] if fixed is not None else width
             rows = [p + [0] * (width - len(p)) for p in self.pages]
-            if fixed is not None and width == fixed.shape[1]:
+            if fixed is not None:
                 host = torch.tensor(rows, dtype=torch.long)
                 cuda = fixed.device.type == "cuda"
                 fixed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
@@ -314,13 +310,7 @@ class SlotArena:
     def static_paged(self, slots: torch.Tensor, hist_len: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                       CompressedContext, Paged]:
         """``paged`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens."""
-        t = self.t
-        hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
-                       v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
-                       v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=hist_len)
-        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, self.win_cap))
-        ctx.receipt.consumed = True
-        return t["win_k"], t["win_v"], ctx, Paged(slots, self.table(), self.win_cap, PAGE_TOKENS)
+        return self._paged(slots, hist_len, self.win_cap)
 
     def _gathered(self, slots: torch.Tensor, h: int, win_len: int):
         t = self.t
@@ -336,23 +326,23 @@ class SlotArena:
         hist = History(k=Encoded(codes=history("k_codes"), norms=history("k_norms")),
                        v=Encoded(codes=history("v_codes"), norms=history("v_norms")), k_mean=stat("k_mean"),
                        v_mean=stat("v_mean"), k_ref=stat("k_ref"), v_ref=stat("v_ref"), length=h)
-        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, win_len))
-        ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
-        return t["win_k"][slots, :, :win_len], t["win_v"][slots, :, :win_len], ctx
+        return t["win_k"][slots, :, :win_len], t["win_v"][slots, :, :win_len], self._context(hist, win_len)
 
     def paged(self, plan: DecodePlan, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
         """What :func:`airquant.kv.triton_kernel.attention` reads in place for ``bucket`` (``Paged``): every
         slot's window, the page pools and every slot's statistics, no copy; ``context`` is the gathering
         equivalent the torch ops read."""
+        return self._paged(bucket.slots, bucket.hist_len, plan.win_len)
+
+    def _paged(self, slots: torch.Tensor, hist_len: int, win_len: int):
         t = self.t
         hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
                        v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
-                       v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=bucket.hist_len)
-        return t["win_k"], t["win_v"], self._context(plan, hist), Paged(bucket.slots, self.table(), plan.win_len,
-                                                                         PAGE_TOKENS)
+                       v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=hist_len)
+        return t["win_k"], t["win_v"], self._context(hist, win_len), Paged(slots, self.table(), win_len, PAGE_TOKENS)
 
-    def _context(self, plan: DecodePlan, hist: History) -> CompressedContext:
-        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, plan.win_len))
+    def _context(self, hist: History, win_len: int) -> CompressedContext:
+        ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, win_len))
         ctx.receipt.consumed = True  # no TQLayer checks it; the loop's attention always reads the history
         return ctx
 
