@@ -544,6 +544,13 @@ def _ids(args: tuple | None, kwargs: dict | None) -> tuple[tuple, tuple]:
     return tuple(map(id, args[1:])), tuple(zip(kwargs, map(id, kwargs.values())))
 
 
+def _run_work(steps: list) -> None:
+    """The host work of every step of a pass graph, in pass order, before its capture or replay."""
+    for step in steps:
+        for fn in step.entry.work:
+            fn()
+
+
 def _unflatten(leaves: list, spec: tuple) -> tuple[tuple, dict]:
     nargs, names, shape = spec
     values, n = [], 0
@@ -787,10 +794,14 @@ class LayerGraphs:
     # -- pass graphs ----------------------------------------------------------------------------------
     def _spoil(self, kv) -> None:
         """A call of ``kv``'s pass that a pass graph cannot hold (warm-up, capture, eager)."""
-        t = self._trace
-        if t is None or t.passes != kv.passes or t.kv() is not kv:
+        if self._first_call(kv):
             self._new_trace(kv, None, None)
         self._trace.ok = False
+
+    def _first_call(self, kv) -> bool:
+        """Whether a call is its pass's first one (the trace is of another pass or another cache)."""
+        t = self._trace
+        return t is None or t.passes != kv.passes or t.kv() is not kv
 
     def _new_trace(self, kv, args, kwargs) -> _Trace:
         """A new pass: the one traced so far becomes the stable one where it qualified whole."""
@@ -806,8 +817,7 @@ class LayerGraphs:
         entry = step.entry
         ok = fixed and len(entry.graphs) == 1 and not entry.islands and isinstance(entry.output, torch.Tensor) \
             and bool(args) and isinstance(args[0], torch.Tensor)
-        t = self._trace
-        if t is None or t.passes != kv.passes or t.kv() is not kv:  # the pass's first call
+        if self._first_call(kv):
             t = self._new_trace(kv, args, kwargs)
             st = self._stable
             if ok and st is not None and st.steps[0].key == step.key and st.steps[0].weights is step.weights:
@@ -819,8 +829,9 @@ class LayerGraphs:
                     out = self._capture_pass(st.steps, leaves, spec, kv, args, kwargs)
                     if out is not None:
                         return out
-        elif t.ok:
-            ok = ok and args[0] is t.steps[-1].entry.output and _ids(args, kwargs) == (t.args, t.kwargs)
+        else:
+            t = self._trace
+            ok = ok and t.ok and args[0] is t.steps[-1].entry.output and _ids(args, kwargs) == (t.args, t.kwargs)
         if t.ok and ok:
             t.steps.append(step)
         else:
@@ -855,9 +866,7 @@ class LayerGraphs:
         self._load(twins, leaves, kv)
         static = [t if t is not None else x for t, x in zip(twins, leaves)]
         c_args, c_kwargs = _unflatten(static, spec)
-        for step in steps:
-            for fn in step.entry.work:
-                fn()
+        _run_work(steps)
         recorder = _PassRecorder(self.backend)
         kv.recorder = recorder
         outputs = []
@@ -895,9 +904,7 @@ class LayerGraphs:
         return self._replayed(entry, args, kwargs)
 
     def _replay_pass(self, entry: _PassEntry, leaves: list, kv, args: tuple, kwargs: dict):
-        for step in entry.steps:
-            for fn in step.entry.work:
-                fn()
+        _run_work(entry.steps)
         self._load(entry.twins, leaves, kv)
         self.backend.replay(entry.graph)
         self.stats["pass_replays"] += 1
