@@ -264,7 +264,9 @@ class Engine:
                           dtype=self.dtype, eos_ids=self.eos_ids(), cache_arg=cache_kwarg(self.model),
                           kv=kv if kv is not None and kv.backend != "none" else None,
                           offload=self.offloaded_layers() if offload is None else offload,
-                          sync=self._sync, on_error=self._on_error, scope=self.passes)
+                          sync=self._sync, on_error=self._on_error, scope=self.passes,
+                          # a TurboQuant arena's pages for the tokens the plan's reserve holds, allocated at once
+                          pool_tokens=self.plan.kv_tokens if self.plan is not None else None)
         self._live_kv = weakref.ref(loop.kv)
         return loop
 

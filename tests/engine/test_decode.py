@@ -8,6 +8,7 @@ import torch
 from airquant.config import GenerateConfig
 from airquant.engine.decode import Request
 from airquant.engine.decode.loop import RequestSettingsError, SamplingError, pick_greedy, sample
+from airquant.engine.decode.tqslots import PAGE_TOKENS
 from airquant.engine.runner import Engine
 from airquant.errors import PromptTooLongError
 from airquant.kv import KVConfig, make_cache
@@ -50,7 +51,8 @@ def references(hf, engine):
     return {kv: [_alone(hf, engine, p, n, None if kv == "plain" else TQ) for p, n in JOB] for kv in ("plain", "tq")}
 
 
-def _run_job(engine, order, kv, offload, budget):
+def _run_job(engine, order, kv, offload, budget, loops: list | None = None):
+    """The job's outputs in JOB's order (``loops``: the loop is appended to it)."""
     loop = engine.decode_loop(3, context=96, kv=kv, token_budget=budget,
                               offload=set(range(engine.config.num_hidden_layers)) if offload else set())
     seqs = {}
@@ -62,6 +64,8 @@ def _run_job(engine, order, kv, offload, budget):
     while not loop.idle:
         loop.step()
     assert loop.stats.passes < sum(n for _, n in JOB)  # sequences shared passes
+    if loops is not None:
+        loops.append(loop)
     return [seqs[k].out for k in range(len(JOB))]
 
 
@@ -71,6 +75,29 @@ def _run_job(engine, order, kv, offload, budget):
 def test_continuous_equals_one_at_a_time(engine, references, kv, offload, order):
     got = _run_job(engine, order, None if kv == "plain" else TQ, offload, budget=8 if kv == "plain" else 64)
     assert got == references[kv]
+
+
+def test_turboquant_pages_come_from_the_planned_pool_without_regrowing(tiny_store, references):
+    """An engine planned for 3 sequences of 96 tokens: each layer's TurboQuant arena allocates the pages of those
+    tokens at once, so a job's admissions never regrow a pool (each regrowth allocates and copies it: dozens a
+    layer while a large batch fills, on the device a chance for the allocator to synchronize under its cap);
+    the tokens are the one-at-a-time ones. Without the plan's figure the same job regrows its pools."""
+    e = Engine.open(tiny_store, device="cpu", batch_size=3, context=96, kv_cache="tq")
+    try:
+        assert e.plan.kv_tokens == 3 * 96
+        loops = []
+        assert _run_job(e, list(range(7)), TQ, False, budget=64, loops=loops) == references["tq"]
+        arenas = [a for a in loops[0].kv._tq if a is not None]
+        pages = 3 * -(-TQ.schedule.quantized_count(96) // PAGE_TOKENS)
+        assert arenas and all(a.grown == 0 and a.pool_pages == pages for a in arenas)
+        plan, e.plan = e.plan, None  # no planned figure: pages as admissions need them
+        try:
+            assert _run_job(e, list(range(7)), TQ, False, budget=64, loops=loops) == references["tq"]
+        finally:
+            e.plan = plan
+        assert any(a.grown for a in loops[1].kv._tq if a is not None)
+    finally:
+        e.close()
 
 
 def test_turboquant_prompts_fill_a_pass_first_fit(engine):

@@ -67,7 +67,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from airquant.engine.decode.tqslots import DecodePlan, SlotArena, decode_plan, keep_columns
+from airquant.engine.decode.tqslots import PAGE_TOKENS, DecodePlan, SlotArena, decode_plan, keep_columns
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
@@ -194,13 +194,19 @@ class SlotKV:
 
     def __init__(self, num_layers: int, slots: int, cap: int, device: torch.device, dtype: torch.dtype, *,
                  kv: KVConfig | None = None, offload: set[int] | frozenset = frozenset(),
-                 pin: bool = False, latent: bool = False):
+                 pin: bool = False, latent: bool = False, pool_tokens: int | None = None):
         if latent and kv is not None and kv.backend == "tq":
             raise KVConfigError("the TurboQuant cache compresses keys and values per head; an MLA stack (DeepSeek, "
                                 "GLM-4-MoE-lite) caches one compressed latent per token: use kv backend 'none'")
         self.num_layers, self.slots, self.cap, self.prefix = num_layers, slots, cap, latent
         self.device, self.dtype, self.kv, self.offload, self.pin = device, dtype, kv, set(offload), pin
         self.tq = kv is not None and kv.backend == "tq"
+        # TurboQuant: history pages each layer's arena allocates at once, for ``pool_tokens`` tokens over the slots
+        # (the plan's reserve; None: grown as admissions need them). Growing a pool allocates it anew and copies
+        # it: dozens of times a layer while a large batch fills its slots, each allocation a chance for the CUDA
+        # allocator to free its cached blocks under the cap (a device-wide synchronization).
+        per_slot = min(pool_tokens // slots, cap) if pool_tokens and self.tq else 0
+        self.pool_pages = slots * -(-kv.schedule.quantized_count(per_slot) // PAGE_TOKENS) if per_slot else 0
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
         self._tq: list[SlotArena | None] = [None] * num_layers
@@ -440,7 +446,9 @@ class SlotKV:
         arena = self._tq[i]
         if arena is None:
             arena = self._tq[i] = SlotArena(self.kv, i, self.slots, key.shape[1], key.shape[3], self.device,
-                                            self.dtype, cap=self.cap if i not in self.offload else None)
+                                            self.dtype, cap=self.cap if i not in self.offload else None,
+                                            # an offloaded arena crosses the link whole each pass: grown as used
+                                            pool_pages=self.pool_pages if i not in self.offload else 0)
         elif i in self.offload:
             arena.prefetch()
         pages = arena.pool_pages

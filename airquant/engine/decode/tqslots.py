@@ -141,7 +141,7 @@ class SlotArena:
     """One layer's TurboQuant cache for every slot of the loop (see the module docstring)."""
 
     def __init__(self, kv: KVConfig, layer_idx: int, slots: int, kv_heads: int, head_dim: int, device, dtype,
-                 cap: int | None = None):
+                 cap: int | None = None, pool_pages: int = 0):
         self.kv, self.slots, self.heads, self.dim = kv, slots, kv_heads, head_dim
         self.k_codec, self.v_codec = layer_codecs(kv, layer_idx, head_dim)
         self.device = device
@@ -151,10 +151,13 @@ class SlotArena:
             "win_k": zeros(slots, kv_heads, self.win_cap, head_dim, dtype=dtype, device=device),
             "win_v": zeros(slots, kv_heads, self.win_cap, head_dim, dtype=dtype, device=device),
         }
-        self.t.update(self._pages(0))
+        # ``pool_pages``: the pool allocated at once (what the plan's reserve holds), so that the pages a ramp of
+        # admissions takes never regrow it; past them it grows by an eighth (``reserve``).
+        self.t.update(self._pages(pool_pages))
         self.pages: list[list[int]] = [[] for _ in range(slots)]  # each slot's history pages, in order
         self._room = [0] * slots  # history tokens each slot's pages hold
-        self._free: list[int] = []
+        self._free: list[int] = list(range(pool_pages - 1, -1, -1))  # popped lowest first
+        self.grown = 0  # times the pool was regrown (each a new allocation and a copy of every page)
         self._table: torch.Tensor | None = None  # [slots, most pages] on the device; None: rebuild
         # ``cap`` (tokens a slot holds): the page table is one tensor as wide as a full slot, rewritten in place, so
         # a graph that read it reads the next pass's pages at the same address (static passes, ``SlotKV``)
@@ -208,6 +211,7 @@ class SlotArena:
             t[:old] = self.t[name]
         self.t.update(grown)
         self._free += range(old + count - 1, old - 1, -1)  # popped lowest first
+        self.grown += 1
 
     def release(self, slot: int) -> None:
         """A finished sequence's pages go back to the pool (the next sequence in the slot takes its own)."""

@@ -67,6 +67,9 @@ class StreamPlan:
     staging_bytes: int = 0  # the read-ahead staging buffers in host RAM (allocated when layers come from disk)
     ram_budget_bytes: int | None = None  # the host RAM budget the plan was made for (--max-ram or its default)
     pass_tokens: int | None = None  # the most tokens a forward pass may hold (None: a whole batch's prefill at once)
+    # Tokens the reserve's KV cache holds, over every sequence (batch x context of the planned workload; None: not
+    # sized, --reserve or no config). A TurboQuant arena allocates its page pool for them at once (``SlotKV``).
+    kv_tokens: int | None = None
     # Streamed routed MoE layers whose dense part (attention, norms, router: what each decode step reads) is kept
     # in VRAM, copied once (--dense-resident); their routed experts stay in the RAM tier. planner._dense_resident.
     dense_layers: list[int] = field(default_factory=list)

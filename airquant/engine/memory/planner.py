@@ -313,7 +313,8 @@ def plan(manifest: Manifest, dims: ModelDims | None, hw: Hardware, wl: Workload,
                      margin_bytes=0 if hw.vram_bytes is None else hw.vram_bytes - hw.plan_vram,
                      staging_bytes=staging, ram_budget_bytes=hw.ram_bytes,
                      pass_tokens=wl.pass_of(wl.engine.batch_size, dims.context(wl.engine.context))
-                     if dims is not None else None)
+                     if dims is not None else None,
+                     kv_tokens=wl.engine.batch_size * dims.context(wl.engine.context) if reserve.kv else None)
     if placed.experts is not None:  # the pool's host staging, now that the tiers say whether it reads from disk
         pool = replace(placed.experts, staging=expert_plan.staging_buffers(placed.experts, manifest, placed.tiers, gpu))
         placed = replace(placed, experts=pool)
