@@ -1,14 +1,23 @@
 """Decode-attention time over a long compressed history (CUDA): Triton kernels vs torch ops vs dequantize + sdpa.
 
     python benchmarks/kv_attention_speed.py [--tokens 32768] [--kv-heads 8] [--groups 4] [--head-dim 128]
+    python benchmarks/kv_attention_speed.py --paged [--batches 8,32] [--group-sizes 4,8] [--out FILE]
 
 Prints one row per method: milliseconds per decode step for one layer, and bytes read per step.
+
+``--paged``: the decode loop's arena (``SlotArena``, K4/V2, window 128, block 32: kv_bench's settings), every
+slot ``--tokens`` long, read in place by the paged kernel as a bucket of the loop reads it, at each batch and
+query-group size: the kernel's launch settings swept (split programs aimed at, tiles, centroid tables in the
+products' dtype or fp32), beside the same batch's fp16 cache through sdpa and the bytes floor (the packed
+history and windows read once at the device-to-device copy bandwidth measured in the same run). Writes
+``--out`` (JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -20,6 +29,10 @@ from airquant.kv.cache import TQLayer, context_of
 def _time_ms(fn, iters: int = 50) -> float:
     for _ in range(5):
         fn()
+    if not torch.cuda.is_available():  # a dry run of the script (Triton's interpreter): no meaningful time
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -42,6 +55,78 @@ def _component_rows(q, keys, values, ctx, scale) -> dict:
     return rows
 
 
+def _copy_gbps(device) -> float:
+    """Device memory bandwidth: a 1 GiB device-to-device copy (read + write bytes over its time)."""
+    size = 1 << 30 if torch.device(device).type == "cuda" else 1 << 20
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), 20)
+    return 2 * size / ms / 1e6
+
+
+PROGRAMS = (264, 528, 1056, 2112)
+TILES = ((64, 4), (64, 8), (32, 4))
+
+
+def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
+    """The ``--paged`` rows (see the module docstring); ``device`` cpu with ``TRITON_INTERPRET=1`` and fp16: a dry
+    run of the script (tests)."""
+    from airquant.engine.decode.tqslots import SlotArena, decode_plan
+    from airquant.kv import triton_kernel
+
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=128, block=32)
+    hkv, d, n = args.kv_heads, args.head_dim, args.tokens
+    gbps = _copy_gbps(device)
+    name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu (dry run)"
+    out = {"settings": {"tokens": n, "kv_heads": hkv, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),
+                        "kv": "K4/V2 window 128 block 32", "copy_gbps": gbps, "device": name}, "rows": {}}
+    for batch in args.batches:
+        arena = SlotArena(kv, 0, batch, hkv, d, device, dtype, cap=n + 1)
+        gen = torch.Generator(device=device).manual_seed(batch)
+        for slot in range(batch):
+            arena.reserve(slot, kv.schedule.quantized_count(n + 1))
+            arena.prefill(slot, torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=gen),
+                          torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=gen))
+        plan = decode_plan(kv, batch, [(slot, n, slot) for slot in range(batch)], device)
+        bucket = plan.buckets[-1]
+        win_k, win_v, ctx, paged = arena.paged(plan, bucket)
+        hist = ctx.history.length
+        read = batch * hkv * (hist * (arena.k_codec.bytes_per_vector() + arena.v_codec.bytes_per_vector())
+                              + plan.win_len * d * 2 * 2)
+        plain_k = torch.randn(batch, hkv, n + 1, d, device=device, dtype=dtype, generator=gen)
+        plain_v = torch.randn_like(plain_k)
+        for g in args.group_sizes:
+            q = torch.randn(batch, hkv * g, 1, d, device=device, dtype=dtype, generator=gen)
+            key = f"b{batch}_g{g}"
+            sdpa = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, plain_k, plain_v, enable_gqa=True))
+            rows = {"fp16_cache_sdpa_ms": sdpa, "fp16_cache_bytes": 2 * plain_k.numel() * 2,
+                    "tq_bytes": read, "tq_floor_ms": read / gbps / 1e6, "kernels": {}}
+            ref = None
+            for tables in (True, False):
+                triton_kernel.TABLES_IN_PRODUCT_DTYPE = tables
+                for programs in PROGRAMS:
+                    for block_n, warps in TILES:
+                        def call():
+                            return triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5, block_n=block_n,
+                                                           num_warps=warps, paged=paged, programs=programs)
+                        got = call()
+                        ref = got if ref is None else ref
+                        ms = _time_ms(call)
+                        rows["kernels"][f"tables_{'dot' if tables else 'fp32'}_p{programs}_n{block_n}_w{warps}"] = {
+                            "ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
+                            "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
+            triton_kernel.TABLES_IN_PRODUCT_DTYPE = True
+            best = min(rows["kernels"].items(), key=lambda kv_: kv_[1]["ms"])
+            default = rows["kernels"][f"tables_dot_p{triton_kernel.TARGET_PROGRAMS}_n64_w4"]
+            rows.update(best=best[0], best_ms=best[1]["ms"], default_ms=default["ms"],
+                        best_over_fp16_sdpa=best[1]["over_fp16_sdpa"], default_over_fp16_sdpa=default["over_fp16_sdpa"])
+            out["rows"][key] = rows
+            print(f"{key}: sdpa {sdpa:.3f} ms, floor {rows['tq_floor_ms']:.3f} ms, default {default['ms']:.3f} ms, "
+                  f"best {best[0]} {best[1]['ms']:.3f} ms", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
@@ -49,9 +134,23 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--paged", action="store_true", help="the decode loop's paged arena, launch settings swept")
+    parser.add_argument("--batches", default="8,32", help="--paged: batch sizes (comma-separated)")
+    parser.add_argument("--group-sizes", default="4,8", help="--paged: query heads per KV head (8B: 4, 70B: 8)")
+    parser.add_argument("--out", default=None, help="--paged: where the JSON goes (printed besides)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.paged:
+        args.batches = [int(b) for b in args.batches.split(",")]
+        args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
+        if args.tokens == 32768:  # kv_bench's context unless given
+            args.tokens = 8192
+        result = paged_sweep(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     b, h, d, n = args.batch, args.kv_heads, args.head_dim, args.tokens
     dtype = torch.float16
     kv = KVConfig(backend="tq", bits_k=4, bits_v=2)

@@ -48,6 +48,7 @@ class Codec:
         self.rotation: Rotation = rotation_for(dim, seed, rotation)
         self.width = packed_width(dim, bits)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._centroids: dict[tuple, torch.Tensor] = {}
 
     def bytes_per_vector(self) -> int:
         return self.width + self.norm_bits // 8
@@ -83,6 +84,14 @@ class Codec:
                 self.codebook.boundaries_tensor(device),
             )
         return self._tables[key]
+
+    def centroids(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The centroid table in ``dtype`` on ``device``, cached (the Triton kernel gathers its half-precision
+        products' operands from a table already in their dtype)."""
+        key = (str(device), dtype)
+        if key not in self._centroids:
+            self._centroids[key] = self.tables(device)[0].to(dtype)
+        return self._centroids[key]
 
     def encode(self, x: torch.Tensor, mean: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> Encoded:
         """``x``: ``[B, H, N, D]`` in any float dtype; ``mean`` broadcasts against it (or None);

@@ -42,6 +42,9 @@ except ImportError:  # CPU installs: the torch path is used
 
 # Two waves on a 132-SM H100/H200 even for one decode query per head (measured: 264 beat 528-2112).
 TARGET_PROGRAMS = 264
+# Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
+# in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).
+TABLES_IN_PRODUCT_DTYPE = True
 
 
 def shared_bytes(dim: int) -> int:
@@ -274,10 +277,10 @@ def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch
     return keep.view(torch.int8)
 
 
-def _splits(n: int, programs_per_split: int) -> tuple[int, int]:
-    """(number of splits, tokens per split: a multiple of SPLIT_QUANTUM) for ``n`` tokens."""
+def _splits(n: int, programs_per_split: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """(number of splits, tokens per split: a multiple of SPLIT_QUANTUM) for ``n`` tokens, ``target`` programs."""
     max_splits = max(1, math.ceil(n / SPLIT_QUANTUM))
-    splits = min(max_splits, max(1, math.ceil(TARGET_PROGRAMS / programs_per_split)))
+    splits = min(max_splits, max(1, math.ceil(target / programs_per_split)))
     per_split = math.ceil(n / splits / SPLIT_QUANTUM) * SPLIT_QUANTUM
     return math.ceil(n / per_split), per_split
 
@@ -293,12 +296,14 @@ def attention(
     block_n: int | None = None,
     num_warps: int = 4,
     paged: Paged | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
     ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks).
-    ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``)."""
+    ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
+    ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``; benchmarks)."""
     hist = ctx.history
     # The kernel reads feature vectors with unit stride; anything else is copied once here.
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
@@ -313,14 +318,16 @@ def attention(
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_blocks = math.ceil(rows / block_m)
     # Histories and unquantized parts are split alike; the split count aims at TARGET_PROGRAMS.
-    n_hist_splits, per_split = _splits(hist.length, batch * hkv * m_blocks)
+    n_hist_splits, per_split = _splits(hist.length, batch * hkv * m_blocks, programs or TARGET_PROGRAMS)
     full_splits = math.ceil(n_full / per_split)
     n_splits = full_splits + n_hist_splits
     out_m = torch.empty(batch * hkv * n_splits * rows, device=query.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
     out_acc = torch.empty(batch * hkv * n_splits * rows, dim, device=query.device, dtype=torch.float32)
-    k_cent, _ = ctx.k_codec.tables(query.device)
-    v_cent, _ = ctx.v_codec.tables(query.device)
+    # Half-precision products gather their key/value operands from tables in that dtype: the same values as
+    # gathering fp32 and converting (round to nearest, both), at half the registers and gathered bytes a tile.
+    table = query.dtype if dot and TABLES_IN_PRODUCT_DTYPE else torch.float32
+    k_cent, v_cent = ctx.k_codec.centroids(query.device, table), ctx.v_codec.centroids(query.device, table)
     rot_k = ctx.k_codec.rotation.matrix(query.device, torch.float32)
     rot_v = ctx.v_codec.rotation.matrix(query.device, torch.float32)
     keep8 = None if mask is None else _keep_view(mask, batch, q_len, kv_len)

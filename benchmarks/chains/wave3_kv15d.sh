@@ -4,7 +4,9 @@
 # place): continuous_tq_useful_tok_s against 3x plain, and where the TQ pass's extra 0.2 s went (0.908 against
 # 0.709 s a decode pass at 99 slots on 2026-12-04) and why its ramp passes took ~1.52 s where plain's took ~0.72 s
 # with as many prompt tokens a pass: each row now records its ramp's median pass, the host's queueing of a decode
-# pass and the CUDA allocator's retries, device allocations and frees over the window.
+# pass and the CUDA allocator's retries, device allocations and frees over the window. Since then the TQ arenas
+# allocate the plan's page pool at once (they regrew ~40 times a layer during the ramp): the allocator counts
+# say whether that was where the ramp's time went.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R && cp results/batch_bench.json $R/
 set -x

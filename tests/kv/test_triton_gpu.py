@@ -102,6 +102,22 @@ def test_half_precision_models_use_their_dtype_and_stay_close(dtype):
     assert not torch.equal(half, fp32_products)  # the half-precision products really ran
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_products_gather_from_tables_in_their_dtype_bit_for_bit(dtype, monkeypatch):
+    """Centroid tables in the products' dtype give the same bits as fp32 tables converted in the kernel."""
+    gen = torch.Generator().manual_seed(4)
+    kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8)
+    keys, values, ctx = _layer_and_step(kv, 3, 2, 128, 2500, 1, gen)
+    query = torch.randn(3, 8, 1, 128, generator=gen).cuda().to(dtype)
+    plain, values = keys.as_subclass(torch.Tensor).to(dtype), values.to(dtype)
+    got = {}
+    for tables in (True, False):
+        monkeypatch.setattr(triton_kernel, "TABLES_IN_PRODUCT_DTYPE", tables)
+        got[tables] = triton_kernel.attention(query, plain, values, ctx, None, 128**-0.5, block_n=64)
+    assert (str(query.device), dtype) in ctx.k_codec._centroids
+    assert torch.equal(got[True], got[False])
+
+
 @pytest.mark.parametrize("name", ["k4v2", "k3v3_centred_norm8_sink"])
 def test_paged_kernel_reads_the_loop_arena_as_the_torch_ops_do(name):
     """The compiled kernel, flat and paged (the decode loop's arena through its page table), against the torch
