@@ -184,7 +184,38 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
                        "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
     return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
             **pass_breakdown(prof.profiler.kineto_results.events()),
+            "syncs": sync_sources(prof.profiler.kineto_results.events()),
             "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
+
+
+# Host calls that wait for the device: a stream or device sync, and the blocking copy of pageable memory.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def sync_sources(events, top: int = 12) -> list[dict]:
+    """Where the host waited for the device in a trace (``events``: the profiler's kineto events): each sync call
+    (``SYNC_CALLS``) under the innermost three host ops around it (``"aten::item < aten::_local_scalar_dense <
+    cudaStreamSynchronize"`` reads innermost first), counted with the host time they took, most time first. A
+    sync a layer in a decode step names its op here (the stream syncs of a whole step are few: the sampling's
+    read and the pass's end)."""
+    threads: dict[int, list] = {}
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU and not e.is_user_annotation():
+            threads.setdefault(e.start_thread_id(), []).append(e)
+    found: dict[str, list] = {}
+    for evs in threads.values():
+        stack: list = []  # host ops open at the current event, outermost first (one thread's ops nest)
+        for e in sorted(evs, key=lambda e: (e.start_ns(), -e.duration_ns())):
+            while stack and stack[-1].start_ns() + stack[-1].duration_ns() <= e.start_ns():
+                stack.pop()
+            if e.name() in SYNC_CALLS:
+                where = " < ".join([o.name()[:60] for o in reversed(stack[-3:])] + [e.name()])
+                row = found.setdefault(where, [0, 0])
+                row[0] += 1
+                row[1] += e.duration_ns()
+            stack.append(e)
+    rows = [{"where": w, "count": c, "host_ms": ns / 1e6} for w, (c, ns) in found.items()]
+    return sorted(rows, key=lambda r: r["host_ms"], reverse=True)[:top]
 
 
 def device_kind(name: str) -> str:

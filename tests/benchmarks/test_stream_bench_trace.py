@@ -11,14 +11,33 @@ from torch.profiler import ProfilerActivity, profile
 from airquant.config import GenerateConfig
 from airquant.engine.decode.loop import PASS_MARK
 from airquant.engine.runner import Engine
-from benchmarks.stream_bench import pass_breakdown
+from benchmarks.stream_bench import pass_breakdown, sync_sources
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def _event(name: str, device, start: int, duration: int, annotation: bool = False):
+def _event(name: str, device, start: int, duration: int, annotation: bool = False, thread: int = 1):
     return SimpleNamespace(name=lambda: name, device_type=lambda: device, start_ns=lambda: start,
-                           duration_ns=lambda: duration, is_user_annotation=lambda: annotation)
+                           duration_ns=lambda: duration, is_user_annotation=lambda: annotation,
+                           start_thread_id=lambda: thread)
+
+
+def test_each_sync_is_named_by_the_host_ops_around_it():
+    """Syncs grouped by their innermost three enclosing host ops (on their own thread), most host time first;
+    an op that ended before a sync, another thread's op and a device event do not enclose it."""
+    events = [_event(PASS_MARK, CPU, 0, 100),
+              _event("aten::item", CPU, 10, 20), _event("aten::_local_scalar_dense", CPU, 11, 18),
+              _event("cudaStreamSynchronize", CPU, 12, 10),
+              _event("aten::to", CPU, 40, 30), _event("aten::_to_copy", CPU, 41, 28), _event("aten::copy_", CPU, 42, 26),
+              _event("cudaMemcpy", CPU, 43, 5), _event("cudaMemcpy", CPU, 50, 4),
+              _event("aten::mm", CPU, 55, 40, thread=2),  # another thread: encloses nothing of thread 1
+              _event("kernel", CUDA, 60, 30),
+              _event("cudaStreamSynchronize", CPU, 80, 3)]  # under the pass mark only
+    assert sync_sources(events) == [
+        {"where": f"aten::_local_scalar_dense < aten::item < {PASS_MARK} < cudaStreamSynchronize", "count": 1,
+         "host_ms": 10e-6},
+        {"where": "aten::copy_ < aten::_to_copy < aten::to < cudaMemcpy", "count": 2, "host_ms": 9e-6},
+        {"where": f"{PASS_MARK} < cudaStreamSynchronize", "count": 1, "host_ms": 3e-6}]
 
 
 def test_the_last_pass_counts_overlapping_device_work_once():
@@ -50,3 +69,4 @@ def test_a_decode_under_the_profiler_shows_its_passes(tiny_store):
     assert sum(e.name() == PASS_MARK for e in events) == 4
     got = pass_breakdown(events)
     assert got["last_pass_wall_ms"] > 0 and got["last_pass_device_busy_ms"] == 0.0
+    assert sync_sources(events) == []  # the real events read (no CUDA here: no sync calls)
