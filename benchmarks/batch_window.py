@@ -120,17 +120,20 @@ def allocator_counts(device) -> dict | None:
     return {key: stats.get(key, 0) for key in ALLOCATOR}
 
 
-def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="continuous"):
+def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="continuous", trace_passes=0,
+                   trace_dir=None):
     """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent.
     Beside the window's keys: the median pass before the first full one (the ramp: prompts admitted as slots
     fill) and the median seconds until the host had queued a decode pass (``decode_host``), and the allocator's
-    counters over the window (CUDA), to say where a slow pass went."""
+    counters over the window (CUDA), to say where a slow pass went. ``trace_passes``: that many more passes of the
+    same loop after the window, under torch's profiler (``{prefix}_trace``: stream_bench.trace_summary)."""
     window = Window(slots)  # from before the loop is made, as for each static batch
     loop = engine.decode_loop(slots, context=context, kv=kv)
     seqs = [loop.submit(r) for r in order]
     before = allocator_counts(engine.device)
     step_within(loop, window, window.start + seconds)
     after = allocator_counts(engine.device)
+    traced = trace_loop(loop, trace_passes, trace_dir, f"{prefix}-passes") if trace_passes else None
     ttft = [s.ttft_s for s in seqs if s.ttft_s is not None]
     out = window.keys(prefix, seconds)
     tag = "" if prefix == "continuous" else prefix.removeprefix("continuous_") + "_"  # the plain row's keys as before
@@ -143,4 +146,26 @@ def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="
             f"{prefix}_ramp_pass_median_s": statistics.median(ramp) if ramp else None,
             f"{prefix}_decode_host_median_s": statistics.median(loop.stats.decode_host_s)
             if loop.stats.decode_host_s else None,
-            f"{prefix}_allocator": {k: after[k] - before[k] for k in ALLOCATOR} if before is not None else None}
+            f"{prefix}_allocator": {k: after[k] - before[k] for k in ALLOCATOR} if before is not None else None,
+            **({f"{prefix}_trace": traced} if traced is not None else {})}
+
+
+def trace_loop(loop, passes: int, trace_dir, name: str) -> dict | None:
+    """``passes`` more passes of ``loop`` (fewer if it runs out of work) under torch's profiler, outside any window:
+    the summary of stream_bench.trace_summary with the passes' kinds (decode only, or with prompts). None when the
+    loop was idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.stream_bench import trace_summary
+
+    if loop.idle:
+        return None
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loop.device.type == "cuda" else [])
+    kinds, first = [], loop.stats.passes
+    with profile(activities=acts) as prof:
+        while len(kinds) < passes and not loop.idle:
+            decode = len(loop.stats.decode_pass_s)
+            loop.step()
+            kinds.append("decode" if len(loop.stats.decode_pass_s) > decode else "with prompts")
+    return {"passes": len(kinds), "kinds": kinds, "pass_s": loop.stats.pass_s[first:],
+            **trace_summary(prof, trace_dir, name)}

@@ -168,9 +168,18 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
         engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
                                   for row in ids.tolist()], kv=kv)
     wall = time.perf_counter() - start
-    if b.args.trace_dir:  # the timeline itself (chrome://tracing, Perfetto): gaps show what waited on what
-        os.makedirs(b.args.trace_dir, exist_ok=True)
-        path = os.path.join(b.args.trace_dir, f"{name}.json")
+    return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3,
+            **trace_summary(prof, b.args.trace_dir, name, top)}
+
+
+def trace_summary(prof, trace_dir: str | None, name: str, top: int = 20) -> dict:
+    """A finished profile (``torch.profiler.profile``) as a row: the device's busy time by kind, the last decode
+    pass's breakdown, where the host waited for the device, and the ops with the most device and host time; the
+    timeline itself goes to ``trace_dir``/``name``.json.gz (chrome://tracing, Perfetto: gaps show what waited on
+    what) when given."""
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"{name}.json")
         prof.export_chrome_trace(path)
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
             shutil.copyfileobj(f, g)
@@ -182,9 +191,8 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
         busy[f"{device_kind(e.key)}_ms"] += device_us(e) / 1e3
     rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
                        "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
-    return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3, **busy,
-            **pass_breakdown(prof.profiler.kineto_results.events()),
-            "syncs": sync_sources(prof.profiler.kineto_results.events()),
+    kineto = prof.profiler.kineto_results.events()
+    return {**busy, **pass_breakdown(kineto), "syncs": sync_sources(kineto),
             "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
 
 

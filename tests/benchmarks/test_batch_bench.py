@@ -84,6 +84,19 @@ def test_budget_stopped_run_records_its_window(store_dir):
     assert "continuous_over_static" in r
 
 
+def test_passes_after_the_window_are_traced(store_dir):
+    """--trace-passes: that many passes of the same loop after the window, under the profiler: their kinds and
+    times, the device/host breakdown and where the host waited (none on the CPU), the timeline written."""
+    tmp = fresh(store_dir, "traced")
+    r = bench(tmp, "continuous", "--seconds", "0", "--trace-passes", "3", "--trace-dir", str(tmp / "traces"))
+    t = r["continuous_trace"]
+    assert t["passes"] == len(t["kinds"]) == len(t["pass_s"]) == 3
+    assert set(t["kinds"]) <= {"decode", "with prompts"} and all(s > 0 for s in t["pass_s"])
+    assert t["last_pass_wall_ms"] > 0 and t["syncs"] == [] and t["top_host"]
+    assert (tmp / "traces" / "continuous-passes.json.gz").is_file()
+    assert r["continuous_passes"] == 1  # the window's own figures leave the traced passes out
+
+
 def test_parts_with_different_slots_give_no_ratio(store_dir):
     tmp = fresh(store_dir, "differ")
     bench(tmp, "static", "--seconds", "0", "--slots", "4")
