@@ -28,3 +28,6 @@ class Paged:
     table: torch.Tensor
     window: int
     page: int
+    # ``[B]`` on the device: each batch row's own history length (None: every row reads ``history.length``). The
+    # kernel reads no tile past a row's own (a call over rows of very different lengths reads each its own pages).
+    lengths: torch.Tensor | None = None

@@ -140,7 +140,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
         Q, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, RotK, RotV, KMean, VMean, Keep, OutM, OutL, OutAcc,
-        Slots, Table, s_tb,
+        Slots, Table, s_tb, HistLen,
         s_qb, s_qh, s_ql, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
         s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
         s_eb, s_eh, s_el, s_ec,
@@ -148,7 +148,7 @@ if triton is not None:
         D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
-        HAS_KEEP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+        HAS_KEEP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ROW_HIST: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // HKV, pid_bh % HKV
@@ -196,6 +196,8 @@ if triton is not None:
                 bias = tl.sum(q * km[None, :], 1) * scale
             n_start = (pid_s - full_splits) * per_split
             n_end = tl.minimum(n_start + per_split, N_HIST)
+            if ROW_HIST:  # this row's own history: no tile past it is read (its mask hides those columns anyway)
+                n_end = tl.minimum(n_end, tl.load(HistLen + b).to(tl.int32))
             for n0 in range(n_start, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < n_end
@@ -233,7 +235,7 @@ if triton is not None:
     _split_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                  for bn, w, st in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (64, 8, 1))],
-        key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED"],
+        key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
     @triton.jit(do_not_specialize=("n_splits",))
@@ -341,7 +343,9 @@ def attention(
     s_e = [0, 0, 0, 0] if keep8 is None else [keep8.stride(i) if keep8.shape[i] > 1 else 0 for i in range(4)]
     # The autotuner's choice per key is kept here: its own lookup builds a dict of the 60-odd arguments and the
     # dtype names of every tensor at each launch, host time a decode step pays once per layer.
+    lengths = paged.lengths if paged is not None else None
     chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,
+              lengths is not None,
               hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
     if block_n is not None:
@@ -354,6 +358,7 @@ def attention(
         query, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, rot_k, rot_v, k_mean, v_mean,
         keep_arg, out_m, out_l, out_acc,
         paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
+        lengths if lengths is not None else out_m,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
@@ -362,7 +367,8 @@ def attention(
         D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits, DOT=dot,
         BLOCK_M=block_m, NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
         HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
-        PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, **tiles,
+        PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, ROW_HIST=lengths is not None,
+        **tiles,
     )  # fmt: skip
     if split is _split_tuned:
         _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()

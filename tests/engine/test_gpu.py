@@ -82,6 +82,39 @@ def test_cuda_turboquant_loop_batches_like_one_at_a_time(tiny_store):
     engine.close()
 
 
+def test_cuda_turboquant_rows_of_many_lengths_attend_in_one_launch(tiny_store, monkeypatch):
+    """Twelve slots (past the static passes' 8 rows) of very different lengths: every decode row of a pass in one
+    kernel launch, each reading only its own history's pages (``Paged.lengths``), and each request gets the tokens
+    it gets alone."""
+    from airquant.engine.decode import Request
+    from airquant.kv import KVConfig, triton_kernel
+
+    launches = {"rows": 0}
+    real = triton_kernel.attention
+
+    def spy(*args, paged=None, **kw):
+        launches["rows"] += paged is not None and paged.lengths is not None
+        return real(*args, paged=paged, **kw)
+
+    monkeypatch.setattr(triton_kernel, "attention", spy)
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    engine = Engine.open(tiny_store, device="cuda")
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    job = [(" ".join(words * (1 + k % 4))[: 8 + 37 * k], 5 + k % 4) for k in range(12)]
+
+    def run(slots):
+        loop = engine.decode_loop(slots, context=160, kv=tq, token_budget=512)
+        seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
+        while not loop.idle:
+            loop.step()
+        return [s.out for s in seqs]
+
+    many = run(12)
+    assert launches["rows"] > 0
+    assert many == run(1)
+    engine.close()
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 2, 4, 0, 3, 1]], ids=["fifo", "shuffled"])
 def test_cuda_loop_with_kv_offload_equals_the_cache_on_the_device(tiny_store, order):
     """KV offload in the decode loop on CUDA: pinned host copies, the prefix copied in per layer and the new

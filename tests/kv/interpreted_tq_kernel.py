@@ -7,6 +7,7 @@ the one-element 1-D arrays its program ids are; the ``__index__`` it installs is
 the element (nothing else of the interpreter changes)."""
 
 import json
+from dataclasses import replace
 
 import triton.runtime.interpreter as interpreter
 
@@ -62,6 +63,18 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
         out["paged"] = max(out["paged"], (got - ref).abs().max().item())
         out["buckets"] += 1
     out.update(static_pass(arena, kv, plan, lengths, order, heads * groups, dim, block_n, gen, device))
+    # every row in one launch, each reading only its own pages (plan.rows, Paged.lengths), against the torch ops
+    # over all rows padded to the longest history, and bit for bit the same launch reading every row that far
+    query = torch.randn(len(order), heads * groups, 1, dim, generator=gen).to(device)
+    keys, values, ctx = arena.static_context(plan.slots, plan.hist_len)
+    keys, values = keys[:, :, : plan.win_len], values[:, :, : plan.win_len]
+    ref = attention.compressed_attention(query, keys, values, ctx, plan.rows.keep, dim**-0.5, kernel=False)
+    win_k, win_v, pctx, paged = arena.rows_paged(plan)
+    own = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n, paged=paged)
+    padded = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n,
+                                     paged=replace(paged, lengths=None))
+    out.update(rows=(own - ref).abs().max().item(), rows_same=torch.equal(own, padded),
+               rows_lengths=plan.hist.tolist())
     return out
 
 
@@ -80,13 +93,16 @@ def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device) 
     ref = attention.compressed_attention(query, keys, values, ctx, keep, dim**-0.5, kernel=False)
     win_k, win_v, pctx, paged = arena.static_paged(slots, span)
     got = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, paged=paged)
+    _, _, _, own = arena.static_paged(slots, span, torch.tensor(hist, device=device))  # each row its own history
+    got_own = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, paged=own)
     bucketed = 0.0
     for bucket in plan.buckets:
         if bucket.hist_len:
             k, v, c = arena.context(plan, bucket)
             part = attention.compressed_attention(query[bucket.rows], k, v, c, bucket.keep, dim**-0.5, kernel=False)
             bucketed = max(bucketed, (part - ref[bucket.rows]).abs().max().item())
-    return {"static": (got - ref).abs().max().item(), "static_vs_buckets": bucketed}
+    return {"static": (got - ref).abs().max().item(), "static_vs_buckets": bucketed,
+            "static_own_same": torch.equal(got, got_own)}
 
 
 CASES = {

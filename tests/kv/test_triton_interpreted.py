@@ -30,3 +30,7 @@ def test_flat_and_paged_kernels_equal_the_torch_ops():
         # a static pass (every row at once, whole windows, a history span past the longest, the mask from the
         # rows' lengths): the same rows as the bucketed calls, and the paged kernel equal to its torch ops
         assert r["static_vs_buckets"] < 1e-5 and r["static"] < 1e-5, (name, r)
+        # each row reading only its own history (Paged.lengths): the same bits as reading every row as far as the
+        # longest (the columns past a row's own are masked), in a static pass and in one launch for every row
+        assert r["static_own_same"] and r["rows_same"] and r["rows"] < 1e-5, (name, r)
+        assert len(set(r["rows_lengths"])) > 1, (name, r)  # rows of different lengths

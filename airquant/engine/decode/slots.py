@@ -699,6 +699,15 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
         q = query[0, :, :plan.offsets.shape[0]].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D], a view
     else:
         q = query[0, :, plan.offsets].transpose(0, 1).unsqueeze(2)  # [nd, Hq, 1, D]
+    if plan.rows is not None and q.is_cuda:
+        # One launch for every row, each reading only its own history's pages (the buckets: a launch each, and
+        # each row read as far as its bucket's longest)
+        from airquant.kv import triton_kernel
+
+        keys, values, tq, paged = arena.rows_paged(plan)
+        if triton_kernel.applicable(q, tq):
+            part = triton_kernel.attention(q, keys, values, tq, plan.rows.keep, scale, paged=paged)
+            return part.transpose(1, 2)[:, :, 0].transpose(0, 1).to(q.dtype)
     out = None
     for bucket in plan.buckets:
         qb = q if bucket.whole else q[bucket.rows]
@@ -745,7 +754,7 @@ def static_tq_attention(query: torch.Tensor, ctx: PassContext, scale: float) -> 
     if h and q.is_cuda:
         from airquant.kv import triton_kernel
 
-        keys, values, tq, paged = arena.static_paged(slots, h)
+        keys, values, tq, paged = arena.static_paged(slots, h, kv._tq_static[1, :rows])
         if triton_kernel.applicable(q, tq):
             part = triton_kernel.attention(q, keys, values, tq, keep, scale, paged=paged, **STATIC_TILES)
     if part is None and h:

@@ -72,6 +72,11 @@ class DecodePlan:
     flush_at: torch.Tensor | None
     calibrate: torch.Tensor | None
     packed: bool = False  # the decode tokens are the packed row's first ones, in order (offsets 0 .. n - 1)
+    # Every decode token at once for the Triton kernel (``buckets`` asked, some history): the rows' own history
+    # lengths ``hist`` [n] and the columns each attends, at Hmax (``keep_columns``); one launch, each row reading
+    # only its own pages (``Paged.lengths``), where the buckets take a launch each
+    rows: Bucket | None = None
+    hist: torch.Tensor | None = None
 
 
 def on_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -97,15 +102,22 @@ def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], de
     def tensor(values):
         return on_device(values, device)
 
+    slots = tensor([d[0] for d in decode])
+    rows = None
+    if buckets and max(hist):
+        keep = keep_columns(torch.tensor(hist)[:, None], torch.tensor(win)[:, None], min(kv.sink, w_max), w_max,
+                            max(hist))
+        rows = Bucket(tensor(range(len(decode))), slots, max(hist), on_device(keep, device), whole=True)
     return DecodePlan(
-        slots=tensor([d[0] for d in decode]), offsets=tensor([d[2] for d in decode]),
+        slots=slots, offsets=tensor([d[2] for d in decode]),
         write=tensor([w - 1 for w in win]),
         buckets=_buckets(kv, [d[0] for d in decode], hist, win, w_max, device) if buckets else (),
         win_len=w_max,
         hist_len=max(hist), flush=tensor([m[0] for m in moving]) if moving else None,
         flush_at=tensor([m[1] for m in moving]) if moving else None,
         calibrate=tensor([m[0] for m in moving if m[1] == 0]) if any(m[1] == 0 for m in moving) else None,
-        packed=[d[2] for d in decode] == list(range(len(decode))))
+        packed=[d[2] for d in decode] == list(range(len(decode))), rows=rows,
+        hist=tensor(hist) if rows is not None else None)
 
 
 def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_max: int,
@@ -311,10 +323,15 @@ class SlotArena:
         """``context`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens."""
         return self._gathered(slots, hist_len, self.win_cap)
 
-    def static_paged(self, slots: torch.Tensor, hist_len: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                      CompressedContext, Paged]:
-        """``paged`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens."""
-        return self._paged(slots, hist_len, self.win_cap)
+    def static_paged(self, slots: torch.Tensor, hist_len: int, lengths: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
+        """``paged`` of a static pass: every row, each window whole (``win_cap``), ``hist_len`` history tokens
+        (``lengths``: each row's own, ``Paged.lengths``)."""
+        return self._paged(slots, hist_len, self.win_cap, lengths)
+
+    def rows_paged(self, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor, CompressedContext, Paged]:
+        """``paged`` for every decode token of ``plan`` at once (``plan.rows``), each reading its own history."""
+        return self._paged(plan.slots, plan.hist_len, plan.win_len, plan.hist)
 
     def _gathered(self, slots: torch.Tensor, h: int, win_len: int):
         t = self.t
@@ -338,12 +355,13 @@ class SlotArena:
         equivalent the torch ops read."""
         return self._paged(bucket.slots, bucket.hist_len, plan.win_len)
 
-    def _paged(self, slots: torch.Tensor, hist_len: int, win_len: int):
+    def _paged(self, slots: torch.Tensor, hist_len: int, win_len: int, lengths: torch.Tensor | None = None):
         t = self.t
         hist = History(k=Encoded(codes=t["k_codes"], norms=t["k_norms"]),
                        v=Encoded(codes=t["v_codes"], norms=t["v_norms"]), k_mean=t.get("k_mean"),
                        v_mean=t.get("v_mean"), k_ref=t.get("k_ref"), v_ref=t.get("v_ref"), length=hist_len)
-        return t["win_k"], t["win_v"], self._context(hist, win_len), Paged(slots, self.table(), win_len, PAGE_TOKENS)
+        return t["win_k"], t["win_v"], self._context(hist, win_len), Paged(slots, self.table(), win_len, PAGE_TOKENS,
+                                                                         lengths)
 
     def _context(self, hist: History, win_len: int) -> CompressedContext:
         ctx = CompressedContext(hist, self.k_codec, self.v_codec, sink=min(self.kv.sink, win_len))

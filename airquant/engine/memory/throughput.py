@@ -10,8 +10,8 @@ resident layers, RAM and disk tiers) and costed:
   the slots of continuous batching, one token per running slot and pass (``admit``);
 * bytes per slot: a plain slot's buffers are preallocated at the job's context (its longest prompt + new
   tokens); a TurboQuant slot holds its exact window and the pages of its own length, so the arena is sized
-  by the most tokens the admission ever holds at once, over the slots, plus a page per slot and the pool's
-  growth of an eighth (``tqslots.SlotArena.reserve``);
+  by the most tokens the admission ever holds at once, over the slots, plus a page per slot and an eighth
+  more; the engine allocates that page pool at once (``StreamPlan.kv_tokens``, ``SlotKV``);
 * pass time: ``step_bound`` (streamed layer bytes over the link, disk-tier bytes over the disk), the
   offloaded cache's bytes added to the link (plain: the used prefix in; TurboQuant: the arena in and out);
   prefill as ``plan.PASS_TOKENS`` prompt tokens costing one pass more;
