@@ -60,10 +60,20 @@ def test_cuda_streams_model_types_like_resident(tmp_path, real_tokenizer, model_
     streamed.close()
 
 
+def _loop_outputs(engine, job, slots: int, context: int, kv, budget: int) -> list[list[int]]:
+    """Each (prompt, new tokens) of ``job`` through one decode loop of ``slots`` slots: the tokens each got."""
+    from airquant.engine.decode import Request
+
+    loop = engine.decode_loop(slots, context=context, kv=kv, token_budget=budget)
+    seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
+    while not loop.idle:
+        loop.step()
+    return [s.out for s in seqs]
+
+
 def test_cuda_turboquant_loop_batches_like_one_at_a_time(tiny_store):
     """The decode loop's slot-batched TurboQuant arena on CUDA (the Triton attention kernel over every slot
     with a per-slot mask) gives each request the tokens it gets alone in a one-slot loop."""
-    from airquant.engine.decode import Request
     from airquant.kv import KVConfig
 
     tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
@@ -71,14 +81,7 @@ def test_cuda_turboquant_loop_batches_like_one_at_a_time(tiny_store):
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
     job = [(" ".join(words[: 2 + (k * 5) % len(words)]), 6 + (k * 3) % 9) for k in range(6)]
 
-    def run(slots):
-        loop = engine.decode_loop(slots, context=96, kv=tq, token_budget=64)
-        seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
-        while not loop.idle:
-            loop.step()
-        return [s.out for s in seqs]
-
-    assert run(3) == run(1)
+    assert _loop_outputs(engine, job, 3, 96, tq, 64) == _loop_outputs(engine, job, 1, 96, tq, 64)
     engine.close()
 
 
@@ -86,7 +89,6 @@ def test_cuda_turboquant_rows_of_many_lengths_attend_in_one_launch(tiny_store, m
     """Twelve slots (past the static passes' 8 rows) of very different lengths: every decode row of a pass in one
     kernel launch, each reading only its own history's pages (``Paged.lengths``), and each request gets the tokens
     it gets alone."""
-    from airquant.engine.decode import Request
     from airquant.kv import KVConfig, triton_kernel
 
     launches = {"rows": 0}
@@ -102,16 +104,9 @@ def test_cuda_turboquant_rows_of_many_lengths_attend_in_one_launch(tiny_store, m
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
     job = [(" ".join(words * (1 + k % 4))[: 8 + 37 * k], 5 + k % 4) for k in range(12)]
 
-    def run(slots):
-        loop = engine.decode_loop(slots, context=160, kv=tq, token_budget=512)
-        seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
-        while not loop.idle:
-            loop.step()
-        return [s.out for s in seqs]
-
-    many = run(12)
+    many = _loop_outputs(engine, job, 12, 160, tq, 512)
     assert launches["rows"] > 0
-    assert many == run(1)
+    assert many == _loop_outputs(engine, job, 1, 160, tq, 512)
     engine.close()
 
 
