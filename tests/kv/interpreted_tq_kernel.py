@@ -106,7 +106,8 @@ def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device) 
 
 
 CASES = {
-    "k4v2": (KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8), [300, 70, 140, 29], [2, 0, 3, 1], 64),
+    "k4v2": (KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8), [300, 70, 140, 29, 5], [2, 0, 4, 3, 1],
+             64),  # slot 4: no history yet
     "k3v3_centred_norm8_sink": (KVConfig(backend="tq", bits_k=3, bits_v=3, window=12, block=4, sink=2, center_k=True,
                                          center_v=True, norm_bits=8, unbiased=True), [200, 333, 90], [1, 2, 0], 32),
 }
