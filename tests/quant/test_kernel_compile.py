@@ -78,8 +78,9 @@ _PACKED_TILE, _PACKED_OPT = _first(packed_triton._configs())
 _SPLITK_TILE, _SPLITK_OPT = _first(packed_triton._small_m_configs())
 _INT2_PTRS = {"x_ptr": "X", "words_ptr": "i32", "scales_ptr": "fp16", "zeros_ptr": "fp16", "ow_ptr": "fp16",
               "oi_ptr": "i32"}
-_Q = {"Q": "X", "KF": "X", "VF": "X", "KC": "u8", "VC": "u8", "KR": "fp32", "VR": "fp32", "KCent": "fp32",
-      "VCent": "fp32", "RotK": "fp32", "RotV": "fp32", "KMean": "fp32", "VMean": "fp32", "Keep": "i8",
+# Centroid tables come in the products' dtype (the model's; fp32 products read fp32 ones): triton_kernel.attention.
+_Q = {"Q": "X", "KF": "X", "VF": "X", "KC": "u8", "VC": "u8", "KR": "fp32", "VR": "fp32", "KCent": "X",
+      "VCent": "X", "RotK": "fp32", "RotV": "fp32", "KMean": "fp32", "VMean": "fp32", "Keep": "i8",
       "OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32"}
 _DOT = {"fp32": 0, "bf16": 1, "fp16": 2}  # triton_kernel._product's operand codes for that model dtype
 
@@ -101,14 +102,16 @@ def _packed(fmt: int, split: bool, **extra) -> Kernel:
 
 def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64, paged: bool = False) -> Kernel:
     """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule);
-    ``paged``: reading the decode loop's arena through its page table, with a mask (as the loop launches it)."""
+    ``paged``: reading the decode loop's arena through its page table, with a mask and each row's own history
+    length (as the loop launches it)."""
     norms = "u8" if norm8 else "fp16"
     return Kernel(
         f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}{'_paged' if paged else ''}", lambda: tq._split_kernel,
-        {**_Q, "KN": norms, "VN": norms, "Slots": "i64", "Table": "i64", "Keep": "i8"},
+        {**_Q, "KN": norms, "VN": norms, "Slots": "i64", "Table": "i64", "Keep": "i8",
+         "HistLen": "i64" if paged else "fp32"},
         lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": 64,
                    "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": paged,
-                   "PAGED": paged, "PAGE": 64},
+                   "PAGED": paged, "PAGE": 64, "ROW_HIST": paged},
         {"num_warps": 4, "num_stages": 1}, configs=lambda: tq._split_tuned.configs)
 
 
