@@ -70,7 +70,9 @@ class Rotation:
                 mat = self._forward_hadamard(eye).T  # forward(e_i) is column i of Pi
             else:
                 mat = self._matrix
-            self._cache[key] = mat.to(device=device, dtype=dtype).contiguous()
+            mat = mat.to(dtype).contiguous()  # on the host; a CUDA copy from pinned memory does not sync the stream
+            on_cuda = device is not None and torch.device(device).type == "cuda"
+            self._cache[key] = mat.pin_memory().to(device, non_blocking=True) if on_cuda else mat.to(device)
         return self._cache[key]
 
     def _forward_hadamard(self, x: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,25 @@ def test_half_precision_models_use_their_dtype_and_stay_close(dtype):
     assert not torch.equal(half, fp32_products)  # the half-precision products really ran
 
 
+def test_codec_tables_and_rotations_reach_the_device_without_a_sync():
+    """A loop's arenas make each layer's codecs at its first pass: their tables and rotation go to the device from
+    pinned memory, never through a synchronizing copy (kv_bench's trace: 4 syncs a layer before)."""
+    from airquant.kv.codec import Codec
+
+    codec = Codec(128, 4, seed=987_654_321)  # a seed no other test uses: its rotation is not cached yet
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        centroids, boundaries = codec.tables(torch.device("cuda"))
+        half = codec.centroids(torch.device("cuda"), torch.bfloat16)
+        rotation = codec.rotation.matrix(torch.device("cuda"), torch.float32)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert centroids.is_cuda and boundaries.is_cuda and half.dtype == torch.bfloat16
+    assert torch.equal(centroids.cpu(), codec.codebook.centroids_tensor())
+    assert torch.equal(rotation.cpu(), codec.rotation.matrix("cpu", torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_products_gather_from_tables_in_their_dtype_bit_for_bit(dtype, monkeypatch):
     """Centroid tables in the products' dtype give the same bits as fp32 tables converted in the kernel."""
