@@ -210,6 +210,27 @@ def test_dense_parts_of_routed_layers_stay_in_vram_before_the_expert_cache(mixtr
     assert "MoE dense parts" not in off.describe(load_manifest(mixtral).layer_bytes)
 
 
+def test_dense_parts_stream_where_kept_they_would_starve_the_hot_set(mixtral):
+    """A cache left to the planner: dense parts kept in VRAM only where the hot set then still holds every expert a
+    step routes (8 layers x top-2 = 16 here); below that they stream, the hot set the larger by their bytes, and the
+    plan says why. A cache of a given size takes nothing from them: they stay."""
+    dense = _dense_of(mixtral)
+
+    def budget(slots_of_dense: int) -> float:
+        return (_floor(mixtral) + sum(dense) + slots_of_dense * max(dense) + MARGIN_MIN_BYTES) / GIB
+
+    tight, roomy = budget(20), budget(40)
+    starved = _plan_of(mixtral, max_vram_gb=tight, resident_layers=0)
+    streaming = _plan_of(mixtral, max_vram_gb=tight, resident_layers=0, dense_resident=False)
+    assert starved.dense_layers == [] and starved.experts.cache == streaming.experts.cache < 16
+    why = "\n".join(starved.reasons)
+    assert "MoE dense parts streamed" in why and "fewer than the 16 experts a step routes" in why
+    kept = _plan_of(mixtral, max_vram_gb=roomy, resident_layers=0)
+    assert kept.dense_layers == list(range(8)) and kept.experts.cache >= 16
+    fixed = _plan_of(mixtral, max_vram_gb=tight, resident_layers=0, expert_cache_gb=0.0)
+    assert fixed.dense_layers == list(range(8))
+
+
 def test_dense_parts_come_before_resident_whole_layers_and_fill_what_is_left(mixtral):
     """A budget that holds a whole layer beside the routed floor: the whole layer gives way to the dense parts
     (each read every step); a budget with room for some dense parts only keeps those that fit, in layer order."""
