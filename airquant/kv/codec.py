@@ -17,7 +17,7 @@ import torch
 
 from airquant.kv.codebook import Codebook, lloyd_max_codebook
 from airquant.kv.pack import pack, packed_width, unpack
-from airquant.kv.rotation import Rotation, rotation_for
+from airquant.kv.rotation import Rotation, rotation_for, to_device
 
 # Norms are stored in fp16 (relative rounding error 5e-4) or, with norm_bits=8, as a uint8 log2
 # code in [ref - 8, ref + 8) octaves, ref a per-head geometric-mean norm: steps of 1/16 octave,
@@ -33,13 +33,6 @@ class Encoded:
 
     codes: torch.Tensor
     norms: torch.Tensor
-
-
-def _on(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on ``device``, a CUDA one through pinned memory without a stream sync."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class Codec:
@@ -89,7 +82,7 @@ class Codec:
             # Made on the host and copied without waiting: ``torch.tensor(..., device=cuda)`` copies pageable memory
             # and synchronizes the stream. A decode loop's arenas make each layer's codecs at its first pass, which
             # so waited for the GPU 4 times a layer (kv_bench's trace on an H100: 128 of the TQ case's syncs).
-            self._tables[key] = tuple(_on(t, device) for t in (self.codebook.centroids_tensor(),
+            self._tables[key] = tuple(to_device(t, device) for t in (self.codebook.centroids_tensor(),
                                                                  self.codebook.boundaries_tensor()))
         return self._tables[key]
 

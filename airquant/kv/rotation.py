@@ -70,9 +70,7 @@ class Rotation:
                 mat = self._forward_hadamard(eye).T  # forward(e_i) is column i of Pi
             else:
                 mat = self._matrix
-            mat = mat.to(dtype).contiguous()  # on the host; a CUDA copy from pinned memory does not sync the stream
-            on_cuda = device is not None and torch.device(device).type == "cuda"
-            self._cache[key] = mat.pin_memory().to(device, non_blocking=True) if on_cuda else mat.to(device)
+            self._cache[key] = to_device(mat.to(dtype).contiguous(), device)
         return self._cache[key]
 
     def _forward_hadamard(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +87,14 @@ class Rotation:
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """``Pi^T y`` for every vector along the last dim."""
         return y @ self.matrix(y.device, y.dtype)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without a stream sync (``torch.tensor(...,
+    device=cuda)`` and ``.to(cuda)`` of pageable memory wait for the GPU)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def layer_seed(seed: int, layer_idx: int, kind: str, group: int = 0) -> int:
