@@ -9,6 +9,9 @@
 #    streaming them (*_streamdense), auto and the host-CPU row in the same run (auto_over_best), 8 steps each; each
 #    row records host_s (when the host had queued the step) beside step_s; the no-cache and hot-set rows with each
 #    layer replaying its own graph (*_nopass: what the pass graphs gain); a trace of the hot-set step.
+# Ran 2026-12-05 on an H100 (results/moe_bench.json). Since then the planner streams the dense parts where kept
+# they would leave the hot set fewer slots than a step routes (Qwen3 at 4 GB): run it again, lfu_direct_r1 and
+# auto_bs1 should now match *_streamdense (0.0203 s there), and the codecs no longer sync at a loop's first pass.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces && cp results/moe_bench.json $R/
 python -m pytest -q -m gpu tests/engine/test_layer_graphs.py tests/engine/test_expert_fused.py \
