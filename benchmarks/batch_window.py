@@ -154,15 +154,14 @@ def trace_loop(loop, passes: int, trace_dir, name: str) -> dict | None:
     """``passes`` more passes of ``loop`` (fewer if it runs out of work) under torch's profiler, outside any window:
     the summary of stream_bench.trace_summary with the passes' kinds (decode only, or with prompts). None when the
     loop was idle."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    from benchmarks.stream_bench import trace_summary
+    from benchmarks.stream_bench import profiler_activities, trace_summary
 
     if loop.idle:
         return None
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loop.device.type == "cuda" else [])
     kinds, first = [], loop.stats.passes
-    with profile(activities=acts) as prof:
+    with profile(activities=profiler_activities(loop.device)) as prof:
         while len(kinds) < passes and not loop.idle:
             decode = len(loop.stats.decode_pass_s)
             loop.step()

@@ -160,16 +160,22 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
     profiler, the ops with the most device time and the most host time, and the device's busy time by kind
     (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
     here whether the device computed, copied or waited for the host."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
     start = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=profiler_activities(b.device)) as prof:
         engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
                                   for row in ids.tolist()], kv=kv)
     wall = time.perf_counter() - start
     return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3,
             **trace_summary(prof, b.args.trace_dir, name, top)}
+
+
+def profiler_activities(device) -> list:
+    """What torch's profiler records on ``device``: the host, and the GPU's kernels and copies on CUDA."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 
 def trace_summary(prof, trace_dir: str | None, name: str, top: int = 20) -> dict:

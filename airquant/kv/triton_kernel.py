@@ -279,7 +279,7 @@ def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch
     return keep.view(torch.int8)
 
 
-def _splits(n: int, programs_per_split: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
+def _splits(n: int, programs_per_split: int, target: int) -> tuple[int, int]:
     """(number of splits, tokens per split: a multiple of SPLIT_QUANTUM) for ``n`` tokens, ``target`` programs."""
     max_splits = max(1, math.ceil(n / SPLIT_QUANTUM))
     splits = min(max_splits, max(1, math.ceil(target / programs_per_split)))

@@ -707,7 +707,7 @@ def decode_attention(query: torch.Tensor, arena: SlotArena, plan: DecodePlan, sc
         keys, values, tq, paged = arena.rows_paged(plan)
         if triton_kernel.applicable(q, tq):
             part = triton_kernel.attention(q, keys, values, tq, plan.rows.keep, scale, paged=paged)
-            return part.transpose(1, 2)[:, :, 0].transpose(0, 1).to(q.dtype)
+            return part[:, 0].transpose(0, 1).to(q.dtype)  # [n, 1, Hq, D] -> [Hq, n, D]
     out = None
     for bucket in plan.buckets:
         qb = q if bucket.whole else q[bucket.rows]

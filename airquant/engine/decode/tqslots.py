@@ -30,6 +30,7 @@ from airquant.kv.cache import CompressedContext, layer_codecs
 from airquant.kv.codec import NORM_DTYPE, Encoded
 from airquant.kv.config import KVConfig
 from airquant.kv.paging import SPLIT_QUANTUM, Paged
+from airquant.kv.rotation import to_device
 from airquant.kv.store import History, statistics
 
 __all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "keep_columns"]
@@ -83,10 +84,7 @@ def on_device(values, device, dtype=torch.long) -> torch.Tensor:
     """A small host list (or CPU tensor) on ``device`` without waiting for the GPU: ``torch.tensor(..., device=
     cuda)`` copies from pageable memory and synchronizes the stream, which per layer keeps the host from queueing
     ahead of the GPU (the TurboQuant arena's page table is rebuilt in every layer of a pass that adds pages)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype), device)
 
 
 def decode_plan(kv: KVConfig, slots: int, decode: list[tuple[int, int, int]], device,

@@ -409,8 +409,8 @@ def _dense_resident(manifest: Manifest, placed: StreamPlan, fixed: int, budgets:
 def routed_per_step(manifest: Manifest, routed: dict, batch: int) -> int:
     """The (layer, expert) pairs one decode step routes at most: each streamed routed layer's top-k per sequence,
     at most its experts."""
-    return sum(min(manifest.shards[f"layer.{i}"].experts["num"], manifest.shards[f"layer.{i}"].experts["top_k"] * batch)
-               for i in routed)
+    experts = (manifest.shards[f"layer.{i}"].experts for i in routed)
+    return sum(min(e["num"], e["top_k"] * batch) for e in experts)
 
 
 def _dense_or_hot_set(manifest: Manifest, wl: Workload, budgets: Budgets, streaming: StreamPlan,
