@@ -156,6 +156,34 @@ class Unsupported(Exception):
 
 
 # -- backends: CUDA graphs, or an emulation on any device for the tests ----------------------------------------
+class _PoolKeeper:
+    """The memory pool handle every capture shares, renewed once every graph captured into it is gone.
+
+    Why: the CUDA caching allocator keeps a handle's private pool only while a graph captured into it lives (its
+    use count); a capture into a handle whose graphs were all destroyed fails (``TORCH_INTERNAL_ASSERT(
+    it->second->use_count > 0)``). The graphs of one cache go when another cache comes (``_new_cache``): on
+    2026-12-05 (H100, kv_bench) every layer of the TurboQuant rows that followed the plain rows in one engine
+    failed its capture so and decoded without graphs. ``new``: a fresh handle (a factory)."""
+
+    def __init__(self, new):
+        self.new, self.handle, self.alive, self.used = new, new(), 0, False
+
+    def take(self, graph):
+        """The handle for ``graph``'s capture (a fresh one where the current one's graphs are all gone)."""
+        if self.used and self.alive == 0:
+            self.handle, self.used = self.new(), False
+        return self.handle
+
+    def captured(self, graph) -> None:
+        """``graph``'s capture began in the handle: it holds the pool until it is destroyed."""
+        self.used = True
+        self.alive += 1
+        weakref.finalize(graph, self._gone)
+
+    def _gone(self) -> None:
+        self.alive -= 1
+
+
 class CudaBackend:
     """Graphs captured on a side stream into one memory pool shared by every layer's graphs (they replay one at a
     time, on the compute stream); ``thread_local``: the streamer's threads may use CUDA during a capture."""
@@ -163,7 +191,7 @@ class CudaBackend:
     runs_at_capture = False  # the call's work runs at the replay that follows the capture
 
     def __init__(self, device: torch.device):
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = _PoolKeeper(torch.cuda.graph_pool_handle)
         self.side = torch.cuda.Stream(device)
         self.main: torch.cuda.Stream | None = None
         # cuBLAS sets up a handle and workspace per stream at its first use: done here, not inside a capture
@@ -180,10 +208,11 @@ class CudaBackend:
         self.side.wait_stream(self.main)
         torch.cuda.set_stream(self.side)
         try:
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool.take(graph), capture_error_mode="thread_local")
         except BaseException:
             torch.cuda.set_stream(self.main)
             raise
+        self.pool.captured(graph)
         return graph
 
     def end(self, graph) -> None:
@@ -278,6 +307,22 @@ class EmulatedGraph(torch.utils._python_dispatch.TorchDispatchMode):
                     old.copy_(fresh)
 
 
+class _EmulatedPool:
+    """A graph pool handle as the CUDA caching allocator keeps it: alive while a graph captured into it is; a
+    capture into one whose graphs were all destroyed fails as the allocator's does."""
+
+    def __init__(self):
+        self.graphs = weakref.WeakSet()
+        self.used = False
+
+    def capture(self, graph) -> None:
+        if self.used and not len(self.graphs):
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (emulated CUDACachingAllocator): "
+                               "a capture into a graph pool whose graphs were all destroyed")
+        self.used = True
+        self.graphs.add(graph)
+
+
 class EmulatedBackend:
     """Layer graphs on the CPU for the tests: the same split, keys, twins and islands as on CUDA."""
 
@@ -285,9 +330,13 @@ class EmulatedBackend:
     # is (a second run would read a twin the first wrote: the output CARRY leaves in the input's twin).
     runs_at_capture = True
 
-    @staticmethod
-    def begin():
+    def __init__(self):
+        self.pool = _PoolKeeper(_EmulatedPool)
+
+    def begin(self):
         graph = EmulatedGraph()
+        self.pool.take(graph).capture(graph)  # as the allocator: no capture into a pool whose graphs all died
+        self.pool.captured(graph)
         graph.__enter__()
         return graph
 

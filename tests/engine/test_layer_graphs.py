@@ -364,6 +364,29 @@ def test_a_turboquant_decode_pass_replays_as_one_graph(stores):
     assert s["pass_captures"] == 2 and s["pass_replays"] >= 3 and s["pass_breaks"] == 0 and s["failed"] == 0, s
 
 
+def test_a_cache_after_another_is_captured_into_a_live_pool(stores):
+    """A TurboQuant loop after a plain one in the same engine: the plain cache's graphs go (its buffers are not
+    the arena's), and the next captures go to a fresh pool handle, as the CUDA allocator fails a capture into a
+    pool whose graphs were all destroyed (the emulated backend fails so too). Every layer of the TurboQuant
+    loop is captured and replayed, and it decodes as it does eagerly."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    run = lambda e, kv: _batch_of(e, [PROMPT], 10, kv)  # noqa: E731
+    want = _static_eager(stores["llama"], lambda e: (run(e, None), run(e, config)))
+    engine, graphs = _graphed(stores["llama"])
+    engine.graphs = graphs  # as Engine.open sets it on CUDA
+    plain = run(engine, None)
+    first = graphs.backend.pool.handle
+    captures = graphs.stats["captures"]
+    tq = run(engine, config)
+    engine.close()
+    assert graphs.stats["failed"] == 0 and graphs.stats["captures"] > captures, graphs.stats
+    assert graphs.backend.pool.handle is not first  # the plain cache's graphs all went: a fresh handle
+    assert plain[0] == want[0][0] and torch.equal(plain[1], want[0][1])
+    assert tq[0] == want[1][0] and torch.equal(tq[1], want[1][1])
+
+
 def _batch_of(engine: Engine, prompts: list, new: int, kv=None) -> tuple[list[list[int]], torch.Tensor]:
     """``prompts`` decoded ``new`` tokens each in one decode loop (greedy): tokens and every pass's logits."""
     logits = []
@@ -601,7 +624,7 @@ def test_host_work_runs_once_a_call_whoever_owns_it():
 
 
 def test_emulated_capture_refuses_a_host_read():
-    graph = layer_graphs.EmulatedBackend.begin()
+    graph = layer_graphs.EmulatedBackend().begin()
     try:
         with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
             torch.ones(2).sum().item()
@@ -720,3 +743,30 @@ def test_cuda_a_second_request_replays_the_same_graphs(tmp_path_factory, real_to
     engine.close()
     assert captures > 0 and stats["layer_graphs"]["captures"] == captures and stats["kv_kept_gb"] > 0, stats
     assert first[0] == second[0] and torch.equal(first[1], second[1])
+
+
+@pytest.mark.gpu
+def test_cuda_a_turboquant_loop_after_a_plain_one_is_captured(monkeypatch, tmp_path_factory, real_tokenizer):
+    """On CUDA, one engine, a plain decode then a TurboQuant one (kv_bench's order): the plain cache's graphs go
+    with its buffers and the TurboQuant layers are captured into a fresh pool, none failed (on 2026-12-05 every
+    layer failed here with the allocator's ``use_count > 0`` assert and decoded without graphs); its tokens and
+    logits equal the same TurboQuant decode's in an engine of its own."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1)
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    run = lambda e, kv: _batch_of(e, [PROMPT], 12, kv)  # noqa: E731
+    opts = dict(device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    engine = Engine.open(store, **opts)
+    want = run(engine, config)
+    engine.close()
+    engine = Engine.open(store, **opts)
+    run(engine, None)
+    captures = engine.graphs.stats["captures"]
+    got = run(engine, config)
+    stats = engine.stats()["layer_graphs"]
+    engine.close()
+    assert stats["failed"] == 0 and stats["captures"] > captures, stats
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
