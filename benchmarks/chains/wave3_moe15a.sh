@@ -27,6 +27,6 @@ python benchmarks/moe_bench.py --results $R --part report > $R/report.log 2>&1
 # 3. The host NF4 kernel's builds and thread counts on this host (host_gemv_over_memcpy 0.38 here: per thread
 #    6.3 against 11.1 GB/s copy, 14 threads 48 against 127): which build to ship, and whether OMP binding matters.
 python benchmarks/host_gemv_sweep.py --results $R > $R/host_sweep.log 2>&1
-OMP_PROC_BIND=close OMP_PLACES=cores python benchmarks/host_gemv_sweep.py --results $R/bind --builds shipped,scale_vec \
+OMP_PROC_BIND=close OMP_PLACES=cores python benchmarks/host_gemv_sweep.py --results $R/bind --builds shipped \
   > $R/host_sweep_bind.log 2>&1
 echo CHAIN_DONE > $R/done

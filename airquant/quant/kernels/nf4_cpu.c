@@ -242,34 +242,8 @@ static inline vec wide_scale(const matrix *m, int64_t at, int64_t bs, int dbl) {
 }
 #endif
 
-#ifdef AQ_SCALE_VEC
-/* The absmax of a row's blocks, decoded before its pass into sc[k / bs] (AVX-512 with double quant: 16 at a time,
- * two gathers; else one at a time). */
-static inline void row_scales(const matrix *m, int64_t first_block, int64_t blocks, int dbl, float *sc) {
-    int64_t i = 0;
-#if LANES == 16
-    if (dbl) {
-        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 off = _mm512_set1_ps(m->offset);
-        for (; i + 16 <= blocks; i += 16) {
-            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m->codes + first_block + i)));
-            const __m512i b = _mm512_add_epi32(_mm512_set1_epi32((int)(first_block + i)), lane);
-            const __m512 code = _mm512_i32gather_ps(codes, m->nested_code, 4);
-            const __m512 top = _mm512_i32gather_ps(_mm512_srli_epi32(b, 8), m->nested_absmax, 4);
-            _mm512_storeu_ps(sc + i, _mm512_fmadd_ps(code, top, off));
-        }
-    }
-#endif
-    for (; i < blocks; i++) sc[i] = scale_of(m, first_block + i, dbl);
-}
-#endif
-
 static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *row, int64_t first, int64_t bs,
         const matrix *m, int dbl, book lut, int64_t k, const float *x8, int64_t t0, const int tn, float *res) {
-#ifdef AQ_SCALE_VEC
-    float sc[k / bs + 1];
-    row_scales(m, first / bs, k / bs, dbl, sc);
-#endif
     vec total[TOKENS];
     for (int u = 0; u < tn; u++) total[u] = VZERO();
     for (int64_t c = 0; c < k; c += WIDE) {
@@ -285,57 +259,17 @@ static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *r
             for (int u = 0; u < tn; u++) acc[u] = VFMA(v, VLOAD(x8 + (t0 + u) * k + c + LANES * p), acc[u]); }
         NIB(2, a) NIB(3, b) NIB(4, a) NIB(5, b) NIB(6, a) NIB(7, b)
 #undef NIB
-#ifdef AQ_SCALE_VEC
-#if LANES == 16
-        const vec s = _mm512_insertf32x8(_mm512_set1_ps(sc[c / bs]), _mm256_set1_ps(sc[(c + 64) / bs]), 1);
-#else
-        const vec s = VSET1(sc[c / bs]);
-#endif
-#else
         const vec s = wide_scale(m, first + c, bs, dbl);
-#endif
         for (int u = 0; u < tn; u++) total[u] = VFMA(s, VADD(a[u], b[u]), total[u]);
     }
     for (int u = 0; u < tn; u++) res[u] = hsum(total[u]);
 }
-
-#ifdef AQ_ROWS2
-/* Rows ``r`` and ``r + 1`` for one row of x (batch 1): x's vectors loaded once for both, two independent chains. */
-static inline __attribute__((always_inline)) void two_rows_wide(int64_t r, int64_t bs, const matrix *m, int dbl,
-        book lut, int64_t k, const float *x8, float *res) {
-    const uint8_t *w0 = m->w + r * (k / 2), *w1 = w0 + k / 2;
-    vec t0 = VZERO(), t1 = VZERO();
-    for (int64_t c = 0; c < k; c += WIDE) {
-        const ivec raw0 = wide_load(w0 + c / 2), raw1 = wide_load(w1 + c / 2);
-        const float *xc = x8 + c;
-        vec a0 = VMUL(wide_lookup(raw0, 0, lut), VLOAD(xc)), b0 = VMUL(wide_lookup(raw0, 1, lut), VLOAD(xc + LANES));
-        vec a1 = VMUL(wide_lookup(raw1, 0, lut), VLOAD(xc)), b1 = VMUL(wide_lookup(raw1, 1, lut), VLOAD(xc + LANES));
-#define NIB2(p, acc0, acc1) { const vec xv = VLOAD(xc + LANES * p); \
-            acc0 = VFMA(wide_lookup(raw0, p, lut), xv, acc0); acc1 = VFMA(wide_lookup(raw1, p, lut), xv, acc1); }
-        NIB2(2, a0, a1) NIB2(3, b0, b1) NIB2(4, a0, a1) NIB2(5, b0, b1) NIB2(6, a0, a1) NIB2(7, b0, b1)
-#undef NIB2
-        t0 = VFMA(wide_scale(m, r * k + c, bs, dbl), VADD(a0, b0), t0);
-        t1 = VFMA(wide_scale(m, (r + 1) * k + c, bs, dbl), VADD(a1, b1), t1);
-    }
-    res[0] = hsum(t0);
-    res[1] = hsum(t1);
-}
-#endif
 
 /* Rows r0..r1 of expert matrix ``m`` [n, k] for t rows of x laid out by ``wide_order``. */
 static void rows_wide(int64_t r0, int64_t r1, const matrix *m, int dbl, int64_t n, int64_t k, int64_t bs,
                       const float *x8, int64_t t, float *out) {
     const book lut = load_book(m->qm);
     float res[TOKENS];
-#ifdef AQ_ROWS2
-    if (t == 1) {
-        for (; r0 + 2 <= r1; r0 += 2) {
-            two_rows_wide(r0, bs, m, dbl, lut, k, x8, res);
-            out[r0] = res[0];
-            out[r0 + 1] = res[1];
-        }
-    }
-#endif
 #define PASS(c) row_pass_wide(m->w + r * (k / 2), r * k, bs, m, dbl, lut, k, x8, t0, c, res)
     TOKEN_PASSES(PASS)
 #undef PASS
