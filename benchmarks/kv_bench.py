@@ -5,7 +5,7 @@ Two measurements (issue #5), written to ``results/kv_bench.json``:
 
 * step: a llama3-8b-shaped bf16 store (random weights in real shapes), every layer resident on the
   GPU (no cap). A prompt of ``--context`` tokens less the new ones at the first of ``--batches``
-  sequences, then one warm-up and ``--steps`` timed decode steps (median) with the plain bf16 cache
+  sequences, then ``WARM`` warm-up and ``--steps`` timed decode steps (mean; median beside it) with the plain bf16 cache
   (``none``, the issue's "FP16"), AirQuant's TurboQuant K4/V2 (``tq``, window 128, the router's
   preset) and the PyPI ``turboquant`` 0.2.0 (4 bits: one width for K and V). Per cache: prefill time,
   peak VRAM allocated, the part above the weights, and the bytes the cache holds after the prompt
@@ -78,12 +78,16 @@ CACHES = {
 }
 TARGETS = {"tq_over_fp16_step": (1.15, "max")}  # key: (threshold, "min" | "max"); issue #38
 FURTHER = ("none", "tq")  # the caches timed again at each further batch (the package is a comparison at the first)
-WARM = 1  # untimed decode steps: Triton compiles its kernels at the first step over a quantized history
+# Untimed decode steps: Triton compiles its kernels at the first step over a quantized history, and the layer graphs
+# take a warm-up call, a capture and a replay a key, then the pass graph's capture and its first replay (as
+# graph_host_bench counts them). With one, the H100 run of 2026-12-05 timed those: plain batch-8 steps of 62, 25,
+# 23 and 68 ms (median 43.5) where a replayed step took ~23.
+WARM = 5
 
 
 # -- step: decode time and memory per cache --------------------------------------------------------
 def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
-    """Cache bytes after the prompt, then prefill and median decode step of a timed generation."""
+    """Cache bytes after the prompt, then prefill and the mean decode step of a timed generation."""
     cache_bytes = prefill_bytes(engine, ids, kv)  # also warms up the prefill path at this shape
     engine.release_kv()  # the previous case's cache, kept for the layer graphs, is not the weights
     free_gpu()
@@ -95,7 +99,11 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     assert all(c.new_tokens == gen.max_new_tokens for c in out)
     t = engine.last_timings
     peak = engine.stats().get("peak_vram_allocated_gb")
-    return {"step_s": statistics.median(t["step_s"][WARM:]), "steps_s": t["step_s"], "prefill_s": t["prefill_s"],
+    timed = t["step_s"][WARM:]
+    # the mean over the timed steps: a TurboQuant cache's window flushes (every ``block`` steps) are part of its
+    # cost, which a median over a window shorter than a flush period leaves out; the median beside it
+    return {"step_s": statistics.fmean(timed), "step_median_s": statistics.median(timed), "steps_s": t["step_s"],
+            "warmup_steps": WARM, "prefill_s": t["prefill_s"],
             "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / ids.numel(),
             "weights_vram_gb": weights, "peak_vram_gb": peak,
             "cache_vram_gb": peak - weights if cuda else None}
@@ -136,7 +144,8 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
             log.info("batch %d, %s: %.4f s/step, prefill %.2f s, cache %.3f GB", batch, name, rows[name]["step_s"],
                      rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
             if a.trace and name in FURTHER and describe:  # where the step's time goes, at the first batch
-                rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=kv, new=a.steps)
+                rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=kv,
+                                                     new=min(a.steps, 8))
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
         except DependencyError as exc:
@@ -279,7 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence at the last decode step")
     p.add_argument("--batches", default="8",
                    help="comma list: every cache at the first, none and tq again at each further one (e.g. 8,32)")
-    p.add_argument("--steps", type=int, default=4, help="timed decode steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=32,
+                   help="timed decode steps after the warm-up ones (32: one flush period of the tq window's blocks)")
     p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap (GB) of the 70B largest-batch plan")
     p.add_argument("--layers", type=int, default=None, help="truncate the 8B shape (default: all 32 layers)")
     p.add_argument("--trace", action="store_true",
@@ -298,6 +308,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:  # past the 128-token window and some 32-token blocks, so the quantized history is used
         args.context, args.batches = min(args.context, 300), [min(x, 2) if i == 0 else min(x, 3)
                                                              for i, x in enumerate(args.batches)]
+        args.steps = min(args.steps, 4)
     # A batch once: a further batch equal to the first is timed as the first (record() takes its rows, by_batch)
     args.batches = list(dict.fromkeys(args.batches))
     args.batch = args.batches[0]

@@ -35,7 +35,11 @@ def test_quick_run_writes_every_key(tmp_path):
     assert r["max_batch_70b_nf4_15gb"]["tq"] > r["max_batch_70b_nf4_15gb"]["none"]
     assert r["kv_bytes_per_token_70b"]["none"] == 2 * 80 * 8 * 128 * 2  # K and V, 80 layers x 8 heads x 128, bf16
     assert "derived" in r["details"]["batch_70b"]["turboquant"]
-    assert r["settings"]["prompt_len"] == 300 - 6 and r["settings"]["caches"]["tq"]["bits_v"] == 2
+    # the step is the mean of the timed steps after the warm-up ones (graphs captured, kernels compiled)
+    assert r["settings"]["prompt_len"] == 300 - 1 - 5 - 4 and r["settings"]["caches"]["tq"]["bits_v"] == 2
+    tq = r["details"]["cases"]["tq"]
+    assert tq["warmup_steps"] == 5 and len(tq["steps_s"]) == 5 + 4
+    assert abs(tq["step_s"] - sum(tq["steps_s"][5:]) / 4) < 1e-12 and tq["step_median_s"] > 0
     assert not (tmp_path / "work" / "llama3-8b-bfloat16").exists()  # stores are dropped
 
     # --part batch redoes only the planner part, keeping the measured decode cases
