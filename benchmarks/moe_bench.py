@@ -565,7 +565,8 @@ def derive_routed_keys(b: Bench) -> None:
         r["qwen3_30b_nf4_bs1_nocache_over_floor"] = qwen["step_s"] / (qwen["decode_bytes_per_step"] / GB
                                                                       / row_link(qwen, link))
     for prefix, model in (("mixtral_nf4_bs1", "mixtral-8x7b nf4"), ("qwen3_30b_nf4_bs1", "qwen3-30b-a3b nf4")):
-        cache_speedup(r, prefix, rows.get((model, "nocache_direct")), rows.get((model, "lfu_direct_r1")), link)
+        cached = rows.get((model, "lfu_direct_r1"))
+        cache_speedup(r, prefix, nocache_like(rows, model, cached), cached, link)
     air = r.get("details", {}).get("airllm", {}).get("airllm", {}).get("per_layer_s")
     if air and mix and mix.get("step_s"):
         layers = b.args.layers or 32
@@ -628,6 +629,22 @@ TOK_S_KEYS = [k for k in TARGET_ROWS if k.endswith("_tok_s")]
 
 
 FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their cases (the router's two largest)
+
+
+def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
+    """The no-cache row to set against ``cached``: the one whose dense parts sit where the cached row's do (in VRAM
+    or streamed: the planner keeps them for a fixed cache size, no cache included, and may stream them for the
+    hot set), so that the pair differs by the cache alone; ``nocache_direct`` where neither matches."""
+    plain = rows.get((model, "nocache_direct"))
+    if cached is None or "dense_resident_gb" not in cached:
+        return plain
+    kept = bool(cached["dense_resident_gb"])
+    for case in ("nocache_direct", "nocache_direct_streamdense"):
+        row = rows.get((model, case))
+        if row and "dense_resident_gb" in row and bool(row["dense_resident_gb"]) == kept and \
+                row.get("run") == cached.get("run"):
+            return row
+    return plain
 
 
 def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | None, link: float | None) -> None:

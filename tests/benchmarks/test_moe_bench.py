@@ -165,3 +165,21 @@ def test_the_host_part_records_the_cpu_and_its_thread_scaling(tmp_path):
     assert host["gemv_gbps_1_thread"] > 0 and host["gemv_gbps_half_threads"] > 0
     assert host["half_threads"] == max(1, host["threads"] // 2)
     assert host["logical_cpus"] >= host["physical_cores"] >= 1 and "cpu_model" in host
+
+
+def test_the_cache_speedup_pairs_rows_whose_dense_parts_sit_alike():
+    """The cached row streams its dense parts (the planner gives the hot set their room), the default no-cache row
+    keeps them (a fixed cache size): the speedup is set against the no-cache row that streams them too, of the
+    same run, so the pair differs by the cache alone; without such a row, the default one."""
+    from benchmarks.moe_bench import nocache_like
+
+    model = "qwen3-30b-a3b nf4"
+    row = lambda case, dense, run="a": {"case": case, "dense_resident_gb": dense, "run": run}  # noqa: E731
+    cached = row("lfu_direct_r1", 0.0)
+    rows = {(model, "nocache_direct"): row("nocache_direct", 0.54),
+            (model, "nocache_direct_streamdense"): row("nocache_direct_streamdense", 0.0)}
+    assert nocache_like(rows, model, cached)["case"] == "nocache_direct_streamdense"
+    assert nocache_like(rows, model, row("lfu_direct_r1", 0.54))["case"] == "nocache_direct"
+    rows[(model, "nocache_direct_streamdense")]["run"] = "b"  # another run's row is not paired
+    assert nocache_like(rows, model, cached)["case"] == "nocache_direct"
+    assert nocache_like(rows, model, {"case": "lfu_direct_r1"})["case"] == "nocache_direct"  # rows before the field
