@@ -168,8 +168,8 @@ class _PoolKeeper:
     def __init__(self, new):
         self.new, self.handle, self.alive, self.used = new, new(), 0, False
 
-    def take(self, graph):
-        """The handle for ``graph``'s capture (a fresh one where the current one's graphs are all gone)."""
+    def take(self):
+        """The handle for the next capture (a fresh one where the current one's graphs are all gone)."""
         if self.used and self.alive == 0:
             self.handle, self.used = self.new(), False
         return self.handle
@@ -186,7 +186,8 @@ class _PoolKeeper:
 
 class CudaBackend:
     """Graphs captured on a side stream into one memory pool shared by every layer's graphs (they replay one at a
-    time, on the compute stream); ``thread_local``: the streamer's threads may use CUDA during a capture."""
+    time, on the compute stream; the handle renewed once its graphs are all gone, ``_PoolKeeper``);
+    ``thread_local``: the streamer's threads may use CUDA during a capture."""
 
     runs_at_capture = False  # the call's work runs at the replay that follows the capture
 
@@ -208,7 +209,7 @@ class CudaBackend:
         self.side.wait_stream(self.main)
         torch.cuda.set_stream(self.side)
         try:
-            graph.capture_begin(pool=self.pool.take(graph), capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool.take(), capture_error_mode="thread_local")
         except BaseException:
             torch.cuda.set_stream(self.main)
             raise
@@ -335,7 +336,7 @@ class EmulatedBackend:
 
     def begin(self):
         graph = EmulatedGraph()
-        self.pool.take(graph).capture(graph)  # as the allocator: no capture into a pool whose graphs all died
+        self.pool.take().capture(graph)  # as the allocator: no capture into a pool whose graphs all died
         self.pool.captured(graph)
         graph.__enter__()
         return graph
