@@ -60,13 +60,7 @@ def layer_rate(layers: list[list[tuple]], threads: int, seconds: float) -> float
         for x, mats, e, rows, n, k, _ in flat:
             nf4_cpu.matmul_experts(x, mats, e, rows, n, k, 64, True, threads)
 
-    once()
-    done, start = 0, time.perf_counter()
-    while True:
-        once()
-        done += 1
-        if time.perf_counter() - start >= seconds and done >= 2:
-            return done * nbytes / (time.perf_counter() - start)
+    return nf4_cpu._rate([once], nbytes, seconds)  # as nf4_cpu.measure times its products
 
 
 def check(layers: list[list[tuple]], reference: list[torch.Tensor]) -> float:

@@ -33,6 +33,7 @@ import torch
 from airquant.engine import layer_graphs
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.layout import LayerExperts
+from airquant.kv.rotation import to_device
 
 log = logging.getLogger(__name__)
 # Passes between two hot-set refreshes (each reads the counts: one host sync; the decode loop syncs once a pass
@@ -195,8 +196,7 @@ class DirectReads:
                 found = rows[0]
             if found is not None:
                 book = found.clone().view(torch.float32)
-                books[name] = book.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
-                    else book.to(self.device)
+                books[name] = to_device(book, self.device)
         return books
 
     def _host_part(self, i: int, pairs: int) -> None:
