@@ -189,7 +189,8 @@ def part_batch(args, which: str, results: dict) -> None:
             measured = run_static(engine, order, slots, kv, args.static_batches, args.seconds, prefix=prefix)
         else:
             measured = run_continuous(engine, order, slots, kv, context, args.seconds, prefix=prefix,
-                                      trace_passes=args.trace_passes, trace_dir=args.trace_dir)
+                                      trace_passes=args.trace_passes, trace_dir=args.trace_dir,
+                                      trace_ramp=args.trace_ramp)
     finally:
         engine.close()
     shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
@@ -424,7 +425,10 @@ def parse_args(argv=None):
     p.add_argument("--trace-passes", type=int, default=0,
                    help="continuous: this many more passes after the window under torch's profiler ({row}_trace: "
                         "device busy time, where the host waited, top ops)")
-    p.add_argument("--trace-dir", default=None, help="--trace-passes: where the timeline goes (.json.gz)")
+    p.add_argument("--trace-ramp", type=int, default=0,
+                   help="continuous: the window's passes 2 .. 1+N (prompts being admitted) under torch's profiler "
+                        "({row}_ramp_trace); the window then carries the profiler's overhead: give it its own --out")
+    p.add_argument("--trace-dir", default=None, help="--trace-passes/--trace-ramp: where the timelines go (.json.gz)")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes: a test of the script")
     p.add_argument("--out", default="results/batch_bench.json")
     args = p.parse_args(argv)

@@ -75,13 +75,17 @@ def step_within(loop, window: Window, deadline: float) -> bool:
     while not loop.idle:
         if window.spent(deadline):
             return False
-        before, t0 = loop.stats.passes, time.perf_counter()
-        made = loop.stats.useful_tokens
-        loop.step()  # ends with the engine's sync: the pass is over on the device
-        if loop.stats.passes == before:
-            raise RuntimeError("the decode loop scheduled nothing with requests left (a scheduler bug)")
-        window.add(loop.stats.useful_tokens - made, t0, time.perf_counter())
+        step_once(loop, window)
     return True
+
+
+def step_once(loop, window: Window) -> None:
+    before, t0 = loop.stats.passes, time.perf_counter()
+    made = loop.stats.useful_tokens
+    loop.step()  # ends with the engine's sync: the pass is over on the device
+    if loop.stats.passes == before:
+        raise RuntimeError("the decode loop scheduled nothing with requests left (a scheduler bug)")
+    window.add(loop.stats.useful_tokens - made, t0, time.perf_counter())
 
 
 def run_static(engine, order, slots, kv, max_batches=None, seconds=math.inf, prefix="static"):
@@ -121,16 +125,23 @@ def allocator_counts(device) -> dict | None:
 
 
 def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="continuous", trace_passes=0,
-                   trace_dir=None):
+                   trace_dir=None, trace_ramp=0):
     """The same ``order`` through one decode loop of ``slots`` slots until it is done or ``seconds`` are spent.
     Beside the window's keys: the median pass before the first full one (the ramp: prompts admitted as slots
     fill) and the median seconds until the host had queued a decode pass (``decode_host``), and the allocator's
     counters over the window (CUDA), to say where a slow pass went. ``trace_passes``: that many more passes of the
-    same loop after the window, under torch's profiler (``{prefix}_trace``: stream_bench.trace_summary)."""
+    same loop after the window, under torch's profiler (``{prefix}_trace``: stream_bench.trace_summary).
+    ``trace_ramp``: the window's passes 2 .. 1 + trace_ramp (the ramp: prompts admitted) under the profiler instead
+    (``{prefix}_ramp_trace``); that window's figures then carry the profiler's overhead (``{prefix}_ramp_traced``):
+    run it as a window of its own, written to a file of its own."""
     window = Window(slots)  # from before the loop is made, as for each static batch
     loop = engine.decode_loop(slots, context=context, kv=kv)
     seqs = [loop.submit(r) for r in order]
     before = allocator_counts(engine.device)
+    ramp_trace = None
+    if trace_ramp:
+        step_once(loop, window)  # the first pass (first allocations, compiles) outside the trace
+        ramp_trace = trace_loop(loop, trace_ramp, trace_dir, f"{prefix}-ramp", step=lambda: step_once(loop, window))
     step_within(loop, window, window.start + seconds)
     after = allocator_counts(engine.device)
     traced = trace_loop(loop, trace_passes, trace_dir, f"{prefix}-passes") if trace_passes else None
@@ -147,13 +158,15 @@ def run_continuous(engine, order, slots, kv, context, seconds=math.inf, prefix="
             f"{prefix}_decode_host_median_s": statistics.median(loop.stats.decode_host_s)
             if loop.stats.decode_host_s else None,
             f"{prefix}_allocator": {k: after[k] - before[k] for k in ALLOCATOR} if before is not None else None,
-            **({f"{prefix}_trace": traced} if traced is not None else {})}
+            **({f"{prefix}_trace": traced} if traced is not None else {}),
+            **({f"{prefix}_ramp_trace": ramp_trace, f"{prefix}_ramp_traced": trace_ramp}
+               if ramp_trace is not None else {})}
 
 
-def trace_loop(loop, passes: int, trace_dir, name: str) -> dict | None:
-    """``passes`` more passes of ``loop`` (fewer if it runs out of work) under torch's profiler, outside any window:
-    the summary of stream_bench.trace_summary with the passes' kinds (decode only, or with prompts). None when the
-    loop was idle."""
+def trace_loop(loop, passes: int, trace_dir, name: str, step=None) -> dict | None:
+    """``passes`` more passes of ``loop`` (fewer if it runs out of work) under torch's profiler, outside any window
+    (``step``: how a pass is run, default ``loop.step``): the summary of stream_bench.trace_summary with the passes'
+    kinds (decode only, or with prompts). None when the loop was idle."""
     from torch.profiler import profile
 
     from benchmarks.stream_bench import profiler_activities, trace_summary
@@ -164,7 +177,7 @@ def trace_loop(loop, passes: int, trace_dir, name: str) -> dict | None:
     with profile(activities=profiler_activities(loop.device)) as prof:
         while len(kinds) < passes and not loop.idle:
             decode = len(loop.stats.decode_pass_s)
-            loop.step()
+            (step or loop.step)()
             kinds.append("decode" if len(loop.stats.decode_pass_s) > decode else "with prompts")
     return {"passes": len(kinds), "kinds": kinds, "pass_s": loop.stats.pass_s[first:],
             **trace_summary(prof, trace_dir, name)}

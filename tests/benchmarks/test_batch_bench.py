@@ -97,6 +97,17 @@ def test_passes_after_the_window_are_traced(store_dir):
     assert r["continuous_passes"] == 1  # the window's own figures leave the traced passes out
 
 
+def test_ramp_passes_are_traced_inside_their_window(store_dir):
+    """--trace-ramp: the window's passes 2 and 3 (prompts still being admitted) under the profiler, counted in the
+    window (which says it carries the profiler), the timeline written."""
+    tmp = fresh(store_dir, "ramp")
+    r = bench(tmp, "continuous", "--seconds", "0", "--trace-ramp", "2", "--trace-dir", str(tmp / "traces"))
+    t = r["continuous_ramp_trace"]
+    assert t["passes"] == len(t["kinds"]) == 2 and "with prompts" in t["kinds"]
+    assert r["continuous_ramp_traced"] == 2 and r["continuous_passes"] == 3
+    assert (tmp / "traces" / "continuous-ramp.json.gz").is_file()
+
+
 def test_parts_with_different_slots_give_no_ratio(store_dir):
     tmp = fresh(store_dir, "differ")
     bench(tmp, "static", "--seconds", "0", "--slots", "4")
