@@ -107,10 +107,52 @@ def test_histories_of_very_different_lengths_take_their_own_pages():
     assert read <= 2 * page * used < len(plan.slots) * plan.hist_len
 
 
-def _drive(kv: KVConfig, layers: int, arrivals: dict, free: dict, passes: int, offload: set) -> tuple:
+def test_page_tables_are_written_before_the_layers_in_one_copy(monkeypatch):
+    """Nothing inside a layer builds a host tensor for the device (a page table, a prefill's slot index): on a GPU
+    such a copy on the compute stream waits behind the layer copies already queued, and the layers then ran one
+    after another's copy (a TurboQuant pass took its copies plus its compute). Past the first pass, which makes
+    the arenas, every table that changed is written by ``begin``, every layer's in one copy (pages are reserved
+    in most passes of the scenario); the outputs and codes still equal the per-segment path."""
+    from airquant.engine.decode import slots, tqslots
+
+    state = {"in_layers": False, "passes": 0, "inside": [], "copies": 0}
+    begin, table, on_device = SlotKV.begin, SlotArena.table, tqslots.on_device
+
+    def counted_begin(self, segments):
+        state["in_layers"] = False
+        begin(self, segments)
+        state["in_layers"], state["passes"] = True, state["passes"] + 1
+
+    def counted_table(self):
+        if self._table is None and state["in_layers"] and state["passes"] > 1:
+            state["inside"].append(("table", state["passes"]))
+        return table(self)
+
+    def counted_on_device(values, device, dtype=torch.long):
+        if state["in_layers"] and state["passes"] > 1:
+            state["inside"].append(("on_device", state["passes"]))
+        return on_device(values, device, dtype)
+
+    real_runs = slots._runs
+    monkeypatch.setattr(slots, "_runs", lambda idx: state.__setitem__("copies", state["copies"] + 1) or real_runs(idx))
+    monkeypatch.setattr(SlotKV, "begin", counted_begin)
+    monkeypatch.setattr(SlotArena, "table", counted_table)
+    monkeypatch.setattr(tqslots, "on_device", counted_on_device)
+    arrivals = {**ARRIVALS, 5: {1: 70}}  # slot 1's sequence ends, a long prompt takes it (a release, new pages)
+    _, _, cache = _drive(CONFIGS["plain"], 3, arrivals, {**FREE, 5: [1]}, PASSES, set(), cap=256)
+    assert state["inside"] == []
+    assert 0 < state["copies"] < PASSES and slots._runs([0, 1, 2, 5, 6]) == [(0, 3), (5, 7)]
+    for i in range(3):  # each layer's table is the view the one copy writes, and holds its pages
+        arena = cache.arena(i)
+        assert arena.table().data_ptr() == cache._tables[0][i].data_ptr()
+        assert arena.table()[:, :2].tolist() == [(p + [0, 0])[:2] for p in arena.pages]
+
+
+def _drive(kv: KVConfig, layers: int, arrivals: dict, free: dict, passes: int, offload: set, cap: int = 64) -> tuple:
     """Runs the scenario against one ``TQLayer`` per slot and layer, checking every pass's outputs and codes;
-    returns (passes that batched slots with history, passes with a flush in decode, the cache)."""
-    cache = SlotKV(layers, SLOTS, 64, torch.device("cpu"), torch.float32, kv=kv, offload=offload)
+    returns (passes that batched slots with history, passes with a flush in decode, the cache). ``cap``: tokens a
+    slot holds (a longer sequence outgrows the fixed-width page tables: its arena keeps a table of its own)."""
+    cache = SlotKV(layers, SLOTS, cap, torch.device("cpu"), torch.float32, kv=kv, offload=offload)
     refs: dict[int, list[TQLayer]] = {}
     seen: dict[int, int] = {}
     gen = torch.Generator().manual_seed(0)

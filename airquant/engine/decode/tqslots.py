@@ -33,7 +33,7 @@ from airquant.kv.paging import SPLIT_QUANTUM, Paged
 from airquant.kv.rotation import to_device
 from airquant.kv.store import History, statistics
 
-__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "keep_columns"]
+__all__ = ["PAGE_TOKENS", "Bucket", "DecodePlan", "SlotArena", "decode_plan", "keep_columns", "table_width"]
 
 
 # Tokens per history page: a multiple of the Triton kernel's splits (kv.paging.SPLIT_QUANTUM), and small
@@ -137,6 +137,11 @@ def _buckets(kv: KVConfig, slots: list[int], hist: list[int], win: list[int], w_
     return tuple(out)
 
 
+def table_width(kv: KVConfig, cap: int) -> int:
+    """Pages of a full slot of ``cap`` tokens: the width of a fixed page table."""
+    return max(1, -(-kv.schedule.quantized_count(cap) // PAGE_TOKENS))
+
+
 def keep_columns(hist: torch.Tensor, win: torch.Tensor, sink: int, width: int, hist_len: int) -> torch.Tensor:
     """``[n, 1, 1, width + hist_len]``: the columns each decode row attends, laid out [sink | history | recent],
     from its history and window lengths ``hist``/``win`` (``[n, 1]``, on any device: a static pass builds it on
@@ -151,7 +156,7 @@ class SlotArena:
     """One layer's TurboQuant cache for every slot of the loop (see the module docstring)."""
 
     def __init__(self, kv: KVConfig, layer_idx: int, slots: int, kv_heads: int, head_dim: int, device, dtype,
-                 cap: int | None = None, pool_pages: int = 0):
+                 cap: int | None = None, pool_pages: int = 0, table: torch.Tensor | None = None):
         self.kv, self.slots, self.heads, self.dim = kv, slots, kv_heads, head_dim
         self.k_codec, self.v_codec = layer_codecs(kv, layer_idx, head_dim)
         self.device = device
@@ -170,9 +175,13 @@ class SlotArena:
         self.grown = 0  # times the pool was regrown (each a new allocation and a copy of every page)
         self._table: torch.Tensor | None = None  # [slots, most pages] on the device; None: rebuild
         # ``cap`` (tokens a slot holds): the page table is one tensor as wide as a full slot, rewritten in place, so
-        # a graph that read it reads the next pass's pages at the same address (static passes, ``SlotKV``)
-        width = -(-kv.schedule.quantized_count(cap) // PAGE_TOKENS) if cap else 0
-        self._fixed = torch.zeros(slots, max(1, width), dtype=torch.long, device=device) if cap else None
+        # a graph that read it reads the next pass's pages at the same address (static passes, ``SlotKV``);
+        # ``table``: that tensor, given (``table_width`` wide): a view of every layer's tables, which ``SlotKV``
+        # uploads in one copy a pass (``table_rows``, ``table_uploaded``)
+        self._fixed = None
+        if cap:
+            self._fixed = table if table is not None else \
+                torch.zeros(slots, table_width(kv, cap), dtype=torch.long, device=device)
         for name, center in (("k_mean", kv.center_k), ("v_mean", kv.center_v)):
             if center:
                 self.t[name] = zeros(slots, kv_heads, 1, head_dim, device=device)
@@ -234,18 +243,32 @@ class SlotArena:
         """``[slots, pages]``: page of each slot's j-th ``PAGE_TOKENS`` history tokens (0 past its end); as wide
         as the most pages a slot holds, or (``cap``) a full slot's, the same tensor rewritten in place."""
         if self._table is None:
-            width = max(1, max(len(p) for p in self.pages))
-            fixed = self._fixed if self._fixed is not None and width <= self._fixed.shape[1] else None
-            width = fixed.shape[1] if fixed is not None else width
-            rows = [p + [0] * (width - len(p)) for p in self.pages]
+            fixed = self._fixed if self.fits_table() else None
+            rows = self.table_rows(fixed.shape[1] if fixed is not None else max(1, max(map(len, self.pages))))
             if fixed is not None:
-                host = torch.tensor(rows, dtype=torch.long)
                 cuda = fixed.device.type == "cuda"
-                fixed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+                fixed.copy_(rows.pin_memory() if cuda else rows, non_blocking=cuda)
                 self._table = fixed
             else:
                 self._table = on_device(rows, self.device)
         return self._table
+
+    @property
+    def table_stale(self) -> bool:
+        """Pages were reserved or released since the table was last written."""
+        return self._table is None
+
+    def fits_table(self) -> bool:
+        """Whether every slot's pages fit the fixed-width table (``cap``; always, unless a slot outgrew it)."""
+        return self._fixed is not None and max(map(len, self.pages)) <= self._fixed.shape[1]
+
+    def table_rows(self, width: int) -> torch.Tensor:
+        """The page table on the host, ``[slots, width]`` (long)."""
+        return torch.tensor([p + [0] * (width - len(p)) for p in self.pages], dtype=torch.long)
+
+    def table_uploaded(self) -> None:
+        """The caller wrote ``table_rows`` into the fixed-width table (``SlotKV``'s one upload a pass)."""
+        self._table = self._fixed
 
     def static_key(self) -> tuple:
         """The addresses a static pass's graph reads here (windows, page pools, statistics, page table)."""
@@ -262,8 +285,10 @@ class SlotArena:
         target = self.kv.schedule.quantized_count(n)
         if target:
             self._calibrate(slice(slot, slot + 1), keys[:, :, sink:], values[:, :, sink:])
+            # both made on the device: a copy from the host inside a layer waits behind the layer copies
             at = torch.zeros(1, dtype=torch.long, device=keys.device)
-            self._append(on_device([slot], keys.device), keys[:, :, sink: sink + target],
+            row = torch.full((1,), slot, dtype=torch.long, device=keys.device)
+            self._append(row, keys[:, :, sink: sink + target],
                          values[:, :, sink: sink + target], at=at)
         for name, x in (("win_k", keys), ("win_v", values)):
             kept = torch.cat([x[0, :, :sink], x[0, :, sink + target:]], dim=1)
