@@ -7,8 +7,12 @@
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces
 set -x
-timeout 90 python -m airquant.cli synth --shape llama3-70b --dtype nf4 --layers 20 --device cuda --quiet \
-    --store /tmp/bb20 > $R/synth.log 2>&1
+timeout 90 python -c "
+from pathlib import Path
+from transformers import AutoTokenizer
+from airquant.store.synth import SynthSpec, synth
+synth(SynthSpec('llama3-70b', 'nf4', layers=20), Path('/tmp/bb20'), device='cuda', progress=False,
+      tokenizer=AutoTokenizer.from_pretrained('tests/data/smollm2_tokenizer'))" > $R/synth.log 2>&1
 for kv in tq none; do
     timeout 75 python benchmarks/batch_bench.py --part continuous --kv $kv --store /tmp/bb20 --seconds 15 \
         --trace-passes 3 --trace-dir $R/traces/$kv --out $R/check_$kv.json > $R/check_$kv.log 2>&1
