@@ -194,9 +194,10 @@ def part_batch(args, which: str, results: dict) -> None:
     finally:
         engine.close()
     shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
+    device = "cpu" if args.quick else torch.cuda.get_device_name()
     results.update({**shown, **measured, f"{prefix}_settings": settings, f"{prefix}_warmup_s": warm,
-                    "method": METHOD, "synthetic": True, "quick": args.quick,
-                    "device": "cpu" if args.quick else torch.cuda.get_device_name()})
+                    f"{prefix}_device": device, "method": METHOD, "synthetic": True, "quick": args.quick,
+                    "device": device})
     compare(results)
     compare_kv(results)
 
@@ -241,6 +242,10 @@ def compare_kv(results: dict) -> None:
         window = results.get(f"continuous_{name}_budget_s"), results.get("continuous_budget_s")
         if window[0] != window[1]:
             differ.append(f"window ({window[0]} s vs {window[1]} s)")
+        # rows of different cards (or written before rows named theirs) are not compared
+        device = results.get(f"continuous_{name}_device"), results.get("continuous_device")
+        if device[0] is None or device[0] != device[1]:
+            differ.append(f"device ({device[0] or 'not recorded'} vs {device[1] or 'not recorded'})")
         if differ:
             missing.append(f"{name} and plain ran with different {', '.join(differ)}")
             continue

@@ -152,8 +152,9 @@ def test_kv_tq_runs_the_planners_turboquant_choice(store_dir):
 
 
 def test_kv_rows_compare_with_plain_only_over_the_same_window():
-    """The #38 ratios: TurboQuant and the planner's row over plain when they ran the same stream and window;
-    a different window gives no ratio and says why."""
+    """The #38 ratios: TurboQuant and the planner's row over plain when they ran the same stream and window on the
+    same card; a different window, or a row of another card (or one that did not record its card), gives no ratio
+    and says why."""
     from benchmarks.batch_bench import compare_kv
 
     stream = {"requests": 512, "context": 1466, "distribution": "d", "order": "longest prompt first"}
@@ -163,6 +164,7 @@ def test_kv_rows_compare_with_plain_only_over_the_same_window():
          "continuous_tq_useful_tok_s": 45.0, "continuous_tq_steady_useful_tok_s": 99.0,
          "continuous_auto_settings": {**stream, "slots": 64}, "continuous_auto_budget_s": 100.0,
          "continuous_auto_useful_tok_s": 60.0}
+    r.update({f"continuous{row}_device": "H100" for row in ("", "_tq", "_auto")})
     compare_kv(r)
     assert r["tq_over_plain_useful_tok_s"] == 1.5 and r["tq_over_plain_steady_useful_tok_s"] == 3.0
     assert r["tq_slots_over_plain"] == 99 / 24 and r["auto_over_best_useful_tok_s"] == 1.0
@@ -171,3 +173,10 @@ def test_kv_rows_compare_with_plain_only_over_the_same_window():
     compare_kv(r)
     assert "tq_over_plain_useful_tok_s" not in r and "window (300.0 s vs 100.0 s)" in r["kv_ratios_missing"]
     assert r["auto_over_best_useful_tok_s"] == 1.0 and r["targets"]["tq_slots_over_plain"]["met"] is None
+    r["continuous_tq_budget_s"], r["continuous_auto_device"] = 100.0, "H200"
+    compare_kv(r)
+    assert r["tq_over_plain_useful_tok_s"] == 1.5 and "auto_over_best_useful_tok_s" not in r
+    assert "auto and plain ran with different device (H200 vs H100)" in r["kv_ratios_missing"]
+    del r["continuous_auto_device"]
+    compare_kv(r)
+    assert "device (not recorded vs H100)" in r["kv_ratios_missing"]
