@@ -143,7 +143,7 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
             rows[name] = measure_cache(b, engine, ids, kv)
             log.info("batch %d, %s: %.4f s/step, prefill %.2f s, cache %.3f GB", batch, name, rows[name]["step_s"],
                      rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
-            if a.trace and name in FURTHER and describe:  # where the step's time goes, at the first batch
+            if a.trace and name in FURTHER:  # where the step's time goes, at every batch
                 rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=kv,
                                                      new=min(a.steps, 8))
         except torch.OutOfMemoryError as exc:
@@ -293,8 +293,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap-gb", type=float, default=15.0, help="GPU cap (GB) of the 70B largest-batch plan")
     p.add_argument("--layers", type=int, default=None, help="truncate the 8B shape (default: all 32 layers)")
     p.add_argument("--trace", action="store_true",
-                   help="also profile the plain and TQ generations at the first batch (prefill included): device "
-                        "time by kind and the top ops, under details.cases.<cache>.trace")
+                   help="also profile the plain and TQ generations at each batch (prefill included): device time "
+                        "by kind and the top ops, under details.cases.<cache>.trace (further batches: "
+                        "details.by_batch.<batch>.<cache>.trace)")
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="and write their timelines there (gzipped)")
     p.add_argument("--tokenizer", default=str(REPO / "tests" / "data" / "smollm2_tokenizer"),
                    help="tokenizer folder for the stores (default: the SmolLM2 tokenizer shipped in tests/data)")

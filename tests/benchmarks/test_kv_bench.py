@@ -11,7 +11,7 @@ CACHES = {"none", "tq", "turboquant"}
 
 def test_quick_run_writes_every_key(tmp_path):
     out = tmp_path / "kv_bench.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--batches", "8,32", "--workdir",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--batches", "8,32", "--trace", "--workdir",
                            str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tq_over_fp16_step" in proc.stdout
@@ -29,6 +29,9 @@ def test_quick_run_writes_every_key(tmp_path):
     assert r["batches"] == [2, 3] and set(r["details"]["by_batch"]["3"]) == {"none", "tq"}
     bs3 = r["details"]["by_batch"]["3"]
     assert r["tq_over_fp16_step_bs3"] == bs3["tq"]["step_s"] / bs3["none"]["step_s"]
+    # --trace: where the time goes at every batch, plain and tq
+    assert all(r["details"]["cases"][n]["trace"]["new_tokens"] > 0 and bs3[n]["trace"]["new_tokens"] > 0
+               for n in ("none", "tq"))
     assert r["targets"]["tq_over_fp16_step_bs3"]["target"] == r["targets"]["tq_over_fp16_step"]["target"] == 1.15
     # the compressed cache holds fewer bytes than the plain one, and lets a larger batch fit
     assert r["cache_gb"]["tq"] < r["cache_gb"]["none"]
