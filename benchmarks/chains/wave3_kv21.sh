@@ -1,0 +1,23 @@
+# Device chain for issue #38 (~17 min, started detached; polled over two or three calls). wave3_kv19 again after
+# the TurboQuant page tables moved out of the layers (SlotKV._upload_tables): in wave3_kv19 (H100) a TQ pass took
+# its copies plus its kernels (decode 0.92 s, ramp 1.29 s; plain 0.73 s with its kernels under its copies) because
+# each layer's small table upload on the compute stream queued behind the next layers' weight copies.
+# 1. kv_bench at 8K, batch 8 and 32, every batch traced (batch 32 missed at 1.97x with steps of 73-204 ms).
+# 2. The 70B NF4 loop under 15 GB, plain and TQ, the same 100 s window (rows now name their card): the TQ decode
+#    and ramp passes should be near plain's 0.73 s; tq_over_plain_useful_tok_s against 3x (1.95x before).
+# 3. The TQ ramp traced in a short window of its own (ramp_tq.json): copies and kernels overlapped or not.
+cd /tmp/run && . benchmarks/device_env.sh
+R=/tmp/res; mkdir -p $R/traces && cp results/kv_bench.json results/batch_bench.json $R/
+set -x
+timeout 400 python benchmarks/kv_bench.py --batches 8,32 --trace --trace-dir $R/traces --workdir /tmp/kvw \
+    --out $R/kv_bench.json > $R/kv.log 2>&1
+echo KV_DONE > $R/kv_done
+python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
+for kv in none tq; do
+    timeout 270 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
+        --trace-passes 3 --trace-dir $R/traces/$kv > $R/cont_$kv.log 2>&1
+done
+python benchmarks/batch_bench.py --part report --out $R/batch_bench.json > $R/report.log 2>&1
+timeout 150 python benchmarks/batch_bench.py --part continuous --kv tq --seconds 0 --trace-ramp 3 \
+    --trace-dir $R/traces/ramp_tq --out $R/ramp_tq.json > $R/ramp_tq.log 2>&1
+echo CHAIN_DONE > $R/done
