@@ -110,6 +110,47 @@ def test_cuda_turboquant_rows_of_many_lengths_attend_in_one_launch(tiny_store, m
     engine.close()
 
 
+def test_cuda_streamed_turboquant_loop_uploads_nothing_inside_a_layer(tiny_store, monkeypatch):
+    """Every layer streamed, twelve TurboQuant slots admitted over several passes (pages reserved and released):
+    no host tensor is pinned for the device while a layer runs (a page table or a prefill index copied on the
+    compute stream waits behind the next layers' weight copies, and the layers then ran one after another's
+    copy: H100, 2026-12-05), and each request gets the tokens it gets alone."""
+    from airquant.engine import skeleton
+    from airquant.engine.decode import Request
+    from airquant.kv import KVConfig
+
+    tq = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    engine = Engine.open(tiny_store, device="cuda", resident_layers=0)
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    job = [(" ".join(words * (1 + k % 4))[: 8 + 37 * k], 5 + k % 4) for k in range(12)]
+    alone = _loop_outputs(engine, job, 1, 160, tq, 512)
+
+    inside = {"layer": False, "pinned": 0, "passes": 0, "calls": 0}
+    pin = torch.Tensor.pin_memory
+
+    def counted_pin(self, *args, **kw):
+        inside["pinned"] += inside["layer"] and inside["passes"] > 1  # the first pass makes the arenas
+        return pin(self, *args, **kw)
+
+    def enter(*_):
+        inside["layer"], inside["calls"] = True, inside["calls"] + 1
+
+    layers = skeleton.decoder_layers(engine.model)
+    hooks = [m.register_forward_pre_hook(enter) for m in layers]
+    hooks += [m.register_forward_hook(lambda *_: inside.__setitem__("layer", False)) for m in layers]
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counted_pin)
+    loop = engine.decode_loop(12, context=160, kv=tq, token_budget=96)  # a few prompts a pass: a ramp
+    seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), n, ignore_eos=True)) for p, n in job]
+    while not loop.idle:
+        inside["passes"] += 1
+        loop.step()
+    for h in hooks:
+        h.remove()
+    assert inside["calls"] >= len(layers) * inside["passes"] and inside["passes"] > 3 and inside["pinned"] == 0, inside
+    assert [s.out for s in seqs] == alone
+    engine.close()
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 2, 4, 0, 3, 1]], ids=["fifo", "shuffled"])
 def test_cuda_loop_with_kv_offload_equals_the_cache_on_the_device(tiny_store, order):
     """KV offload in the decode loop on CUDA: pinned host copies, the prefix copied in per layer and the new
