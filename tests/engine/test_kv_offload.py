@@ -75,6 +75,34 @@ def test_the_loops_offloaded_cache_is_counted_in_host_memory(engines):
     assert held == sum(t.numel() * t.element_size() for t in loop.kv._k + loop.kv._v)  # every layer's buffers
 
 
+def test_an_offloaded_layers_prefix_is_one_block_of_host_memory():
+    """What crosses the link for an offloaded layer each pass, its prefix ``[:, :, :span]`` (every slot, every head,
+    the pass's span), is one block of host memory: a strided source goes through a pageable temporary, whose copy
+    waits for everything queued on the GPU (the host stalled at every offloaded layer). New tokens still land
+    where the next pass reads them."""
+    from airquant.engine.decode.slots import Segment, SlotKV
+
+    def one_block(t: torch.Tensor) -> bool:  # no gaps, no overlap: the last element is numel - 1 elements on
+        return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) == t.numel()
+
+    kv = SlotKV(2, 3, 64, torch.device("cpu"), torch.float32, offload={1})
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for step, segments in enumerate([[Segment(0, 0, 5, 0), Segment(2, 0, 3, 5)],
+                                     [Segment(0, 5, 1, 0), Segment(2, 3, 1, 1)]]):
+        kv.begin(segments)
+        n = sum(s.n for s in segments)
+        for i in range(2):
+            k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(2))
+            rows[step, i] = k
+            kv.update(k, v, i)
+    kv.begin([Segment(0, 6, 1, 0)])  # the next pass lands the last one's tokens in the host copy
+    kv.update(*(torch.randn(1, 2, 1, 8, generator=g) for _ in range(2)), 1)
+    home = kv._k[1]
+    assert home.device.type == "cpu" and one_block(home[:, :, : kv.span]) and kv.span < kv.cap
+    assert torch.equal(home[0, :, :5], rows[0, 1][0, :, :5]) and torch.equal(home[2, :, 3], rows[1, 1][0, :, 1])
+
+
 def test_slot_cache_holds_attention_layers_and_refuses_what_it_cannot_offload():
     from transformers import Qwen2Config
 

@@ -420,10 +420,18 @@ class SlotKV:
             pin = self.pin and i in self.offload
             for bufs, x, which in ((self._k, key, "k"), (self._v, value, "v")):
                 shape = (self.slots, x.shape[1], self.cap, x.shape[3])
-                if self.pool is not None and i not in self.offload:
+                if i in self.offload:
+                    # Token-major in host memory, seen as [slots, Hkv, cap, D]: a pass's prefix (``[:, :, :span]``)
+                    # is one block, which crosses in one asynchronous copy. A strided prefix went through a
+                    # pageable temporary (torch makes a non-contiguous source contiguous first), and a copy from
+                    # pageable memory waits for everything queued on the GPU: the host stopped at every layer.
+                    base = torch.zeros((self.cap, self.slots, x.shape[1], x.shape[3]), dtype=self.dtype,
+                                       device=home, pin_memory=pin)
+                    bufs[i] = base.permute(1, 2, 0, 3)
+                elif self.pool is not None:
                     bufs[i] = self.pool.get(i, which, shape, self.dtype, home)
                 else:
-                    bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home, pin_memory=pin)
+                    bufs[i] = torch.zeros(shape, dtype=self.dtype, device=home)
         return self._k[i], self._v[i]
 
     def _plain_update(self, key, value, i: int, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
