@@ -266,7 +266,9 @@ class Engine:
                           offload=self.offloaded_layers() if offload is None else offload,
                           sync=self._sync, on_error=self._on_error, scope=self.passes,
                           # a TurboQuant arena's pages for the tokens the plan's reserve holds, allocated at once
-                          pool_tokens=self.plan.kv_tokens if self.plan is not None else None)
+                          pool_tokens=self.plan.kv_tokens if self.plan is not None else None,
+                          # offloaded layers' caches cross on the layers' copy stream, ahead of their layer
+                          copy_ops=self.streamer.ops if self.streamer is not None else None)
         self._live_kv = weakref.ref(loop.kv)
         return loop
 

@@ -153,6 +153,36 @@ def test_decode_with_kv_cache_matches_resident(tiny_store, reference, slots, rea
     engine.close()
 
 
+def _loop_tokens(engine, offload: set[int], prompts=PROMPTS, new=6) -> list[list[int]]:
+    from airquant.engine.decode import Request
+
+    loop = engine.decode_loop(2, context=64, token_budget=8, offload=offload)  # prompts in chunks, admitted late
+    seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), new, ignore_eos=True)) for p in prompts]
+    while not loop.idle:
+        loop.step()
+    return [s.out for s in seqs]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_an_offloaded_cache_crosses_on_the_copy_stream_ahead_of_its_layer(tiny_store, lazy):
+    """KV offload in the decode loop over a streamed model: each offloaded layer's prefix goes through the copy
+    stream (``ops``), queued while the layer before it runs, and its layer waits for it. Eager copies catch one
+    issued before the last pass's tokens landed in the host copy; lazy ones, a layer that does not wait. The tokens
+    are the loop's with the cache on the device."""
+    ops = SimOps(lazy)
+    engine = streamed_engine(tiny_store, TIERS["ram"], ops)
+    layers = set(range(engine.config.num_hidden_layers))
+    want = _loop_tokens(engine, set())
+    before = ops.copies
+    _loop_tokens(engine, set())
+    weights = ops.copies - before
+    before = ops.copies
+    got = _loop_tokens(engine, layers)
+    assert got == want
+    assert ops.copies - weights - before > 2 * len(layers)  # keys and values of every layer, most passes
+    engine.close()
+
+
 def test_the_simulator_catches_a_missing_wait(tiny_store, reference, monkeypatch):
     """Without the compute stream waiting for the copy, the lazy simulator computes with garbage."""
     enc, want, _ = reference

@@ -164,7 +164,8 @@ class DecodeLoop:
 
     def __init__(self, model, tokenizer, *, slots: int, context: int, token_budget: int, device: torch.device,
                  dtype: torch.dtype, eos_ids: list[int], cache_arg: str, kv=None, offload: set[int] = frozenset(),
-                 sync=lambda: None, on_error=lambda: None, scope=attention_backends, pool_tokens: int | None = None):
+                 sync=lambda: None, on_error=lambda: None, scope=attention_backends, pool_tokens: int | None = None,
+                 copy_ops=None):
         register_ragged_attention()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.slots, self.context, self.token_budget = slots, context, max(token_budget, slots)
@@ -173,7 +174,7 @@ class DecodeLoop:
         self.scope = scope  # the context of every forward (the engine's: SDPA backends, its VRAM cap)
         layers, _, _ = model_dims(model.config, turboquant=kv is not None)
         self.kv = SlotKV(layers, slots, context, device, dtype, kv=kv, offload=offload, pin=device.type == "cuda",
-                         latent=caches_latents(model.config), pool_tokens=pool_tokens)
+                         latent=caches_latents(model.config), pool_tokens=pool_tokens, copy_ops=copy_ops)
         # A stack that changes what the cache returns (MLA's expansion) hands its attention untagged keys: the
         # cache comes along.
         self._prefix = {"slot_kv": self.kv} if self.kv.prefix else {}

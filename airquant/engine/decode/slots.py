@@ -194,7 +194,7 @@ class SlotKV:
 
     def __init__(self, num_layers: int, slots: int, cap: int, device: torch.device, dtype: torch.dtype, *,
                  kv: KVConfig | None = None, offload: set[int] | frozenset = frozenset(),
-                 pin: bool = False, latent: bool = False, pool_tokens: int | None = None):
+                 pin: bool = False, latent: bool = False, pool_tokens: int | None = None, copy_ops=None):
         if latent and kv is not None and kv.backend == "tq":
             raise KVConfigError("the TurboQuant cache compresses keys and values per head; an MLA stack (DeepSeek, "
                                 "GLM-4-MoE-lite) caches one compressed latent per token: use kv backend 'none'")
@@ -220,6 +220,13 @@ class SlotKV:
         self._decode: tuple[torch.Tensor, ...] | None = None
         self._decode_host: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, starts (CPU): host writes
         self._pending: dict[int, tuple] = {}  # offloaded layer -> new tokens on their way to the host copy
+        # ``copy_ops`` (the streamer's ``CudaOps``): an offloaded layer's prefix is copied on the copy stream while
+        # the layer before it runs (``_fetch_ahead``), in order with the layers' weights; without it (CPU, the
+        # fallback path) each offloaded layer copies its own on the compute stream, where the copy engine runs it
+        # after the next layers' weights and the layer waits for them
+        self.ops = copy_ops
+        self._ahead: dict[int, tuple] = {}  # offloaded layer -> (keys, values, span, done) copied for this pass
+        self._offloaded = sorted(self.offload)
         self.passes = 0  # ``begin`` calls: layer graphs' static inputs are refreshed once a pass
         self.recorder = None  # engine/layer_graphs: a capture's Recorder, or a warm-up's sync check
         self.graph_rows = 0  # engine/layer_graphs: decode passes of up to this many rows are static
@@ -266,6 +273,30 @@ class SlotKV:
                 self._decode_host = self._decode[:2]
         if self.tq:
             self._tq_begin(segments, dec)
+        self._ahead.clear()  # a pass cut short leaves its copies (their memory retired to the copy stream)
+        if self._offloaded and not self.tq:
+            self._fetch_ahead(self._offloaded[0])
+
+    def _fetch_ahead(self, j: int | None) -> None:
+        """Offloaded layer ``j``'s prefix for this pass (its last pass's tokens landed first) copied to the device
+        on the copy stream, to be waited for by its layer; nothing without ``ops`` or before its first pass."""
+        if j is None or self.ops is None or self._k[j] is None:
+            return
+        self._land(j)
+        span, copies = self.span, []
+        for home in (self._k[j], self._v[j]):
+            src = home[:, :, :span]
+            dst = torch.empty_like(src, device=self.device)  # the prefix's strides: one block, one copy
+            retire = getattr(self.ops, "retire", None)
+            if retire is not None:
+                retire(dst)  # read by a queued copy: not handed out again before it ran, even if never used
+            _, done = self.ops.copy(dst, src, None)
+            copies.append(dst)
+        self._ahead[j] = (*copies, span, done)
+
+    def _next_offloaded(self, i: int) -> int | None:
+        later = [j for j in self._offloaded if j > i]
+        return later[0] if later else None
 
     def _static_begin(self, dec: list[Segment]) -> None:
         """The pass's decode tokens in the static tensor (one copy), read through views at fixed addresses."""
@@ -446,9 +477,15 @@ class SlotKV:
         # asynchronously and land in it before this layer's next pass reads it. Writing them to the host here
         # was a blocking device-to-host copy per layer, which stops the host from queueing ahead of the GPU (a
         # streamed 8B batch-1 step with its KV offloaded so ran at 0.83 of the H200's link, 0.99 on the device).
-        self._land(i)
-        k_dev = k_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
-        v_dev = v_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None and ahead[2] == self.span:
+            k_dev, v_dev, _, done = ahead
+            self.ops.wait(done)
+        else:
+            self._land(i)
+            k_dev = k_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
+            v_dev = v_home[:, :, : self.span].to(self.device, non_blocking=True, copy=True)
+        self._fetch_ahead(self._next_offloaded(i))
         _scatter(k_dev, v_dev, rows, self._decode)
         host = [(where, self._to_host(k), self._to_host(v)) for where, k, v in rows]
         event = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
