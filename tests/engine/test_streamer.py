@@ -153,33 +153,63 @@ def test_decode_with_kv_cache_matches_resident(tiny_store, reference, slots, rea
     engine.close()
 
 
-def _loop_tokens(engine, offload: set[int], prompts=PROMPTS, new=6) -> list[list[int]]:
+def _loop_tokens(engine, offload: set[int], prompts=PROMPTS, new=6, kv=None, after_step=None) -> list[list[int]]:
+    """The tokens of ``prompts`` through one two-slot loop; ``after_step(loop)`` after each pass."""
     from airquant.engine.decode import Request
 
-    loop = engine.decode_loop(2, context=64, token_budget=8, offload=offload)  # prompts in chunks, admitted late
+    # plain: prompts in chunks, admitted late; TurboQuant: whole prompts, one a pass
+    loop = engine.decode_loop(2, context=160, token_budget=8 if kv is None else 128, offload=offload, kv=kv)
     seqs = [loop.submit(Request(tuple(engine.prompt_ids(p)), new, ignore_eos=True)) for p in prompts]
     while not loop.idle:
         loop.step()
+        if after_step is not None:
+            after_step(loop)
     return [s.out for s in seqs]
 
 
+@pytest.mark.parametrize("kv", ["plain", "tq"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_an_offloaded_cache_crosses_on_the_copy_stream_ahead_of_its_layer(tiny_store, lazy):
-    """KV offload in the decode loop over a streamed model: each offloaded layer's prefix goes through the copy
-    stream (``ops``), queued while the layer before it runs, and its layer waits for it. Eager copies catch one
-    issued before the last pass's tokens landed in the host copy; lazy ones, a layer that does not wait. The tokens
+def test_an_offloaded_cache_crosses_on_the_copy_stream_ahead_of_its_layer(tiny_store, lazy, kv, monkeypatch):
+    """KV offload in the decode loop over a streamed model: each offloaded layer's cache (plain: its prefix;
+    TurboQuant: its arena and page table, pages reserved first) goes through the copy stream (``ops``), queued
+    while the layer before it runs, and its layer waits for it; nothing goes through the layer's own copy. Eager
+    copies catch one issued before the host copy was complete; lazy ones, a layer that does not wait. The tokens
     are the loop's with the cache on the device."""
+    from airquant.engine.decode.tqslots import SlotArena
+    from airquant.kv import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1) if kv == "tq" else None
     ops = SimOps(lazy)
     engine = streamed_engine(tiny_store, TIERS["ram"], ops)
     layers = set(range(engine.config.num_hidden_layers))
-    want = _loop_tokens(engine, set())
+    # histories of one to two 64-token pages, slots freed and refilled out of order: page tables change
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    prompts = [" ".join(words * n)[:chars] for n, chars in ((6, 400), (1, 20), (8, 520), (2, 60), (5, 300))]
+    checked = []
+
+    def tables_as_pages(loop):  # each current page table as its arena's pages are (they change: slots refilled)
+        for i in layers if kv == "tq" else ():
+            arena = loop.kv.arena(i)
+            if arena is not None and not arena.table_stale:
+                checked.append(any(arena.pages))
+                assert torch.equal(arena.fixed_table, arena.table_rows(arena.table_capacity)), i
+
+    run = lambda offload: _loop_tokens(engine, offload, prompts, kv=config, after_step=tables_as_pages)  # noqa: E731
+    want = run(set())
     before = ops.copies
-    _loop_tokens(engine, set())
+    run(set())
     weights = ops.copies - before
+    inline = {"prefetch": 0}
+    real = SlotArena.prefetch
+    monkeypatch.setattr(SlotArena, "prefetch", lambda self: inline.__setitem__("prefetch", inline["prefetch"] + 1)
+                        or real(self))
     before = ops.copies
-    got = _loop_tokens(engine, layers)
+    checked.clear()
+    got = run(layers)
     assert got == want
-    assert ops.copies - weights - before > 2 * len(layers)  # keys and values of every layer, most passes
+    assert ops.copies - weights - before > 2 * len(layers)  # the caches of every layer, most passes
+    assert inline["prefetch"] == 0  # a TurboQuant arena never crossed on the compute stream
+    assert (kv == "plain") != any(checked)
     engine.close()
 
 

@@ -225,7 +225,8 @@ class SlotKV:
         # fallback path) each offloaded layer copies its own on the compute stream, where the copy engine runs it
         # after the next layers' weights and the layer waits for them
         self.ops = copy_ops
-        self._ahead: dict[int, tuple] = {}  # offloaded layer -> (keys, values, span, done) copied for this pass
+        self._ahead: dict[int, tuple] = {}  # offloaded layer -> what was copied ahead for this pass, its event
+        self._offloaded_at: dict[int, object] = {}  # TurboQuant: offloaded layer -> its arena's copy to the host
         self._offloaded = sorted(self.offload)
         self.passes = 0  # ``begin`` calls: layer graphs' static inputs are refreshed once a pass
         self.recorder = None  # engine/layer_graphs: a capture's Recorder, or a warm-up's sync check
@@ -274,8 +275,8 @@ class SlotKV:
         if self.tq:
             self._tq_begin(segments, dec)
         self._ahead.clear()  # a pass cut short leaves its copies (their memory retired to the copy stream)
-        if self._offloaded and not self.tq:
-            self._fetch_ahead(self._offloaded[0])
+        if self._offloaded:
+            (self._fetch_arena_ahead if self.tq else self._fetch_ahead)(self._offloaded[0])
 
     def _fetch_ahead(self, j: int | None) -> None:
         """Offloaded layer ``j``'s prefix for this pass (its last pass's tokens landed first) copied to the device
@@ -293,6 +294,32 @@ class SlotKV:
             _, done = self.ops.copy(dst, src, None)
             copies.append(dst)
         self._ahead[j] = (*copies, span, done)
+
+    def _fetch_arena_ahead(self, j: int | None) -> None:
+        """``_fetch_ahead`` for an offloaded TurboQuant arena: its pages for this pass reserved (grown in pinned host
+        memory if need be, once its last copy to the host has landed), then the arena and its page table copied on
+        the copy stream."""
+        arena = self._tq[j] if j is not None else None
+        if arena is None or self.ops is None:
+            return
+        landed = self._offloaded_at.pop(j, None)
+        if landed is not None:
+            self.ops.host_wait(landed)  # the host copy is read (or grown) here: long done, a pass ends in a sync
+        pages = arena.pool_pages
+        arena.reserve_all(self._tq_reserve)
+        self.layout += arena.pool_pages != pages
+        retire = getattr(self.ops, "retire", None)
+        tensors = {}
+        for name, t in arena.t.items():
+            tensors[name] = torch.empty_like(t, device=self.device)
+            if retire is not None:
+                retire(tensors[name])
+            _, done = self.ops.copy(tensors[name], t, None)
+        table = arena.table_stale and arena.fits_table()
+        if table:
+            rows = arena.table_rows(arena.table_capacity)
+            _, done = self.ops.copy(arena.fixed_table, rows.pin_memory() if self.pin else rows, None)
+        self._ahead[j] = (tensors, table, done)
 
     def _next_offloaded(self, i: int) -> int | None:
         later = [j for j in self._offloaded if j > i]
@@ -530,14 +557,22 @@ class SlotKV:
         tokens' slots waits for the attention (it reads the history as it was before this token)."""
         arena = self._tq[i]
         if arena is None:
-            device_arena = i not in self.offload
             arena = self._tq[i] = SlotArena(self.kv, i, self.slots, key.shape[1], key.shape[3], self.device,
-                                            self.dtype, cap=self.cap if device_arena else None,
+                                            self.dtype, cap=self.cap,
                                             # an offloaded arena crosses the link whole each pass: grown as used
-                                            pool_pages=self.pool_pages if device_arena else 0,
-                                            table=self._table_view(i) if device_arena else None)
+                                            pool_pages=self.pool_pages if i not in self.offload else 0,
+                                            table=self._table_view(i))
         elif i in self.offload:
-            arena.prefetch()
+            ahead = self._ahead.pop(i, None)
+            if ahead is not None:
+                tensors, table, done = ahead
+                self.ops.wait(done)
+                arena.t = tensors
+                if table:
+                    arena.table_uploaded()
+            else:
+                arena.prefetch()
+            self._fetch_arena_ahead(self._next_offloaded(i))
         pages = arena.pool_pages
         arena.reserve_all(self._tq_reserve)
         self.layout += arena.pool_pages != pages
@@ -577,6 +612,8 @@ class SlotKV:
             self._tq[i].flush(self.plan)
         if i in self.offload:
             self._tq[i].offload()
+            if self.ops is not None:  # read again (copied ahead, or grown) once this copy has landed
+                self._offloaded_at[i] = self.ops.mark()
 
     def host_bytes(self) -> int:
         """Bytes the offloaded layers keep in host memory between their passes."""

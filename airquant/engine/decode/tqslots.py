@@ -193,13 +193,15 @@ class SlotArena:
 
     def _pages(self, count: int, device=None) -> dict[str, torch.Tensor]:
         """``count`` history pages ``[pages, Hkv, PAGE_TOKENS, ...]`` (codes and norms of keys and values)."""
-        device = device or self.device
+        device = torch.device(device or self.device)
         norm = NORM_DTYPE if self.kv.norm_bits == 16 else torch.uint8
         shape = (count, self.heads, PAGE_TOKENS)
-        return {"k_codes": torch.zeros(*shape, self.k_codec.width, dtype=torch.uint8, device=device),
-                "k_norms": torch.zeros(shape, dtype=norm, device=device),
-                "v_codes": torch.zeros(*shape, self.v_codec.width, dtype=torch.uint8, device=device),
-                "v_norms": torch.zeros(shape, dtype=norm, device=device)}
+        # an offloaded arena grown in host memory: pinned, so that its copies to the GPU stay asynchronous
+        kw = {"device": device, "pin_memory": device.type == "cpu" and torch.device(self.device).type == "cuda"}
+        return {"k_codes": torch.zeros(*shape, self.k_codec.width, dtype=torch.uint8, **kw),
+                "k_norms": torch.zeros(shape, dtype=norm, **kw),
+                "v_codes": torch.zeros(*shape, self.v_codec.width, dtype=torch.uint8, **kw),
+                "v_norms": torch.zeros(shape, dtype=norm, **kw)}
 
     @property
     def pool_pages(self) -> int:
@@ -267,6 +269,16 @@ class SlotArena:
     def table_rows(self, width: int) -> torch.Tensor:
         """The page table on the host, ``[slots, width]`` (long)."""
         return torch.tensor([p + [0] * (width - len(p)) for p in self.pages], dtype=torch.long)
+
+    @property
+    def fixed_table(self) -> torch.Tensor | None:
+        """The fixed-width table on the device (``cap``), or None."""
+        return self._fixed
+
+    @property
+    def table_capacity(self) -> int:
+        """Pages a slot's row of the fixed-width table holds (0 without one)."""
+        return self._fixed.shape[1] if self._fixed is not None else 0
 
     def table_uploaded(self) -> None:
         """The caller wrote ``table_rows`` into the fixed-width table (``SlotKV``'s one upload a pass)."""
