@@ -10,7 +10,7 @@
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces && cp results/kv_bench.json results/batch_bench.json $R/
 set -x
-timeout 400 python benchmarks/kv_bench.py --batches 8,32 --trace --trace-dir $R/traces --workdir /tmp/kvw \
+timeout ${KV_TIMEOUT:-400} python benchmarks/kv_bench.py --batches 8,32 --trace --trace-dir $R/traces --workdir /tmp/kvw \
     --out $R/kv_bench.json > $R/kv.log 2>&1
 echo KV_DONE > $R/kv_done
 python benchmarks/batch_bench.py --part build > $R/build.log 2>&1

@@ -9,19 +9,8 @@
 #    and ramp passes should be near plain's 0.73 s; tq_over_plain_useful_tok_s against 3x (1.95x before).
 # 3. The TQ ramp traced in a short window of its own (ramp_tq.json): copies and kernels overlapped or not.
 cd /tmp/run && . benchmarks/device_env.sh
-R=/tmp/res; mkdir -p $R/traces && cp results/kv_bench.json results/batch_bench.json $R/
-set -x
+R=/tmp/res; mkdir -p $R
 timeout 300 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_layer_graphs.py tests/engine/test_kv_offload.py \
     -k "turboquant or offload" > $R/gpu_tests.log 2>&1
-timeout 480 python benchmarks/kv_bench.py --batches 8,32 --trace --trace-dir $R/traces --workdir /tmp/kvw \
-    --out $R/kv_bench.json > $R/kv.log 2>&1
-echo KV_DONE > $R/kv_done
-python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
-for kv in none tq; do
-    timeout 270 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
-        --trace-passes 3 --trace-dir $R/traces/$kv > $R/cont_$kv.log 2>&1
-done
-python benchmarks/batch_bench.py --part report --out $R/batch_bench.json > $R/report.log 2>&1
-timeout 150 python benchmarks/batch_bench.py --part continuous --kv tq --seconds 0 --trace-ramp 3 \
-    --trace-dir $R/traces/ramp_tq --out $R/ramp_tq.json > $R/ramp_tq.log 2>&1
-echo CHAIN_DONE > $R/done
+# then wave3_kv19's runs, as they were (the batch-32 traces given more time)
+KV_TIMEOUT=480 bash benchmarks/chains/wave3_kv19.sh
