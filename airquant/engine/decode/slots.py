@@ -57,6 +57,7 @@ buffers (``KVBuffers``), so that one replays the graphs instead of capturing its
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 
@@ -284,16 +285,16 @@ class SlotKV:
         if j is None or self.ops is None or self._k[j] is None:
             return
         self._land(j)
-        span, copies = self.span, []
-        for home in (self._k[j], self._v[j]):
-            src = home[:, :, :span]
-            dst = torch.empty_like(src, device=self.device)  # the prefix's strides: one block, one copy
-            retire = getattr(self.ops, "retire", None)
-            if retire is not None:
-                retire(dst)  # read by a queued copy: not handed out again before it ran, even if never used
-            _, done = self.ops.copy(dst, src, None)
-            copies.append(dst)
-        self._ahead[j] = (*copies, span, done)
+        (k_dev, _), (v_dev, done) = (self._copy_ahead(home[:, :, :self.span]) for home in (self._k[j], self._v[j]))
+        self._ahead[j] = (k_dev, v_dev, self.span, done)
+
+    def _copy_ahead(self, src: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """``src`` (host) copied into a new device tensor of its strides (a prefix: one block, one copy) on the copy
+        stream; (the tensor, the copy's event)."""
+        dst = torch.empty_like(src, device=self.device)
+        self.ops.retire(dst)  # read by a queued copy: not handed out again before it ran, even if never used
+        _, done = self.ops.copy(dst, src, None)
+        return dst, done
 
     def _fetch_arena_ahead(self, j: int | None) -> None:
         """``_fetch_ahead`` for an offloaded TurboQuant arena: its pages for this pass reserved (grown in pinned host
@@ -305,16 +306,10 @@ class SlotKV:
         landed = self._offloaded_at.pop(j, None)
         if landed is not None:
             self.ops.host_wait(landed)  # the host copy is read (or grown) here: long done, a pass ends in a sync
-        pages = arena.pool_pages
-        arena.reserve_all(self._tq_reserve)
-        self.layout += arena.pool_pages != pages
-        retire = getattr(self.ops, "retire", None)
+        self._reserve(arena)
         tensors = {}
         for name, t in arena.t.items():
-            tensors[name] = torch.empty_like(t, device=self.device)
-            if retire is not None:
-                retire(tensors[name])
-            _, done = self.ops.copy(tensors[name], t, None)
+            tensors[name], done = self._copy_ahead(t)
         table = arena.table_stale and arena.fits_table()
         if table:
             rows = arena.table_rows(arena.table_capacity)
@@ -322,8 +317,14 @@ class SlotKV:
         self._ahead[j] = (tensors, table, done)
 
     def _next_offloaded(self, i: int) -> int | None:
-        later = [j for j in self._offloaded if j > i]
-        return later[0] if later else None
+        k = bisect.bisect_right(self._offloaded, i)
+        return self._offloaded[k] if k < len(self._offloaded) else None
+
+    def _reserve(self, arena: SlotArena) -> None:
+        """``arena``'s pages for this pass (``layout`` counts a regrown pool: its addresses changed)."""
+        pages = arena.pool_pages
+        arena.reserve_all(self._tq_reserve)
+        self.layout += arena.pool_pages != pages
 
     def _static_begin(self, dec: list[Segment]) -> None:
         """The pass's decode tokens in the static tensor (one copy), read through views at fixed addresses."""
@@ -395,9 +396,7 @@ class SlotKV:
         stale = []
         for i, arena in enumerate(self._tq):
             if arena is not None and i not in self.offload:
-                pages = arena.pool_pages
-                arena.reserve_all(self._tq_reserve)
-                self.layout += arena.pool_pages != pages
+                self._reserve(arena)
                 if arena.table_stale and arena.fits_table() and self._tables is not None:
                     stale.append(i)
                 elif arena.table_stale:
@@ -573,9 +572,7 @@ class SlotKV:
             else:
                 arena.prefetch()
             self._fetch_arena_ahead(self._next_offloaded(i))
-        pages = arena.pool_pages
-        arena.reserve_all(self._tq_reserve)
-        self.layout += arena.pool_pages != pages
+        self._reserve(arena)
         for s in self.segments:
             if s.n > 1:
                 arena.prefill(s.slot, key[:, :, s.offset: s.offset + s.n], value[:, :, s.offset: s.offset + s.n])
