@@ -155,17 +155,32 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
 
 
 def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: int = 3, top: int = 20) -> dict:
-    """Where a decode step's time goes (moe_bench and kv_bench ``--trace``): the prompts ``ids`` and ``new``
-    tokens (cache ``kv``) under torch's
-    profiler, the ops with the most device time and the most host time, and the device's busy time by kind
-    (kernels, host-to-device copies, other copies) against the wall; a step far over its bytes' floor shows
-    here whether the device computed, copied or waited for the host."""
+    """Where a decode step's time goes (moe_bench and kv_bench ``--trace``): the prompts ``ids`` prefilled outside
+    the profiler, then ``new`` decode passes (cache ``kv``) under it: the ops with the most device and host time,
+    and the device's busy time by kind (kernels, host-to-device copies, other copies) against the wall; a step far
+    over its bytes' floor shows here whether the device computed, copied or waited for the host. A stack the decode
+    loop does not run (transformers' generate) is traced whole, its prefill included (``prefill_included``)."""
     from torch.profiler import profile
 
+    from benchmarks.batch_window import trace_loop
+
+    requests = [engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True)) for row in ids.tolist()]
+    if engine.loop_supported and (kv is None or kv.backend != "turboquant"):
+        loop = engine.decode_loop(len(requests), context=ids.shape[1] + 1 + new, kv=kv)
+        for r in requests:
+            loop.submit(r)
+        while loop.waiting or any(s.prefilling for s in loop.running.values()):  # the prompts, untraced
+            loop.step()
+        start = time.perf_counter()
+        traced = trace_loop(loop, new, b.args.trace_dir, name)
+        wall = time.perf_counter() - start
+        while not loop.idle:
+            loop.step()
+        return {"new_tokens": traced["passes"], "prefill_included": False, "wall_ms": wall * 1e3,
+                **{k: v for k, v in traced.items() if k != "passes"}}
     start = time.perf_counter()
     with profile(activities=profiler_activities(b.device)) as prof:
-        engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True))
-                                  for row in ids.tolist()], kv=kv)
+        engine.generate_requests(requests, kv=kv)
     wall = time.perf_counter() - start
     return {"new_tokens": new, "prefill_included": True, "wall_ms": wall * 1e3,
             **trace_summary(prof, b.args.trace_dir, name, top)}

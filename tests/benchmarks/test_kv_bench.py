@@ -32,6 +32,9 @@ def test_quick_run_writes_every_key(tmp_path):
     # --trace: where the time goes at every batch, plain and tq
     assert all(r["details"]["cases"][n]["trace"]["new_tokens"] > 0 and bs3[n]["trace"]["new_tokens"] > 0
                for n in ("none", "tq"))
+    # ... of decode passes only: the prompts are prefilled before the profiler starts
+    traces = [r["details"]["cases"][n]["trace"] for n in ("none", "tq")] + [bs3[n]["trace"] for n in ("none", "tq")]
+    assert all(t["prefill_included"] is False and set(t["kinds"]) == {"decode"} for t in traces)
     assert r["targets"]["tq_over_fp16_step_bs3"]["target"] == r["targets"]["tq_over_fp16_step"]["target"] == 1.15
     # the compressed cache holds fewer bytes than the plain one, and lets a larger batch fit
     assert r["cache_gb"]["tq"] < r["cache_gb"]["none"]
