@@ -207,12 +207,17 @@ def part_batch(args, which: str, results: dict) -> None:
 
 
 def compare(results: dict) -> None:
-    """``continuous_over_static`` when both parts ran with the same settings; otherwise none (and why)."""
+    """``continuous_over_static`` when both parts ran with the same settings on the same card; otherwise none (and
+    why)."""
     a, b = results.get("static_settings"), results.get("continuous_settings")
     results.pop("continuous_over_static", None)
     if a is None or b is None:
         return
     differ = [k for k in SAME if a.get(k) != b.get(k)]
+    # parts of different cards (or written before parts named theirs) are not compared
+    device = results.get("static_device"), results.get("continuous_device")
+    if device[0] is None or device[0] != device[1]:
+        differ.append(f"device ({device[0] or 'not recorded'} vs {device[1] or 'not recorded'})")
     if differ:
         results["continuous_over_static_missing"] = f"static and continuous ran with different {', '.join(differ)}"
         log.warning("no continuous_over_static: %s", results["continuous_over_static_missing"])
@@ -468,6 +473,7 @@ def main(argv=None) -> int:
     elif args.part == "cpu_mixed":
         part_cpu_mixed(args, results)
     else:  # report: the ratios again from what the file holds (rows merged from several calls)
+        compare(results)
         compare_kv(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")

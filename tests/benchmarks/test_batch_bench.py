@@ -116,6 +116,24 @@ def test_parts_with_different_slots_give_no_ratio(store_dir):
     assert "slots" in r["continuous_over_static_missing"]
 
 
+def test_parts_of_different_cards_give_no_ratio():
+    """Static and continuous measured on different cards (or static from before parts named theirs): no ratio."""
+    from benchmarks.batch_bench import compare
+
+    settings = {"slots": 24, "requests": 512}
+    r = {"static_settings": settings, "continuous_settings": settings, "static_useful_tok_s": 20.0,
+         "continuous_useful_tok_s": 30.0, "static_device": "H100", "continuous_device": "H100"}
+    compare(r)
+    assert r["continuous_over_static"] == 1.5
+    r["static_device"] = "H200"
+    compare(r)
+    assert "continuous_over_static" not in r
+    assert "device (H200 vs H100)" in r["continuous_over_static_missing"]
+    del r["static_device"]
+    compare(r)
+    assert "device (not recorded vs H100)" in r["continuous_over_static_missing"]
+
+
 def test_bs1_8b_quick(tmp_path):
     r = bench(tmp_path, "bs1_8b")
     assert r["bs1_8b_step_s"] > 0 and r["bs1_8b_bytes_per_step"] > 0 and r["bs1_link_fraction"] > 0
