@@ -106,6 +106,7 @@ class CudaOps:
     def __init__(self, device: torch.device, timing: bool = False):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.out_stream: torch.cuda.Stream | None = None  # device-to-host copies (``copy_out``), made at first use
         self.timing = timing
 
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -129,6 +130,21 @@ class CudaOps:
             done = self._event()
             done.record(self.stream)
         return start, done
+
+    def copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after) -> object:
+        """Copy each (``dst`` pinned host, ``src`` device) pair on a stream of its own once ``after`` (an event of
+        the compute stream) has fired: the link's other direction, beside the copy stream's weights and never in
+        the compute stream's order. Returns the event of the last copy; ``src`` stays allocated until it ran."""
+        if self.out_stream is None:
+            self.out_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.out_stream):
+            self.out_stream.wait_event(after)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.out_stream)
+            done = self._event()
+            done.record(self.out_stream)
+        return done
 
     def retire(self, tensor: torch.Tensor) -> None:
         """``tensor`` is read or written by copies queued on the copy stream: keep the caching allocator

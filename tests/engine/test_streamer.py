@@ -33,6 +33,8 @@ class SimOps:
         self.queue: list[tuple[SimEvent, torch.Tensor, torch.Tensor]] = []  # the copy stream, in order
         self.lock = threading.Lock()
         self.copies = 0
+        self.copies_out = 0
+        self.out_queue: list[tuple[SimEvent, torch.Tensor, torch.Tensor]] = []  # device-to-host copies, in order
 
     def alloc(self, nbytes):
         return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage until a copy lands
@@ -49,13 +51,26 @@ class SimOps:
 
     def _run_until(self, event):
         with self.lock:
+            queue = self.out_queue if any(e is event for e, _, _ in self.out_queue) else self.queue
             while not event.fired:
-                done, dst, src = self.queue.pop(0)
+                done, dst, src = queue.pop(0)
                 dst.copy_(src)
                 done.fired = True
 
     def wait(self, event):
         self._run_until(event)
+
+    def copy_out(self, pairs, after):
+        """Device-to-host copies: a queue of their own (a stream of their own on a GPU), run when waited for."""
+        assert after is None or after.fired
+        done = SimEvent(fired=not pairs)
+        with self.lock:
+            self.out_queue += [(SimEvent(), dst, src) for dst, src in pairs[:-1]]
+            self.out_queue += [(done, *pairs[-1])] if pairs else []
+            self.copies_out += len(pairs)
+        if not self.lazy:
+            self._run_until(done)
+        return done
 
     def retire(self, tensor):
         pass  # CPU tensors: the allocator hands nothing out early
@@ -213,6 +228,50 @@ def test_an_offloaded_cache_crosses_on_the_copy_stream_ahead_of_its_layer(tiny_s
     assert ops.copies - weights - before > 2 * len(layers)  # the caches of every layer, most passes
     assert inline["prefetch"] == 0  # a TurboQuant arena never crossed on the compute stream
     assert (kv == "plain") != any(checked)
+    engine.close()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_an_offloaded_arena_goes_back_into_one_kept_host_image(tiny_store, lazy, monkeypatch):
+    """An offloaded TurboQuant arena returns to the host through the device-to-host copies (``copy_out``) into
+    one host image kept from pass to pass (no tensor allocated per pass: the window tensors, which never grow,
+    keep their storage), never through ``offload``'s allocating ``.to("cpu")``; its next fetch reads the image
+    only after that copy landed: lazy copies that are never waited for leave a stale image, and other tokens."""
+    from airquant.engine.decode.tqslots import SlotArena
+    from airquant.kv import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1)
+    ops = SimOps(lazy)
+    engine = streamed_engine(tiny_store, TIERS["ram"], ops)
+    layers = set(range(engine.config.num_hidden_layers))
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    prompts = [" ".join(words * n)[:chars] for n, chars in ((6, 400), (1, 20), (8, 520), (2, 60))]
+    want = _loop_tokens(engine, set(), prompts, kv=config)
+    monkeypatch.setattr(SlotArena, "offload", lambda self: pytest.fail("an arena offloaded by .to('cpu')"))
+    images: dict[int, set[int]] = {}
+
+    def images_kept(loop):
+        for i in layers:
+            arena = loop.kv.arena(i)
+            if arena is not None and arena.home is not None:
+                images.setdefault(i, set()).add(arena.home["win_k"].data_ptr())
+
+    assert _loop_tokens(engine, layers, prompts, kv=config, after_step=images_kept) == want
+    assert ops.copies_out > 0 and set(images) == layers and all(len(p) == 1 for p in images.values())
+    if lazy:  # the fetch no longer waits for the copy to the host: it reads the image before the copy ran
+        landed = []
+        real = ops.copy_out
+
+        def copy_out(pairs, after):
+            landed.append(real(pairs, after))
+            return landed[-1]
+
+        monkeypatch.setattr(ops, "copy_out", copy_out)
+        for name in ("host_wait", "wait"):
+            run = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda event, run=run: None if any(event is e for e in landed) else
+                                run(event))
+        assert _loop_tokens(engine, layers, prompts, kv=config) != want
     engine.close()
 
 

@@ -570,6 +570,9 @@ class SlotKV:
                 if table:
                     arena.table_uploaded()
             else:
+                landed = self._offloaded_at.pop(i, None)
+                if landed is not None:  # its image is read after its last copy to the host, in stream order
+                    self.ops.wait(landed)
                 arena.prefetch()
             self._fetch_arena_ahead(self._next_offloaded(i))
         self._reserve(arena)
@@ -608,9 +611,10 @@ class SlotKV:
         if self.plan is not None:
             self._tq[i].flush(self.plan)
         if i in self.offload:
-            self._tq[i].offload()
             if self.ops is not None:  # read again (copied ahead, or grown) once this copy has landed
-                self._offloaded_at[i] = self.ops.mark()
+                self._offloaded_at[i] = self._tq[i].offload_via(self.ops)
+            else:
+                self._tq[i].offload()
 
     def host_bytes(self) -> int:
         """Bytes the offloaded layers keep in host memory between their passes."""

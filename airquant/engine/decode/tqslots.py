@@ -175,6 +175,7 @@ class SlotArena:
         self._room = [0] * slots  # history tokens each slot's pages hold
         self._free: list[int] = list(range(pool_pages - 1, -1, -1))  # popped lowest first
         self.grown = 0  # times the pool was regrown (each a new allocation and a copy of every page)
+        self.home: dict[str, torch.Tensor] | None = None  # an offloaded arena's kept host image (``offload_via``)
         self._table: torch.Tensor | None = None  # [slots, most pages] on the device; None: rebuild
         # ``cap`` (tokens a slot holds): the page table is one tensor as wide as a full slot, rewritten in place, so
         # a graph that read it reads the next pass's pages at the same address (static passes, ``SlotKV``);
@@ -413,6 +414,24 @@ class SlotArena:
     # -- KV offload -----------------------------------------------------------------------------
     def offload(self) -> None:
         self.t = {name: t.to("cpu", non_blocking=True) for name, t in self.t.items()}
+
+    def offload_via(self, ops) -> object:
+        """The arena copied into its host image on ``ops``' device-to-host stream (``CudaOps.copy_out``) after what
+        the compute stream has queued (its attention and flush), and read from there until its next pass: the
+        image is allocated at the first offload and kept (a tensor only anew where the pool grew), where
+        ``offload`` allocated every tensor every pass. Returns the copy's event: the image is read or grown
+        only after it."""
+        home = self.home if self.home is not None else {}
+        pin = torch.device(self.device).type == "cuda"
+        pairs = []
+        for name, t in self.t.items():
+            h = home.get(name)
+            if h is None or h.shape != t.shape or h.dtype != t.dtype:
+                h = home[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if h is not t:
+                pairs.append((h, t))
+        self.home = self.t = home  # one dict: a pool grown on the host (``_grow``) grows the image
+        return ops.copy_out(pairs, ops.mark())
 
     def prefetch(self) -> None:
         self.t = {name: t.to(self.device, non_blocking=True) for name, t in self.t.items()}
