@@ -75,6 +75,9 @@ _SIMPLE = (bool, int, float, str, type(None))
 # past the limit it runs eagerly. A key unused for STALE_PASSES passes gives its place to a new one (a long
 # decode crosses buckets, a server sees every row count).
 KEYS_PER_LAYER = 32
+# Decode passes of up to this many rows replay graphs where every layer is dense and stays in VRAM
+# (``runner.graph_rows``; elsewhere the expert kernels' limit, 8): there the host bounds a pass.
+RESIDENT_ROWS = 32
 STALE_PASSES = 64
 # A layer's graph ends by writing its output into the static twin of its own first input (the hidden states, the
 # same twin for every layer of that shape): the next layer's graph then finds its input there, and the host copies

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from airquant.config import DEFAULT_CONTEXT, EngineConfig, GenerateConfig
-from airquant.engine import skeleton
+from airquant.engine import layer_graphs, skeleton
 from airquant.engine.cuda_ops import vram_cap
 from airquant.engine.decode import Completion, DecodeLoop, Request, Sequence, attention_backends, fallback
 from airquant.engine.embed_head import HostEmbedding
@@ -89,6 +89,18 @@ def placement_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, m
     return plan(manifest, dims, hw, workload_for(cfg), kv=cfg.kv_cache, dtype_bytes=width)
 
 
+
+def graph_rows(manifest, plan: StreamPlan) -> int:
+    """Decode passes of up to this many rows replay layer graphs (``LayerGraphs.max_rows``). Where a layer has
+    experts: the fused and direct expert kernels' limit (``moe/compute.FUSED_TOKENS``; larger calls read their
+    routing on the host). Where a layer streams: the same, as before; its copy over the link (milliseconds a
+    layer) hides the host's work. Where every dense layer stays in VRAM the host is what bounds a pass: an eager
+    TurboQuant pass of 32 rows took 2x plain's (kv_bench, 8B at 8K, H100), so passes up to
+    ``layer_graphs.RESIDENT_ROWS`` replay too."""
+    dense = not any(manifest.shards[f"layer.{i}"].experts for i in range(manifest.num_layers))
+    resident = all(t == "vram" for t in plan.tiers)
+    return layer_graphs.RESIDENT_ROWS if dense and resident else expert_compute.FUSED_TOKENS
+
 class Engine:
     """A store opened for inference; streamed by default, resident when asked."""
 
@@ -127,7 +139,7 @@ class Engine:
                                           readahead=cfg.readahead, profile=cfg.profile,
                                           verify_reads=cfg.verify_reads, skip=routed)
             skeleton.attach_streamer(self.model, self.streamer)
-            self.graphs = LayerGraphs.for_device(self.device, cfg.cuda_graphs, expert_compute.FUSED_TOKENS)
+            self.graphs = LayerGraphs.for_device(self.device, cfg.cuda_graphs, graph_rows(manifest, self.plan))
             skeleton.attach_graphs(self.model, self.graphs)
             if routed and self.plan.experts_host:
                 self.experts = expert_host.open_host_experts(self, routed)

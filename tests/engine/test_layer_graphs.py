@@ -317,6 +317,53 @@ def test_batched_decode_passes_replay_exactly_as_eager(stores, kv):
     assert all(not e.islands and key[-1] is not None for key, e in graphs._entries.items())
 
 
+def test_graph_rows_follow_the_plan(stores):
+    """Passes of up to 32 rows replay where every layer is dense and stays in VRAM (the host bounds such a pass);
+    a layer that streams, or any layer with experts, keeps the expert kernels' limit of 8."""
+    from airquant.engine.memory.placement import StreamPlan
+    from airquant.engine.runner import graph_rows
+    from airquant.store.manifest import open_store
+
+    def rows(model_type, tiers):
+        manifest = open_store(stores[model_type])
+        n = manifest.num_layers
+        return graph_rows(manifest, StreamPlan(tiers=[tiers(i) for i in range(n)], slot_bytes=0, slots=0,
+                                               fixed_bytes=0))
+
+    assert rows("llama", lambda i: "vram") == layer_graphs.RESIDENT_ROWS == 32
+    assert rows("llama", lambda i: "vram" if i else "ram") == FUSED_TOKENS == 8
+    assert rows("qwen3_moe", lambda i: "vram") == FUSED_TOKENS
+
+
+def test_resident_passes_of_more_rows_replay_exactly_as_eager(stores):
+    """Passes of 12, then fewer, rows with the resident dense layers' limit (``RESIDENT_ROWS``), plain and
+    TurboQuant: each captured and replayed, tokens and logits equal the eager loop's. A cache of more than
+    ``LENT_SLOTS`` slots keeps its own buffers: the graphs' runner keeps none of it after the loop."""
+    from airquant.engine.decode import slots
+    from airquant.kv.config import KVConfig
+
+    prompts = [PROMPT[n % 5:] for n in range(12)]
+    for kv in (None, KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)):
+        run = lambda e: _batch_of(e, prompts, 6 + len(prompts) % 3, kv)  # noqa: E731
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(layer_graphs, "KEYS_PER_LAYER", 0)
+            engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+            skeleton.attach_graphs(engine.model, layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(),
+                                                                          layer_graphs.RESIDENT_ROWS))
+            want_tokens, want_logits = run(engine)
+            engine.close()
+        engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0)
+        graphs = layer_graphs.LayerGraphs(layer_graphs.EmulatedBackend(), layer_graphs.RESIDENT_ROWS)
+        skeleton.attach_graphs(engine.model, graphs)
+        tokens, logits = run(engine)
+        rows = {key[2][0][0][1] for key in graphs._entries}
+        engine.close()
+        assert tokens == want_tokens
+        assert torch.equal(logits, want_logits)
+        assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0 and 12 in rows
+        assert 12 > slots.LENT_SLOTS and graphs.buffers.nbytes() == 0
+
+
 @pytest.mark.parametrize("sink", [0, 2])
 def test_static_turboquant_passes_decode_as_the_bucketed_passes(stores, sink):
     """TurboQuant static passes (every row at once over its whole window and the pass's bucketed history, a mask
@@ -689,6 +736,31 @@ def test_cuda_batched_decode_passes_with_graphs_equal_eager(monkeypatch, tmp_pat
     assert stats["static"][0] > 0 and stats["static"][1] == 0, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_resident_dense_passes_of_16_rows_replay_equal_eager(monkeypatch, tmp_path_factory, real_tokenizer):
+    """A dense store whose layers all fit stays in VRAM; its passes of 16 rows (more than the expert kernels' 8)
+    are captured and replayed, plain and TurboQuant K4/V2, equal to the same passes run eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from airquant.kv.config import KVConfig
+
+    store = _store(tmp_path_factory, real_tokenizer, "llama")
+    prompts = [PROMPT[n % 5:] for n in range(16)]
+    for kv in (None, KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4, sink=1)):
+        got = []
+        for keys in (0, layer_graphs.KEYS_PER_LAYER):
+            with monkeypatch.context() as m:
+                m.setattr(layer_graphs, "KEYS_PER_LAYER", keys)
+                engine = Engine.open(store, device="cuda", dtype="bfloat16")
+                assert engine.plan.ram_layers == [] and engine.graphs.max_rows == layer_graphs.RESIDENT_ROWS
+                got.append(_batch_of(engine, prompts, 8, kv))
+                stats = engine.stats()["layer_graphs"]
+                engine.close()
+        assert stats["failed"] == 0 and stats["replays"] + stats["pass_calls"] > 0, stats
+        assert got[0][0] == got[1][0]
+        assert torch.equal(got[0][1], got[1][1])
 
 
 @pytest.mark.gpu

@@ -79,6 +79,7 @@ ATTN_NAME = "airquant_ragged"
 # Decode passes under the layer graphs are static (False: the write and the attention stay an eager island
 # between two graphs, as before; moe_bench's ``*_island`` cases measure the two side by side).
 STATIC_PASSES = True
+LENT_SLOTS = 8  # the largest cache whose device buffers the layer graphs keep from one loop to the next
 # Static passes attend over the span rounded up to a multiple of a quarter of its power of two, at least this
 # (columns past a slot's length are masked): a layer graph per bucket, four buckets an octave, at most a
 # quarter of the columns wasted.
@@ -99,7 +100,8 @@ class KVBuffers:
 
     One cache holds them at a time: a cache that attaches while another is alive (two loops at once) gets its own
     buffers. Only caches of at most ``graph_rows`` slots take them (a larger batch decodes statically only at its
-    tail). A cache of another batch, dtype or device, a TurboQuant or prefix cache, or a shorter buffer than a
+    tail), and of at most ``LENT_SLOTS`` (a larger one captures its own graphs: 32 slots of 8K tokens held after
+    their loop would be 34 GB that nothing frees until the next loop). A cache of another batch, dtype or device, a TurboQuant or prefix cache, or a shorter buffer than a
     cache needs frees what it cannot use when it attaches, so the loop after another kind never finds the
     previous one's buffers still held (``Engine.release_kv`` frees them at once). A reused buffer is zeroed up to
     the new cache's length, as a new one is."""
@@ -117,7 +119,8 @@ class KVBuffers:
         if owner is not None:
             return False
         self._owner = weakref.ref(kv)
-        if kv.tq or kv.prefix or kv.slots > kv.graph_rows:  # no static pass reads them, or few of its passes
+        if kv.tq or kv.prefix or kv.slots > min(kv.graph_rows, LENT_SLOTS):  # no static pass reads them, few of
+            # its passes do, or a cache so large that keeping it after its loop would hold that memory
             self.clear()
             return False
         self._bufs = {key: b for key, b in self._bufs.items()
