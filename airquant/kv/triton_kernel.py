@@ -5,13 +5,18 @@
 
 1. ``_split_kernel``, one program per (batch x kv-head, split, block of query rows). A split is a
    range of either the unquantized tokens (sink + recent, read as stored) or of the packed history.
-   History programs rotate their queries once (``<q, Pi^T c> = <Pi q, c>``), unpack codes in
-   registers (the layouts of :mod:`airquant.kv.pack`), gather centroids from a 2**bits-entry table,
-   score ``<Pi q, c> * norm`` (+ the key mean's ``<q, mean>``), run an online softmax, accumulate
-   ``p * norm_v * c_v`` in the value rotation's space and rotate that back once at the end (adding
-   the value mean). Every program writes a softmax state ``(m, l, acc)`` in the original space.
-2. ``_merge_kernel``: flash-decoding reduction of the split states, normalization, and the store in
-   the ``[B, L, Hq, D]`` layout and dtype the model expects.
+   History programs read the queries rotated once for the call (``<q, Pi^T c> = <Pi q, c>``,
+   ``rotated_queries``), unpack codes in registers (the layouts of :mod:`airquant.kv.pack`), gather
+   centroids from a 2**bits-entry table, score ``<Pi q, c> * norm`` (+ the key mean's ``<q, mean>``),
+   run an online softmax and accumulate ``p * norm_v * c_v`` (+ the value mean, rotated) in the value
+   rotation's space. Every program writes a softmax state ``(m, l, acc)``: a window split's ``acc`` in the
+   original space, a history split's in the rotated one.
+2. ``_merge_kernel``: flash-decoding reduction of the split states (the window's and the history's
+   ``acc`` apart, with the same rescaling), the history's rotated back once (``acc @ Pi``),
+   normalization, and the store in the ``[B, L, Hq, D]`` layout and dtype the model expects.
+
+No split program holds a rotation matrix: a [D, D] fp32 matrix through shared memory (64 KB at D 128)
+held an H100's SM to three programs; the merge, one program per (row block, head), holds it once.
 
 Masks: without an attention mask the kernel applies the causal rule itself (query ``i`` of ``L``
 sits at absolute position ``kv_len - L + i``), so a decode step reads no mask at all; a boolean
@@ -48,9 +53,10 @@ TABLES_IN_PRODUCT_DTYPE = True
 
 
 def shared_bytes(dim: int) -> int:
-    """Shared memory a split program needs at head size ``dim`` (an upper bound): the fp32 rotation matrix
-    [D, D] goes through shared memory for its tl.dot, plus the small tiles (compiled sm_75..sm_90, all tiles:
-    D 32 10240 B, 64 20480 B, 128 74240 B, 256 279552 B; tests/quant/test_kernel_compile.py checks the bound)."""
+    """Shared memory the kernels need at head size ``dim`` (an upper bound): the merge's fp32 value rotation
+    [D, D] goes through shared memory for its tl.dot, plus the small tiles (compiled sm_75..sm_90: merge D 64
+    20480 B, 128 73728 B; a split program, which holds no rotation, 22528 B at D 128 where it took 74240 with
+    one; tests/quant/test_kernel_compile.py checks the bound)."""
     return 4 * dim * dim + 80 * dim
 
 
@@ -139,9 +145,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
-        Q, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, RotK, RotV, KMean, VMean, Keep, OutM, OutL, OutAcc,
+        Q, QR, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, KMean, VMeanRot, Keep, OutM, OutL, OutAcc,
         Slots, Table, s_tb, HistLen,
-        s_qb, s_qh, s_ql, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
+        s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
         s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
         s_eb, s_eh, s_el, s_ec,
         HKV, G, QLEN, KV_LEN, F, SINK, N_HIST, full_splits, per_split, scale,
@@ -188,9 +194,9 @@ if triton is not None:
                             mask=n_ok[:, None], other=0.0)
                 acc += _product(p, v, DOT)
         else:
-            # Packed history: history token t is absolute column SINK + t.
-            rot_k = tl.load(RotK + offs_d[:, None] * D + offs_d[None, :])  # rows: the rotated basis
-            q_rot = _product(q, tl.trans(rot_k), 0)  # fp32: run once per program
+            # Packed history: history token t is absolute column SINK + t; the queries rotated once for the call.
+            q_rot = tl.load(QR + b * s_rb + (h * G + g)[:, None] * s_rh + i[:, None] * s_rl + offs_d[None, :],
+                            mask=row_ok[:, None], other=0.0)
             if HAS_KMEAN:
                 km = tl.load(KMean + sh * D + offs_d)
                 bias = tl.sum(q * km[None, :], 1) * scale
@@ -220,11 +226,9 @@ if triton is not None:
                 v = tl.load(VCent + vc)
                 vn = _norms(vn_row + h * s_vnh, VR + sh, offs_n, n_ok, NORM8_V)
                 acc += _product(p * vn[None, :], v, DOT)
-            # Back from the value rotation's space (Pi^T y = y @ Pi), once per program.
-            rot_v = tl.load(RotV + offs_d[:, None] * D + offs_d[None, :])
-            acc = _product(acc, rot_v, 0)
-            if HAS_VMEAN:  # every history value is v_mean + its quantized residual
-                acc += tl.load(VMean + sh * D + offs_d)[None, :] * l_i[:, None]
+            if HAS_VMEAN:  # every history value is v_mean + its quantized residual: v_mean's rotated image here
+                acc += tl.load(VMeanRot + sh * D + offs_d)[None, :] * l_i[:, None]
+            # acc stays in the value rotation's space: the merge rotates the history's sum back once
         out = (pid_bh * tl.num_programs(1) + pid_s) * rows + offs_m
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
@@ -238,9 +242,9 @@ if triton is not None:
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
-    @triton.jit(do_not_specialize=("n_splits",))
+    @triton.jit(do_not_specialize=("n_splits", "full_splits"))
     def _merge_kernel(
-        OutM, OutL, OutAcc, Out, s_ob, s_ol, s_oh, HKV, G, QLEN, n_splits,
+        OutM, OutL, OutAcc, Out, RotV, s_ob, s_ol, s_oh, HKV, G, QLEN, n_splits, full_splits,
         D: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -251,7 +255,8 @@ if triton is not None:
         row_ok = offs_m < rows
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)  # the window splits' (original space)
+        acc_h = tl.zeros([BLOCK_M, D], tl.float32)  # the history splits' (the value rotation's space)
         for s in range(0, n_splits):
             idx = (pid_bh * n_splits + s) * rows + offs_m
             m_s = tl.load(OutM + idx, mask=row_ok, other=float("-inf"))
@@ -260,8 +265,12 @@ if triton is not None:
             alpha, w = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
             l_i = l_i * alpha + w * tl.load(OutL + idx, mask=row_ok, other=0.0)
             acc_s = tl.load(OutAcc + idx[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + w[:, None] * acc_s
+            hist = (s >= full_splits).to(tl.float32)
+            acc = acc * alpha[:, None] + ((1.0 - hist) * w)[:, None] * acc_s
+            acc_h = acc_h * alpha[:, None] + (hist * w)[:, None] * acc_s
             m_i = m_new
+        if n_splits > full_splits:  # back from the value rotation's space (Pi^T y = y @ Pi), once
+            acc += _product(acc_h, tl.load(RotV + offs_d[:, None] * D + offs_d[None, :]), 0)
         # Fully masked rows (left-padding queries) have l = 0: output 0 there, as sdpa's fix does.
         out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
         g, i = offs_m // QLEN, offs_m % QLEN
@@ -271,6 +280,13 @@ if triton is not None:
 
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's operand codes
 _CHOSEN: dict[tuple, dict] = {}  # attention()'s launch key -> the autotuned tile config
+
+
+def rotated(x: torch.Tensor, rotation) -> torch.Tensor:
+    """``Pi x`` along the last dim as contiguous fp32, computed in fp64 (whatever TF32 setting the process has):
+    the queries a history split scores, and the value mean a history split adds in the rotated space (``Pi`` is
+    orthogonal: the merge's ``y @ Pi`` turns ``Pi v`` back into ``v``)."""
+    return (x.double() @ rotation.matrix(x.device, torch.float64).T).float().contiguous()
 
 
 def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
@@ -330,14 +346,14 @@ def attention(
     # gathering fp32 and converting (round to nearest, both), at half the registers and gathered bytes a tile.
     table = query.dtype if dot and TABLES_IN_PRODUCT_DTYPE else torch.float32
     k_cent, v_cent = ctx.k_codec.centroids(query.device, table), ctx.v_codec.centroids(query.device, table)
-    rot_k = ctx.k_codec.rotation.matrix(query.device, torch.float32)
+    q_rot = rotated(query, ctx.k_codec.rotation)
     rot_v = ctx.v_codec.rotation.matrix(query.device, torch.float32)
     keep8 = None if mask is None else _keep_view(mask, batch, q_len, kv_len)
     kc, vc, kn, vn = hist.k.codes, hist.v.codes, hist.k.norms, hist.v.norms
     # Per-(sequence, head) vectors: contiguous [B*Hkv, D] / [B*Hkv] (a few KiB; any stand-in when absent).
-    k_mean = hist.k_mean.float().reshape(-1, dim).contiguous() if hist.k_mean is not None else rot_k
-    v_mean = hist.v_mean.float().reshape(-1, dim).contiguous() if hist.v_mean is not None else rot_v
-    k_ref = hist.k_ref.float().reshape(-1).contiguous() if hist.k_ref is not None else rot_k
+    k_mean = hist.k_mean.float().reshape(-1, dim).contiguous() if hist.k_mean is not None else rot_v
+    v_mean = rotated(hist.v_mean.reshape(-1, dim), ctx.v_codec.rotation) if hist.v_mean is not None else rot_v
+    k_ref = hist.k_ref.float().reshape(-1).contiguous() if hist.k_ref is not None else rot_v
     v_ref = hist.v_ref.float().reshape(-1).contiguous() if hist.v_ref is not None else rot_v
     keep_arg = keep8 if keep8 is not None else out_m
     s_e = [0, 0, 0, 0] if keep8 is None else [keep8.stride(i) if keep8.shape[i] > 1 else 0 for i in range(4)]
@@ -355,11 +371,11 @@ def attention(
     else:
         split, tiles = _split_tuned, {}
     split[(batch * hkv, n_splits, m_blocks)](
-        query, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, rot_k, rot_v, k_mean, v_mean,
+        query, q_rot, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, k_mean, v_mean,
         keep_arg, out_m, out_l, out_acc,
         paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
         lengths if lengths is not None else out_m,
-        query.stride(0), query.stride(1), query.stride(2),
+        query.stride(0), query.stride(1), query.stride(2), q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
         vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1), *s_e,
@@ -374,7 +390,7 @@ def attention(
         _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](
-        out_m, out_l, out_acc, out, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,
-        D=dim, BLOCK_M=block_m,
+        out_m, out_l, out_acc, out, rot_v, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,
+        full_splits, D=dim, BLOCK_M=block_m,
     )
     return out
