@@ -6,7 +6,7 @@
 1. ``_split_kernel``, one program per (batch x kv-head, split, block of query rows). A split is a
    range of either the unquantized tokens (sink + recent, read as stored) or of the packed history.
    History programs read the queries rotated once for the call (``<q, Pi^T c> = <Pi q, c>``,
-   ``rotated_queries``), unpack codes in registers (the layouts of :mod:`airquant.kv.pack`), gather
+   ``rotated``), unpack codes in registers (the layouts of :mod:`airquant.kv.pack`), gather
    centroids from a 2**bits-entry table, score ``<Pi q, c> * norm`` (+ the key mean's ``<q, mean>``),
    run an online softmax and accumulate ``p * norm_v * c_v`` (+ the value mean, rotated) in the value
    rotation's space. Every program writes a softmax state ``(m, l, acc)``: a window split's ``acc`` in the

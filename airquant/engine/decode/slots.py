@@ -101,10 +101,11 @@ class KVBuffers:
     One cache holds them at a time: a cache that attaches while another is alive (two loops at once) gets its own
     buffers. Only caches of at most ``graph_rows`` slots take them (a larger batch decodes statically only at its
     tail), and of at most ``LENT_SLOTS`` (a larger one captures its own graphs: 32 slots of 8K tokens held after
-    their loop would be 34 GB that nothing frees until the next loop). A cache of another batch, dtype or device, a TurboQuant or prefix cache, or a shorter buffer than a
-    cache needs frees what it cannot use when it attaches, so the loop after another kind never finds the
-    previous one's buffers still held (``Engine.release_kv`` frees them at once). A reused buffer is zeroed up to
-    the new cache's length, as a new one is."""
+    their loop would be 34 GB that nothing frees until the next loop). A cache of another batch, dtype or
+    device, a TurboQuant or prefix cache, or a shorter buffer than a cache needs frees what it cannot use when
+    it attaches, so the loop after another kind never finds the previous one's buffers still held
+    (``Engine.release_kv`` frees them at once). A reused buffer is zeroed up to the new cache's length, as a new
+    one is."""
 
     def __init__(self):
         self._bufs: dict[tuple[int, str], torch.Tensor] = {}
