@@ -94,11 +94,16 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     cuda = engine.device.type == "cuda"
     weights = torch.cuda.memory_allocated(engine.device) / GB if cuda else None
     engine.reset_stats()
+    graphs = dict(engine.stats().get("layer_graphs") or {})
     gen = GenerateConfig(max_new_tokens=1 + WARM + b.args.steps, ignore_eos=True)
     out = engine.generate_requests([engine.request(row, gen) for row in ids.tolist()], kv=kv)
     assert all(c.new_tokens == gen.max_new_tokens for c in out)
     t = engine.last_timings
-    peak = engine.stats().get("peak_vram_allocated_gb")
+    stats = engine.stats()
+    peak = stats.get("peak_vram_allocated_gb")
+    # the layer graphs' counters over this generation (replays, captures, eager calls, whole-pass replays): whether
+    # its decode steps ran under graphs (none on the CPU)
+    graphs = {k: v - graphs.get(k, 0) for k, v in (stats.get("layer_graphs") or {}).items()} or None
     timed = t["step_s"][WARM:]
     # the mean over the timed steps: a TurboQuant cache's window flushes (every ``block`` steps) are part of its
     # cost, which a median over a window shorter than a flush period leaves out; the median beside it
@@ -106,7 +111,7 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
             "warmup_steps": WARM, "prefill_s": t["prefill_s"],
             "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / ids.numel(),
             "weights_vram_gb": weights, "peak_vram_gb": peak,
-            "cache_vram_gb": peak - weights if cuda else None}
+            "cache_vram_gb": peak - weights if cuda else None, "layer_graphs": graphs}
 
 
 def part_step(b: Bench) -> dict:
