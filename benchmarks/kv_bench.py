@@ -107,7 +107,10 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     timed = t["step_s"][WARM:]
     # the mean over the timed steps: a TurboQuant cache's window flushes (every ``block`` steps) are part of its
     # cost, which a median over a window shorter than a flush period leaves out; the median beside it
+    # the host's time to queue each timed step (``host_s``): near the step's own, the step waited for the host
+    host = t.get("host_s", [])[WARM:]  # none where transformers' generate ran (the PyPI turboquant)
     return {"step_s": statistics.fmean(timed), "step_median_s": statistics.median(timed), "steps_s": t["step_s"],
+            "step_host_s": statistics.fmean(host) if host else None,
             "warmup_steps": WARM, "prefill_s": t["prefill_s"],
             "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / ids.numel(),
             "weights_vram_gb": weights, "peak_vram_gb": peak,

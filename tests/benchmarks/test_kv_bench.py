@@ -32,6 +32,8 @@ def test_quick_run_writes_every_key(tmp_path):
     # --trace: where the time goes at every batch, plain and tq
     assert all(r["details"]["cases"][n]["trace"]["new_tokens"] > 0 and bs3[n]["trace"]["new_tokens"] > 0
                for n in ("none", "tq"))
+    # the host's share of each case's timed steps
+    assert all(0 < r["details"]["cases"][n]["step_host_s"] for n in ("none", "tq"))
     # the layer graphs' counters of each timed generation: none on the CPU (no graphs there)
     assert all("layer_graphs" in c and c["layer_graphs"] is None for c in r["details"]["cases"].values()
                if "error" not in c)
