@@ -89,7 +89,6 @@ def placement_for(manifest: Manifest, cfg: EngineConfig, device: torch.device, m
     return plan(manifest, dims, hw, workload_for(cfg), kv=cfg.kv_cache, dtype_bytes=width)
 
 
-
 def graph_rows(manifest: Manifest, plan: StreamPlan) -> int:
     """Decode passes of up to this many rows replay layer graphs (``LayerGraphs.max_rows``). Where a layer has
     experts: the fused and direct expert kernels' limit (``moe/compute.FUSED_TOKENS``; larger calls read their

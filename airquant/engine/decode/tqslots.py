@@ -198,11 +198,16 @@ class SlotArena:
         norm = NORM_DTYPE if self.kv.norm_bits == 16 else torch.uint8
         shape = (count, self.heads, PAGE_TOKENS)
         # an offloaded arena grown in host memory: pinned, so that its copies to the GPU stay asynchronous
-        kw = {"device": device, "pin_memory": device.type == "cpu" and torch.device(self.device).type == "cuda"}
+        kw = {"device": device, "pin_memory": device.type == "cpu" and self.pin_host}
         return {"k_codes": torch.zeros(*shape, self.k_codec.width, dtype=torch.uint8, **kw),
                 "k_norms": torch.zeros(shape, dtype=norm, **kw),
                 "v_codes": torch.zeros(*shape, self.v_codec.width, dtype=torch.uint8, **kw),
                 "v_norms": torch.zeros(shape, dtype=norm, **kw)}
+
+    @property
+    def pin_host(self) -> bool:
+        """Host copies of this arena (an offloaded one's) are pinned: the arena lives on a GPU."""
+        return torch.device(self.device).type == "cuda"
 
     @property
     def pool_pages(self) -> int:
@@ -422,12 +427,11 @@ class SlotArena:
         ``offload`` allocated every tensor every pass. Returns the copy's event: the image is read or grown
         only after it."""
         home = self.home if self.home is not None else {}
-        pin = torch.device(self.device).type == "cuda"
         pairs = []
         for name, t in self.t.items():
             h = home.get(name)
             if h is None or h.shape != t.shape or h.dtype != t.dtype:
-                h = home[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                h = home[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_host)
             if h is not t:
                 pairs.append((h, t))
         self.home = self.t = home  # one dict: a pool grown on the host (``_grow``) grows the image
