@@ -213,17 +213,22 @@ def compare(results: dict) -> None:
     results.pop("continuous_over_static", None)
     if a is None or b is None:
         return
-    differ = [k for k in SAME if a.get(k) != b.get(k)]
-    # parts of different cards (or written before parts named theirs) are not compared
-    device = results.get("static_device"), results.get("continuous_device")
-    if device[0] is None or device[0] != device[1]:
-        differ.append(f"device ({device[0] or 'not recorded'} vs {device[1] or 'not recorded'})")
+    differ = [k for k in SAME if a.get(k) != b.get(k)] + other_card(results, "static", "continuous")
     if differ:
         results["continuous_over_static_missing"] = f"static and continuous ran with different {', '.join(differ)}"
         log.warning("no continuous_over_static: %s", results["continuous_over_static_missing"])
     elif results["static_useful_tok_s"]:
         results.pop("continuous_over_static_missing", None)
         results["continuous_over_static"] = results["continuous_useful_tok_s"] / results["static_useful_tok_s"]
+
+
+def other_card(results: dict, row: str, base: str) -> list[str]:
+    """``["device (A vs B)"]`` where ``row`` and ``base`` (key prefixes) ran on different cards, or either was written
+    before rows named theirs: such rows are not compared; else []."""
+    device = results.get(f"{row}_device"), results.get(f"{base}_device")
+    if device[0] is None or device[0] != device[1]:
+        return [f"device ({device[0] or 'not recorded'} vs {device[1] or 'not recorded'})"]
+    return []
 
 
 # Issue #38: TurboQuant rows against plain on the same request stream and window. key: (threshold, kind).
@@ -251,10 +256,7 @@ def compare_kv(results: dict) -> None:
         window = results.get(f"continuous_{name}_budget_s"), results.get("continuous_budget_s")
         if window[0] != window[1]:
             differ.append(f"window ({window[0]} s vs {window[1]} s)")
-        # rows of different cards (or written before rows named theirs) are not compared
-        device = results.get(f"continuous_{name}_device"), results.get("continuous_device")
-        if device[0] is None or device[0] != device[1]:
-            differ.append(f"device ({device[0] or 'not recorded'} vs {device[1] or 'not recorded'})")
+        differ += other_card(results, f"continuous_{name}", "continuous")
         if differ:
             missing.append(f"{name} and plain ran with different {', '.join(differ)}")
             continue
