@@ -263,8 +263,9 @@ def compare_kv(results: dict) -> None:
         rates[name] = results[f"continuous_{name}_useful_tok_s"]
         if name == "tq":
             results["tq_over_plain_useful_tok_s"] = rates["tq"] / rates["none"]
-            results["tq_over_plain_steady_useful_tok_s"] = (results["continuous_tq_steady_useful_tok_s"]
-                                                            / results["continuous_steady_useful_tok_s"])
+            # a window too short for every slot to be filled (an offloaded cache's ramp) has no steady rate
+            steady = results.get("continuous_tq_steady_useful_tok_s"), results.get("continuous_steady_useful_tok_s")
+            results["tq_over_plain_steady_useful_tok_s"] = steady[0] / steady[1] if all(steady) else None
             results["tq_slots_over_plain"] = results["tq_slots"] / results["slots"]
     if "auto" in rates:
         results["auto_over_best_useful_tok_s"] = rates["auto"] / max(rates.values())

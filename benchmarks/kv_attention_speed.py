@@ -7,10 +7,12 @@ Prints one row per method: milliseconds per decode step for one layer, and bytes
 
 ``--paged``: the decode loop's arena (``SlotArena``, K4/V2, window 128, block 32: kv_bench's settings), every
 slot ``--tokens`` long, read in place by the paged kernel as a bucket of the loop reads it, at each batch and
-query-group size: the kernel's launch settings swept (split programs aimed at, tiles, centroid tables in the
-products' dtype or fp32), beside the same batch's fp16 cache through sdpa and the bytes floor (the packed
-history and windows read once at the device-to-device copy bandwidth measured in the same run). Writes
-``--out`` (JSON).
+query-group size: the kernel's launch settings swept (history-tile variant ``triton_kernel.VARIANTS``, split
+programs aimed at, tiles and pipeline stages; the centroid tables in the products' dtype, which beat fp32 ones
+by 1.6-2.4x on an H100 and H200), beside the same batch's fp16 cache through sdpa and the bytes floor (the
+packed history and windows read once at the device-to-device copy bandwidth measured in the same run), the
+settings shipped before the variants (``before``: dimension order, 264 programs, BLOCK_N 64) and, on CUDA, what
+the autotuner picks at ``TARGET_PROGRAMS`` (the engine's call). Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def _copy_gbps(device) -> float:
     return 2 * size / ms / 1e6
 
 
-PROGRAMS = (264, 528, 1056, 2112)
-TILES = ((64, 4), (64, 8), (32, 4))
+PROGRAMS = (264, 1056, 2112)
+TILES = ((64, 4, 1), (32, 4, 1), (32, 4, 2))  # BLOCK_N, warps, stages
+BEFORE = "v00_p264_n64_w4_s1"  # what the engine ran before the variants
 
 
 def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
@@ -103,27 +106,34 @@ def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
             rows = {"fp16_cache_sdpa_ms": sdpa, "fp16_cache_bytes": 2 * plain_k.numel() * 2,
                     "tq_bytes": read, "tq_floor_ms": read / gbps / 1e6, "kernels": {}}
             ref = None
-            for tables in (True, False):
-                triton_kernel.TABLES_IN_PRODUCT_DTYPE = tables
+
+            def timed(call) -> dict:
+                nonlocal ref
+                got = call()
+                ref = got if ref is None else ref
+                ms = _time_ms(call)
+                return {"ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
+                        "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
+            for cols, vsel in triton_kernel.VARIANTS:
                 for programs in PROGRAMS:
-                    for block_n, warps in TILES:
-                        def call():
-                            return triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5, block_n=block_n,
-                                                           num_warps=warps, paged=paged, programs=programs)
-                        got = call()
-                        ref = got if ref is None else ref
-                        ms = _time_ms(call)
-                        rows["kernels"][f"tables_{'dot' if tables else 'fp32'}_p{programs}_n{block_n}_w{warps}"] = {
-                            "ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
-                            "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
-            triton_kernel.TABLES_IN_PRODUCT_DTYPE = True
+                    for block_n, warps, stages in TILES:
+                        rows["kernels"][f"v{cols}{vsel}_p{programs}_n{block_n}_w{warps}_s{stages}"] = timed(
+                            lambda: triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5,
+                                                            block_n=block_n, num_warps=warps, num_stages=stages,
+                                                            variant=(cols, vsel), paged=paged, programs=programs))
             best = min(rows["kernels"].items(), key=lambda kv_: kv_[1]["ms"])
-            default = rows["kernels"][f"tables_dot_p{triton_kernel.TARGET_PROGRAMS}_n64_w4"]
-            rows.update(best=best[0], best_ms=best[1]["ms"], default_ms=default["ms"],
-                        best_over_fp16_sdpa=best[1]["over_fp16_sdpa"], default_over_fp16_sdpa=default["over_fp16_sdpa"])
+            before = rows["kernels"][BEFORE]
+            rows.update(best=best[0], best_ms=best[1]["ms"], before_ms=before["ms"],
+                        best_over_fp16_sdpa=best[1]["over_fp16_sdpa"], before_over_fp16_sdpa=before["over_fp16_sdpa"])
+            if torch.device(device).type == "cuda":  # the engine's own call: autotuned tiles and variant
+                rows["autotuned"] = timed(lambda: triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5,
+                                                                          paged=paged))
+                chosen = [v for k, v in triton_kernel._CHOSEN.items() if k[6]]  # the paged launches' choices
+                rows["autotuned"]["config"] = {k: v for k, v in chosen[-1].items() if not callable(v)}
             out["rows"][key] = rows
-            print(f"{key}: sdpa {sdpa:.3f} ms, floor {rows['tq_floor_ms']:.3f} ms, default {default['ms']:.3f} ms, "
-                  f"best {best[0]} {best[1]['ms']:.3f} ms", flush=True)
+            auto = f", autotuned {rows['autotuned']['ms']:.3f} ms" if "autotuned" in rows else ""
+            print(f"{key}: sdpa {sdpa:.3f} ms, floor {rows['tq_floor_ms']:.3f} ms, before {before['ms']:.3f} ms, "
+                  f"best {best[0]} {best[1]['ms']:.3f} ms{auto}", flush=True)
     return out
 
 

@@ -45,8 +45,13 @@ try:
 except ImportError:  # CPU installs: the torch path is used
     triton = None
 
-# Two waves on a 132-SM H100/H200 even for one decode query per head (measured: 264 beat 528-2112).
-TARGET_PROGRAMS = 264
+# Split programs aimed at per call. The H200 (BLOCK_N 64) measured 264 best; an H100 (2026-12-05, 8K a slot,
+# BLOCK_N 32) 1056: batch 8 0.193 ms against 0.249 at 264, batch 32 within 3 % of each other.
+TARGET_PROGRAMS = 1056
+# History-tile variants the autotuner tries, (COLS, VSEL): codes unpacked through a reshape in dimension order,
+# or read in the packed bytes' column order with no reshape (``_columns``); value centroids gathered from their
+# table, or picked by selects (1- and 2-bit values).
+VARIANTS = ((0, 0), (1, 0), (1, 1))
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
 # in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).
 TABLES_IN_PRODUCT_DTYPE = True
@@ -103,6 +108,53 @@ if triton is not None:
         return tl.reshape(codes, (BN, D))
 
     @triton.jit
+    def _columns(D: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr):
+        """Which dimension each column of a history tile holds: ``arange(D)``, or with ``COLS`` (and not 3 bits) the
+        packed bytes' own order: column ``c`` is code ``c // W`` of byte ``c % W`` (``W = D * BITS / 8``), which is
+        dimension ``(c % W) * (8 // BITS) + c // W``. A score is a sum over dimensions and the history's value sum
+        is put back in order at its store, so a tile may hold its columns in any order; in this one each column is
+        one byte's shift (``_code_columns``) and the tile needs no reshape of a [BN, W, 8 // BITS] unpack."""
+        d = tl.arange(0, D)
+        if COLS:
+            if BITS != 3:
+                PER: tl.constexpr = 8 // BITS
+                W: tl.constexpr = D // PER
+                return (d % W) * PER + d // W
+        return d
+
+    @triton.jit
+    def _code_columns(base, offs_n, n_ok, D: tl.constexpr, BITS: tl.constexpr, stride_n):
+        """``_codes`` in ``_columns``' order (``COLS``): each column reads its byte (L1 serves the repeats) and
+        shifts it; no reshape."""
+        PER: tl.constexpr = 8 // BITS
+        W: tl.constexpr = D // PER
+        c = tl.arange(0, D)
+        raw = tl.load(base + offs_n[:, None] * stride_n + (c % W)[None, :], mask=n_ok[:, None], other=0)
+        return (raw.to(tl.int32) >> ((c // W) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+    @triton.jit
+    def _history_codes(base, offs_n, n_ok, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, stride_n,
+                       COLS: tl.constexpr):
+        """A history tile's codes in ``_columns``' order."""
+        if COLS:
+            if BITS != 3:
+                return _code_columns(base, offs_n, n_ok, D, BITS, stride_n)
+        return _codes(base, offs_n, n_ok, BN, D, BITS, stride_n)
+
+    @triton.jit
+    def _value_centroids(VCent, vc, BITS: tl.constexpr, VSEL: tl.constexpr):
+        """The centroids of codes ``vc``: gathered from the table, or (``VSEL``, 1- and 2-bit values) picked from
+        its entries by selects (no per-element address or load; the table's entries are L1 hits)."""
+        if VSEL:
+            if BITS == 1:
+                return tl.where(vc == 1, tl.load(VCent + 1), tl.load(VCent))
+            if BITS == 2:
+                lo = tl.where(vc == 1, tl.load(VCent + 1), tl.load(VCent))
+                hi = tl.where(vc == 3, tl.load(VCent + 3), tl.load(VCent + 2))
+                return tl.where(vc >= 2, hi, lo)
+        return tl.load(VCent + vc)
+
+    @triton.jit
     def _norms(ptr, ref_ptr, offs_n, n_ok, NORM8: tl.constexpr):
         stored = tl.load(ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
         if NORM8:  # log2 code against the per-head reference (Codec.load_norms)
@@ -155,6 +207,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
         HAS_KEEP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ROW_HIST: tl.constexpr,
+        COLS: tl.constexpr, VSEL: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // HKV, pid_bh % HKV
@@ -177,6 +230,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        cols = offs_d  # the dimension each column of acc holds (a history split's: its values' tile order)
         if pid_s < full_splits:
             # Unquantized tokens [sink | recent]: column f is absolute f (sink) or f + N_HIST.
             n_start = pid_s * per_split
@@ -195,7 +249,9 @@ if triton is not None:
                 acc += _product(p, v, DOT)
         else:
             # Packed history: history token t is absolute column SINK + t; the queries rotated once for the call.
-            q_rot = tl.load(QR + b * s_rb + (h * G + g)[:, None] * s_rh + i[:, None] * s_rl + offs_d[None, :],
+            cols_k = _columns(D, BITS_K, COLS)  # the queries' columns in the keys' tile order
+            cols = _columns(D, BITS_V, COLS)
+            q_rot = tl.load(QR + b * s_rb + (h * G + g)[:, None] * s_rh + i[:, None] * s_rl + cols_k[None, :],
                             mask=row_ok[:, None], other=0.0)
             if HAS_KMEAN:
                 km = tl.load(KMean + sh * D + offs_d)
@@ -214,7 +270,7 @@ if triton is not None:
                     vc_row, vn_row = VC + page * s_vcb + back * s_vcn, VN + page * s_vnb + back
                 else:
                     kc_row, kn_row, vc_row, vn_row = KC + b * s_kcb, KN + b * s_knb, VC + b * s_vcb, VN + b * s_vnb
-                kc = _codes(kc_row + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn)
+                kc = _history_codes(kc_row + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn, COLS)
                 k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
                 kn = _norms(kn_row + h * s_knh, KR + sh, offs_n, n_ok, NORM8_K)
                 s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
@@ -222,23 +278,26 @@ if triton is not None:
                     s += bias[:, None]
                 s = tl.where(_visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
-                vc = _codes(vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn)
-                v = tl.load(VCent + vc)
+                vc = _history_codes(vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn, COLS)
+                v = _value_centroids(VCent, vc, BITS_V, VSEL)
                 vn = _norms(vn_row + h * s_vnh, VR + sh, offs_n, n_ok, NORM8_V)
                 acc += _product(p * vn[None, :], v, DOT)
             if HAS_VMEAN:  # every history value is v_mean + its quantized residual: v_mean's rotated image here
-                acc += tl.load(VMeanRot + sh * D + offs_d)[None, :] * l_i[:, None]
+                acc += tl.load(VMeanRot + sh * D + cols)[None, :] * l_i[:, None]
             # acc stays in the value rotation's space: the merge rotates the history's sum back once
         out = (pid_bh * tl.num_programs(1) + pid_s) * rows + offs_m
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
-        tl.store(OutAcc + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(OutAcc + out[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])  # each column where it belongs
 
-    # Measured on the H200 (8K x batch 8, K4/V2, D 128): BLOCK_N 64 / 4 warps / 1 stage won every
-    # sweep of 12 configs; the list is kept short because each entry is a compile per key.
+    # Measured on the H200 (8K x batch 8, K4/V2, D 128): BLOCK_N 64 / 4 warps / 1 stage won every sweep of 12
+    # configs; on an H100 (2026-12-05) BLOCK_N 32 won (batch 32: 0.68 ms against 0.81), 8 warps lost everywhere.
+    # The list is kept short because each entry is a compile per key; the column order and the value selects
+    # (``COLS``, ``VSEL``) are tried with both tiles (benchmarks/kv_attention_speed.py times each variant).
     _split_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                 for bn, w, st in ((64, 4, 1), (64, 4, 2), (32, 4, 1), (64, 8, 1))],
+        configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "VSEL": vsel}, num_warps=w, num_stages=st)
+                 for bn, w, st in ((64, 4, 1), (32, 4, 1)) for cols, vsel in VARIANTS]
+        + [triton.Config({"BLOCK_N": 32, "COLS": 1, "VSEL": 1}, num_warps=4, num_stages=2)],
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
@@ -315,11 +374,14 @@ def attention(
     num_warps: int = 4,
     paged: Paged | None = None,
     programs: int | None = None,
+    variant: tuple[int, int] = (0, 0),
+    num_stages: int = 1,
 ) -> torch.Tensor:
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
-    ``block_n`` None: tiles autotuned; else that tile and ``num_warps`` (benchmarks).
+    ``block_n`` None: tiles and variant autotuned; else that tile, ``num_warps``, ``num_stages`` and ``variant``
+    (``VARIANTS``' (COLS, VSEL); benchmarks, tests).
     ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
     ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``; benchmarks)."""
     hist = ctx.history
@@ -365,7 +427,8 @@ def attention(
               hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
     if block_n is not None:
-        split, tiles = _split_kernel, {"BLOCK_N": block_n, "num_warps": num_warps}
+        split, tiles = _split_kernel, {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                                       "COLS": variant[0], "VSEL": variant[1]}
     elif chosen in _CHOSEN:
         split, tiles = _split_kernel, _CHOSEN[chosen]
     else:

@@ -198,3 +198,7 @@ def test_kv_rows_compare_with_plain_only_over_the_same_window():
     del r["continuous_auto_device"]
     compare_kv(r)
     assert "device (not recorded vs H100)" in r["kv_ratios_missing"]
+    # a window that ended inside the ramp (no pass with every slot filled: no steady rate) still compares
+    r["continuous_steady_useful_tok_s"] = r["continuous_tq_steady_useful_tok_s"] = None
+    compare_kv(r)
+    assert r["tq_over_plain_useful_tok_s"] == 1.5 and r["tq_over_plain_steady_useful_tok_s"] is None

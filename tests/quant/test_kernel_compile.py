@@ -100,18 +100,21 @@ def _packed(fmt: int, split: bool, **extra) -> Kernel:
         opt, configs=packed_triton._small_m_configs if split else packed_triton._configs)
 
 
-def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64, paged: bool = False) -> Kernel:
+def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64, paged: bool = False,
+              variant: tuple[int, int] = (0, 0)) -> Kernel:
     """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule);
     ``paged``: reading the decode loop's arena through its page table, with a mask and each row's own history
-    length (as the loop launches it)."""
+    length (as the loop launches it); ``variant``: the history tiles' (COLS, VSEL) (``tq.VARIANTS``)."""
     norms = "u8" if norm8 else "fp16"
+    tag = "" if variant == (0, 0) else f"_v{variant[0]}{variant[1]}"
     return Kernel(
-        f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}{'_paged' if paged else ''}", lambda: tq._split_kernel,
+        f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}{'_paged' if paged else ''}{tag}",
+        lambda: tq._split_kernel,
         {**_Q, "KN": norms, "VN": norms, "Slots": "i64", "Table": "i64", "Keep": "i8",
          "HistLen": "i64" if paged else "fp32"},
         lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": 64,
                    "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": paged,
-                   "PAGED": paged, "PAGE": 64, "ROW_HIST": paged},
+                   "PAGED": paged, "PAGE": 64, "ROW_HIST": paged, "COLS": variant[0], "VSEL": variant[1]},
         {"num_warps": 4, "num_stages": 1}, configs=lambda: tq._split_tuned.configs)
 
 
@@ -159,6 +162,8 @@ KERNELS = [
     Kernel("int2_gluon_tma", lambda: int2_gluon._gemv_tma_kernel, {}, options={"num_warps": int2_gluon.TNW},
            min_cap=90, gluon=True),
     _tq_split(4, 2, False), _tq_split(3, 3, True), _tq_split(2, 4, False), _tq_split(4, 2, False, paged=True),
+    _tq_split(4, 2, False, paged=True, variant=(1, 0)), _tq_split(4, 2, False, paged=True, variant=(1, 1)),
+    _tq_split(3, 3, True, variant=(1, 1)), _tq_split(2, 4, False, variant=(1, 1)),
     Kernel("tq_merge", lambda: tq._merge_kernel, {"OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32", "Out": "X",
                                                   "RotV": "fp32"},
            lambda x: {"D": 64, "BLOCK_M": 16}),
@@ -238,11 +243,11 @@ def test_tq_attention_shared_memory_rule(dim):
     """triton_kernel.shared_bytes bounds what the split and merge kernels need, and triton_kernel.fits (what
     ``applicable`` asks) admits it exactly where that fits: D 128 is too big for a T4's 64 KB, so the T4
     takes the torch ops there; D 64 runs everywhere."""
-    base = _tq_split(4, 2, False, dim)
+    splits = [_tq_split(4, 2, False, dim, variant=v) for v in tq.VARIANTS]
     merge = next(k for k in KERNELS if k.name == "tq_merge")
     merge = Kernel(merge.name, merge.fn, merge.pointers, lambda x: {"D": dim, "BLOCK_M": 16})
     for cap in TARGETS:
-        shared = max(compile_kernel(k, cap, "fp16").metadata.shared for k in (base, merge))
+        shared = max(compile_kernel(k, cap, "fp16").metadata.shared for k in (*splits, merge))
         assert shared <= tq.shared_bytes(dim), (dim, cap, shared)
         assert tq.fits(dim, divmod(cap, 10)) == (tq.shared_bytes(dim) <= MAX_SHARED[cap])
         if tq.fits(dim, divmod(cap, 10)):
