@@ -293,11 +293,11 @@ if triton is not None:
     # Measured on the H200 (8K x batch 8, K4/V2, D 128): BLOCK_N 64 / 4 warps / 1 stage won every sweep of 12
     # configs; on an H100 (2026-12-05) BLOCK_N 32 won (batch 32: 0.68 ms against 0.81), 8 warps lost everywhere.
     # The list is kept short because each entry is a compile per key; the column order and the value selects
-    # (``COLS``, ``VSEL``) are tried with both tiles (benchmarks/kv_attention_speed.py times each variant).
+    # (``COLS``, ``VSEL``) are tried beside the dimension order (benchmarks/kv_attention_speed.py times each).
     _split_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "VSEL": vsel}, num_warps=w, num_stages=st)
-                 for bn, w, st in ((64, 4, 1), (32, 4, 1)) for cols, vsel in VARIANTS]
-        + [triton.Config({"BLOCK_N": 32, "COLS": 1, "VSEL": 1}, num_warps=4, num_stages=2)],
+        configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "VSEL": vsel}, num_warps=4, num_stages=st)
+                 for bn, st, cols, vsel in ((64, 1, 0, 0), (64, 1, 1, 1), (32, 1, 0, 0), (32, 1, 1, 0), (32, 1, 1, 1),
+                                            (32, 2, 1, 1))],
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
