@@ -12,7 +12,8 @@ programs aimed at, tiles and pipeline stages; the centroid tables in the product
 by 1.6-2.4x on an H100 and H200), beside the same batch's fp16 cache through sdpa and the bytes floor (the
 packed history and windows read once at the device-to-device copy bandwidth measured in the same run), the
 settings shipped before the variants (``before``: dimension order, 264 programs, BLOCK_N 64) and, on CUDA, what
-the autotuner picks at ``TARGET_PROGRAMS`` (the engine's call). Writes ``--out`` (JSON).
+the autotuner picks at ``TARGET_PROGRAMS`` (the engine's call; chosen at the first row and kept for the others,
+as a process keeps it). Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations

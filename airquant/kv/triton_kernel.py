@@ -48,10 +48,17 @@ except ImportError:  # CPU installs: the torch path is used
 # Split programs aimed at per call. The H200 (BLOCK_N 64) measured 264 best; an H100 (2026-12-05, 8K a slot,
 # BLOCK_N 32) 1056: batch 8 0.193 ms against 0.249 at 264, batch 32 within 3 % of each other.
 TARGET_PROGRAMS = 1056
-# History-tile variants the autotuner tries, (COLS, VSEL): codes unpacked through a reshape in dimension order,
+# History-tile variants, (COLS, VSEL): codes unpacked through a reshape in dimension order,
 # or read in the packed bytes' column order with no reshape (``_columns``); value centroids gathered from their
 # table, or picked by selects (1- and 2-bit values).
 VARIANTS = ((0, 0), (1, 0), (1, 1))
+# What the autotuner tries, (BLOCK_N, stages, COLS, VSEL), 4 warps each: each entry is a compile per launch key, so
+# the list stays short. The H200 (8K x batch 8, K4/V2, D 128) had BLOCK_N 64 / 1 stage win every sweep of 12
+# configs; an H100 (2026-12-05) BLOCK_N 32 (batch 32: 0.68 ms against 0.81) and 8 warps lose everywhere. The
+# byte-column and select variants are not in it yet: the interpreter and the compile matrix check them, but
+# neither their compiled output nor their speed has been measured on a GPU (benchmarks/chains/wave3_kv24.sh
+# does both; tests/kv/test_triton_gpu.py); until then the engine runs the dimension-order tiles.
+AUTOTUNED = ((64, 1, 0, 0), (64, 2, 0, 0), (32, 1, 0, 0))
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
 # in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).
 TABLES_IN_PRODUCT_DTYPE = True
@@ -290,14 +297,9 @@ if triton is not None:
         tl.store(OutL + out, l_i, mask=row_ok)
         tl.store(OutAcc + out[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])  # each column where it belongs
 
-    # Measured on the H200 (8K x batch 8, K4/V2, D 128): BLOCK_N 64 / 4 warps / 1 stage won every sweep of 12
-    # configs; on an H100 (2026-12-05) BLOCK_N 32 won (batch 32: 0.68 ms against 0.81), 8 warps lost everywhere.
-    # The list is kept short because each entry is a compile per key; the column order and the value selects
-    # (``COLS``, ``VSEL``) are tried beside the dimension order (benchmarks/kv_attention_speed.py times each).
     _split_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "VSEL": vsel}, num_warps=4, num_stages=st)
-                 for bn, st, cols, vsel in ((64, 1, 0, 0), (64, 1, 1, 1), (32, 1, 0, 0), (32, 1, 1, 0), (32, 1, 1, 1),
-                                            (32, 2, 1, 1))],
+                 for bn, st, cols, vsel in AUTOTUNED],
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
@@ -380,8 +382,8 @@ def attention(
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
-    ``block_n`` None: tiles and variant autotuned; else that tile, ``num_warps``, ``num_stages`` and ``variant``
-    (``VARIANTS``' (COLS, VSEL); benchmarks, tests).
+    ``block_n`` None: autotuned among ``AUTOTUNED``; else that tile, ``num_warps``, ``num_stages`` and ``variant``
+    (one of ``VARIANTS``: (COLS, VSEL); benchmarks, tests).
     ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
     ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``; benchmarks)."""
     hist = ctx.history

@@ -148,3 +148,17 @@ def test_paged_kernel_reads_the_loop_arena_as_the_torch_ops_do(name):
     assert r["buckets"] >= 2 and r["interleaved"]
     assert r["flat"] < 1e-4 and r["paged"] < 1e-4, r
 
+
+@pytest.mark.parametrize("variant", [(1, 0), (1, 1)])
+@pytest.mark.parametrize("name", ["k4v2", "k3v3_centred_norm8_sink"])
+def test_history_tile_variants_compiled_equal_the_torch_ops(name, variant):
+    """The compiled history-tile variants (codes in the packed bytes' column order, value centroids by selects:
+    ``triton_kernel.VARIANTS``), flat, paged, static and per-row, against the torch ops (the interpreter checks
+    the same code on the CPU; this checks what Triton compiles of it)."""
+    from tests.kv.interpreted_tq_kernel import CASES, case
+
+    kv, lengths, order, _ = CASES[name]
+    r = case(name, kv, lengths, order, 32, device="cuda", variant=variant)
+    assert r["buckets"] >= 2 and r["flat"] < 1e-4 and r["paged"] < 1e-4, r
+    assert r["static"] < 1e-4 and r["rows"] < 1e-4 and r["static_own_same"] and r["rows_same"], r
+
