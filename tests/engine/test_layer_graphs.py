@@ -842,3 +842,23 @@ def test_cuda_a_turboquant_loop_after_a_plain_one_is_captured(monkeypatch, tmp_p
     engine.close()
     assert stats["failed"] == 0 and stats["captures"] > captures, stats
     assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
+def test_a_second_turboquant_loop_decodes_as_it_does_eagerly(stores):
+    """Two TurboQuant loops one after the other in the same engine (kv_bench's timed generation then its traced
+    loop; a server's batches): the second cache gets the first one's buffers and pages lent (``KVBuffers``) and
+    may replay graphs captured over the first's arena; with other prompts of other lengths it must decode exactly
+    as the same two loops run eagerly (a replay reading the first arena's tables or lengths would not)."""
+    from airquant.kv.config import KVConfig
+
+    config = KVConfig(backend="tq", bits_k=4, bits_v=2, window=8, block=4)
+    second = PROMPT + [5, 61, 980, 2047, 33, 310, 7, 1500, 64, 21, 11, 700, 19]  # longer: other lengths
+    run = lambda e: (_batch_of(e, [PROMPT], 12, config), _batch_of(e, [second, PROMPT], 12, config))  # noqa: E731
+    want = _static_eager(stores["llama"], run)
+    engine, graphs = _graphed(stores["llama"])
+    engine.graphs = graphs
+    got = run(engine)
+    engine.close()
+    assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0, graphs.stats
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and torch.equal(g[1], w[1])
