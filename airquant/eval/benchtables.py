@@ -192,8 +192,13 @@ def batch_bench(d: dict) -> list[str]:
             "", ""]]
     cpu = [[path, _f(d.get(f"cpu_mixed_{path}_utilization"), "{:.2f}"), _f(d.get(f"cpu_mixed_{path}_wall_s"), "{:.1f} s")]
            for path in ("static", "continuous")]
-    return [f"70B-shaped NF4 store under a 15 GB cap, {d.get('requests', 512)} requests "
-            f"(measured on **{d.get('device', 'not run yet')}**):", "",
+    # the static and continuous parts are separate runs, possibly on different cards (older files kept no
+    # static_device): each part says its own
+    cont = d.get("continuous_device", d.get("device", "not run yet"))
+    static = d.get("static_device", "a card the file did not record" if "static_useful_tok_s" in d else "not run yet")
+    where = (f"measured on **{cont}**" if static == cont
+             else f"continuous rows measured on **{cont}**, static rows on **{static}**")
+    return [f"70B-shaped NF4 store under a 15 GB cap, {d.get('requests', 512)} requests ({where}):", "",
             *md_table(["figure", "value", "target", ""], c70), "",
             f"8B-shaped bf16 store under a 4 GB cap, batch 1 (measured on **{d.get('bs1_8b_device', 'not run yet')}**):",
             "", *md_table(["figure", "value", "target", ""], bs1), "",

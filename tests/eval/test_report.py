@@ -245,3 +245,16 @@ def test_the_report_names_its_folder_as_typed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = build_report(tmp_path / "results" / "local", make_plots=False).read_text()
     assert "by `airquant report results/local`" in text
+
+
+def test_batch_bench_section_names_each_parts_card():
+    """batch_bench's static and continuous parts are separate runs: where their cards differ (or the static part's
+    was not recorded, as in files before it was), the section says so instead of one card for both."""
+    from airquant.eval.benchtables import batch_bench
+
+    both = {"device": "H100", "continuous_device": "H100", "static_device": "H100", "static_useful_tok_s": 12.0}
+    assert "(measured on **H100**)" in batch_bench(both)[0]
+    mixed = {**both, "static_device": "H200"}
+    assert "continuous rows measured on **H100**, static rows on **H200**" in batch_bench(mixed)[0]
+    older = {k: v for k, v in both.items() if k != "static_device"}
+    assert "static rows on **a card the file did not record**" in batch_bench(older)[0]
