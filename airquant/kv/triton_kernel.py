@@ -15,6 +15,12 @@
    ``acc`` apart, with the same rescaling), the history's rotated back once (``acc @ Pi``),
    normalization, and the store in the ``[B, L, Hq, D]`` layout and dtype the model expects.
 
+History tiles come in variants (``VARIANTS``): codes unpacked in dimension order through a reshape, or read in
+the packed bytes' column order (no reshape; the queries, value mean and stored sum take the same order), value
+centroids gathered or picked by selects. The autotuner tries ``AUTOTUNED`` only; a variant joins it once its
+compiled output and speed are measured on a GPU (benchmarks/kv_attention_speed.py --paged,
+tests/kv/test_triton_gpu.py).
+
 No split program holds a rotation matrix: a [D, D] fp32 matrix through shared memory (64 KB at D 128)
 held an H100's SM to three programs; the merge, one program per (row block, head), holds it once.
 
