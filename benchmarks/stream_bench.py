@@ -166,7 +166,7 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
 
     requests = [engine.request(row, GenerateConfig(max_new_tokens=1 + new, ignore_eos=True)) for row in ids.tolist()]
     if engine.loop_supported and (kv is None or kv.backend != "turboquant"):
-        loop = engine.decode_loop(len(requests), context=ids.shape[1] + 1 + new, kv=kv)
+        loop = engine.loop_for(requests, kv=kv)  # the loop the timed generation runs (its prefill budget too)
         for r in requests:
             loop.submit(r)
         while loop.waiting or any(s.prefilling for s in loop.running.values()):  # the prompts, untraced

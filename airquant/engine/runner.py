@@ -238,15 +238,20 @@ class Engine:
             return []
         if not self.loop_supported or (kv is not None and kv.backend == "turboquant"):
             return self._generate_fallback(requests, kv)  # the PyPI turboquant's cache lives in generate only
-        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-        self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
-        loop = self.decode_loop(len(requests), context=longest, kv=kv, token_budget=self._prefill_budget(requests))
+        loop = self.loop_for(requests, kv=kv)
         self._sync()
         start = time.perf_counter()
         seqs = loop.run(requests)
         self._sync()
         self._record_timings(loop, seqs, time.perf_counter() - start)
         return [self.completion(s) for s in seqs]
+
+    def loop_for(self, requests: list[Request], *, kv=None) -> DecodeLoop:
+        """The decode loop ``generate_requests`` runs ``requests`` through: a slot each, as long as the longest
+        prompt plus its new tokens, every prompt's tokens a pass as ``_prefill_budget`` allows."""
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        self._check_context(max(len(r.prompt_ids) for r in requests), max(r.max_new_tokens for r in requests))
+        return self.decode_loop(len(requests), context=longest, kv=kv, token_budget=self._prefill_budget(requests))
 
     @property
     def loop_supported(self) -> bool:
