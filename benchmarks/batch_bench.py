@@ -171,17 +171,19 @@ def part_batch(args, which: str, results: dict) -> None:
     requests = workload(args.requests, vocab, prompt_range=args.prompt_range, mean_new=args.mean_new,
                         max_new=args.max_new)
     context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    placement = None
+    placement, planned = None, {}
     if args.kv in ("auto", "tq"):  # as airquant batch --kv auto|tq plans them
         mix = plan_mix(store, args, requests, ("none", "tq") if args.kv == "auto" else ("tq",))
         slots, kv_name, offload, placement = mix.choice.slots, mix.choice.kv, mix.choice.offload, mix.choice.plan
+        planned = {"plan_pass_s": mix.choice.pass_s, "plan_kv_link_gb": mix.choice.kv_link_bytes / 1e9,
+                   "link_gbps": mix.link_gbps}
     else:
         slots, kv_name, offload = plan_slots(store, None if args.quick else args.cap_gb, context, args.kv,
                                              args.kv_offload, args.slots)
     kv = KVConfig(backend="tq", bits_k=4, bits_v=2, window=128) if kv_name == "tq" else None
     settings = {"slots": slots, "kv": kv_name, "kv_offload": offload, "requests": len(requests), "context": context,
                 "distribution": f"prompt uniform {args.prompt_range}, new tokens geometric mean {args.mean_new} "
-                f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first"}
+                f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first", **planned}
     engine = open_engine(store, args, slots, context, offload, kv_cache=kv_name, placement=placement)
     # Each --kv a row of its own: plain keeps the keys it always had; tq and auto (the throughput planner's
     # choice) get continuous_tq_* / continuous_auto_* and their settings as tq_* / auto_*.
@@ -197,6 +199,7 @@ def part_batch(args, which: str, results: dict) -> None:
                                       trace_ramp=args.trace_ramp)
     finally:
         engine.close()
+    link_floor(measured.get(f"{prefix}_trace"), planned.get("link_gbps"))
     shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
     device = "cpu" if args.quick else torch.cuda.get_device_name()
     results.update({**shown, **measured, f"{prefix}_settings": settings, f"{prefix}_warmup_s": warm,
@@ -204,6 +207,17 @@ def part_batch(args, which: str, results: dict) -> None:
                     "device": device})
     compare(results)
     compare_kv(results)
+
+
+def link_floor(trace: dict | None, link_gbps: float | None) -> None:
+    """A traced pass against its bytes: ``last_pass_link_floor_ms`` = the pass's host-to-device bytes (weights and
+    an offloaded cache's) over the pinned link measured before the run, and ``last_pass_over_link_floor`` = its
+    wall over that: 1.0 is a pass that costs its bytes on the link and nothing more (issue #38's offload item)."""
+    if not trace or not link_gbps or not trace.get("last_pass_memcpy_htod_gb"):
+        return
+    floor_ms = trace["last_pass_memcpy_htod_gb"] / link_gbps * 1e3
+    trace["last_pass_link_floor_ms"] = floor_ms
+    trace["last_pass_over_link_floor"] = trace["last_pass_wall_ms"] / floor_ms
 
 
 def compare(results: dict) -> None:

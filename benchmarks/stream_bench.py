@@ -33,6 +33,7 @@ import gc  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -258,7 +259,9 @@ def pass_breakdown(events) -> dict:
     ``DecodeLoop.step`` (``PASS_MARK``). The pass ends in a device sync, so its device work lies inside its host
     window. Returns its wall, the device's busy time in it (the union of kernels and copies: overlapping ones
     count once), that busy time over the wall, and the busy time by kind (kernels, host-to-device copies, other
-    copies). A pass whose device is busy a small part of its wall waited for the host. {} without a pass."""
+    copies), with the copies' bytes and the host-to-device copies' rate: a pass bound by the link has its wall
+    near those bytes over the link. A pass whose device is busy a small part of its wall waited for the host. {}
+    without a pass."""
     from airquant.engine.decode.loop import PASS_MARK
 
     marks = [e for e in events if e.name() == PASS_MARK and e.device_type() == torch.autograd.DeviceType.CPU]
@@ -267,16 +270,34 @@ def pass_breakdown(events) -> dict:
     last = max(marks, key=lambda e: e.start_ns())
     a, b = last.start_ns(), last.start_ns() + last.duration_ns()
     spans: dict[str, list] = {"kernel": [], "memcpy_htod": [], "memcpy_other": []}
+    moved = {"memcpy_htod": 0, "memcpy_other": 0}
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU or e.is_user_annotation() or e.name() == PASS_MARK:
             continue
         s, f = max(e.start_ns(), a), min(e.start_ns() + e.duration_ns(), b)
         if f > s:
-            spans[device_kind(e.name())].append((s, f))
+            kind = device_kind(e.name())
+            spans[kind].append((s, f))
+            if kind in moved:  # a copy cut at the pass's edge counts its share of bytes
+                moved[kind] += copy_bytes(e) * (f - s) / max(e.duration_ns(), 1)
     busy = _union_ns([x for v in spans.values() for x in v])
+    htod_ms = _union_ns(spans["memcpy_htod"]) / 1e6
     return {"last_pass_wall_ms": (b - a) / 1e6, "last_pass_device_busy_ms": busy / 1e6,
             "last_pass_busy_fraction": busy / (b - a) if b > a else None,
-            **{f"last_pass_{k}_ms": _union_ns(v) / 1e6 for k, v in spans.items()}}
+            **{f"last_pass_{k}_ms": _union_ns(v) / 1e6 for k, v in spans.items()},
+            **{f"last_pass_{k}_gb": n / 1e9 for k, n in moved.items()},
+            # the host-to-device copies' rate while one ran (the link's, when they queue back to back)
+            "last_pass_memcpy_htod_gbps": moved["memcpy_htod"] / 1e9 / (htod_ms / 1e3) if htod_ms else None}
+
+
+def copy_bytes(e) -> int:
+    """A device copy's bytes in a trace: its ``nbytes`` where the profiler filled it, else the ``"bytes"`` field
+    CUPTI's copy record carries in the event's metadata (0 when neither says)."""
+    n = getattr(e, "nbytes", lambda: 0)() or 0
+    if n:
+        return int(n)
+    found = re.search(r'"bytes"\s*:\s*(\d+)', getattr(e, "metadata_json", lambda: "")() or "")
+    return int(found.group(1)) if found else 0
 
 
 def _union_ns(spans: list[tuple[int, int]]) -> int:

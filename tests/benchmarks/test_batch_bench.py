@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.batch_bench import workload
+from benchmarks.batch_bench import link_floor, workload
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "batch_bench.py"
 
@@ -166,7 +166,21 @@ def test_kv_tq_runs_the_planners_turboquant_choice(store_dir):
     tmp = fresh(store_dir, "tq")
     r = bench(tmp, "continuous", "--seconds", "1e6", "--kv", "tq")
     assert r["tq_kv"] == "tq" and 1 <= r["tq_slots"] <= 8 and r["tq_kv_offload"] is False
+    assert r["tq_link_gbps"] is None and r["tq_plan_pass_s"] is None  # a CPU run: no link, pass not modelled
     assert r["continuous_tq_requests_finished"] == r["tq_requests"] == 48 and r["continuous_tq_useful_tok_s"] > 0
+
+
+def test_a_traced_pass_is_set_against_its_bytes_over_the_link():
+    """``link_floor``: a traced pass's host-to-device bytes over the link measured before the run, and its wall over
+    that; no bytes, no trace or no link (a CPU run) add nothing."""
+    trace = {"last_pass_wall_ms": 1100.0, "last_pass_memcpy_htod_gb": 50.0}
+    link_floor(trace, 50.0)
+    assert trace["last_pass_link_floor_ms"] == 1000.0 and trace["last_pass_over_link_floor"] == pytest.approx(1.1)
+    for trace, link in (({"last_pass_wall_ms": 5.0, "last_pass_memcpy_htod_gb": 0.0}, 50.0),
+                        ({"last_pass_wall_ms": 5.0, "last_pass_memcpy_htod_gb": 1.0}, None)):
+        link_floor(trace, link)
+        assert "last_pass_over_link_floor" not in trace
+    link_floor(None, 50.0)
 
 
 def test_kv_rows_compare_with_plain_only_over_the_same_window():

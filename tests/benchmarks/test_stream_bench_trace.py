@@ -16,10 +16,11 @@ from benchmarks.stream_bench import pass_breakdown, sync_sources
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def _event(name: str, device, start: int, duration: int, annotation: bool = False, thread: int = 1):
+def _event(name: str, device, start: int, duration: int, annotation: bool = False, thread: int = 1,
+           meta: str = ""):
     return SimpleNamespace(name=lambda: name, device_type=lambda: device, start_ns=lambda: start,
                            duration_ns=lambda: duration, is_user_annotation=lambda: annotation,
-                           start_thread_id=lambda: thread)
+                           start_thread_id=lambda: thread, nbytes=lambda: 0, metadata_json=lambda: meta)
 
 
 def test_each_sync_is_named_by_the_host_ops_around_it():
@@ -45,15 +46,20 @@ def test_the_last_pass_counts_overlapping_device_work_once():
               _event("gemv", CUDA, 100, 500_000),
               _event(PASS_MARK, CPU, 2_000_000, 10_000_000),
               _event(PASS_MARK, CUDA, 2_000_000, 10_000_000, annotation=True),  # the device's mirror of the mark
-              _event("Memcpy HtoD (Pinned -> Device)", CUDA, 3_000_000, 4_000_000),
+              _event("Memcpy HtoD (Pinned -> Device)", CUDA, 3_000_000, 4_000_000,
+                     meta='"device": 0, "stream": 7, "bytes": 200000000, "memory bandwidth (GB/s)": 50.0'),
+              _event("Memcpy DtoH (Device -> Pinned)", CUDA, 10_000_000, 4_000_000,  # half of it in the pass
+                     meta='"bytes": 80000000'),
               _event("kernel_a", CUDA, 5_000_000, 1_000_000),  # under the copy: counted once
               _event("kernel_b", CUDA, 11_000_000, 2_000_000),  # cut at the pass's end
               _event("aten::mm", CPU, 4_000_000, 1_000_000)]
     got = pass_breakdown(events)
     assert got["last_pass_wall_ms"] == 10.0
-    assert got["last_pass_device_busy_ms"] == 5.0 and got["last_pass_busy_fraction"] == 0.5
+    assert got["last_pass_device_busy_ms"] == 6.0 and got["last_pass_busy_fraction"] == 0.6
     assert (got["last_pass_kernel_ms"], got["last_pass_memcpy_htod_ms"], got["last_pass_memcpy_other_ms"]) == \
-        (2.0, 4.0, 0.0)
+        (2.0, 4.0, 2.0)
+    assert (got["last_pass_memcpy_htod_gb"], got["last_pass_memcpy_other_gb"]) == (0.2, 0.04)
+    assert got["last_pass_memcpy_htod_gbps"] == 50.0
     assert pass_breakdown([_event("aten::mm", CPU, 0, 10)]) == {}
 
 
