@@ -8,12 +8,12 @@ Prints one row per method: milliseconds per decode step for one layer, and bytes
 ``--paged``: the decode loop's arena (``SlotArena``, K4/V2, window 128, block 32: kv_bench's settings), every
 slot ``--tokens`` long, read in place by the paged kernel as a bucket of the loop reads it, at each batch and
 query-group size: the kernel's launch settings swept (history-tile variant ``triton_kernel.VARIANTS``, split
-programs aimed at, tiles and pipeline stages; the centroid tables in the products' dtype, which beat fp32 ones
-by 1.6-2.4x on an H100 and H200), beside the same batch's fp16 cache through sdpa and the bytes floor (the
-packed history and windows read once at the device-to-device copy bandwidth measured in the same run), the
-settings shipped before the variants (``before``: dimension order, 264 programs, BLOCK_N 64) and, on CUDA, what
-the autotuner picks at ``TARGET_PROGRAMS`` (the engine's call; chosen at the first row and kept for the others,
-as a process keeps it). Writes ``--out`` (JSON).
+programs aimed at, tiles, pipeline stages and, on CUDA, a cap on registers a thread; the centroid tables in the
+products' dtype, which beat fp32 ones by 1.6-2.4x on an H100 and H200), beside the same batch's fp16 cache
+through sdpa and the bytes floor (the packed history and windows read once at the device-to-device copy
+bandwidth measured in the same run), the setting the autotuner usually picked before (``before``: dimension
+order, 1 056 programs, BLOCK_N 32, no cap) and, on CUDA, what the autotuner picks at ``TARGET_PROGRAMS`` (the
+engine's call; chosen at the first row and kept for the others, as a process keeps it). Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -67,9 +67,12 @@ def _copy_gbps(device) -> float:
     return 2 * size / ms / 1e6
 
 
-PROGRAMS = (1056, 2112)  # the H100 sweep of 2026-12-05 had 264 and 528 behind 1 056 at BLOCK_N 32
-TILES = ((64, 4, 1), (32, 4, 1), (32, 4, 2))  # BLOCK_N, warps, stages
-BEFORE = "v00_p264_n64_w4_s1"  # what the engine ran before the variants
+PROGRAMS = (1056,)  # the H100 sweeps of 2026-12-05: 264 and 528 behind 1 056 at BLOCK_N 32, 2 112 within 3 %
+TILES = ((32, 4, 1), (16, 4, 1))  # BLOCK_N, warps, stages (64, 8 warps and 2 stages lost every H100 row)
+# Registers a thread (ptxas' cap; None: none): sm_90 compiles BLOCK_N 32 to 252 (two programs an SM), 168 gives
+# three, 128 four. The CPU's interpreter has no registers: None only.
+REGS = (None, 168, 128)
+BEFORE = "v00_p1056_n32_w4_s1_r0"  # the autotuner's usual pick before the byte tables and caps
 
 
 def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
@@ -115,15 +118,15 @@ def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
                 ms = _time_ms(call)
                 return {"ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
                         "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
-            rows["kernels"][BEFORE] = timed(lambda: triton_kernel.attention(
-                q, win_k, win_v, ctx, bucket.keep, d**-0.5, block_n=64, num_warps=4, paged=paged, programs=264))
-            for cols, vsel in triton_kernel.VARIANTS:
+            regs = REGS if torch.device(device).type == "cuda" else (None,)
+            for cols, tab in triton_kernel.VARIANTS:
                 for programs in PROGRAMS:
                     for block_n, warps, stages in TILES:
-                        rows["kernels"][f"v{cols}{vsel}_p{programs}_n{block_n}_w{warps}_s{stages}"] = timed(
-                            lambda: triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5,
-                                                            block_n=block_n, num_warps=warps, num_stages=stages,
-                                                            variant=(cols, vsel), paged=paged, programs=programs))
+                        for reg in regs:
+                            name = f"v{cols}{tab}_p{programs}_n{block_n}_w{warps}_s{stages}_r{reg or 0}"
+                            rows["kernels"][name] = timed(lambda: triton_kernel.attention(
+                                q, win_k, win_v, ctx, bucket.keep, d**-0.5, block_n=block_n, num_warps=warps,
+                                num_stages=stages, variant=(cols, tab), paged=paged, programs=programs, maxnreg=reg))
             best = min(rows["kernels"].items(), key=lambda kv_: kv_[1]["ms"])
             before = rows["kernels"][BEFORE]
             rows.update(best=best[0], best_ms=best[1]["ms"], before_ms=before["ms"],

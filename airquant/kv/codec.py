@@ -94,6 +94,18 @@ class Codec:
             self._centroids[key] = self.tables(device)[0].to(dtype)
         return self._centroids[key]
 
+    def byte_table(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[256, 8 // bits]``: row ``b`` holds the centroids of the codes packed in byte ``b``, in dimension order
+        (1-, 2- and 4-bit codes, whole codes to a byte), cached: the Triton kernel's byte-table tiles gather a
+        byte's centroids in one load where the plain tiles unpack and gather each code."""
+        if 8 % self.bits:
+            raise ValueError(f"{self.bits}-bit codes straddle bytes: no byte table (1, 2 or 4 bits)")
+        key = ("bytes", str(device), dtype)
+        if key not in self._centroids:
+            codes = unpack(torch.arange(256, dtype=torch.uint8).unsqueeze(1), self.bits, 8 // self.bits)
+            self._centroids[key] = self.tables("cpu")[0][codes].to(device=device, dtype=dtype).contiguous()
+        return self._centroids[key]
+
     def encode(self, x: torch.Tensor, mean: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> Encoded:
         """``x``: ``[B, H, N, D]`` in any float dtype; ``mean`` broadcasts against it (or None);
         ``ref``: the 8-bit norm reference ``[B, H, 1]`` (see :meth:`norm_ref`)."""

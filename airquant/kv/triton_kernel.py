@@ -15,11 +15,11 @@
    ``acc`` apart, with the same rescaling), the history's rotated back once (``acc @ Pi``),
    normalization, and the store in the ``[B, L, Hq, D]`` layout and dtype the model expects.
 
-History tiles come in variants (``VARIANTS``): codes unpacked in dimension order through a reshape, or read in
-the packed bytes' column order (no reshape; the queries, value mean and stored sum take the same order), value
-centroids gathered or picked by selects. The autotuner tries ``AUTOTUNED`` only; a variant joins it once its
-compiled output and speed are measured on a GPU (benchmarks/kv_attention_speed.py --paged,
-tests/kv/test_triton_gpu.py).
+History tiles come in variants (``VARIANTS``): codes unpacked in dimension order through a reshape; read in the
+packed bytes' column order (no reshape; the queries, value mean and stored sum take the same order); or each
+packed byte one gather of its codes' centroids from a 256-row byte table. The autotuner tries ``AUTOTUNED``
+only; a variant joins it once its compiled output and speed are measured on a GPU
+(benchmarks/kv_attention_speed.py --paged, tests/kv/test_triton_gpu.py).
 
 No split program holds a rotation matrix: a [D, D] fp32 matrix through shared memory (64 KB at D 128)
 held an H100's SM to three programs; the merge, one program per (row block, head), holds it once.
@@ -54,17 +54,21 @@ except ImportError:  # CPU installs: the torch path is used
 # Split programs aimed at per call. The H200 (BLOCK_N 64) measured 264 best; an H100 (2026-12-05, 8K a slot,
 # BLOCK_N 32) 1056: batch 8 0.193 ms against 0.249 at 264, batch 32 within 3 % of each other.
 TARGET_PROGRAMS = 1056
-# History-tile variants, (COLS, VSEL): codes unpacked through a reshape in dimension order,
-# or read in the packed bytes' column order with no reshape (``_columns``); value centroids gathered from their
-# table, or picked by selects (1- and 2-bit values).
-VARIANTS = ((0, 0), (1, 0), (1, 1))
-# What the autotuner tries, (BLOCK_N, stages, COLS, VSEL), 4 warps each: each entry is a compile per launch key, so
-# the list stays short. The H200 (8K x batch 8, K4/V2, D 128) had BLOCK_N 64 / 1 stage win every sweep of 12
-# configs; an H100 (2026-12-05) BLOCK_N 32 (batch 32: 0.68 ms against 0.81) and 8 warps lose everywhere. The
-# byte-column and select variants are not in it yet: the interpreter and the compile matrix check them, but
-# neither their compiled output nor their speed has been measured on a GPU (benchmarks/chains/wave3_kv24.sh
-# does both; tests/kv/test_triton_gpu.py); until then the engine runs the dimension-order tiles.
-AUTOTUNED = ((64, 1, 0, 0), (64, 2, 0, 0), (32, 1, 0, 0))
+# History-tile variants, (COLS, BYTES): codes unpacked through a reshape in dimension order; or read in the packed
+# bytes' column order with no reshape (``_columns``); or (BYTES, 1-, 2- and 4-bit codes) each packed byte one gather
+# of its codes' centroids from a 256-row table (``Codec.byte_table``), in dimension order. Value centroids picked
+# by selects instead of gathered (an H100, 2026-12-05: 0.94 ms at batch 32 against 0.66) are gone.
+VARIANTS = ((0, 0), (1, 0), (0, 1))
+# What the autotuner tries, (BLOCK_N, stages, COLS, BYTES, MAXNREG), 4 warps each: each entry is a compile per
+# launch key, so the list stays short. The H200 (8K x batch 8, K4/V2, D 128) had BLOCK_N 64 / 1 stage win every
+# sweep of 12 configs; an H100 (2026-12-05) BLOCK_N 32 (batch 32: 0.68 ms against 0.81), 8 warps lose everywhere,
+# the byte-column order ties and value selects lose. Compiled for sm_90 (D 128, bf16, paged), BLOCK_N 32 takes
+# 252 registers a thread: two programs (8 warps) to an SM, the tile's gathers and barriers unhidden. MAXNREG caps
+# them (ptxas' -maxrregcount, None: no cap; 128 gives four programs, no spills), BLOCK_N 16 takes 142 (byte
+# tables: 128), and byte tables cut the history loop from 1 182 instructions a 32-token tile to 854.
+AUTOTUNED = ((64, 1, 0, 0, None), (32, 1, 0, 0, None), (32, 1, 0, 0, 128), (16, 1, 0, 0, None),
+             (32, 1, 0, 1, None), (32, 1, 0, 1, 128), (16, 1, 0, 1, None))
+assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
 # in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).
 TABLES_IN_PRODUCT_DTYPE = True
@@ -155,17 +159,21 @@ if triton is not None:
         return _codes(base, offs_n, n_ok, BN, D, BITS, stride_n)
 
     @triton.jit
-    def _value_centroids(VCent, vc, BITS: tl.constexpr, VSEL: tl.constexpr):
-        """The centroids of codes ``vc``: gathered from the table, or (``VSEL``, 1- and 2-bit values) picked from
-        its entries by selects (no per-element address or load; the table's entries are L1 hits)."""
-        if VSEL:
-            if BITS == 1:
-                return tl.where(vc == 1, tl.load(VCent + 1), tl.load(VCent))
-            if BITS == 2:
-                lo = tl.where(vc == 1, tl.load(VCent + 1), tl.load(VCent))
-                hi = tl.where(vc == 3, tl.load(VCent + 3), tl.load(VCent + 2))
-                return tl.where(vc >= 2, hi, lo)
-        return tl.load(VCent + vc)
+    def _history_tile(Cent, Byte, base, offs_n, n_ok, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                      stride_n, COLS: tl.constexpr, BYTES: tl.constexpr):
+        """A history tile's centroids ``[BN, D]`` in ``_columns``' order. ``BYTES`` (not 3 bits): each packed byte
+        is one gather of its codes' centroids together from ``Byte`` (``Codec.byte_table``: row ``b`` holds byte
+        ``b``'s ``8 // BITS`` centroids), in dimension order; otherwise codes are unpacked and each gathered from
+        the ``2**BITS``-entry ``Cent``."""
+        if BYTES:
+            if BITS != 3:
+                PER: tl.constexpr = 8 // BITS
+                W: tl.constexpr = D // PER
+                raw = tl.load(base + offs_n[:, None] * stride_n + tl.arange(0, W)[None, :], mask=n_ok[:, None],
+                              other=0)
+                idx = raw.to(tl.int32)[:, :, None] * PER + tl.arange(0, PER)[None, None, :]
+                return tl.reshape(tl.load(Byte + idx), (BN, D))
+        return tl.load(Cent + _history_codes(base, offs_n, n_ok, BN, D, BITS, stride_n, COLS))
 
     @triton.jit
     def _norms(ptr, ref_ptr, offs_n, n_ok, NORM8: tl.constexpr):
@@ -210,7 +218,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
-        Q, QR, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, KMean, VMeanRot, Keep, OutM, OutL, OutAcc,
+        Q, QR, KF, VF, KC, KN, KR, VC, VN, VR, KCent, VCent, KByte, VByte, KMean, VMeanRot, Keep, OutM, OutL, OutAcc,
         Slots, Table, s_tb, HistLen,
         s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
         s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
@@ -220,7 +228,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
         HAS_KEEP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, ROW_HIST: tl.constexpr,
-        COLS: tl.constexpr, VSEL: tl.constexpr,
+        COLS: tl.constexpr, BYTES: tl.constexpr,
     ):  # fmt: skip
         pid_bh, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // HKV, pid_bh % HKV
@@ -283,16 +291,16 @@ if triton is not None:
                     vc_row, vn_row = VC + page * s_vcb + back * s_vcn, VN + page * s_vnb + back
                 else:
                     kc_row, kn_row, vc_row, vn_row = KC + b * s_kcb, KN + b * s_knb, VC + b * s_vcb, VN + b * s_vnb
-                kc = _history_codes(kc_row + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn, COLS)
-                k = tl.load(KCent + kc)  # [BN, D] rotated unit keys
+                k = _history_tile(KCent, KByte, kc_row + h * s_kch, offs_n, n_ok, BLOCK_N, D, BITS_K, s_kcn, COLS,
+                                  BYTES)  # [BN, D] rotated unit keys
                 kn = _norms(kn_row + h * s_knh, KR + sh, offs_n, n_ok, NORM8_K)
                 s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
                 if HAS_KMEAN:
                     s += bias[:, None]
                 s = tl.where(_visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
-                vc = _history_codes(vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn, COLS)
-                v = _value_centroids(VCent, vc, BITS_V, VSEL)
+                v = _history_tile(VCent, VByte, vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn, COLS,
+                                  BYTES)
                 vn = _norms(vn_row + h * s_vnh, VR + sh, offs_n, n_ok, NORM8_V)
                 acc += _product(p * vn[None, :], v, DOT)
             if HAS_VMEAN:  # every history value is v_mean + its quantized residual: v_mean's rotated image here
@@ -304,8 +312,8 @@ if triton is not None:
         tl.store(OutAcc + out[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])  # each column where it belongs
 
     _split_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "VSEL": vsel}, num_warps=4, num_stages=st)
-                 for bn, st, cols, vsel in AUTOTUNED],
+        configs=[triton.Config({"BLOCK_N": bn, "COLS": cols, "BYTES": tab}, num_warps=4, num_stages=st, maxnreg=reg)
+                 for bn, st, cols, tab, reg in AUTOTUNED],
         key=["D", "BITS_K", "BITS_V", "DOT", "BLOCK_M", "HAS_KEEP", "PAGED", "ROW_HIST"],
     )(_split_kernel)
 
@@ -356,6 +364,12 @@ def rotated(x: torch.Tensor, rotation) -> torch.Tensor:
     return (x.double() @ rotation.matrix(x.device, torch.float64).T).float().contiguous()
 
 
+def _byte_table(codec, device, dtype: torch.dtype) -> torch.Tensor:
+    """A ``BYTES`` tile's table: the codec's byte table, or (3-bit codes: such tiles gather each code) its centroids
+    as a stand-in the kernel does not read."""
+    return codec.byte_table(device, dtype) if 8 % codec.bits == 0 else codec.centroids(device, dtype)
+
+
 def _keep_view(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
     """``[B|1, 1|Hq, L, kv_len]`` int8 view of the mask (no copy for boolean masks)."""
     keep = keep_mask(mask, batch, q_len, kv_len, mask.device)
@@ -384,14 +398,17 @@ def attention(
     programs: int | None = None,
     variant: tuple[int, int] = (0, 0),
     num_stages: int = 1,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
     ``exact`` None: IEEE fp32 products for float32 queries, the query's dtype otherwise.
-    ``block_n`` None: autotuned among ``AUTOTUNED``; else that tile, ``num_warps``, ``num_stages`` and ``variant``
-    (one of ``VARIANTS``: (COLS, VSEL); benchmarks, tests).
+    ``block_n`` None: autotuned among ``AUTOTUNED``; else that tile, ``num_warps``, ``num_stages``, ``variant``
+    (one of ``VARIANTS``: (COLS, BYTES)) and ``maxnreg`` (registers a thread, None: no cap; benchmarks, tests).
     ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
     ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``; benchmarks)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"history-tile variant {variant}: one of {VARIANTS} ((COLS, BYTES))")
     hist = ctx.history
     # The kernel reads feature vectors with unit stride; anything else is copied once here.
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
@@ -416,6 +433,7 @@ def attention(
     # gathering fp32 and converting (round to nearest, both), at half the registers and gathered bytes a tile.
     table = query.dtype if dot and TABLES_IN_PRODUCT_DTYPE else torch.float32
     k_cent, v_cent = ctx.k_codec.centroids(query.device, table), ctx.v_codec.centroids(query.device, table)
+    k_byte, v_byte = (_byte_table(c, query.device, table) for c in (ctx.k_codec, ctx.v_codec))
     q_rot = rotated(query, ctx.k_codec.rotation)
     rot_v = ctx.v_codec.rotation.matrix(query.device, torch.float32)
     keep8 = None if mask is None else _keep_view(mask, batch, q_len, kv_len)
@@ -436,13 +454,15 @@ def attention(
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
     if block_n is not None:
         split, tiles = _split_kernel, {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-                                       "COLS": variant[0], "VSEL": variant[1]}
+                                       "COLS": variant[0], "BYTES": variant[1]}
+        if maxnreg is not None:
+            tiles["maxnreg"] = maxnreg
     elif chosen in _CHOSEN:
         split, tiles = _split_kernel, _CHOSEN[chosen]
     else:
         split, tiles = _split_tuned, {}
     split[(batch * hkv, n_splits, m_blocks)](
-        query, q_rot, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, k_mean, v_mean,
+        query, q_rot, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, k_byte, v_byte, k_mean, v_mean,
         keep_arg, out_m, out_l, out_acc,
         paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
         lengths if lengths is not None else out_m,
@@ -458,7 +478,8 @@ def attention(
         **tiles,
     )  # fmt: skip
     if split is _split_tuned:
-        _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()
+        _CHOSEN[chosen] = {k: v for k, v in _split_tuned.best_config.all_kwargs().items()
+                           if v is not None or k != "maxnreg"}
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](
         out_m, out_l, out_acc, out, rot_v, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,

@@ -15,7 +15,7 @@ DRY_RUN = """
 import argparse, json, torch
 import tests.kv.interpreted_tq_kernel  # the interpreter's scalar fix
 import benchmarks.kv_attention_speed as bench
-bench.PROGRAMS, bench.TILES = (264, 528), ((64, 4, 1),)
+bench.PROGRAMS, bench.TILES = (264, 1056), ((32, 4, 1),)
 args = argparse.Namespace(kv_heads=2, head_dim=64, tokens=300, batches=[2, 3], group_sizes=[2])
 print(json.dumps(bench.paged_sweep(args, device="cpu", dtype=torch.float16)))
 """
@@ -31,9 +31,9 @@ def test_paged_sweep_records_each_launch_setting_beside_sdpa_and_the_floor():
     assert out["settings"]["copy_gbps"] > 0 and set(out["rows"]) == {"b2_g2", "b3_g2"}
     for row in out["rows"].values():
         kernels = row["kernels"]
-        assert set(kernels) == {f"v{c}{v}_p{p}_n64_w4_s1" for c, v in ("00", "10", "11") for p in (264, 528)}
+        assert set(kernels) == {f"v{c}{v}_p{p}_n32_w4_s1_r0" for c, v in ("00", "10", "01") for p in (264, 1056)}
         assert row["tq_bytes"] < row["fp16_cache_bytes"] and row["tq_floor_ms"] > 0
         # every setting computes the same attention (splits and variants change no result beyond fp16 rounding)
         assert all(k["max_abs_diff"] < 1e-2 for k in kernels.values())
         assert row["best"] in kernels and row["best_ms"] == min(k["ms"] for k in kernels.values())
-        assert row["before_ms"] == kernels["v00_p264_n64_w4_s1"]["ms"]
+        assert row["before_ms"] == kernels["v00_p1056_n32_w4_s1_r0"]["ms"]

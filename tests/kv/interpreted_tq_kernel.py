@@ -29,9 +29,10 @@ from airquant.kv.config import KVConfig  # noqa: E402
 
 
 def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n: int | None,
-         device: str = "cpu", variant: tuple[int, int] = (0, 0)) -> dict:
+         device: str = "cpu", variant: tuple[int, int] = (0, 0), maxnreg: int | None = None) -> dict:
     """Largest differences of the flat and the paged kernel from the torch ops (fp32, IEEE products) over an
-    arena whose slots' pages interleave; ``block_n`` None: the autotuned tiles (CUDA)."""
+    arena whose slots' pages interleave; ``block_n`` None: the autotuned tiles (CUDA); ``maxnreg``: a register cap
+    (CUDA)."""
     gen = torch.Generator().manual_seed(len(name))
     heads, dim, groups = 2, 64, 3
     arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device=device,
@@ -55,14 +56,14 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
         query = torch.randn(len(bucket.rows), heads * groups, 1, dim, generator=gen).to(device)
         keys, values, ctx = arena.context(plan, bucket)
         ref = attention.compressed_attention(query, keys, values, ctx, bucket.keep, dim**-0.5, kernel=False)
-        flat = triton_kernel.attention(query, keys, values, ctx, bucket.keep, dim**-0.5, block_n=block_n, variant=variant)
+        flat = triton_kernel.attention(query, keys, values, ctx, bucket.keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg)
         win_k, win_v, pctx, paged = arena.paged(plan, bucket)
-        got = triton_kernel.attention(query, win_k, win_v, pctx, bucket.keep, dim**-0.5, block_n=block_n, variant=variant,
+        got = triton_kernel.attention(query, win_k, win_v, pctx, bucket.keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg,
                                       paged=paged)
         out["flat"] = max(out["flat"], (flat - ref).abs().max().item())
         out["paged"] = max(out["paged"], (got - ref).abs().max().item())
         out["buckets"] += 1
-    out.update(static_pass(arena, kv, plan, lengths, order, heads * groups, dim, block_n, gen, device, variant))
+    out.update(static_pass(arena, kv, plan, lengths, order, heads * groups, dim, block_n, gen, device, variant, maxnreg))
     # every row in one launch, each reading only its own pages (plan.rows, Paged.lengths), against the torch ops
     # over all rows padded to the longest history, and bit for bit the same launch reading every row that far
     query = torch.randn(len(order), heads * groups, 1, dim, generator=gen).to(device)
@@ -70,15 +71,16 @@ def case(name: str, kv: KVConfig, lengths: list[int], order: list[int], block_n:
     keys, values = keys[:, :, : plan.win_len], values[:, :, : plan.win_len]
     ref = attention.compressed_attention(query, keys, values, ctx, plan.rows.keep, dim**-0.5, kernel=False)
     win_k, win_v, pctx, paged = arena.rows_paged(plan)
-    own = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n, variant=variant, paged=paged)
-    padded = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n, variant=variant,
+    own = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg, paged=paged)
+    padded = triton_kernel.attention(query, win_k, win_v, pctx, plan.rows.keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg,
                                      paged=replace(paged, lengths=None))
     out.update(rows=(own - ref).abs().max().item(), rows_same=torch.equal(own, padded),
                rows_lengths=plan.hist.tolist())
     return out
 
 
-def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device, variant=(0, 0)) -> dict:
+def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device, variant=(0, 0),
+                maxnreg=None) -> dict:
     """A static pass's attention (every row, whole windows, the history rounded up past the longest, the mask from
     the rows' lengths) against the bucketed one for the same queries (torch ops), and the paged kernel against it."""
     count = kv.schedule.quantized_count
@@ -92,9 +94,9 @@ def static_pass(arena, kv, plan, lengths, order, hq, dim, block_n, gen, device, 
     keys, values, ctx = arena.static_context(slots, span)
     ref = attention.compressed_attention(query, keys, values, ctx, keep, dim**-0.5, kernel=False)
     win_k, win_v, pctx, paged = arena.static_paged(slots, span)
-    got = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, variant=variant, paged=paged)
+    got = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg, paged=paged)
     _, _, _, own = arena.static_paged(slots, span, torch.tensor(hist, device=device))  # each row its own history
-    got_own = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, variant=variant, paged=own)
+    got_own = triton_kernel.attention(query, win_k, win_v, pctx, keep, dim**-0.5, block_n=block_n, variant=variant, maxnreg=maxnreg, paged=own)
     bucketed = 0.0
     for bucket in plan.buckets:
         if bucket.hist_len:
@@ -150,10 +152,11 @@ def half_tables() -> dict:
 
 
 def main() -> None:
-    # every history-tile variant the autotuner may pick (codes in dimension or byte-column order, value centroids
-    # gathered or selected): the 3-bit case takes the dimension order and the gather whatever the variant asks
-    cases = {f"{name}/{cols}{vsel}": case(name, *args, variant=(cols, vsel))
-             for name, args in CASES.items() for cols, vsel in triton_kernel.VARIANTS}
+    # every history-tile variant the autotuner may pick (codes in dimension or byte-column order, or a byte's
+    # centroids gathered together): the 3-bit case takes the dimension order and each code's gather whatever the
+    # variant asks
+    cases = {f"{name}/{cols}{tab}": case(name, *args, variant=(cols, tab))
+             for name, args in CASES.items() for cols, tab in triton_kernel.VARIANTS}
     print(json.dumps({**cases, "half": half_tables()}))
 
 

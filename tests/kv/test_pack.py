@@ -31,3 +31,25 @@ def test_two_and_four_bit_layouts():
 def test_rejects_dims_outside_the_packing_group():
     with pytest.raises(ValueError, match="multiple of 8"):
         packed_width(12, 3)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_a_byte_tables_rows_are_its_codes_centroids_in_dimension_order(bits):
+    """``Codec.byte_table``: gathering row ``b`` for each packed byte ``b`` decodes the same unit vectors as
+    unpacking the codes and gathering each (what the Triton kernel's byte-table tiles rely on)."""
+    from airquant.kv.codec import Codec
+
+    codec = Codec(dim=64, bits=bits, seed=3)
+    codes = torch.randint(0, 1 << bits, (5, 64), generator=torch.Generator().manual_seed(bits))
+    packed = pack(codes, bits)
+    table = codec.byte_table("cpu")
+    assert table.shape == (256, 8 // bits)
+    assert torch.equal(table[packed.long()].reshape(5, 64), codec.centroids_of(packed))
+    assert codec.byte_table("cpu", torch.float16).dtype == torch.float16
+
+
+def test_three_bit_codes_have_no_byte_table():
+    from airquant.kv.codec import Codec
+
+    with pytest.raises(ValueError, match="straddle bytes"):
+        Codec(dim=64, bits=3, seed=0).byte_table("cpu")

@@ -149,16 +149,18 @@ def test_paged_kernel_reads_the_loop_arena_as_the_torch_ops_do(name):
     assert r["flat"] < 1e-4 and r["paged"] < 1e-4, r
 
 
-@pytest.mark.parametrize("variant", [(1, 0), (1, 1)])
+@pytest.mark.parametrize("tile", [(32, None), (16, 128)])
+@pytest.mark.parametrize("variant", [(1, 0), (0, 1)])
 @pytest.mark.parametrize("name", ["k4v2", "k3v3_centred_norm8_sink"])
-def test_history_tile_variants_compiled_equal_the_torch_ops(name, variant):
-    """The compiled history-tile variants (codes in the packed bytes' column order, value centroids by selects:
-    ``triton_kernel.VARIANTS``), flat, paged, static and per-row, against the torch ops (the interpreter checks
-    the same code on the CPU; this checks what Triton compiles of it)."""
+def test_history_tile_variants_compiled_equal_the_torch_ops(name, variant, tile):
+    """The compiled history-tile variants (codes in the packed bytes' column order; a byte's centroids gathered
+    together: ``triton_kernel.VARIANTS``), at BLOCK_N 32 and at 16 under a 128-register cap, flat, paged, static and
+    per-row, against the torch ops (the interpreter checks the same code on the CPU; this checks what Triton
+    compiles of it)."""
     from tests.kv.interpreted_tq_kernel import CASES, case
 
     kv, lengths, order, _ = CASES[name]
-    r = case(name, kv, lengths, order, 32, device="cuda", variant=variant)
+    r = case(name, kv, lengths, order, tile[0], device="cuda", variant=variant, maxnreg=tile[1])
     assert r["buckets"] >= 2 and r["flat"] < 1e-4 and r["paged"] < 1e-4, r
     assert r["static"] < 1e-4 and r["rows"] < 1e-4 and r["static_own_same"] and r["rows_same"], r
 

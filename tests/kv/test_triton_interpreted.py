@@ -34,5 +34,5 @@ def test_flat_and_paged_kernels_equal_the_torch_ops():
         # longest (the columns past a row's own are masked), in a static pass and in one launch for every row
         assert r["static_own_same"] and r["rows_same"] and r["rows"] < 1e-5, (name, r)
         assert len(set(r["rows_lengths"])) > 1, (name, r)  # rows of different lengths
-    assert {name.split("/")[1] for name in results} == {"00", "10", "11"}  # every variant ran
+    assert {name.split("/")[1] for name in results} == {"00", "10", "01"}  # every variant ran
     assert 0 in results["k4v2/00"]["rows_lengths"]  # a row with no history yet: its window alone, in the same launch

@@ -101,21 +101,24 @@ def _packed(fmt: int, split: bool, **extra) -> Kernel:
 
 
 def _tq_split(bits_k: int, bits_v: int, norm8: bool, dim: int = 64, paged: bool = False,
-              variant: tuple[int, int] = (0, 0)) -> Kernel:
+              variant: tuple[int, int] = (0, 0), block_n: int = 64, maxnreg: int | None = None) -> Kernel:
     """The split kernel at head size 64 (every target launches it; 128 is checked by the shared-memory rule);
     ``paged``: reading the decode loop's arena through its page table, with a mask and each row's own history
-    length (as the loop launches it); ``variant``: the history tiles' (COLS, VSEL) (``tq.VARIANTS``)."""
+    length (as the loop launches it); ``variant``: the history tiles' (COLS, BYTES) (``tq.VARIANTS``);
+    ``maxnreg``: ptxas' cap on registers a thread."""
     norms = "u8" if norm8 else "fp16"
-    tag = "" if variant == (0, 0) else f"_v{variant[0]}{variant[1]}"
+    tag = ("" if variant == (0, 0) else f"_v{variant[0]}{variant[1]}") + ("" if block_n == 64 else f"_n{block_n}")
+    tag += "" if maxnreg is None else f"_r{maxnreg}"
     return Kernel(
         f"tq_split_k{bits_k}v{bits_v}{'_norm8' if norm8 else ''}{'_paged' if paged else ''}{tag}",
         lambda: tq._split_kernel,
-        {**_Q, "KN": norms, "VN": norms, "Slots": "i64", "Table": "i64", "Keep": "i8",
-         "HistLen": "i64" if paged else "fp32"},
-        lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": 64,
+        {**_Q, "KN": norms, "VN": norms, "KByte": _Q["KCent"], "VByte": _Q["VCent"], "Slots": "i64",
+         "Table": "i64", "Keep": "i8", "HistLen": "i64" if paged else "fp32"},
+        lambda x: {"D": dim, "BITS_K": bits_k, "BITS_V": bits_v, "DOT": _DOT[x], "BLOCK_M": 16, "BLOCK_N": block_n,
                    "NORM8_K": norm8, "NORM8_V": norm8, "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": paged,
-                   "PAGED": paged, "PAGE": 64, "ROW_HIST": paged, "COLS": variant[0], "VSEL": variant[1]},
-        {"num_warps": 4, "num_stages": 1}, configs=lambda: tq._split_tuned.configs)
+                   "PAGED": paged, "PAGE": 64, "ROW_HIST": paged, "COLS": variant[0], "BYTES": variant[1]},
+        {"num_warps": 4, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})},
+        configs=lambda: tq._split_tuned.configs)
 
 
 _NF4 = {"x_ptr": "X", "out_ptr": "X", "bias_ptr": "X", "weights_ptr": "X", "w_ptr": "u8", "a_ptr": "u8",
@@ -162,8 +165,9 @@ KERNELS = [
     Kernel("int2_gluon_tma", lambda: int2_gluon._gemv_tma_kernel, {}, options={"num_warps": int2_gluon.TNW},
            min_cap=90, gluon=True),
     _tq_split(4, 2, False), _tq_split(3, 3, True), _tq_split(2, 4, False), _tq_split(4, 2, False, paged=True),
-    _tq_split(4, 2, False, paged=True, variant=(1, 0)), _tq_split(4, 2, False, paged=True, variant=(1, 1)),
-    _tq_split(3, 3, True, variant=(1, 1)), _tq_split(2, 4, False, variant=(1, 1)),
+    _tq_split(4, 2, False, paged=True, variant=(1, 0)), _tq_split(4, 2, False, paged=True, variant=(0, 1)),
+    _tq_split(3, 3, True, variant=(0, 1)), _tq_split(2, 4, False, variant=(0, 1)),
+    _tq_split(4, 2, False, paged=True, variant=(0, 1), block_n=16, maxnreg=128),
     Kernel("tq_merge", lambda: tq._merge_kernel, {"OutM": "fp32", "OutL": "fp32", "OutAcc": "fp32", "Out": "X",
                                                   "RotV": "fp32"},
            lambda x: {"D": 64, "BLOCK_M": 16}),
