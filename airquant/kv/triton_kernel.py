@@ -61,13 +61,12 @@ TARGET_PROGRAMS = 1056
 VARIANTS = ((0, 0), (1, 0), (0, 1))
 # What the autotuner tries, (BLOCK_N, stages, COLS, BYTES, MAXNREG), 4 warps each: each entry is a compile per
 # launch key, so the list stays short. The H200 (8K x batch 8, K4/V2, D 128) had BLOCK_N 64 / 1 stage win every
-# sweep of 12 configs; an H100 (2026-12-05) BLOCK_N 32 (batch 32: 0.68 ms against 0.81), 8 warps lose everywhere,
-# the byte-column order ties and value selects lose. Compiled for sm_90 (D 128, bf16, paged), BLOCK_N 32 takes
-# 252 registers a thread: two programs (8 warps) to an SM, the tile's gathers and barriers unhidden. MAXNREG caps
-# them (ptxas' -maxrregcount, None: no cap; 128 gives four programs, no spills), BLOCK_N 16 takes 142 (byte
-# tables: 128), and byte tables cut the history loop from 1 182 instructions a 32-token tile to 854.
-AUTOTUNED = ((64, 1, 0, 0, None), (32, 1, 0, 0, None), (32, 1, 0, 0, 128), (16, 1, 0, 0, None),
-             (32, 1, 0, 1, None), (32, 1, 0, 1, 128), (16, 1, 0, 1, None))
+# sweep of 12 configs (before byte tables). An H100 (wave3_kv27, 2026-12-05, 8K a slot, 4 query heads a KV head):
+# byte tables at BLOCK_N 32 best at batch 8 (0.173 ms against 0.196 for the dimension-order tile) and 32 (0.617
+# against 0.684; sdpa over the bf16 cache 0.354); BLOCK_N 16 lost everywhere (0.652-0.99 at batch 32); capping
+# registers (sm_90 compiles BLOCK_N 32 to 252 a thread, two programs an SM; 128 gives four, no spills) changed
+# little (0.620 / 0.667 at batch 32) or lost (168); the byte-column order ties; 8 warps and 2 stages lost earlier.
+AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32, 1, 0, 1, None))
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
 # in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).

@@ -270,9 +270,11 @@ def _evaluate(c: Candidate, hw: Hardware, engine: EngineConfig, job: JobShape, k
     if why is not None:
         return replace(option, rejected=why)
     bound = step_bound(placed, c.layer_bytes, link_gbps=link, disk_gbps=disk)
-    # The offloaded cache crosses the link every pass: plain copies the used prefix in (its new tokens back are
-    # small), a TurboQuant arena moves whole to the device and back.
-    kv_link = placed.kv_host_bytes * (2 if kv == "tq" else 1) if placed.kv_offload else 0
+    # The offloaded cache crosses the link every pass, host to device: plain copies the used prefix in (its new
+    # tokens back are small), a TurboQuant arena moves whole. Its copy back to the host runs the link's other
+    # direction beside the next layers' copies in (an H100, wave3_kv27: 0.40 s of device-to-host copies under a
+    # 0.99 s pass whose host-to-device copies took 0.86 s), so it is not counted again.
+    kv_link = placed.kv_host_bytes if placed.kv_offload else 0
     bound = replace(bound, link_bytes=bound.link_bytes + kv_link)
     prefill = sum(job.prompt_tokens) / PASS_TOKENS
     pass_s = bound.seconds
