@@ -214,8 +214,40 @@ def trace_summary(prof, trace_dir: str | None, name: str, top: int = 20) -> dict
     rank = lambda f: [{"op": e.key[:80], "count": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
                        "host_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=f, reverse=True)[:top]]
     kineto = prof.profiler.kineto_results.events()
-    return {**busy, **pass_breakdown(kineto), "syncs": sync_sources(kineto),
+    last = pass_breakdown(kineto)
+    if trace_dir and last and last.get("last_pass_memcpy_htod_gb") is None:
+        # torch's events do not carry a device copy's bytes (torch 2.11); the exported timeline does
+        with gzip.open(path + ".gz", "rt") as f:
+            last.update(chrome_copy_bytes(json.load(f), last.get("last_pass_memcpy_htod_ms")))
+    return {**busy, **last, "syncs": sync_sources(kineto),
             "top_device": rank(device_us), "top_host": rank(lambda e: e.self_cpu_time_total)}
+
+
+def chrome_copy_bytes(trace: dict, htod_ms: float | None) -> dict:
+    """The last decode pass's copies' bytes from an exported timeline (chrome trace: CUPTI's ``"bytes"`` in each
+    copy's args, times in microseconds): ``last_pass_memcpy_htod_gb``, ``last_pass_memcpy_other_gb`` (a copy cut at
+    the pass's edge counts its share) and the host-to-device rate over ``htod_ms`` (their busy time). {} without a
+    pass."""
+    from airquant.engine.decode.loop import PASS_MARK
+
+    events = trace.get("traceEvents", [])
+    marks = [e for e in events if e.get("name") == PASS_MARK and e.get("cat") == "user_annotation"]
+    if not marks:
+        return {}
+    last = max(marks, key=lambda e: e["ts"])
+    a, b = float(last["ts"]), float(last["ts"]) + float(last.get("dur", 0))
+    moved = {"memcpy_htod": 0.0, "memcpy_other": 0.0}
+    for e in events:
+        nbytes = (e.get("args") or {}).get("bytes")
+        if "memcpy" not in str(e.get("name", "")).lower() or not isinstance(nbytes, (int, float)):
+            continue
+        s, dur = float(e["ts"]), float(e.get("dur", 0))
+        cut = min(s + dur, b) - max(s, a)
+        if cut > 0:
+            moved[device_kind(e["name"])] += nbytes * (cut / dur if dur else 1.0)
+    gb = moved["memcpy_htod"] / 1e9
+    return {"last_pass_memcpy_htod_gb": gb, "last_pass_memcpy_other_gb": moved["memcpy_other"] / 1e9,
+            "last_pass_memcpy_htod_gbps": gb / (htod_ms / 1e3) if htod_ms else None}
 
 
 # Host calls that wait for the device: a stream or device sync, and the blocking copy of pageable memory.
@@ -282,12 +314,14 @@ def pass_breakdown(events) -> dict:
                 moved[kind] += copy_bytes(e) * (f - s) / max(e.duration_ns(), 1)
     busy = _union_ns([x for v in spans.values() for x in v])
     htod_ms = _union_ns(spans["memcpy_htod"]) / 1e6
+    known = any(moved.values())
     return {"last_pass_wall_ms": (b - a) / 1e6, "last_pass_device_busy_ms": busy / 1e6,
             "last_pass_busy_fraction": busy / (b - a) if b > a else None,
             **{f"last_pass_{k}_ms": _union_ns(v) / 1e6 for k, v in spans.items()},
-            **{f"last_pass_{k}_gb": n / 1e9 for k, n in moved.items()},
+            # None where the events carry no bytes (torch's own do not: trace_summary reads the exported timeline)
+            **{f"last_pass_{k}_gb": n / 1e9 if known else None for k, n in moved.items()},
             # the host-to-device copies' rate while one ran (the link's, when they queue back to back)
-            "last_pass_memcpy_htod_gbps": moved["memcpy_htod"] / 1e9 / (htod_ms / 1e3) if htod_ms else None}
+            "last_pass_memcpy_htod_gbps": moved["memcpy_htod"] / 1e9 / (htod_ms / 1e3) if htod_ms and known else None}
 
 
 def copy_bytes(e) -> int:

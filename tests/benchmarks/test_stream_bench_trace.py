@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from airquant.config import GenerateConfig
 from airquant.engine.decode.loop import PASS_MARK
 from airquant.engine.runner import Engine
-from benchmarks.stream_bench import pass_breakdown, sync_sources
+from benchmarks.stream_bench import chrome_copy_bytes, pass_breakdown, sync_sources
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -61,6 +62,29 @@ def test_the_last_pass_counts_overlapping_device_work_once():
     assert (got["last_pass_memcpy_htod_gb"], got["last_pass_memcpy_other_gb"]) == (0.2, 0.04)
     assert got["last_pass_memcpy_htod_gbps"] == 50.0
     assert pass_breakdown([_event("aten::mm", CPU, 0, 10)]) == {}
+
+
+def test_copies_without_bytes_give_none_and_the_timeline_gives_them():
+    """torch's device events carry no copy bytes: the pass's byte keys are None, not 0, and the exported timeline
+    (CUPTI's args) gives them for the last pass, a copy cut at its edge by its share."""
+    events = [_event(PASS_MARK, CPU, 0, 10_000_000), _event("Memcpy HtoD (Pinned -> Device)", CUDA, 0, 4_000_000)]
+    got = pass_breakdown(events)
+    assert got["last_pass_memcpy_htod_gb"] is None and got["last_pass_memcpy_htod_gbps"] is None
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": PASS_MARK, "ts": 100.0, "dur": 50.0},  # an earlier pass
+        {"ph": "X", "cat": "user_annotation", "name": PASS_MARK, "ts": 1000.0, "dur": 1000.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": PASS_MARK, "ts": 1000.0, "dur": 1000.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 1100.0, "dur": 400.0,
+         "args": {"stream": 7, "bytes": 20_000_000, "memory bandwidth (GB/s)": 50.0}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 120.0, "dur": 10.0,
+         "args": {"bytes": 999}},  # in the earlier pass
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 1900.0, "dur": 200.0,
+         "args": {"bytes": 8_000_000}},  # half inside
+        {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 1200.0, "dur": 10.0, "args": {}}]}
+    got = chrome_copy_bytes(trace, htod_ms=0.4)
+    assert got == {"last_pass_memcpy_htod_gb": 0.02, "last_pass_memcpy_other_gb": 0.004,
+                   "last_pass_memcpy_htod_gbps": pytest.approx(50.0)}
+    assert chrome_copy_bytes({"traceEvents": []}, 1.0) == {}
 
 
 def test_a_decode_under_the_profiler_shows_its_passes(tiny_store):
