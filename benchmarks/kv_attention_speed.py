@@ -69,8 +69,8 @@ def _copy_gbps(device) -> float:
 
 PROGRAMS = (1056,)  # the H100 sweeps of 2026-12-05: 264 and 528 behind 1 056 at BLOCK_N 32, 2 112 within 3 %
 TILES = ((32, 4, 1), (16, 4, 1))  # BLOCK_N, warps, stages (64, 8 warps and 2 stages lost every H100 row)
-# Registers a thread (ptxas' cap; None: none): sm_90 compiles BLOCK_N 32 to 252 (two programs an SM), 128 gives
-# four (an H100, wave3_kv27: within 1 % with byte tables, 2.5 % ahead without; 168 lost). The CPU's interpreter
+# Registers a thread (ptxas' cap; None: none). sm_90 compiles BLOCK_N 32 to 128 already (four programs an SM);
+# an H100 (wave3_kv27): 128 within 1 % with byte tables, 2.5 % ahead without; 168 lost. The CPU's interpreter
 # has no registers: None only.
 REGS = (None, 128)
 BEFORE = "v00_p1056_n32_w4_s1_r0"  # the autotuner's usual pick before the byte tables

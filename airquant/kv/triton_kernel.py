@@ -63,9 +63,12 @@ VARIANTS = ((0, 0), (1, 0), (0, 1))
 # launch key, so the list stays short. The H200 (8K x batch 8, K4/V2, D 128) had BLOCK_N 64 / 1 stage win every
 # sweep of 12 configs (before byte tables). An H100 (wave3_kv27, 2026-12-05, 8K a slot, 4 query heads a KV head):
 # byte tables at BLOCK_N 32 best at batch 8 (0.173 ms against 0.196 for the dimension-order tile) and 32 (0.617
-# against 0.684; sdpa over the bf16 cache 0.354); BLOCK_N 16 lost everywhere (0.652-0.99 at batch 32); capping
-# registers (sm_90 compiles BLOCK_N 32 to 252 a thread, two programs an SM; 128 gives four, no spills) changed
-# little (0.620 / 0.667 at batch 32) or lost (168); the byte-column order ties; 8 warps and 2 stages lost earlier.
+# against 0.684; sdpa over the bf16 cache 0.354); BLOCK_N 16 lost everywhere (0.652-0.99 at batch 32); a cap of
+# 128 registers a thread changed little (0.620 / 0.667 at batch 32: compiled for sm_90 with the launch's stride
+# alignment, BLOCK_N 32 already takes 128, four programs an SM) and 168 lost; the byte-column order ties; 8 warps
+# and 2 stages lost earlier. Byte tables cut the history loop from 1 008 instructions a 32-token tile to 671; what
+# remains is mostly layout conversions through shared memory (27 barriers a tile: the bytes to the gather's layout,
+# the gathered tiles to the products' operands, the scores to the softmax's layout and back).
 AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32, 1, 0, 1, None))
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
