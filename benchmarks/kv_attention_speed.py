@@ -67,7 +67,7 @@ def _copy_gbps(device) -> float:
     return 2 * size / ms / 1e6
 
 
-PROGRAMS = (1056,)  # the H100 sweeps of 2026-12-05: 264 and 528 behind 1 056 at BLOCK_N 32, 2 112 within 3 %
+PROGRAMS = (1056, 2112)  # H100 sweeps, 2026-12-05: 264, 528 behind 1 056 (BLOCK_N 32); 2 112 best at batch 32
 TILES = ((32, 4, 1), (16, 4, 1))  # BLOCK_N, warps, stages (64, 8 warps and 2 stages lost every H100 row)
 # Registers a thread (ptxas' cap; None: none). sm_90 compiles BLOCK_N 32 to 128 already (four programs an SM);
 # an H100 (wave3_kv27): 128 within 1 % with byte tables, 2.5 % ahead without; 168 lost. The CPU's interpreter
