@@ -1,7 +1,7 @@
 """What the TurboQuant split kernel compiles to, without a GPU: each history-tile variant's machine code for one
 target, its registers, shared memory and the instructions of its history loop.
 
-    python benchmarks/kernel_sass.py [--cap 90] [--block-n 32] [--dim 128] [--out FILE]
+    python benchmarks/kernel_sass.py [--cap 90] [--block-n 32] [--dim 128] [--num-warps 4] [--out FILE]
 
 Triton compiles offline (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))``) down to a cubin
 with the ptxas in its wheel, and its ``nvdisasm`` lists the SASS. The kernel is compiled as the decode loop
@@ -35,7 +35,7 @@ POINTERS = {"Q": "X", "QR": "fp32", "KF": "X", "VF": "X", "KC": "u8", "KN": "fp1
             "Table": "i64", "HistLen": "i64"}
 
 
-def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dtype: str = "bf16"):
+def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dtype: str = "bf16", warps: int = 4):
     """The split kernel as the decode loop launches it (see the module docstring), compiled for ``sm_{cap}``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -56,7 +56,7 @@ def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dt
                   "HAS_KEEP": True, "PAGED": True, "PAGE": 256, "ROW_HIST": True, "COLS": variant[0],
                   "BYTES": variant[1]}
     return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", cap, 32),
-                          options={"num_warps": 4, "num_stages": 1})
+                          options={"num_warps": warps, "num_stages": 1})
 
 
 def _tool(name: str) -> str:
@@ -107,13 +107,14 @@ def main(argv=None) -> int:
     p.add_argument("--cap", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--block-n", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--num-warps", type=int, default=4, help="a tile's warps (each loop count is per warp)")
     p.add_argument("--out", default=None, help="JSON of every variant's figures")
     args = p.parse_args(argv)
     from airquant.kv import triton_kernel as tq
 
     rows = {}
     for variant in tq.VARIANTS:
-        compiled = compile_split(variant, args.cap, args.block_n, args.dim)
+        compiled = compile_split(variant, args.cap, args.block_n, args.dim, warps=args.num_warps)
         sass, usage = listing(compiled.asm["cubin"])
         found = loops(sass)
         hist = found[0] if found else {"instructions": 0, "ops": {}}
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
               f"{hist['instructions']} instructions ({hist['ops'].get('BAR', 0)} BAR): {top}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"cap": args.cap, "block_n": args.block_n, "dim": args.dim,
-                                              "variants": rows}, indent=1))
+                                              "num_warps": args.num_warps, "variants": rows}, indent=1))
     return 0
 
 

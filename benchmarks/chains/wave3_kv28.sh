@@ -2,7 +2,7 @@
 # 0. The TurboQuant kernel's GPU tests (byte tables, history tiles reading no mask where each row reads its own
 #    history length, as the decode loop launches them).
 # 1. The kernel alone (paged arena, 8K a slot, batch 8 and 32, 4 query heads a KV head): variants x programs
-#    (1 056, 2 112) x BLOCK_N 32/16 x register cap; wave3_kv27 had batch 32 at 0.617 ms (byte tables) against
+#    (1 056, 2 112) x 4 or 2 warps x register cap; wave3_kv27 had batch 32 at 0.617 ms (byte tables) against
 #    sdpa's 0.354, and the history loop has since dropped the mask read that split its softmax in two layouts
 #    (671 -> 594 instructions a 32-token tile, compiled offline for sm_90).
 # 2. kv_bench at 8K, batch 8 and 32 (tq_over_fp16_step_bs32 was 1.166, target 1.15): the row to fold.
