@@ -66,9 +66,10 @@ VARIANTS = ((0, 0), (1, 0), (0, 1))
 # against 0.684; sdpa over the bf16 cache 0.354); BLOCK_N 16 lost everywhere (0.652-0.99 at batch 32); a cap of
 # 128 registers a thread changed little (0.620 / 0.667 at batch 32: compiled for sm_90 with the launch's stride
 # alignment, BLOCK_N 32 already takes 128, four programs an SM) and 168 lost; the byte-column order ties; 8 warps
-# and 2 stages lost earlier. Byte tables cut the history loop from 1 008 instructions a 32-token tile to 671; what
-# remains is mostly layout conversions through shared memory (27 barriers a tile: the bytes to the gather's layout,
-# the gathered tiles to the products' operands, the scores to the softmax's layout and back).
+# and 2 stages lost earlier. Compiled for sm_90 (benchmarks/kernel_sass.py), byte tables cut the history loop of the
+# loop's per-row launch from 942 instructions a 32-token tile to 594 (1 008 -> 671 while it still read the mask);
+# what remains is mostly layout conversions through shared memory (20 barriers a tile: the bytes to the gather's
+# layout, the gathered tiles and the probabilities to the products' operands).
 AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32, 1, 0, 1, None))
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
@@ -108,6 +109,11 @@ if triton is not None:
     _NORM_STEP = tl.constexpr(LOG_NORM_SPAN / LOG_NORM_LEVELS)
 
     @triton.jit
+    def _packed_rows(base, offs_n, n_ok, W: tl.constexpr, stride_n):
+        """The packed bytes ``[BN, W]`` (uint8) of rows ``offs_n`` starting at ``base``; 0 past ``n_ok``."""
+        return tl.load(base + offs_n[:, None] * stride_n + tl.arange(0, W)[None, :], mask=n_ok[:, None], other=0)
+
+    @triton.jit
     def _codes(base, offs_n, n_ok, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, stride_n):
         """Codes ``[BN, D]`` (int32) of the packed rows ``offs_n`` starting at ``base`` (uint8)."""
         if BITS == 3:
@@ -120,8 +126,7 @@ if triton is not None:
             hi = tl.load(ptr + 1, mask=n_ok[:, None] & (shift > 5), other=0).to(tl.int32)
             return ((lo | (hi << 8)) >> shift) & 7
         PER: tl.constexpr = 8 // BITS  # codes per byte, code i of a byte at bits BITS*i
-        W: tl.constexpr = D // PER
-        raw = tl.load(base + offs_n[:, None] * stride_n + tl.arange(0, W)[None, :], mask=n_ok[:, None], other=0)
+        raw = _packed_rows(base, offs_n, n_ok, D // PER, stride_n)
         shifts = tl.arange(0, PER) * BITS
         codes = (raw.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         return tl.reshape(codes, (BN, D))
@@ -170,9 +175,7 @@ if triton is not None:
         if BYTES:
             if BITS != 3:
                 PER: tl.constexpr = 8 // BITS
-                W: tl.constexpr = D // PER
-                raw = tl.load(base + offs_n[:, None] * stride_n + tl.arange(0, W)[None, :], mask=n_ok[:, None],
-                              other=0)
+                raw = _packed_rows(base, offs_n, n_ok, D // PER, stride_n)
                 idx = raw.to(tl.int32)[:, :, None] * PER + tl.arange(0, PER)[None, None, :]
                 return tl.reshape(tl.load(Byte + idx), (BN, D))
         return tl.load(Cent + _history_codes(base, offs_n, n_ok, BN, D, BITS, stride_n, COLS))
@@ -484,8 +487,7 @@ def attention(
         **tiles,
     )  # fmt: skip
     if split is _split_tuned:
-        _CHOSEN[chosen] = {k: v for k, v in _split_tuned.best_config.all_kwargs().items()
-                           if v is not None or k != "maxnreg"}
+        _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()  # leaves out what the config does not set
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](
         out_m, out_l, out_acc, out, rot_v, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,
