@@ -31,6 +31,9 @@
 #endif
 
 #define TOKENS 4
+#ifndef NF4_PREFETCH
+#define NF4_PREFETCH 0
+#endif
 #define NESTED 256
 
 static inline float block_scale(int64_t b, int dbl, const float *absmax, const uint8_t *codes,
@@ -247,6 +250,9 @@ static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *r
     vec total[TOKENS];
     for (int u = 0; u < tn; u++) total[u] = VZERO();
     for (int64_t c = 0; c < k; c += WIDE) {
+#if NF4_PREFETCH
+        _mm_prefetch((const char *)(row + c / 2 + NF4_PREFETCH), _MM_HINT_T0);
+#endif
         const ivec raw = wide_load(row + c / 2);
         vec a[TOKENS], b[TOKENS];
         const vec v0 = wide_lookup(raw, 0, lut), v1 = wide_lookup(raw, 1, lut);
