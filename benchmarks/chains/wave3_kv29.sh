@@ -5,7 +5,7 @@
 #    does (host_gemv_over_memcpy was 0.46 against >= 0.5). A prefetch build that beats the shipped one by 3 % on
 #    both figures at the default threads becomes this run's kernel (pick.log says which; commit it to keep the row).
 # 1. #37 (step 4 below, run second: the issue it can close this session).
-# 2-3. wave3_kv28 less its kernel sweep: the TQ kernel's GPU tests, kv_bench batch 8/32 (tq_over_fp16_step_bs32 was
+# 2-3. #38: the TQ kernel's GPU tests, kv_bench batch 8/32 (tq_over_fp16_step_bs32 was
 #    1.166 against <= 1.15).
 # 4. #37: Qwen3 batch 1, GPU routed (lfu_direct_r1), host experts (cpu_bs1) and auto in one run, the host part
 #    measured beside them (rows into a copy of results/moe_bench.json).
