@@ -19,6 +19,10 @@
  * (``row_pass_wide``). One thread, 4096 x 4096 matrices, this file's machine (AMD EPYC, Zen 4), packed bytes a
  * second against an 11-13 GB/s copy: AVX-512 7.6-8.4 GB/s before, 9.0-10.0 after; AVX2 (-mno-avx512f) 4.6-4.8
  * before, 5.9 after.
+ *
+ * NF4_PREFETCH (a -D define, bytes; 0 by default): the wide pass prefetches its row's bytes that far ahead, past
+ * the 4 KB pages where a core's stream prefetch stops (benchmarks/host_gemv_sweep.py's prefetch builds; no gain
+ * on the Zen 4 above, where one thread already reads at its copy's pace; unmeasured on a Xeon so far).
  */
 #include <stdint.h>
 #include <stdlib.h>
