@@ -1,10 +1,11 @@
 """The host NF4 kernel's builds, thread counts and call shapes side by side, on this host, in one run: what
 ``host_gemv_over_memcpy`` (moe_bench ``--part host``) is bound by.
 
-Builds: the shipped one, AVX2 (``-mno-avx512f``) and software prefetch 1, 2 or 4 KB ahead (``NF4_PREFETCH``). Each build's products are checked against the shipped
-build's first (same values within fp32 rounding), then timed: ``nf4_cpu.measure``'s 4096 x 4096 matrices over
-64 MB, and the calls the host-experts path makes for Qwen3-30B-A3B at batch 1 (8 experts' gate/up [1536, 2048] in
-one call, their down [2048, 768] in another: packed bytes a second through ``matmul_experts``, Python included).
+Builds: the shipped one, AVX2 (``-mno-avx512f``) and software prefetch 1, 2 or 4 KB ahead (``NF4_PREFETCH``).
+Each build's products are checked against the shipped build's first (same values within fp32 rounding), then
+timed: ``nf4_cpu.measure``'s 4096 x 4096 matrices over 64 MB, and the calls the host-experts path makes for
+Qwen3-30B-A3B at batch 1 (8 experts' gate/up [1536, 2048] in one call, their down [2048, 768] in another: packed
+bytes a second through ``matmul_experts``, Python included).
 A plain copy on the same threads beside them.
 
 Measured on the H100 host (16 vCPUs, Xeon, 14 threads; results/host_gemv_sweep.json, 2026-12-05): shipped 41-44
