@@ -302,10 +302,8 @@ if triton is not None:
                 s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
                 if HAS_KMEAN:
                     s += bias[:, None]
-                if ROW_HIST:  # a row sees its whole own history (Paged.lengths): n_ok bounds it, no mask read
-                    vis = _visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, False)
-                else:
-                    vis = _visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP)
+                # a row that reads its own history (Paged.lengths) sees all of it: n_ok bounds it, no mask read
+                vis = _visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP and not ROW_HIST)
                 s = tl.where(vis, s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
                 v = _history_tile(VCent, VByte, vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn, COLS,
