@@ -1,7 +1,8 @@
 """The host NF4 kernel's builds, thread counts and call shapes side by side, on this host, in one run: what
 ``host_gemv_over_memcpy`` (moe_bench ``--part host``) is bound by.
 
-Builds: the shipped one, AVX2 (``-mno-avx512f``) and software prefetch 1, 2 or 4 KB ahead (``NF4_PREFETCH``).
+Builds: the shipped one, AVX2 (``-mno-avx512f``), the block index by division (``NF4_DIVIDE``, the kernel before
+its shift) and software prefetch 1, 2 or 4 KB ahead (``NF4_PREFETCH``).
 Each build's products are checked against the shipped build's first (same values within fp32 rounding), then
 timed: ``nf4_cpu.measure``'s 4096 x 4096 matrices over 64 MB, and the calls the host-experts path makes for
 Qwen3-30B-A3B at batch 1 (8 experts' gate/up [1536, 2048] in one call, their down [2048, 768] in another: packed
@@ -33,6 +34,9 @@ from airquant.quant.kernels import nf4_cpu
 from airquant.units import GB
 
 BUILDS = {"shipped": [], "avx2": ["-mno-avx512f"],
+          # the wide pass's block index by a 64-bit division a step, as before nf4_cpu.c's wide_shape (the
+          # shift's baseline in the same run)
+          "divide": ["-DNF4_DIVIDE"],
           # software prefetch of the wide path's bytes this far ahead (crosses the 4 KB pages where the
           # hardware's stream prefetch stops): one thread on a Xeon reads at ~0.7 of its copy
           "prefetch1k": ["-DNF4_PREFETCH=1024"], "prefetch2k": ["-DNF4_PREFETCH=2048"],

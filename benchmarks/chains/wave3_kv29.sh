@@ -16,7 +16,7 @@ set -x
 lscpu > $R/lscpu.log 2>&1
 T=$(python -c 'from airquant.quant.kernels import nf4_cpu; print(nf4_cpu.threads())')
 timeout 240 python benchmarks/host_gemv_sweep.py --results $R --seconds 0.5 --threads $T \
-    --builds shipped,prefetch2k,prefetch4k > $R/host_sweep.log 2>&1
+    --builds shipped,divide,prefetch2k,prefetch4k > $R/host_sweep.log 2>&1
 python - > $R/pick.log 2>&1 <<'PY'
 import json, re
 rows = json.load(open("/tmp/res/host_gemv_sweep.json"))["rows"]

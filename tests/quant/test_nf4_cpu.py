@@ -13,7 +13,9 @@ from airquant.quant.kernels import nf4_cpu
 
 CASES = [(64, 128, 64, True, 1), (33, 256, 64, False, 3), (17, 70, 64, True, 2), (5, 9, 64, False, 1),
          (128, 512, 128, True, 16), (40, 192, 32, False, 9), (300, 1024, 64, True, 19), (7, 64, 64, False, 8),
-         (37, 384, 128, True, 1)]  # batch 1 in the wide pass: rows in fours (AVX2: twos) and a remainder
+         (37, 384, 128, True, 1),  # batch 1 in the wide pass: rows in fours (AVX2: twos) and a remainder
+         (12, 512, 256, False, 2),  # the wide pass's block index as a shift of 8
+         (11, 384, 192, True, 3)]  # a blocksize of 64s that is no power of two: the narrow pass, not the wide
 
 
 def _reference(x: torch.Tensor, bufs: dict, n: int, k: int, bs: int, double: bool) -> torch.Tensor:
@@ -117,7 +119,8 @@ def test_kernel_says_so_when_it_cannot_allocate_the_split_input():
     assert lib.nf4_experts(1, table.data_ptr(), rows.data_ptr(), None, 64, 128, 64, 1, None, None, 1) == -1
 
 
-@pytest.mark.parametrize("lanes, flags", [(8, ["-mno-avx512f"]), (16, []), (16, ["-DNF4_PREFETCH=2048"])])
+@pytest.mark.parametrize("lanes, flags", [(8, ["-mno-avx512f"]), (16, []), (16, ["-DNF4_PREFETCH=2048"]),
+                                          (16, ["-DNF4_DIVIDE"])])
 def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tmp_path):
     """The kernel built for AVX2 (8 lanes: -mno-avx512f) and for AVX-512 where this CPU has it (also with the
     wide pass's software prefetch, which reads past a matrix's end only as a hint), each against the float64
@@ -135,7 +138,8 @@ def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tm
         assert nf4_cpu.library() is not None and nf4_cpu.library().nf4_lanes() == lanes
         for n, k, bs, double, t in [(24, 256, 64, True, 1), (16, 512, 128, False, 4), (9, 384, 64, False, 9),
                                     (8, 192, 32, True, 3), (5, 64, 64, False, 2), (3, 70, 64, True, 1),
-                                    (23, 256, 64, False, 1)]:  # batch 1: rows in fours or twos, a remainder
+                                    (23, 256, 64, False, 1), (12, 512, 256, True, 2),  # batch 1: rows in fours
+                                    (11, 384, 192, False, 3)]:  # or twos, a remainder; blocks of 256 and 192
             bufs = nf4_cpu.random_nf4(n, k, bs, double, seed=k + t)
             x = torch.randn(t, k)
             _check(nf4_cpu.matmul(x, bufs, n, k, bs, double), _reference(x, bufs, n, k, bs, double))
