@@ -1,6 +1,7 @@
 # Device chain for issues #37 and #38 (~14 min, started detached; polled over two or three calls; trimmed to the
 # rows the issues fold after refused starts cost this session 400 s: no kernel sweep, the host sweep on the default threads).
-# 0. #37: the host NF4 kernel's builds side by side (shipped against software prefetch 2/4 KB ahead), on the
+# 0. #37: the host NF4 kernel's builds side by side (shipped, its block index now a shift, against the division
+#    before it and software prefetch 2/4 KB ahead), on the
 #    default threads; nf4_cpu.measure now times the kernel with each matrix's pointer table built once, as the host path
 #    does (host_gemv_over_memcpy was 0.46 against >= 0.5). A prefetch build that beats the shipped one by 3 % on
 #    both figures at the default threads becomes this run's kernel (pick.log says which; commit it to keep the row).
