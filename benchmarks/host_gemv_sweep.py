@@ -2,7 +2,7 @@
 ``host_gemv_over_memcpy`` (moe_bench ``--part host``) is bound by.
 
 Builds: the shipped one, AVX2 (``-mno-avx512f``), the block index by division (``NF4_DIVIDE``, the kernel before
-its shift) and software prefetch 1, 2 or 4 KB ahead (``NF4_PREFETCH``).
+its shift) and the wide pass's software prefetch off or 1 or 4 KB ahead (``NF4_PREFETCH``; shipped: 2 KB).
 Each build's products are checked against the shipped build's first (same values within fp32 rounding), then
 timed: ``nf4_cpu.measure``'s 4096 x 4096 matrices over 64 MB, and the calls the host-experts path makes for
 Qwen3-30B-A3B at batch 1 (8 experts' gate/up [1536, 2048] in one call, their down [2048, 768] in another: packed
@@ -39,7 +39,7 @@ BUILDS = {"shipped": [], "avx2": ["-mno-avx512f"],
           "divide": ["-DNF4_DIVIDE"],
           # software prefetch of the wide path's bytes this far ahead (crosses the 4 KB pages where the
           # hardware's stream prefetch stops): one thread on a Xeon reads at ~0.7 of its copy
-          "prefetch1k": ["-DNF4_PREFETCH=1024"], "prefetch2k": ["-DNF4_PREFETCH=2048"],
+          "noprefetch": ["-DNF4_PREFETCH=0"], "prefetch1k": ["-DNF4_PREFETCH=1024"],
           "prefetch4k": ["-DNF4_PREFETCH=4096"]}
 BASE_FLAGS = list(nf4_cpu.FLAGS)
 

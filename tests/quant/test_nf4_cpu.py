@@ -119,11 +119,12 @@ def test_kernel_says_so_when_it_cannot_allocate_the_split_input():
     assert lib.nf4_experts(1, table.data_ptr(), rows.data_ptr(), None, 64, 128, 64, 1, None, None, 1) == -1
 
 
-@pytest.mark.parametrize("lanes, flags", [(8, ["-mno-avx512f"]), (16, []), (16, ["-DNF4_PREFETCH=2048"]),
+@pytest.mark.parametrize("lanes, flags", [(8, ["-mno-avx512f"]), (16, []), (16, ["-DNF4_PREFETCH=0"]),
                                           (16, ["-DNF4_DIVIDE"])])
 def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tmp_path):
-    """The kernel built for AVX2 (8 lanes: -mno-avx512f) and for AVX-512 where this CPU has it (also with the
-    wide pass's software prefetch, which reads past a matrix's end only as a hint), each against the float64
+    """The kernel built for AVX2 (8 lanes: -mno-avx512f) and for AVX-512 where this CPU has it (as shipped, with
+    the wide pass's software prefetch, which reads past a matrix's end only as a hint; without it; with the block
+    index by division, the sweep's baseline), each against the float64
     decode: shapes that take the wide path (k % 128 == 0, blocks of 64 or more), the narrow one (blocks of 32,
     k = 64 or 192) and the generic one, 1 to 9 rows of x."""
     if shutil.which("gcc") is None and shutil.which("cc") is None:

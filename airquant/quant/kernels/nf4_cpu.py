@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -49,6 +50,7 @@ OFF_ENV = "AIRQUANT_NO_CPU_KERNEL"
 GEMM_ROWS = 32
 DECODE_BYTES = 32 << 20  # fp32 rows decoded at a time for that product
 THREADS_ENV = "AIRQUANT_CPU_THREADS"
+ROUNDS = 5  # turns of products and copies ``measure`` takes the medians of
 
 
 def threads() -> int:
@@ -270,8 +272,8 @@ def random_nf4(n: int, k: int, blocksize: int = 64, double: bool = True, seed: i
 
 def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096, n_threads: int | None = None) -> HostBandwidth:
     """``HostBandwidth`` in about ``seconds``: batch-1 products over enough distinct matrices (64 MB of packed
-    bytes) that the caches do not hold them, and copies of as many bytes; on ``n_threads`` (None: ``threads()``,
-    what the host path runs on)."""
+    bytes) that the caches do not hold them, and copies of as many bytes, in ``ROUNDS`` turns (medians); on
+    ``n_threads`` (None: ``threads()``, what the host path runs on)."""
     n_threads = n_threads or threads()
     copies = max(1, (64 << 20) // (n * k // 2))
     # The bytes' values do not change the kernel's pace (every nibble and code indexes its table): one fill, and
@@ -288,17 +290,22 @@ def measure(seconds: float = 1.0, n: int = 4096, k: int = 4096, n_threads: int |
     # at 40 GB/s).
     one, rows = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int64)
     built = [Matrices.of([m]) for m in mats]
-    gemv = _rate([lambda t=t: matmul_experts(x, t, one, rows, n, k, 64, True, n_threads) for t in built], per,
-                 seconds / 2)
+    products = [lambda t=t: matmul_experts(x, t, one, rows, n, k, 64, True, n_threads) for t in built]
     src = torch.randint(0, 256, (per * copies,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     lib = library()
     if lib is not None:
-        copy = _rate([lambda: lib.host_copy(dst.data_ptr(), src.data_ptr(), src.numel(), n_threads)], src.numel(),
-                     seconds / 2)
+        copy = [lambda: lib.host_copy(dst.data_ptr(), src.data_ptr(), src.numel(), n_threads)]
     else:
-        copy = _rate([lambda: dst.copy_(src)], src.numel(), seconds / 2)
-    return HostBandwidth(gemv / GB, copy / GB, host_kernel(), n_threads)
+        copy = [lambda: dst.copy_(src)]
+    # Products and copies in turns, the median of each: a shared host's neighbours move either figure by 20-40 %
+    # for a while (H200 host, 14 threads: copies of 64-95 GB/s within minutes), so taking both in turns keeps
+    # a burst from landing on one of them alone.
+    gemv, copied = [], []
+    for _ in range(ROUNDS):
+        gemv.append(_rate(products, per, seconds / (2 * ROUNDS)))
+        copied.append(_rate(copy, src.numel(), seconds / (2 * ROUNDS)))
+    return HostBandwidth(statistics.median(gemv) / GB, statistics.median(copied) / GB, host_kernel(), n_threads)
 
 
 def _rate(calls: list, nbytes: int, seconds: float) -> float:
