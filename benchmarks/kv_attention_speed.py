@@ -69,7 +69,8 @@ def _copy_gbps(device) -> float:
 
 PROGRAMS = (1056, 2112)  # H100 sweeps, 2026-12-05: 264, 528 behind 1 056 (BLOCK_N 32); 2 112 best at batch 32
 # BLOCK_N, warps, stages (64, 8 warps, 2 stages and BLOCK_N 16 lost every H100 row). 2 warps: compiled for sm_90
-# (kernel_sass.py) a byte-table tile takes 2 x 1 000 warp-instructions against 4 x 594, at 162 registers.
+# (kernel_sass.py) a byte-table tile took 2 x 1 000 warp-instructions against 4 x 594, at 162 registers, with the
+# per-row launch's mask read off (put back since: 4 x 671).
 TILES = ((32, 4, 1), (32, 2, 1))
 # Registers a thread (ptxas' cap; None: none). sm_90 compiles BLOCK_N 32 to 128 already (four programs an SM);
 # an H100 (wave3_kv27): 128 within 1 % with byte tables, 2.5 % ahead without; 168 lost. The CPU's interpreter

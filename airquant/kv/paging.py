@@ -29,7 +29,5 @@ class Paged:
     window: int
     page: int
     # ``[B]`` on the device: each batch row's own history length (None: every row reads ``history.length``). The
-    # kernel reads no tile past a row's own (a call over rows of very different lengths reads each its own pages),
-    # and a row then attends to its whole history: the mask is read over the other columns only (the loop's
-    # ``keep_columns`` shows a row exactly its history's first ``lengths`` columns).
+    # kernel reads no tile past a row's own (a call over rows of very different lengths reads each its own pages).
     lengths: torch.Tensor | None = None

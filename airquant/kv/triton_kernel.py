@@ -66,10 +66,10 @@ VARIANTS = ((0, 0), (1, 0), (0, 1))
 # against 0.684; sdpa over the bf16 cache 0.354); BLOCK_N 16 lost everywhere (0.652-0.99 at batch 32); a cap of
 # 128 registers a thread changed little (0.620 / 0.667 at batch 32: compiled for sm_90 with the launch's stride
 # alignment, BLOCK_N 32 already takes 128, four programs an SM) and 168 lost; the byte-column order ties; 8 warps
-# and 2 stages lost earlier. Compiled for sm_90 (benchmarks/kernel_sass.py), byte tables cut the history loop of the
-# loop's per-row launch from 942 instructions a 32-token tile to 594 (1 008 -> 671 while it still read the mask);
-# what remains is mostly layout conversions through shared memory (20 barriers a tile: the bytes to the gather's
-# layout, the gathered tiles and the probabilities to the products' operands).
+# and 2 stages lost earlier. Compiled for sm_90 (benchmarks/kernel_sass.py), byte tables cut the history loop from
+# 1 008 instructions a 32-token tile to 671; what remains is mostly layout conversions through shared memory (27
+# barriers a tile: the bytes to the gather's layout, the gathered tiles to the products' operands, the scores to
+# the softmax's layout and back).
 AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32, 1, 0, 1, None))
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
@@ -302,9 +302,12 @@ if triton is not None:
                 s = _product(q_rot, tl.trans(k), DOT) * (kn[None, :] * scale)
                 if HAS_KMEAN:
                     s += bias[:, None]
-                # a row that reads its own history (Paged.lengths) sees all of it: n_ok bounds it, no mask read
-                vis = _visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP and not ROW_HIST)
-                s = tl.where(vis, s, float("-inf"))
+                # The mask is read here too where a row reads only its own history (Paged.lengths), though it shows
+                # the row all of it: without the read, sm_90 compiles the per-row launch to other arithmetic than
+                # the padded one (the softmax in another layout), and a row's result then depends on its batch
+                # neighbours' lengths in the last bits (test_triton_gpu's static_own_same failed on an H200,
+                # 2026-12-06; 942 -> 594 instructions a tile, its speed unmeasured).
+                s = tl.where(_visible(keep_row, s_ec, SINK + offs_n, pos, row_ok, n_ok, HAS_KEEP), s, float("-inf"))
                 p, m_i, l_i, acc = _online(s, m_i, l_i, acc)
                 v = _history_tile(VCent, VByte, vc_row + h * s_vch, offs_n, n_ok, BLOCK_N, D, BITS_V, s_vcn, COLS,
                                   BYTES)
