@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from airquant.quant.kernels import nf4_cpu
-from airquant.units import GB
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from airquant.quant.kernels import nf4_cpu  # noqa: E402
+from airquant.units import GB  # noqa: E402
+from benchmarks.moe_bench import host_cpu  # noqa: E402
 
 BUILDS = {"shipped": [], "avx2": ["-mno-avx512f"],
           # the wide pass's block index by a 64-bit division a step, as before nf4_cpu.c's wide_shape (the
@@ -100,7 +102,7 @@ def main() -> None:
         for t in counts:
             bw = nf4_cpu.measure(a.seconds, n_threads=t)
             lay = layer_rate(layers, t, a.seconds) / GB
-            row = {"build": name, "kernel": kernel, "threads": t, "gemv_gbps": bw.gemv_gbps,
+            row = {"build": name, "flags": BUILDS[name], "kernel": kernel, "threads": t, "gemv_gbps": bw.gemv_gbps,
                    "memcpy_gbps": bw.copy_gbps, "over_memcpy": bw.efficiency, "qwen3_layer_gbps": lay,
                    "qwen3_layer_over_memcpy": lay / bw.copy_gbps, "max_rel_diff": err}
             rows.append(row)
@@ -110,7 +112,7 @@ def main() -> None:
     use_build([])
     a.results.mkdir(parents=True, exist_ok=True)
     out = a.results / "host_gemv_sweep.json"
-    out.write_text(json.dumps({"run": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(),
+    out.write_text(json.dumps({"run": time.strftime("%Y-%m-%dT%H:%M:%S"), **host_cpu(),
                                "rows": rows}, indent=1))
     print(f"wrote {out}")
 
