@@ -147,7 +147,7 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
-                 "fused": expert_compute.FUSED, "run": RUN}
+                 "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device")}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,

@@ -21,6 +21,13 @@ def _f(value: Any, fmt: str = "{:.3g}") -> str:
 def _source(data: dict) -> str:
     what = "synthetic weights of the real shapes (speed and memory only)" if data.get("synthetic") else "real weights"
     quick = " QUICK RUN: tiny shapes, not a measurement." if data.get("quick") else ""
+    runs = {row.get("run"): row.get("device") for rows in data.values() if isinstance(rows, list)
+            for row in rows if isinstance(row, dict) and row.get("run")}
+    if len(runs) > 1:  # rows folded from several runs, maybe on other cards: the top-level device is the last's
+        cards = sorted({d for d in runs.values() if d})
+        named = f"; rows that name theirs: {', '.join(cards)}" if cards else ""
+        return (f"Rows of {len(runs)} runs (each row's `run`; the runs and their cards in docs/BENCHMARKS.md{named}), "
+                f"the last on **{data.get('device', '?')}**, {what}.{quick}")
     return f"Measured on **{data.get('device', '?')}**, {what}.{quick}"
 
 
