@@ -103,8 +103,10 @@ def test_half_precision_models_use_their_dtype_and_stay_close(dtype):
 
 
 def test_codec_tables_and_rotations_reach_the_device_without_a_sync():
-    """A loop's arenas make each layer's codecs at its first pass: their tables and rotation go to the device from
-    pinned memory, never through a synchronizing copy (kv_bench's trace: 4 syncs a layer before)."""
+    """A loop's arenas make each layer's codecs at its first pass: their tables, byte tables (made at a layer's
+    first kernel call, inside the layer-graph warm-up, where a sync turns static passes off for the run) and
+    rotation go to the device from pinned memory, never through a synchronizing copy (kv_bench's trace: 4 syncs a
+    layer before)."""
     from airquant.kv.codec import Codec
 
     codec = Codec(128, 4, seed=987_654_321)  # a seed no other test uses: its rotation is not cached yet
@@ -113,11 +115,13 @@ def test_codec_tables_and_rotations_reach_the_device_without_a_sync():
     try:
         centroids, boundaries = codec.tables(torch.device("cuda"))
         half = codec.centroids(torch.device("cuda"), torch.bfloat16)
+        byte = codec.byte_table(torch.device("cuda"), torch.bfloat16)
         rotation = codec.rotation.matrix(torch.device("cuda"), torch.float32)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert centroids.is_cuda and boundaries.is_cuda and half.dtype == torch.bfloat16
     assert torch.equal(centroids.cpu(), codec.codebook.centroids_tensor())
+    assert torch.equal(byte.cpu(), codec.byte_table("cpu", torch.bfloat16))
     assert torch.equal(rotation.cpu(), codec.rotation.matrix("cpu", torch.float32))
 
 
