@@ -14,17 +14,17 @@
  * OpenMP threads; up to TOKENS (4) rows of x share one pass over a row of W (more go in further passes over the
  * row, which is in cache by then: the bytes are read from memory once).
  *
- * Wide path (k % (8 x lanes) == 0, a power-of-two blocksize >= 64: every expert shape of the MoE models served): 4 x lanes
- * bytes a step as dwords, each nibble looked up by a shift and a permute, x laid out once per call to match
- * (``row_pass_wide``). One thread, 4096 x 4096 matrices, this file's machine (AMD EPYC, Zen 4), packed bytes a
+ * Wide path (k % (8 x lanes) == 0, a power-of-two blocksize >= 64: every expert shape of the MoE models
+ * served): 4 x lanes bytes a step as dwords, each nibble looked up by a shift and a permute, x laid out once per
+ * call to match (``row_pass_wide``). One thread, 4096 x 4096 matrices, an AMD EPYC (Zen 4), packed bytes a
  * second against an 11-13 GB/s copy: AVX-512 7.6-8.4 GB/s before, 9.0-10.0 after; AVX2 (-mno-avx512f) 4.6-4.8
  * before, 5.9 after.
  *
  * NF4_PREFETCH (a -D define, bytes; 2048 by default, 0: off): the wide pass prefetches its row's bytes that far
  * ahead, past the 4 KB pages where a core's stream prefetch stops. Measured on the H200's host (Xeon, 16 vCPUs, 14
  * threads; benchmarks/host_gemv_sweep.py, 2026-12-06): 4096 x 4096 GEMV 56.0 GB/s against 51.4 without, Qwen3
- * layer calls 43.2 against 36.6 (4 KB ahead: 45.2, 40.3); this file's machine (Xeon, 2 vCPUs) the same way: one
- * thread's Qwen3 layer calls 8.7-10.9 GB/s against 5.7.
+ * layer calls 43.2 against 36.6 (4 KB ahead: 45.2, 40.3); a 2-vCPU Xeon the same way: one thread's Qwen3 layer
+ * calls 8.7-10.9 GB/s against 5.7.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -222,7 +222,7 @@ static inline int64_t wide_element(int p, int i) { return 2 * (4 * i + p / 2) + 
 /* Shapes the wide path takes: whole steps a row, blocks inside rows, a power-of-two blocksize of 64 or more
  * (every bitsandbytes blocksize is), so that a step's block index is a shift, not a division: a 64-bit
  * division a step (two scales) took ~20 % of a step's time (one thread, matrices in cache: 9.9 GB/s before,
- * 12.5 after, this file's machine). */
+ * 12.5 after, on a 2-vCPU Xeon). */
 static inline int wide_shape(int64_t k, int64_t bs) {
     return k % WIDE == 0 && k % bs == 0 && bs % 64 == 0 && (bs & (bs - 1)) == 0;
 }
