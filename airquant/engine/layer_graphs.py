@@ -29,7 +29,9 @@ declared with ``host_work``: recorded at the warm-up call and run by the runner 
 
 A key's first call runs eagerly (warm-up: lazy initialisation, kernel compiles), with synchronizing ops
 reported outside the island (``torch.cuda.set_sync_debug_mode``); a key whose warm-up synchronized twice (the
-experts' copy path reads its routing on the host; a one-time probe syncs once) is never captured. The second
+experts' copy path reads its routing on the host; a one-time probe syncs once) is never captured, and a key whose
+warm-up synchronized twice inside the static cache write or attention turns static passes off (once: it warms up
+again, as a table a kernel makes at its first launch syncs once). The second
 call is captured; later ones replay. A capture that fails anyway marks its key eager and the call runs again
 eagerly (its cache write rewrites the same rows).
 
@@ -632,6 +634,7 @@ class LayerGraphs:
         self._work: dict[tuple, list] = {}  # warmed-up keys -> their host work
         self._eager: set[tuple] = set()  # keys that synchronize or failed to capture
         self._synced: dict[tuple, int] = {}  # warm-ups that synchronized, per key
+        self._static_synced: dict[tuple, int] = {}  # warm-ups that synchronized in the static write or attention
         self._twins: dict[tuple, torch.Tensor] = {}  # (leaf position, shape, dtype) -> static twin
         # id(twin) -> (the tensor it got, the cache (weakly) and its pass then): inference tensors have no
         # version counter, and a graph's output is the same tensor every pass, so "the same tensor" holds within
@@ -727,8 +730,13 @@ class LayerGraphs:
                     out = call(*args, **kwargs)
                 finally:
                     kv.recorder = None
-            if check.static_synced:
-                self._static_off(index, "its cache write or attention synchronized")
+            if check.static_synced and self.static_ok:
+                # Twice for the same key turns static passes off; once may be a first call's lazy set-up (a table
+                # made and copied at a kernel's first launch), so the key warms up again at its next call.
+                self._static_synced[key] = self._static_synced.get(key, 0) + 1
+                if self._static_synced[key] < 2:
+                    return out
+                self._static_off(index, "its cache write or attention synchronized at two warm-ups")
             if check.synced:
                 self._synced[key] = self._synced.get(key, 0) + 1
                 if self._synced[key] >= 2:
@@ -758,6 +766,7 @@ class LayerGraphs:
         self._work.pop(key, None)
         self._eager.discard(key)
         self._synced.pop(key, None)
+        self._static_synced.pop(key, None)
         self._keys.get(key[0], {}).pop(key, None)
 
     def _static_off(self, index: int, why: str) -> None:
@@ -1009,6 +1018,7 @@ class LayerGraphs:
         self._work.clear()
         self._eager.clear()
         self._synced.clear()
+        self._static_synced.clear()
         self._keys.clear()
         self._twins.clear()
         self._held.clear()

@@ -180,6 +180,35 @@ def test_a_static_warm_up_that_synchronizes_falls_back_to_the_island(stores):
     assert entries and all(key[-1] is None and len(e.islands) == 1 for key, e in entries)
 
 
+def test_a_static_warm_up_that_synchronizes_once_warms_up_again(stores):
+    """A sync inside the static cache write or attention at each key's first warm-up only (a table a kernel makes
+    and copies at its first launch, as the TurboQuant byte tables did from pageable memory): the key warms up
+    again at its next call and is captured then; static passes stay on, and the decode equals the static decode
+    run eagerly."""
+    want = _static_eager(stores["llama"], lambda e: _decode(e, steps=8))
+    warmups = []
+
+    class Synced(layer_graphs._NoCheck):
+        static_synced = True
+
+    class Backend(layer_graphs.EmulatedBackend):
+        @staticmethod
+        def warmup():
+            warmups.append(1)
+            return Synced() if len(warmups) <= layers else layer_graphs._NoCheck()
+
+    engine = Engine.open(stores["llama"], device="cpu", dtype="float32", resident_layers=0, experts="whole")
+    layers = len(skeleton.decoder_layers(engine.model))
+    graphs = layer_graphs.LayerGraphs(Backend(), FUSED_TOKENS)
+    skeleton.attach_graphs(engine.model, graphs)
+    tokens, logits = _decode(engine, steps=8)
+    keys = list(graphs._entries)
+    engine.close()
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    assert graphs.static_ok and len(warmups) == 2 * layers and graphs.stats["failed"] == 0
+    assert keys and all(key[-1] is not None for key in keys)  # static keys, captured after their second warm-up
+
+
 def test_static_span_buckets():
     from airquant.engine.decode.slots import static_span
 
