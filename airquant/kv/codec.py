@@ -103,9 +103,9 @@ class Codec:
         key = ("bytes", str(device), dtype)
         if key not in self._centroids:
             codes = unpack(torch.arange(256, dtype=torch.uint8).unsqueeze(1), self.bits, 8 // self.bits)
-            # Made on the host and copied without waiting, as ``tables``: a pageable copy here synchronized the
-            # first kernel call of a layer's decode, whose layer-graph warm-up then turned static passes off
-            # for the whole run (kv_bench on an H200: the TurboQuant steps 1.54x plain at batch 8, eager).
+            # Made on the host and copied without waiting, as ``tables``: a pageable copy here synchronizes the
+            # first kernel call of a layer's decode, inside its layer-graph warm-up (the likely cause of kv_bench's
+            # static passes going off on an H200, 2026-12-06: TurboQuant steps 1.54x plain at batch 8).
             self._centroids[key] = to_device(self.codebook.centroids_tensor()[codes].to(dtype).contiguous(), device)
         return self._centroids[key]
 
