@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from airquant.eval.rows import hardware_info  # noqa: E402
 from airquant.quant.kernels import nf4_cpu  # noqa: E402
 from airquant.units import GB  # noqa: E402
-from benchmarks.moe_bench import host_cpu  # noqa: E402
 
 BUILDS = {"shipped": [], "avx2": ["-mno-avx512f"],
           # the wide pass's block index by a 64-bit division a step, as before nf4_cpu.c's wide_shape (the
@@ -112,7 +112,7 @@ def main() -> None:
     use_build([])
     a.results.mkdir(parents=True, exist_ok=True)
     out = a.results / "host_gemv_sweep.json"
-    out.write_text(json.dumps({"run": time.strftime("%Y-%m-%dT%H:%M:%S"), **host_cpu(),
+    out.write_text(json.dumps({"run": time.strftime("%Y-%m-%dT%H:%M:%S"), **hardware_info("cpu"),
                                "rows": rows}, indent=1))
     print(f"wrote {out}")
 

@@ -124,9 +124,9 @@ def test_kernel_says_so_when_it_cannot_allocate_the_split_input():
 def test_each_vector_width_equals_a_float64_decode(lanes, flags, monkeypatch, tmp_path):
     """The kernel built for AVX2 (8 lanes: -mno-avx512f) and for AVX-512 where this CPU has it (as shipped, with
     the wide pass's software prefetch, which reads past a matrix's end only as a hint; without it; with the block
-    index by division, the sweep's baseline), each against the float64
-    decode: shapes that take the wide path (k % 128 == 0, blocks of 64 or more), the narrow one (blocks of 32,
-    k = 64 or 192) and the generic one, 1 to 9 rows of x."""
+    index by division, the sweep's baseline), each against the float64 decode: shapes that take the wide path
+    (k % 128 == 0, power-of-two blocks of 64 or more), the narrow one (blocks of 32, or of 192) and the generic
+    one, 1 to 9 rows of x."""
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no gcc on PATH")
     flags_line = nf4_cpu._cpu_flags()

@@ -226,8 +226,8 @@ static inline int64_t wide_element(int p, int i) { return 2 * (4 * i + p / 2) + 
 static inline int wide_shape(int64_t k, int64_t bs) {
     return k % WIDE == 0 && k % bs == 0 && bs % 64 == 0 && (bs & (bs - 1)) == 0;
 }
-#ifdef NF4_DIVIDE  /* the division as before (host_gemv_sweep's "divide" build: the baseline in the same run) */
-#define BLOCK_OF(at) ((at) / bs)
+#ifdef NF4_DIVIDE  /* a 64-bit division as before (host_gemv_sweep's "divide" build: the baseline in the same run) */
+#define BLOCK_OF(at) ((at) / ((int64_t)1 << sh))
 #else
 #define BLOCK_OF(at) ((at) >> sh)
 #endif
@@ -246,8 +246,7 @@ static inline ivec wide_load(const uint8_t *p) { return _mm512_loadu_si512((cons
 static inline __attribute__((always_inline)) vec wide_lookup(ivec raw, const int p, book lut) {
     return _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * p), lut.all);
 }
-static inline vec wide_scale(const matrix *m, int64_t at, int64_t bs, int sh, int dbl) {
-    (void)bs; (void)sh;
+static inline vec wide_scale(const matrix *m, int64_t at, int sh, int dbl) {
     return _mm512_mask_broadcastss_ps(_mm512_set1_ps(scale_of(m, BLOCK_OF(at), dbl)), 0xFF00,
                                       _mm_set_ss(scale_of(m, BLOCK_OF(at + 64), dbl)));
 }
@@ -259,13 +258,12 @@ static inline __attribute__((always_inline)) vec wide_lookup(ivec raw, const int
     const __m256 top = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 28 - 4 * p));  /* nibble bit 3 -> sign */
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.low, idx), _mm256_permutevar8x32_ps(lut.high, idx), top);
 }
-static inline vec wide_scale(const matrix *m, int64_t at, int64_t bs, int sh, int dbl) {
-    (void)bs; (void)sh;
+static inline vec wide_scale(const matrix *m, int64_t at, int sh, int dbl) {
     return VSET1(scale_of(m, BLOCK_OF(at), dbl));
 }
 #endif
 
-static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *row, int64_t first, int64_t bs, int sh,
+static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *row, int64_t first, int sh,
         const matrix *m, int dbl, book lut, int64_t k, const float *x8, int64_t t0, const int tn, float *res) {
     vec total[TOKENS];
     for (int u = 0; u < tn; u++) total[u] = VZERO();
@@ -285,7 +283,7 @@ static inline __attribute__((always_inline)) void row_pass_wide(const uint8_t *r
             for (int u = 0; u < tn; u++) acc[u] = VFMA(v, VLOAD(x8 + (t0 + u) * k + c + LANES * p), acc[u]); }
         NIB(2, a) NIB(3, b) NIB(4, a) NIB(5, b) NIB(6, a) NIB(7, b)
 #undef NIB
-        const vec s = wide_scale(m, first + c, bs, sh, dbl);
+        const vec s = wide_scale(m, first + c, sh, dbl);
         for (int u = 0; u < tn; u++) total[u] = VFMA(s, VADD(a[u], b[u]), total[u]);
     }
     for (int u = 0; u < tn; u++) res[u] = hsum(total[u]);
@@ -297,7 +295,7 @@ static void rows_wide(int64_t r0, int64_t r1, const matrix *m, int dbl, int64_t 
     const book lut = load_book(m->qm);
     const int sh = __builtin_ctzll((unsigned long long)bs);  /* a power of two here (``wide_shape``) */
     float res[TOKENS];
-#define PASS(c) row_pass_wide(m->w + r * (k / 2), r * k, bs, sh, m, dbl, lut, k, x8, t0, c, res)
+#define PASS(c) row_pass_wide(m->w + r * (k / 2), r * k, sh, m, dbl, lut, k, x8, t0, c, res)
     TOKEN_PASSES(PASS)
 #undef PASS
 }
