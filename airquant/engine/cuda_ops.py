@@ -112,6 +112,20 @@ class CudaOps:
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def copy_target(self, like: torch.Tensor) -> torch.Tensor:
+        """A new device tensor like ``like`` (its shape, dtype and strides) for copies on the copy stream to fill.
+        The caching allocator hands a block the host freed on the compute stream straight back to that stream's
+        next allocation, though kernels queued before the free may still read it; a copy on another stream would
+        overwrite it under them (PyTorch's CUDA semantics: a side stream must wait for the work it may race). So
+        the copy stream waits here for what the compute stream has queued so far, and the tensor is marked as
+        used by the copy stream (not handed out again before the copies into it ran, even if never read). A
+        block of the compute stream's own pool: allocating it in the copy stream's would keep those bytes from
+        the compute stream's allocations under a tight VRAM cap."""
+        dst = torch.empty_like(like, device=self.device)
+        dst.record_stream(self.stream)
+        self.stream.wait_event(self.mark())
+        return dst
+
     def _event(self):
         return torch.cuda.Event(enable_timing=self.timing)
 
@@ -145,11 +159,6 @@ class CudaOps:
             done = self._event()
             done.record(self.out_stream)
         return done
-
-    def retire(self, tensor: torch.Tensor) -> None:
-        """``tensor`` is read or written by copies queued on the copy stream: keep the caching allocator
-        from handing its memory out again before they ran (it only tracks the allocating stream)."""
-        tensor.record_stream(self.stream)
 
     def wait(self, event) -> None:
         """Make the compute stream wait for ``event`` (no host block)."""

@@ -354,7 +354,7 @@ class LayerStreamer:
         if tensors is None:
             flat, _ = self._host_flat(i)  # the RAM tier (``dense`` holds RAM-tier layers only): no staging buffer
             layout = self.parts[i][1]
-            buf = self.ops.alloc(layout.nbytes)
+            buf = self.ops.copy_target(flat[:layout.nbytes])  # never memory that queued compute still reads
             runs = ((0, 0, layout.nbytes),) if i in self.arrangements else self.parts[i][2]
             for src, dst, nbytes in runs:
                 _, done = self.ops.copy(buf[dst:dst + nbytes], flat[src:src + nbytes], None)

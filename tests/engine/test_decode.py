@@ -77,6 +77,35 @@ def test_continuous_equals_one_at_a_time(engine, references, kv, offload, order)
     assert got == references[kv]
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("kv", ["plain", "tq"])
+def test_an_offloaded_cache_copied_ahead_through_the_copy_engine_equals_one_at_a_time(tiny_store, references,
+                                                                                      kv, lazy):
+    """A streamed engine with a copy engine (``SimOps``; lazy: a copy lands only when waited for): each
+    offloaded layer's cache (a TurboQuant arena: its pages, grown in host memory, and its page table) is copied
+    to the device ahead of its layer, into tensors made by ``copy_target`` (on a GPU a new tensor may be a block
+    the host just freed while queued kernels still read it: the copy stream waits for them before filling it).
+    Two loops of different sizes, one after the other."""
+    from tests.engine.test_streamer import SimOps, streamed_engine
+
+    ops = SimOps(lazy=lazy)
+    e = streamed_engine(tiny_store, ("ram", "ram", "ram"), ops)
+    try:
+        for slots, context in ((3, 96), (2, 64)):
+            loop = e.decode_loop(slots, context=context, kv=None if kv == "plain" else TQ,
+                                 token_budget=8 if kv == "plain" else 64,
+                                 offload=set(range(1, e.config.num_hidden_layers)))
+            assert loop.kv.ops is ops
+            seqs = {k: loop.submit(Request(tuple(e.prompt_ids(p)), n, ignore_eos=True)) for k, (p, n) in
+                    enumerate(JOB)}
+            while not loop.idle:
+                loop.step()
+            assert [seqs[k].out for k in range(len(JOB))] == references[kv]
+        assert ops.targets > 0 and (kv == "plain" or ops.copies_out > 0)  # TurboQuant: back by copy_out
+    finally:
+        e.close()
+
+
 def test_turboquant_pages_come_from_the_planned_pool_without_regrowing(tiny_store, references):
     """An engine planned for 3 sequences of 96 tokens: each layer's TurboQuant arena allocates the pages of those
     tokens at once, so a job's admissions never regrow a pool (each regrowth allocates and copies it: dozens a

@@ -34,10 +34,15 @@ class SimOps:
         self.lock = threading.Lock()
         self.copies = 0
         self.copies_out = 0
+        self.targets = 0  # device tensors allocated for the copy stream to fill (``copy_target``)
         self.out_queue: list[tuple[SimEvent, torch.Tensor, torch.Tensor]] = []  # device-to-host copies, in order
 
     def alloc(self, nbytes):
         return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage until a copy lands
+
+    def copy_target(self, like):
+        self.targets += 1
+        return torch.empty_like(like).view(torch.uint8).fill_(0xA5).view(like.dtype)  # garbage until a copy lands
 
     def copy(self, dst, src, after):
         assert after is None or after.fired, "a copy was ordered after compute that has not run"
@@ -71,9 +76,6 @@ class SimOps:
         if not self.lazy:
             self._run_until(done)
         return done
-
-    def retire(self, tensor):
-        pass  # CPU tensors: the allocator hands nothing out early
 
     def host_wait(self, event):
         self._run_until(event)
@@ -157,6 +159,9 @@ def test_dense_resident_layers_are_copied_once_and_keep_the_resident_logits(tiny
         # the first pass: layers 0 and 2 once, layer 1, and layer 1 again for the next pass (prefetched across
         # passes); every later pass copies layer 1 alone
         assert copies[0] == 4 and copies[1] - copies[0] == copies[2] - copies[1] == 1
+        # each kept buffer made by ``CudaOps.copy_target``: a block the host just freed may still be read by
+        # queued kernels, which the copy waits for
+        assert engine.streamer.ops.targets == 2
     engine.close()
 
 

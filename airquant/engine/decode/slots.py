@@ -279,7 +279,7 @@ class SlotKV:
                 self._decode_host = self._decode[:2]
         if self.tq:
             self._tq_begin(segments, dec)
-        self._ahead.clear()  # a pass cut short leaves its copies (their memory retired to the copy stream)
+        self._ahead.clear()  # a pass cut short leaves its copies (their memory held until they ran: copy_target)
         if self._offloaded:
             (self._fetch_arena_ahead if self.tq else self._fetch_ahead)(self._offloaded[0])
 
@@ -295,8 +295,7 @@ class SlotKV:
     def _copy_ahead(self, src: torch.Tensor) -> tuple[torch.Tensor, object]:
         """``src`` (host) copied into a new device tensor of its strides (a prefix: one block, one copy) on the copy
         stream; (the tensor, the copy's event)."""
-        dst = torch.empty_like(src, device=self.device)
-        self.ops.retire(dst)  # read by a queued copy: not handed out again before it ran, even if never used
+        dst = self.ops.copy_target(src)  # never memory that queued compute still reads
         _, done = self.ops.copy(dst, src, None)
         return dst, done
 
