@@ -216,3 +216,15 @@ def test_kv_rows_compare_with_plain_only_over_the_same_window():
     r["continuous_steady_useful_tok_s"] = r["continuous_tq_steady_useful_tok_s"] = None
     compare_kv(r)
     assert r["tq_over_plain_useful_tok_s"] == 1.5 and r["tq_over_plain_steady_useful_tok_s"] is None
+    # a file of whole jobs has no plain row: auto against the TurboQuant row alone, on the same stream and card
+    whole = {k: v for k, v in r.items() if not k.startswith(("continuous_settings", "continuous_useful",
+                                                              "continuous_budget", "continuous_device"))}
+    whole["continuous_auto_device"] = "H100"
+    compare_kv(whole)
+    assert whole["auto_over_best_useful_tok_s"] == 1.0 and "tq_over_plain_useful_tok_s" not in whole
+    whole["continuous_auto_useful_tok_s"] = 36.0
+    compare_kv(whole)
+    assert whole["auto_over_best_useful_tok_s"] == 0.8 and whole["targets"]["auto_over_best_useful_tok_s"]["met"] is False
+    whole["continuous_auto_settings"] = {**stream, "requests": 256, "slots": 64}
+    compare_kv(whole)
+    assert "auto_over_best_useful_tok_s" not in whole and "requests" in whole["kv_ratios_missing"]
