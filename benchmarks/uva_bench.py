@@ -14,7 +14,9 @@ batch-1 no-cache rows sit at 1.46-1.50x their bytes' time on the link. This scri
   double quant), every expert in host RAM, calls cycling over the experts so the L2 never holds them; swept
   over its ``TieredConfig`` (outputs per program, words per step, warps, loads a step ahead) and the code
   books read from device copies. Each config's output is checked against the default's. The same config
-  reading every expert from device memory says how much of a call is compute.
+  reading every expert from device memory says how much of a call is compute. ``--host-memory`` makes the host
+  buffer each way of ``HOST_MEMORY``: torch's pinned allocator, or registered as the engine's RAM tier is (its
+  pages advised huge or not), since a kernel's reads of host memory go through the GPU's page tables.
 
 Prints a table per part and writes ``results/uva_bench.json`` (``--results``): every row, and per model and
 projection the fastest config beside the default. ``--quick``: tiny shapes, a few configs (a test of the
@@ -84,6 +86,22 @@ def pinned(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
+# How the host buffer of the tiered part is made: torch's pinned allocator (cudaHostAlloc); an ordinary
+# allocation registered with cudaHostRegister, as the engine's RAM tier is (engine/cuda_ops.HostMemory); the same
+# on 2 MB boundaries with its pages advised huge before the registration touches them.
+HOST_MEMORY = ("pinned", "registered", "hugepages")
+
+
+def host_buffer(kind: str, nbytes: int, device: torch.device):
+    """(``nbytes`` of page-locked host memory made the ``kind`` way, the object that keeps it registered)."""
+    if kind == "pinned" or device.type != "cuda":
+        return pinned(nbytes, device), None
+    from airquant.engine.cuda_ops import HostMemory
+
+    memory = HostMemory(pinned=True)
+    return memory.empty(nbytes, huge_pages=kind == "hugepages"), memory
+
+
 def part_read(args, device, out: dict) -> None:
     nbytes = (1 << 16) if args.quick else (1 << 30)
     host = pinned(nbytes + 256, device)
@@ -126,7 +144,7 @@ class Experts:
     """A model's experts: every image in one pinned host buffer (up image then down image), the same bytes in
     a device pool, and the routings a run of calls cycles through."""
 
-    def __init__(self, model: str, shape: tuple, device: torch.device, shift: int = 0):
+    def __init__(self, model: str, shape: tuple, device: torch.device, shift: int = 0, memory: str = "pinned"):
         hidden, inter, self.num, self.top = shape
         up, self.up = image_of(2 * inter, hidden, device)
         down, down_m = image_of(hidden, inter, device)
@@ -134,7 +152,7 @@ class Experts:
                                 tuple(None if o is None else o + up.numel() for o in down_m.offsets))
         one = torch.cat([up, down])
         self.stride, self.start = one.numel(), shift
-        self.host = pinned(shift + self.num * self.stride, device)
+        self.host, self._owner = host_buffer(memory, shift + self.num * self.stride, device)
         self.host[shift:].view(self.num, self.stride).copy_(one)
         self.expert_bytes = self.stride
         self.pool = self.host[shift:].view(self.num, self.stride).to(device) if device.type == "cuda" or \
@@ -175,14 +193,17 @@ def run_calls(ex: Experts, tiers: Tiers, proj: str, calls: int) -> list[torch.Te
     return outs
 
 
-def tiered_configs(quick: bool, proj: str, focus: bool) -> list[tuple[TieredConfig, bool]]:
+def tiered_configs(quick: bool, proj: str, focus: str) -> list[tuple[TieredConfig, bool]]:
     """(config, code books from device copies) for projection ``proj``: the code's launch first. ``focus``:
-    the launches the first sweep left in question (warps, prefetch, a program per pair)."""
+    the launches the first sweep left in question (warps, prefetch, a program per pair); ``code``: the code's
+    launch alone, with the code books from device copies (as direct reads run it)."""
     code = nf4_moe.TIERED[proj]
     if quick:
         return [(code, False), (TieredConfig(block_n=8, block_w=8, prefetch=True), True),
                 (TieredConfig(block_n=8, split=True), True)]
-    if not focus:
+    if focus == "code":
+        return [(code, True)]
+    if focus == "full":
         return [(code, False), (code, True)] + [
             (TieredConfig(block_n=n, block_w=w, warps=warps, prefetch=pre), True)
             for n, w, warps, pre in itertools.product((8, 16, 32, 64), (32, 64), (4, 8), (False, True))]
@@ -197,21 +218,22 @@ def tiered_configs(quick: bool, proj: str, focus: bool) -> list[tuple[TieredConf
 def part_tiered(args, device, out: dict) -> None:
     shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
     rows, best, launch = [], {}, dict(nf4_moe.TIERED)
-    for model, shape in shapes.items():
-        for shift in ((0,) if args.quick or args.configs == "focus" else (0, 64)):
-            ex = Experts(model, shape, device, shift)
+    kinds = args.host_memory.split(",")
+    for model, shape, kind in ((m, sh, k) for m, sh in shapes.items() for k in kinds):
+        for shift in ((0,) if args.quick or args.configs != "full" else (0, 64)):
+            ex = Experts(model, shape, device, shift, kind)
             calls = len(ex.routings) if args.quick else max(len(ex.routings), 8)
             for proj in ("up", "down"):
                 m = ex.up if proj == "up" else ex.down
                 matrix_bytes = m.n * m.k // 2 + m.n * m.k // BLOCKSIZE  # packed nibbles and absmax codes
                 moved = calls * ex.top * matrix_bytes
-                configs = tiered_configs(args.quick, proj, args.configs == "focus")
+                configs = tiered_configs(args.quick, proj, args.configs)
                 configs = configs if shift == 0 else configs[:1]
                 want = None
                 for config, tables in configs:
                     nf4_moe.TIERED = {**nf4_moe.TIERED, proj: config}
-                    row = {"model": model, "proj": proj, "offset": shift, **vars(config), "tables": tables,
-                           "bytes": moved}
+                    row = {"model": model, "proj": proj, "offset": shift, "host_memory": kind, **vars(config),
+                           "tables": tables, "bytes": moved}
                     try:
                         host_tiers, dev_tiers = ex.tiers("host", tables), ex.tiers("device", tables)
                         got = run_calls(ex, host_tiers, proj, calls)
@@ -227,16 +249,17 @@ def part_tiered(args, device, out: dict) -> None:
                     except Exception as exc:  # a config Triton cannot build (shared memory, registers)
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     rows.append(row)
-                    print(f"tiered {model:14s} {proj:4s} off {shift:2d} n {config.block_n} w {config.block_w} "
+                    print(f"tiered {model:14s} {kind:10s} {proj:4s} off {shift:2d} n {config.block_n} w {config.block_w} "
                           f"warps {config.warps} pre {config.prefetch:d} split {config.split:d} tables {tables:d}  "
                           f"{row.get('gbps', 0):6.1f} GB/s host  {row.get('device_gbps', 0):7.1f} device  "
                           f"diff {row.get('max_rel_diff', float('nan')):.2g} {row.get('error', '')}", flush=True)
                 nf4_moe.TIERED = dict(launch)
                 mine = [r for r in rows if r["model"] == model and r["proj"] == proj and r["offset"] == shift
-                        and "gbps" in r]
+                        and r["host_memory"] == kind and "gbps" in r]
                 if shift == 0 and mine:
                     top = max(mine, key=lambda r: r["gbps"])
-                    best[f"{model} {proj}"] = {"default_gbps": mine[0]["gbps"], "best_gbps": top["gbps"],
+                    name = f"{model} {proj}" if kind == "pinned" else f"{model} {proj} {kind}"
+                    best[name] = {"default_gbps": mine[0]["gbps"], "best_gbps": top["gbps"],
                                                "best": {k: top.get(k) for k in ("block_n", "block_w", "warps",
                                                                                 "prefetch", "split", "tables")}}
             ex = None  # its pinned buffer and pool freed before the next shape
@@ -251,8 +274,10 @@ def main(argv=None) -> None:
     p.add_argument("--part", choices=["copy", "read", "tiered", "all"], nargs="+", default=["all"])
     p.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--configs", choices=["full", "focus"], default="full",
-                   help="tiered launches: the full sweep, or the few the full one left in question")
+    p.add_argument("--configs", choices=["full", "focus", "code"], default="full",
+                   help="tiered launches: the full sweep, the few the full one left in question, or the code's")
+    p.add_argument("--host-memory", default="pinned",
+                   help=f"tiered part: how its host buffer is made, comma-separated of {', '.join(HOST_MEMORY)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes, two configs: a test of the script")
     p.add_argument("--results", default=None, help="folder of the results file (default: results/)")
     p.add_argument("--name", default="uva_bench", help="the results file's name, without .json")
@@ -263,6 +288,9 @@ def main(argv=None) -> None:
                          "(or --quick under TRITON_INTERPRET=1 to test the script)")
     if args.quick:
         args.reps = 1
+    unknown = set(args.host_memory.split(",")) - set(HOST_MEMORY)
+    if unknown:
+        p.error(f"--host-memory: unknown {', '.join(sorted(unknown))}; choose from {', '.join(HOST_MEMORY)}")
     path = Path(args.results or (REPO / "results")) / f"{args.name}.json"
     out = json.loads(path.read_text()) if path.exists() else {}
     out.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", quick=args.quick,

@@ -6,6 +6,8 @@ The planner counts shard files (``entry.bytes``); the engine holds their data se
 cast to the compute dtype). The difference is exactly the safetensors headers, so the tests check both sides
 to the byte."""
 
+import sys
+
 import pytest
 import torch
 
@@ -212,3 +214,23 @@ def test_host_memory_registers_exact_sizes_and_counts_them(monkeypatch):
     memory.close()
     assert fake.registered == {} and memory.pinned_bytes()["registered"] == 0
     del b
+
+
+def test_huge_page_buffers_start_on_2_mb_and_are_advised_before_registration(monkeypatch):
+    """``HostMemory.empty(huge_pages=True)`` (measured against the RAM tier's 4 KB pages by ``uva_bench.py
+    --host-memory``): the buffer starts on a 2 MB boundary, Linux accepts its ``MADV_HUGEPAGE`` advice, and it is
+    registered at its exact size after the advice."""
+    from airquant.engine import cuda_ops
+
+    fake, order = FakeCudart(), []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    advise = cuda_ops.advise_huge_pages
+    monkeypatch.setattr(cuda_ops, "advise_huge_pages", lambda buf: order.append(("advise", advise(buf))) or True)
+    register = fake.cudaHostRegister
+    monkeypatch.setattr(fake, "cudaHostRegister", lambda *a: order.append(("register",)) or register(*a))
+    memory = HostMemory(pinned=True)
+    buf = memory.empty(5 << 20, huge_pages=True)
+    assert buf.data_ptr() % (2 << 20) == 0 and buf.numel() == 5 << 20
+    assert order == [("advise", sys.platform.startswith("linux")), ("register",)]
+    assert list(fake.registered.values()) == [5 << 20]
+    memory.close()
