@@ -467,11 +467,11 @@ def host_cpu() -> dict:
     core (its SMT siblings; a VM may hide them)."""
     import psutil
 
-    info: dict = {"logical_cpus": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False)}
+    from airquant.eval.rows import hardware_info
+
+    info: dict = {"logical_cpus": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+                  "cpu_model": hardware_info("cpu")["cpu"]}
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                                  if line.startswith("model name")), None)
         info["cpu0_siblings"] = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
     except OSError:
         pass
