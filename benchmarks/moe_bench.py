@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.engine import layer_graphs as graphs_mod  # noqa: E402
+from airquant.engine import streamer as streamer_mod  # noqa: E402
 from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
@@ -355,6 +356,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_direct_r1_streamdense": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
                                           dense_resident=False)),
     "cpu_bs1_streamdense": (1, dict(experts="cpu", dense_resident=False)),
+    # The RAM tier on huge pages (engine/streamer HUGE_PAGES): whether the direct reads' kernel reads it faster
+    # through the GPU's page tables than the default 4 KB pages.
+    "nocache_direct_huge": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                    huge_pages=True)),
+    "lfu_direct_r1_huge": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=True)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -424,7 +430,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager",
                         "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
-                        "lfu_direct_r1_nopass", *HOST_CASES),
+                        "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -432,7 +438,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
-            "pass_graphs": (graphs_mod, "PASS_GRAPHS")}
+            "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -35,6 +35,11 @@ from airquant.store.integrity import CHUNK_BYTES, PendingCheck, ShardChecks
 from airquant.store.manifest import Manifest, integrity_fix
 
 log = logging.getLogger(__name__)
+# The RAM tier's layers on 2 MB boundaries, their pages advised huge (``HostMemory.empty(huge_pages=True)``): off
+# until measured. The tiered expert kernels read the RAM tier through the GPU's page tables (direct reads); in a
+# Mixtral no-cache step (H100) they read it at 42 GB/s where uva_bench's torch-pinned buffer gives 49-50.
+# benchmarks/moe_bench.py's ``*_huge`` cases set it.
+HUGE_PAGES = False
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -180,9 +185,9 @@ class LayerStreamer:
         self._cast_needed: dict[tuple[int, int], bool] = {}  # (layer, tensors) -> whether _cast casts any
         self._orders()
 
-    def _host_buffer(self, nbytes: int, pinned: bool | None = None) -> torch.Tensor:
+    def _host_buffer(self, nbytes: int, pinned: bool | None = None, huge_pages: bool = False) -> torch.Tensor:
         # Page-locked memory is what lets host->device copies run at the link's full speed.
-        return self.memory.empty(nbytes, pinned)
+        return self.memory.empty(nbytes, pinned, huge_pages)
 
     # -- host side -------------------------------------------------------------------------
     def _host_flat(self, i: int) -> tuple[torch.Tensor, int | None]:
@@ -219,7 +224,8 @@ class LayerStreamer:
 
     def _read_ram(self, j: int) -> None:
         arrangement = self.arrangements.get(j)
-        buf = self._host_buffer(arrangement.nbytes if arrangement is not None else self.layouts[j].nbytes)
+        buf = self._host_buffer(arrangement.nbytes if arrangement is not None else self.layouts[j].nbytes,
+                                huge_pages=HUGE_PAGES)
         read_into(self.layouts[j], buf, self._check(j))
         if arrangement is not None:
             arrangement.arrange(buf)

@@ -1,7 +1,4 @@
-# Device chain for issues #34 and #38 (~24 min on one GPU, started detached; polled over three calls).
-# 0. #34: the tiered kernel over host memory made three ways (uva_bench --host-memory): wave3_kv30's Mixtral
-#    no-cache trace read the RAM tier (an ordinary allocation, cudaHostRegister'ed, 4 KB pages) at 42 GB/s where
-#    the same kernel reads torch's pinned allocation at 49-50 in isolation; whether 2 MB pages close that gap.
+# Device chain for issue #38 (~22 min on one GPU, started detached; polled over three calls).
 # 1. The 70B loop with --kv tq, 100 s (its window keys, into a copy of results/batch_bench.json): wave3_kv30's
 #    run of it aborted with a CUDA device-side assert in a prefill pass; copies ahead into new device tensors now
 #    wait for the compute queued before them (728e49d, CudaOps.copy_target). tq.log must end with its rows.
@@ -12,9 +9,6 @@
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x
-cat /sys/kernel/mm/transparent_hugepage/enabled > $R/thp.txt 2>&1
-timeout 300 python benchmarks/uva_bench.py --part copy tiered --configs code --models mixtral-8x7b,qwen3-30b-a3b \
-    --host-memory pinned,registered,hugepages --results $R --name uva_hostmem > $R/uva.log 2>&1
 cp results/batch_bench.json $R/batch_bench.json
 python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
 timeout 400 python benchmarks/batch_bench.py --part continuous --kv tq --seconds 100 --out $R/batch_bench.json \

@@ -137,6 +137,20 @@ def test_every_tier_mix_gives_the_resident_logits(tiny_store, reference, tiers, 
     engine.close()
 
 
+def test_a_ram_tier_on_huge_pages_gives_the_resident_logits(tiny_store, reference, monkeypatch):
+    """``streamer.HUGE_PAGES`` (moe_bench's ``*_huge`` cases): each RAM-tier layer's buffer starts on a 2 MB
+    boundary (its pages advised huge) and the streamed logits are the resident ones."""
+    from airquant.engine import streamer as streamer_mod
+
+    monkeypatch.setattr(streamer_mod, "HUGE_PAGES", True)
+    enc, want, _ = reference
+    engine = streamed_engine(tiny_store, ("ram", "ram", "ram"), SimOps(lazy=True))
+    for _ in range(2):
+        assert torch.equal(engine.forward(**enc), want)
+    assert engine.streamer._host and all(buf.data_ptr() % (2 << 20) == 0 for buf in engine.streamer._host.values())
+    engine.close()
+
+
 @pytest.mark.parametrize("ops", OPS)
 def test_dense_resident_layers_are_copied_once_and_keep_the_resident_logits(tiny_store, reference, ops):
     """``plan.dense_layers`` (a routed MoE layer's dense part kept in VRAM, planner._dense_resident): the layer is
