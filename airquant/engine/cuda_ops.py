@@ -138,10 +138,12 @@ class CudaOps:
         the copy stream waits here for what the compute stream has queued so far, and the tensor is marked as
         used by the copy stream (not handed out again before the copies into it ran, even if never read). A
         block of the compute stream's own pool: allocating it in the copy stream's would keep those bytes from
-        the compute stream's allocations under a tight VRAM cap."""
+        the compute stream's allocations under a tight VRAM cap. Under a graph capture (where no caller makes
+        one today) nothing waits: an event recorded in the capture would pull the copy stream into it."""
         dst = torch.empty_like(like, device=self.device)
         dst.record_stream(self.stream)
-        self.stream.wait_event(self.mark())
+        if not torch.cuda.is_current_stream_capturing():
+            self.stream.wait_event(self.mark())
         return dst
 
     def _event(self):

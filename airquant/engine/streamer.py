@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # benchmarks/moe_bench.py's ``*_huge`` cases set it.
 HUGE_PAGES = False
 
+
 @dataclass(frozen=True)
 class ShardLayout:
     """Where each tensor sits inside a shard's data section."""
