@@ -109,7 +109,11 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
     # cost, which a median over a window shorter than a flush period leaves out; the median beside it
     # the host's time to queue each timed step (``host_s``): near the step's own, the step waited for the host
     host = t.get("host_s", [])[WARM:]  # none where transformers' generate ran (the PyPI turboquant)
+    # the TurboQuant kernel's autotuned tiles so far (its key leaves the batch out: the first batch's tiles run
+    # the later ones), to tell runs whose figures differ apart
+    kernel = sys.modules.get("airquant.kv.triton_kernel") if kv is not None and kv.backend == "tq" else None
     return {"step_s": statistics.fmean(timed), "step_median_s": statistics.median(timed), "steps_s": t["step_s"],
+            "kernel_tiles": kernel.chosen_tiles() if kernel is not None else None,
             "step_host_s": statistics.fmean(host) if host else None,
             "warmup_steps": WARM, "prefill_s": t["prefill_s"],
             "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / ids.numel(),

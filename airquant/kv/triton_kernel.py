@@ -367,6 +367,16 @@ _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's ope
 _CHOSEN: dict[tuple, dict] = {}  # attention()'s launch key -> the autotuned tile config
 
 
+def chosen_tiles() -> list[dict]:
+    """The autotuner's tile config for each launch key so far (``_CHOSEN``; the key leaves the batch out, so a
+    process's first batch picks the tiles its later batches run): which tiles a benchmark's steps ran."""
+    names = ("dim", "bits_k", "bits_v", "dot", "block_m", "keep", "paged", "row_hist")
+    return [{**dict(zip(names, key)), "query_dtype": str(key[12]),
+             "config": {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
+                        for k, v in config.items()}}
+            for key, config in _CHOSEN.items()]
+
+
 def rotated(x: torch.Tensor, rotation) -> torch.Tensor:
     """``Pi x`` along the last dim as contiguous fp32, computed in fp64 (whatever TF32 setting the process has):
     the queries a history split scores, and the value mean a history split adds in the rotated space (``Pi`` is

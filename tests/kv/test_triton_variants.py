@@ -5,6 +5,8 @@ Triton specializes every integer argument on "equal to 1" and "divisible by 16" 
 combination; a decode loop's lengths grow by one token a step, so any length-dependent argument left
 specialized means compiles in the middle of a run (seconds each on an H200)."""
 
+import json
+
 import pytest
 import torch
 
@@ -89,3 +91,8 @@ def test_the_autotuner_is_asked_once_per_launch_key(monkeypatch):
     assert [c[2] for c in first] == ["autotuner"] + ["kernel"] * (len(first) - 1)
     assert later and all(c[2] == "kernel" and c[3]["BLOCK_N"] == 32 and c[3]["num_warps"] == 4 for c in later)
 
+    # what a benchmark records of it: the launch key's fields and the tiles chosen, as JSON-ready values
+    tiles = triton_kernel.chosen_tiles()
+    assert len(tiles) == 1 and tiles[0]["config"]["BLOCK_N"] == 32 and tiles[0]["config"]["num_warps"] == 4
+    assert (tiles[0]["dim"], tiles[0]["bits_k"], tiles[0]["bits_v"]) == (64, 4, 2) and tiles[0]["paged"] is False
+    assert tiles[0]["query_dtype"] == "torch.float32" and json.dumps(tiles)
