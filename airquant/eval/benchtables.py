@@ -206,12 +206,32 @@ def batch_bench(d: dict) -> list[str]:
     where = (f"measured on **{cont}**" if static == cont
              else f"continuous rows measured on **{cont}**, static rows on **{static}**")
     return [f"70B-shaped NF4 store under a 15 GB cap, {d.get('requests', 512)} requests ({where}):", "",
-            *md_table(["figure", "value", "target", ""], c70), "",
+            *md_table(["figure", "value", "target", ""], c70), *_batch_kv(d), "",
             f"8B-shaped bf16 store under a 4 GB cap, batch 1 (measured on **{d.get('bs1_8b_device', 'not run yet')}**):",
             "", *md_table(["figure", "value", "target", ""], bs1), "",
             f"Default model on the CPU, {d.get('cpu_mixed_prompts', '?')} mixed chat prompts, "
             f"{d.get('cpu_mixed_slots', '?')} slots, greedy (static batching vs the decode loop):", "",
             *md_table(["batching", "slot utilization", "wall time"], cpu)]
+
+
+def _batch_kv(d: dict) -> list[str]:
+    """batch_bench's continuous rows by KV cache (``--kv none|tq|auto``, each its own run: its card named) and
+    issue #38's targets over them (``compare_kv``: only rows of one stream, window and card are compared)."""
+    rows = []
+    for name, row, prefix in (("plain", "", ""), ("TurboQuant K4/V2", "_tq", "tq_"), ("auto (the planner's)", "_auto",
+                                                                                    "auto_")):
+        if d.get(f"continuous{row}_useful_tok_s") is None:
+            continue
+        where = "host RAM" if d.get(f"{prefix}kv_offload") else "device"
+        rows.append([name, _f(d.get(f"{prefix}slots")), where, _f(d.get(f"continuous{row}_useful_tok_s"), "{:.1f}"),
+                     _f(d.get(f"continuous{row}_steady_useful_tok_s"), "{:.1f}"),
+                     str(d.get(f"continuous{row}_device") or "not recorded")])
+    if len(rows) < 2:
+        return []
+    missing = d.get("kv_ratios_missing")
+    return ["", f"The continuous loop by KV cache, {_f(d.get('continuous_budget_s'), '{:.0f}')} s windows:", "",
+            *md_table(["KV cache", "slots", "cache on", "useful tok/s", "steady", "card"], rows), *_targets(d),
+            *(["", f"Not compared: {missing}."] if missing else [])]
 
 
 def scale_bench(d: dict) -> list[str]:

@@ -258,3 +258,20 @@ def test_batch_bench_section_names_each_parts_card():
     assert "continuous rows measured on **H100**, static rows on **H200**" in batch_bench(mixed)[0]
     older = {k: v for k, v in both.items() if k != "static_device"}
     assert "static rows on **a card the file did not record**" in batch_bench(older)[0]
+
+
+def test_batch_bench_section_lists_the_kv_rows_with_their_cards_and_targets():
+    """The loop's rows by KV cache (issue #38): each with its slots, where its cache lives and its card, and the
+    targets over them; rows that were not compared say why; with plain alone there is no such table."""
+    from airquant.eval.benchtables import batch_bench
+
+    d = {"continuous_device": "H100", "continuous_useful_tok_s": 32.8, "slots": 24, "continuous_budget_s": 100.0,
+         "continuous_auto_useful_tok_s": 90.5, "auto_slots": 192, "auto_kv_offload": True,
+         "continuous_auto_device": "H200",
+         "targets": {"auto_over_best_useful_tok_s": {"value": None, "target": 0.95, "kind": "min", "met": None}},
+         "kv_ratios_missing": "auto and plain ran with different device (H200 vs H100)"}
+    text = "\n".join(batch_bench(d))
+    assert "| plain | 24 | device | 32.8 | — | H100 |" in text
+    assert "| auto (the planner's) | 192 | host RAM | 90.5 | — | H200 |" in text
+    assert "auto_over_best_useful_tok_s" in text and "Not compared: auto and plain ran with different device" in text
+    assert "by KV cache" not in "\n".join(batch_bench({"continuous_useful_tok_s": 32.8, "slots": 24}))
