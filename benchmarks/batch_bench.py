@@ -251,6 +251,17 @@ TARGETS = {"tq_over_plain_useful_tok_s": (3.0, "min"), "tq_slots_over_plain": (4
 STREAM = ("requests", "context", "distribution", "order")  # what the KV rows must share with plain to compare
 
 
+def differences(results: dict, row: str, base: str) -> list[str]:
+    """What the rows ``row`` and ``base`` (key prefixes: ``continuous``, ``continuous_tq``, ...) ran differently:
+    the request stream (``STREAM``), the window, the card; [] where they compare."""
+    a, b = results[f"{row}_settings"], results[f"{base}_settings"]
+    differ = [k for k in STREAM if a.get(k) != b.get(k)]
+    window = results.get(f"{row}_budget_s"), results.get(f"{base}_budget_s")
+    if window[0] != window[1]:
+        differ.append(f"window ({window[0]} s vs {window[1]} s)")
+    return differ + other_card(results, row, base)
+
+
 def compare_kv(results: dict) -> None:
     """The KV rows (``--kv tq`` / ``auto``) over plain continuous, where they ran the same request stream for the
     same window: whole-window and steady rates, slots; ``auto_over_best`` = auto / the best measured row. Rows
@@ -260,37 +271,21 @@ def compare_kv(results: dict) -> None:
     for key in ("tq_over_plain_useful_tok_s", "tq_over_plain_steady_useful_tok_s", "tq_slots_over_plain",
                 "auto_over_best_useful_tok_s", "kv_ratios_missing", "targets"):
         results.pop(key, None)
-    plain = results.get("continuous_settings")
-    if plain is None:
-        tq, auto = results.get("continuous_tq_settings"), results.get("continuous_auto_settings")
-        if tq is None or auto is None:
-            return
-        differ = [k for k in STREAM if auto.get(k) != tq.get(k)]
-        window = results.get("continuous_auto_budget_s"), results.get("continuous_tq_budget_s")
-        if window[0] != window[1]:
-            differ.append(f"window ({window[0]} s vs {window[1]} s)")
-        differ += other_card(results, "continuous_auto", "continuous_tq")
-        if differ:
-            results["kv_ratios_missing"] = f"auto and tq ran with different {', '.join(differ)}"
-        else:
-            rates = results["continuous_auto_useful_tok_s"], results["continuous_tq_useful_tok_s"]
-            results["auto_over_best_useful_tok_s"] = rates[0] / max(rates)
-        results["targets"] = {key: target(results.get(key), *bar) for key, bar in TARGETS.items()}
+    ran = {name: f"continuous_{name}" for name in ("tq", "auto") if f"continuous_{name}_settings" in results}
+    if "continuous_settings" in results:
+        base, rates = ("plain", "continuous"), {"none": results.get("continuous_useful_tok_s")}
+    elif len(ran) == 2:
+        base = ("tq", ran.pop("tq"))
+        rates = {"tq": results["continuous_tq_useful_tok_s"]}
+    else:
         return
-    missing, rates = [], {"none": results.get("continuous_useful_tok_s")}
-    for name in ("tq", "auto"):
-        row = results.get(f"continuous_{name}_settings")
-        if row is None:
-            continue
-        differ = [k for k in STREAM if row.get(k) != plain.get(k)]
-        window = results.get(f"continuous_{name}_budget_s"), results.get("continuous_budget_s")
-        if window[0] != window[1]:
-            differ.append(f"window ({window[0]} s vs {window[1]} s)")
-        differ += other_card(results, f"continuous_{name}", "continuous")
+    missing = []
+    for name, row in ran.items():
+        differ = differences(results, row, base[1])
         if differ:
-            missing.append(f"{name} and plain ran with different {', '.join(differ)}")
+            missing.append(f"{name} and {base[0]} ran with different {', '.join(differ)}")
             continue
-        rates[name] = results[f"continuous_{name}_useful_tok_s"]
+        rates[name] = results[f"{row}_useful_tok_s"]
         if name == "tq":
             results["tq_over_plain_useful_tok_s"] = rates["tq"] / rates["none"]
             # a window too short for every slot to be filled (an offloaded cache's ramp) has no steady rate
