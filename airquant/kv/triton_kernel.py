@@ -367,13 +367,19 @@ _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _product's ope
 _CHOSEN: dict[tuple, dict] = {}  # attention()'s launch key -> the autotuned tile config
 
 
+# What each entry of ``_CHOSEN``'s launch key is, in ``attention``'s order.
+_KEY_FIELDS = ("dim", "bits_k", "bits_v", "dot", "block_m", "keep", "paged", "row_hist", "k_ref", "v_ref", "k_mean",
+               "v_mean", "query_dtype", "keys_dtype", "values_dtype", "k_norms_dtype", "v_norms_dtype", "device")
+
+
 def chosen_tiles() -> list[dict]:
     """The autotuner's tile config for each launch key so far (``_CHOSEN``; the key leaves the batch out, so a
     process's first batch picks the tiles its later batches run): which tiles a benchmark's steps ran."""
-    names = ("dim", "bits_k", "bits_v", "dot", "block_m", "keep", "paged", "row_hist")
-    return [{**dict(zip(names, key)), "query_dtype": str(key[12]),
-             "config": {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
-                        for k, v in config.items()}}
+    def plain(v):
+        return v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
+
+    return [{**{name: plain(v) for name, v in zip(_KEY_FIELDS, key, strict=True)},
+             "config": {k: plain(v) for k, v in config.items()}}
             for key, config in _CHOSEN.items()]
 
 
@@ -468,7 +474,7 @@ def attention(
     # The autotuner's choice per key is kept here: its own lookup builds a dict of the 60-odd arguments and the
     # dtype names of every tensor at each launch, host time a decode step pays once per layer.
     lengths = paged.lengths if paged is not None else None
-    chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,
+    chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,  # _KEY_FIELDS
               lengths is not None,
               hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
