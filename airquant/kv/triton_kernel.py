@@ -474,7 +474,8 @@ def attention(
     # The autotuner's choice per key is kept here: its own lookup builds a dict of the 60-odd arguments and the
     # dtype names of every tensor at each launch, host time a decode step pays once per layer.
     lengths = paged.lengths if paged is not None else None
-    chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,  # _KEY_FIELDS
+    # the fields in _KEY_FIELDS' order
+    chosen = (dim, ctx.k_codec.bits, ctx.v_codec.bits, dot, block_m, keep8 is not None, paged is not None,
               lengths is not None,
               hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
