@@ -249,7 +249,8 @@ def part_tiered(args, device, out: dict) -> None:
                     except Exception as exc:  # a config Triton cannot build (shared memory, registers)
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     rows.append(row)
-                    print(f"tiered {model:14s} {kind:10s} {proj:4s} off {shift:2d} n {config.block_n} w {config.block_w} "
+                    print(f"tiered {model:14s} {kind:10s} {proj:4s} off {shift:2d} "
+                          f"n {config.block_n} w {config.block_w} "
                           f"warps {config.warps} pre {config.prefetch:d} split {config.split:d} tables {tables:d}  "
                           f"{row.get('gbps', 0):6.1f} GB/s host  {row.get('device_gbps', 0):7.1f} device  "
                           f"diff {row.get('max_rel_diff', float('nan')):.2g} {row.get('error', '')}", flush=True)
