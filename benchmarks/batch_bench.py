@@ -13,14 +13,14 @@ Parts, each one device command well under the 600 s limit (results merged part b
   continuous utilization and wall time (the figures in docs/BATCH_AND_RAY.md). ``report``: the table from the JSON.
 
 Requests: ``--requests`` (512), prompt lengths uniform in 128..1024 tokens, ``max_new_tokens`` drawn (seed 0) from
-a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (random weights never stop by themselves, so a
-request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt first, the order
-``airquant batch`` feeds either path. ``--kv none`` (the baseline, the ``continuous_*`` keys): plain KV on the
-device at the most slots the router allows under the cap, the reserve planned for the decode loop's passes as
-``airquant batch`` plans it (``prefill="chunked"``). ``--kv tq`` (``continuous_tq_*``, ``tq_slots``) and ``--kv
-auto`` (``continuous_auto_*``, ``auto_slots``, ``auto_kv``) run the throughput planner's choice of offload, slots
-and placement (``engine/memory/throughput.py``), what ``airquant batch --batch-size auto --kv tq|auto`` runs: the
-format fixed to TurboQuant K4/V2, or chosen too.
+a geometric distribution of mean 150 (p = 1/150) clipped to 1..512 (``--max-new``; random weights never stop by
+themselves, so a request's own ``max_new_tokens`` stands in for its EOS); both parts take them longest prompt
+first, the order ``airquant batch`` feeds either path. ``--kv none`` (the baseline, the ``continuous_*`` keys):
+plain KV on the device at the most slots the router allows under the cap, the reserve planned for the decode loop's
+passes as ``airquant batch`` plans it (``prefill="chunked"``). ``--kv tq`` (``continuous_tq_*``, ``tq_slots``) and
+``--kv auto`` (``continuous_auto_*``, ``auto_slots``, ``auto_kv``) run the throughput planner's choice of offload,
+slots and placement (``engine/memory/throughput.py``), what ``airquant batch --batch-size auto --kv tq|auto`` runs:
+the format fixed to TurboQuant K4/V2, or chosen too.
 ``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
 written only when the two parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and ``_steady_``),
 ``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` compare the KV rows with plain continuous where they ran
@@ -449,6 +449,9 @@ def parse_args(argv=None):
     p.add_argument("--store-8b", default="/tmp/bb/llama3-8b-bf16")
     p.add_argument("--store-default", default="/tmp/bb/default")
     p.add_argument("--requests", type=int, default=None, help="default 512 (--quick: 48)")
+    p.add_argument("--max-new", type=int, default=None,
+                   help=f"the clip of each request's max_new_tokens, default {MAX_NEW} (--quick: 12): a whole job "
+                        "(--seconds past its end) takes at least this many passes")
     p.add_argument("--slots", type=int, default=None,
                    help="upper bound, default 256 as `airquant batch --max-batch` (--quick: 8); the router or "
                         "the planner may allow fewer under the cap")
@@ -474,8 +477,13 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes: a test of the script")
     p.add_argument("--out", default="results/batch_bench.json")
     args = p.parse_args(argv)
+    max_new = args.max_new
     args.prompt_range, args.mean_new, args.max_new = ((8, 24), 6, 12) if args.quick else (PROMPT_RANGE, MEAN_NEW,
                                                                                              MAX_NEW)
+    if max_new is not None:
+        if max_new < 1:
+            p.error("--max-new must be >= 1")
+        args.max_new = max_new
     sizes = {"requests": (512, 48), "slots": (256, 8), "mixed_prompts": (48, 6), "mixed_slots": (16, 3),
              "mixed_new": (256, 8)}
     for name, (full, quick) in sizes.items():
