@@ -356,11 +356,14 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_direct_r1_streamdense": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
                                           dense_resident=False)),
     "cpu_bs1_streamdense": (1, dict(experts="cpu", dense_resident=False)),
-    # The RAM tier on huge pages (engine/streamer HUGE_PAGES): whether the direct reads' kernel reads it faster
-    # through the GPU's page tables than the default 4 KB pages.
+    # The RAM tier on huge pages (engine/streamer HUGE_PAGES, the default since wave3_moe19) or on 4 KB pages:
+    # whether the direct reads' kernel reads it faster through the GPU's page tables.
     "nocache_direct_huge": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
                                     huge_pages=True)),
     "lfu_direct_r1_huge": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=True)),
+    "nocache_direct_4k": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                  huge_pages=False)),
+    "lfu_direct_r1_4k": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=False)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -430,7 +433,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_eager", "lfu_direct_r1_eager", "lfu_bs4_direct_eager",
                         "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
-                        "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", *HOST_CASES),
+                        "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
+                        "lfu_direct_r1_4k", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -582,7 +586,10 @@ def derive_routed_keys(b: Bench) -> None:
 def auto_over_best(r: dict, rows: dict) -> None:
     """``qwen3_30b_nf4_bs1_auto_over_best``: auto's row against the faster of the host and GPU routed rows, all
     three from one run (``run``: a machine's speed moves between runs; rows of other runs or without a run
-    are not paired, and ``auto_over_best_missing`` says so)."""
+    are not paired). The three figures of the last run that had all of them are kept in
+    ``details.auto_over_best``: a later run that re-measures one of the rows alone (its case replaces the older
+    row) leaves the key at that run's pairing, which the record names; without one ``auto_over_best_missing``
+    says why there is no value."""
     r.pop("qwen3_30b_nf4_bs1_auto_over_best", None)
     r.pop("auto_over_best_missing", None)
     keys = ("qwen3_30b_nf4_bs1_auto_tok_s", "qwen3_30b_nf4_bs1_cpu_experts_tok_s", "qwen3_30b_nf4_bs1_tok_s")
@@ -590,12 +597,18 @@ def auto_over_best(r: dict, rows: dict) -> None:
     if not all(row and row.get("tok_s") for row in found):
         return
     runs = [row.get("run") for row in found]
-    if None in runs or len(set(runs)) != 1:
-        r["auto_over_best_missing"] = ("auto_bs1, cpu_bs1 and the GPU routed row ran in different runs ("
-                                       + ", ".join(f"{row['case']}: {row.get('run') or 'unstamped'}"
-                                                   for row in found) + "): re-run them together")
+    if None not in runs and len(set(runs)) == 1:
+        r.setdefault("details", {})["auto_over_best"] = {
+            "run": runs[0], "device": found[0].get("device"),
+            **{f"{row['case']}_tok_s": row["tok_s"] for row in found},
+            "value": found[0]["tok_s"] / max(row["tok_s"] for row in found[1:])}
+    kept = r.get("details", {}).get("auto_over_best")
+    if kept:
+        r["qwen3_30b_nf4_bs1_auto_over_best"] = kept["value"]
         return
-    r["qwen3_30b_nf4_bs1_auto_over_best"] = found[0]["tok_s"] / max(row["tok_s"] for row in found[1:])
+    r["auto_over_best_missing"] = ("auto_bs1, cpu_bs1 and the GPU routed row ran in different runs ("
+                                   + ", ".join(f"{row['case']}: {row.get('run') or 'unstamped'}"
+                                               for row in found) + "): re-run them together")
 
 
 def row_link(row: dict, link: float | None) -> float | None:
@@ -611,12 +624,13 @@ def row_link(row: dict, link: float | None) -> float | None:
 # says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
 # where measured, the forced-routed row beside it otherwise.
 # The cache-on and no-cache keys read the default path's row (direct reads) where it ran, else the copy path's.
+NOCACHE_DEFAULT = ("nocache_direct_huge", "nocache_direct", "nocache")  # see NEWEST
 TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "lfu")),
                "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
                "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", ("max_batch", "max_batch_device")),
                "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu_direct_r1", "lfu")),
-               "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache_direct", "nocache")),
+               "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", NOCACHE_DEFAULT),
                "qwen3_30b_nf4_bs1_copy_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_copy_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
                "mixtral_nf4_bs1_copy_tok_s": ("mixtral-8x7b nf4", ("lfu",)),
@@ -628,13 +642,18 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "
                "mixtral_nf4_bs1_cpu_experts_tok_s": ("mixtral-8x7b nf4", ("cpu_bs1",)),
                "qwen3_30b_nf4_bs1_auto_over_best": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
                "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu_direct_r1", "lfu")),
-               "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", ("nocache_direct", "nocache")),
-               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", ("nocache_direct", "nocache")),
-               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", ("nocache_direct", "nocache"))}
+               "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", NOCACHE_DEFAULT),
+               "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", NOCACHE_DEFAULT),
+               "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", NOCACHE_DEFAULT)}
 TOK_S_KEYS = [k for k in TARGET_ROWS if k.endswith("_tok_s")]
 
 
 FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their cases (the router's two largest)
+# Keys that read their newest run's row (then the first case of it): the no-cache default path's. Its huge-page RAM
+# tier (engine/streamer HUGE_PAGES) became the default after wave3_moe19, whose ``nocache_direct`` rows ran on 4 KB
+# pages and ``nocache_direct_huge`` on what is now the default; a later ``nocache_direct`` row is the default again.
+NEWEST = {"qwen3_30b_nf4_bs1_nocache_tok_s", "qwen3_30b_nf4_bs1_nocache_over_floor", "mixtral_nf4_bs1_bytes_fraction",
+          "mixtral_nf4_bs1_step_over_bytes_floor"}
 
 
 def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
@@ -672,11 +691,14 @@ def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | Non
 
 
 def target_row(rows: dict, key: str) -> dict | None:
-    """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed (``FASTEST``: the fastest),
-    else the first that ran."""
+    """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed (``FASTEST``: the fastest;
+    ``NEWEST``: the first of the newest run's), else the first that ran."""
     model, cases = TARGET_ROWS[key]
     found = [rows[(model, c)] for c in cases if (model, c) in rows]
     timed = [row for row in found if row.get("tok_s")]
+    if timed and key in NEWEST:
+        newest = max(row.get("run") or "" for row in timed)
+        timed = [row for row in timed if (row.get("run") or "") == newest]
     if timed and key in FASTEST:
         return max(timed, key=lambda row: row["tok_s"])
     return timed[0] if timed else (found[0] if found else None)

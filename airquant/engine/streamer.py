@@ -35,11 +35,13 @@ from airquant.store.integrity import CHUNK_BYTES, PendingCheck, ShardChecks
 from airquant.store.manifest import Manifest, integrity_fix
 
 log = logging.getLogger(__name__)
-# The RAM tier's layers on 2 MB boundaries, their pages advised huge (``HostMemory.empty(huge_pages=True)``): off
-# until measured. The tiered expert kernels read the RAM tier through the GPU's page tables (direct reads); in a
-# Mixtral no-cache step (H100) they read it at 42 GB/s where uva_bench's torch-pinned buffer gives 49-50.
-# benchmarks/moe_bench.py's ``*_huge`` cases set it.
-HUGE_PAGES = False
+# The RAM tier's layers on 2 MB boundaries, their pages advised huge (``HostMemory.empty(huge_pages=True)``).
+# The tiered expert kernels read the RAM tier through the GPU's page tables (direct reads). A Mixtral no-cache
+# step (H100, wave3_moe19, one run): the kernel read it at 42 GB/s on 4 KB pages and 47.5 on huge pages (THP
+# "madvise"), the step 0.162 s against 0.146; Qwen3-30B-A3B 0.0377 s against 0.0364. What it costs: up to 2 MB of
+# unpinned slack a layer. Where THP is "never" the advice is ignored and the pages stay 4 KB.
+# benchmarks/moe_bench.py's ``*_4k`` cases turn it off.
+HUGE_PAGES = True
 
 
 @dataclass(frozen=True)

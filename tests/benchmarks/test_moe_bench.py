@@ -136,23 +136,29 @@ def test_a_case_past_its_timeout_records_why_and_closes_its_engine(monkeypatch):
 
 def test_auto_over_best_pairs_rows_of_one_run_only():
     """auto's ratio to the faster of the host and GPU rows is taken only from rows of one run: another run's
-    machine may be faster or slower, so across runs (or unstamped rows) the key is absent and says why."""
+    machine may be faster or slower. The last run that had all three is kept (``details.auto_over_best``), so a
+    later run re-measuring one row alone leaves that run's pairing; never paired, the key is absent and says why."""
     from benchmarks.moe_bench import auto_over_best, unmeasured_why
 
-    def rows(runs: dict) -> dict:
-        speeds = {"auto_bs1": 30.0, "cpu_bs1": 3.0, "lfu_direct_r1": 40.0}
+    def rows(runs: dict, gpu: float = 40.0) -> dict:
+        speeds = {"auto_bs1": 30.0, "cpu_bs1": 3.0, "lfu_direct_r1": gpu}
         return {("qwen3-30b-a3b nf4", case): {"model": "qwen3-30b-a3b nf4", "case": case, "tok_s": speeds[case],
                                               "run": runs.get(case)} for case in speeds}
 
     r = {}
     auto_over_best(r, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "A"}))
-    assert r == {"qwen3_30b_nf4_bs1_auto_over_best": 30.0 / 40.0}
-    auto_over_best(r, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "B"}))
-    assert "qwen3_30b_nf4_bs1_auto_over_best" not in r
-    why = unmeasured_why({**r, "expert_aware": []}, "qwen3_30b_nf4_bs1_auto_over_best")
+    assert r["qwen3_30b_nf4_bs1_auto_over_best"] == 30.0 / 40.0
+    assert r["details"]["auto_over_best"] == {"run": "A", "device": None, "auto_bs1_tok_s": 30.0, "cpu_bs1_tok_s": 3.0,
+                                              "lfu_direct_r1_tok_s": 40.0, "value": 30.0 / 40.0}
+    auto_over_best(r, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "B"}, gpu=60.0))
+    assert r["qwen3_30b_nf4_bs1_auto_over_best"] == 30.0 / 40.0 and "auto_over_best_missing" not in r
+    fresh = {}
+    auto_over_best(fresh, rows({"auto_bs1": "A", "cpu_bs1": "A", "lfu_direct_r1": "B"}))
+    assert "qwen3_30b_nf4_bs1_auto_over_best" not in fresh
+    why = unmeasured_why({**fresh, "expert_aware": []}, "qwen3_30b_nf4_bs1_auto_over_best")
     assert "different runs" in why and "lfu_direct_r1: B" in why
-    auto_over_best(r, rows({}))  # rows from before runs were stamped
-    assert "qwen3_30b_nf4_bs1_auto_over_best" not in r and "unstamped" in r["auto_over_best_missing"]
+    auto_over_best(fresh, rows({}))  # rows from before runs were stamped
+    assert "qwen3_30b_nf4_bs1_auto_over_best" not in fresh and "unstamped" in fresh["auto_over_best_missing"]
 
 
 def test_the_host_part_records_the_cpu_and_its_thread_scaling(tmp_path):
@@ -183,3 +189,22 @@ def test_the_cache_speedup_pairs_rows_whose_dense_parts_sit_alike():
     rows[(model, "nocache_direct_streamdense")]["run"] = "b"  # another run's row is not paired
     assert nocache_like(rows, model, cached)["case"] == "nocache_direct"
     assert nocache_like(rows, model, {"case": "lfu_direct_r1"})["case"] == "nocache_direct"  # rows before the field
+
+
+def _routed(model: str, case: str, run: str, tok_s: float) -> dict:
+    return {"model": model, "case": case, "run": run, "tok_s": tok_s, "step_s": 1 / tok_s, "error": None,
+            "device": "gpu"}
+
+
+def test_the_no_cache_floor_reads_the_newest_run_of_the_default_path():
+    from benchmarks.moe_bench import target_row
+
+    m = "mixtral-8x7b nf4"
+    rows = {(m, c): _routed(m, c, run, t) for c, run, t in (
+        ("nocache_direct", "2026-12-06T06:06:51", 6.2), ("nocache_direct_huge", "2026-12-06T06:06:51", 6.8),
+        ("nocache", "2026-12-06T04:38:10", 5.3))}
+    key = "mixtral_nf4_bs1_step_over_bytes_floor"
+    assert target_row(rows, key)["case"] == "nocache_direct_huge"  # same run: the huge-page (default) row first
+    rows[(m, "nocache_direct")] = _routed(m, "nocache_direct", "2026-12-07T01:00:00", 6.9)
+    assert target_row(rows, key)["case"] == "nocache_direct"  # a later run of the default case
+    assert target_row(rows, "mixtral_nf4_bs1_tok_s") is None  # other keys keep their case order
