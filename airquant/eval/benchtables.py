@@ -323,6 +323,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
     "batch_bench_offload.json": ("The decode loop with its TurboQuant cache in host RAM (benchmarks/batch_bench.py "
                                  "--kv tq --kv-offload)", as_found),
+    "batch_bench_job.json": ("The decode loop over whole jobs, each run to its end (benchmarks/batch_bench.py "
+                             "--seconds 900 --requests 128 --max-new 256)", as_found),
     "scale_bench.json": ("Ray Data: against plain `airquant batch` on one GPU, and across GPUs "
                          "(benchmarks/scale_bench.py)", scale_bench),
     "t4_profile.json": ("A Colab T4 emulated on the H200: predictions, not T4 measurements "
