@@ -338,6 +338,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "uva_bench.json": ("Kernel reads of pinned host RAM, tiered NF4 launches (benchmarks/uva_bench.py)", uva_bench),
     "uva_bench_focus.json": ("The same, focused sweep after the code-book and alignment change "
                              "(benchmarks/uva_bench.py --configs focus)", uva_bench),
+    "uva_hostmem.json": ("The tiered kernel over host memory made three ways: torch-pinned, registered, registered on "
+                         "huge pages (benchmarks/uva_bench.py --host-memory)", uva_bench),
     "quant_quality.json": ("Weight quantization quality (benchmarks/quant_quality.py)", quant_quality),
     "kv_quality.json": ("KV-cache quantization quality (benchmarks/kv_quality.py)", kv_quality),
 }
