@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.engine import layer_graphs as graphs_mod  # noqa: E402
+from airquant.engine import norms as norms_mod  # noqa: E402
 from airquant.engine import streamer as streamer_mod  # noqa: E402
 from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
@@ -364,6 +365,12 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "nocache_direct_4k": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
                                   huge_pages=False)),
     "lfu_direct_r1_4k": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=False)),
+    # The standard RMSNorm as one fused kernel and a multiply (engine/norms.py FUSED_RMS_NORM, off until measured)
+    # instead of transformers' eight kernels a call.
+    "nocache_direct_fusednorm": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
+                                         fused_norm=True)),
+    "lfu_direct_r1_fusednorm": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
+                                        fused_norm=True)),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -434,7 +441,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
                         "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
-                        "lfu_direct_r1_4k", *HOST_CASES),
+                        "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -442,7 +449,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
-            "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES")}
+            "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
+            "fused_norm": (norms_mod, "FUSED_RMS_NORM")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

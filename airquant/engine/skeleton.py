@@ -19,6 +19,7 @@ from airquant.config import MLP_CHUNK_TOKENS
 from airquant.engine import embed_head
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.pool import RoutedForward
+from airquant.engine.norms import fuse_rms_norms
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.quant import make_linear
@@ -43,6 +44,7 @@ def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None)
             raise StoreError(f"this store was written for module paths {stored}, but transformers now builds "
                              f"{found}; re-run `airquant shard` with this transformers version.")
     chunk_mlp(model, MLP_CHUNK_TOKENS)
+    fuse_rms_norms(model)
     return model
 
 

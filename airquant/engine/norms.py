@@ -1,0 +1,87 @@
+"""transformers' standard RMSNorm as one fused kernel and a multiply on CUDA.
+
+142 of transformers' RMSNorm classes (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, ...) share one
+forward: upcast to fp32, ``pow(2).mean``, add eps, ``rsqrt``, multiply, cast back, multiply by the weight: eight
+kernels a call. At decode a layer calls it two to four times (Qwen3: input, post-attention, query and key norms),
+and with the weights read from host RAM or VRAM in one graph those small kernels are time the link idles
+through: a Qwen3-30B-A3B batch-1 pass with no expert cache spends 8.1 of its 30.8 ms of device time in ~75 such
+kernels a layer (H100, moe_bench trace, 2026-12-06).
+
+``fuse_rms_norms`` gives each module of exactly that forward ``FusedRMSNorm``: with ``FUSED_RMS_NORM`` on CUDA,
+``torch.nn.functional.rms_norm`` (the fused ``_fused_rms_norm`` kernel: the input read once, the statistic and
+the scaling in fp32, one rounding to the input's dtype, as the eager code rounds once) and the weight multiply
+in the input's dtype as the eager code does it. Other devices, other RMSNorm forwards (Gemma's ``1 + weight``,
+OLMo2's multiply before the cast) and calls with more arguments run the module's own forward. What may differ:
+the fp32 sum's order inside the statistic, so a value next to a rounding boundary of the output dtype can land
+one unit in the last place away.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+import torch
+from torch import nn
+
+# Off until measured on a GPU: every RMSNorm runs transformers' own forward. benchmarks/moe_bench.py's
+# ``*_fusednorm`` cases turn it on (benchmarks/chains/wave3_moe21.sh); tests/engine/test_norms.py's CUDA test
+# checks the fused result against the eager one.
+FUSED_RMS_NORM = False
+
+# The forward's body, statement by statement, that the fused call computes.
+STANDARD_BODY = (
+    "input_dtype = hidden_states.dtype",
+    "hidden_states = hidden_states.to(torch.float32)",
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+    "return self.weight * hidden_states.to(input_dtype)",
+)
+
+
+@functools.cache
+def standard(cls: type) -> bool:
+    """Whether ``cls.forward`` is transformers' standard RMSNorm forward: arguments ``(self, hidden_states)`` and,
+    its docstring aside, the statements of ``STANDARD_BODY``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return False
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or [a.arg for a in func.args.args] != ["self", "hidden_states"] or \
+            func.args.vararg or func.args.kwarg or func.args.kwonlyargs:
+        return False
+    body = [node for node in func.body
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]  # the docstring
+    return tuple(ast.unparse(node) for node in body) == STANDARD_BODY
+
+
+class FusedRMSNorm:
+    """A standard RMSNorm module's forward: fused on CUDA, the module's own elsewhere."""
+
+    def __init__(self, module: nn.Module, forward):
+        self.module, self.forward = module, forward
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or not (FUSED_RMS_NORM and hidden_states.is_cuda):
+            return self.forward(hidden_states, *args, **kwargs)
+        return fused(self.module, hidden_states)
+
+
+def fused(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The standard forward's result through ``rms_norm``: ``weight * rms_norm(x)`` in the input's dtype."""
+    normed = torch.nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=module.variance_epsilon)
+    return module.weight * normed
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Give every standard RMSNorm of ``model`` the fused forward (``FusedRMSNorm``); how many."""
+    count = 0
+    for module in model.modules():
+        if standard(type(module)) and not isinstance(module.forward, FusedRMSNorm) and \
+                isinstance(getattr(module, "variance_epsilon", None), float):
+            module.forward = FusedRMSNorm(module, module.forward)
+            count += 1
+    return count

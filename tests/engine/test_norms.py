@@ -1,0 +1,77 @@
+"""engine/norms.py: transformers' standard RMSNorm fused on CUDA, every other forward left alone."""
+
+import pytest
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+from airquant.engine import norms
+from airquant.engine.norms import FusedRMSNorm, fuse_rms_norms, fused, standard
+
+
+def test_only_the_standard_forward_is_recognised():
+    assert standard(LlamaRMSNorm) and standard(Qwen3MoeRMSNorm)
+    assert not standard(GemmaRMSNorm)  # 1 + weight, multiplied in fp32
+    assert not standard(Olmo2RMSNorm)  # the weight multiplied before the cast back
+
+    class Extra(LlamaRMSNorm):
+        def forward(self, hidden_states, residual=None):
+            return super().forward(hidden_states)
+
+    assert not standard(Extra) and not standard(torch.nn.LayerNorm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_call_computes_what_the_module_does(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(256, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256) * 0.5 + 1)
+    x = (torch.randn(3, 40, 256) * 3).to(dtype)
+    # rms_norm's CPU path is the same ops in the same order: equal to the bit
+    assert torch.equal(fused(norm, x), norm(x))
+
+
+def test_a_model_gets_the_fused_forward_on_its_standard_norms_only(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    standard_norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert fuse_rms_norms(model) == len(standard_norms) > 0
+    assert fuse_rms_norms(model) == 0  # once
+    assert all(isinstance(m.forward, FusedRMSNorm) for m in standard_norms)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)  # on the CPU: the module's own forward
+
+
+def test_off_or_off_cuda_the_module_forward_runs(monkeypatch):
+    norm = LlamaRMSNorm(8)
+    calls = []
+    wrapped = FusedRMSNorm(norm, lambda x: calls.append(x) or x)
+    x = torch.randn(2, 8)
+    for on in (False, True):  # on the CPU either way
+        monkeypatch.setattr(norms, "FUSED_RMS_NORM", on)
+        wrapped(x)
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, monkeypatch):
+    """The fused statistic sums in another order: at most one unit in the last place, on few values."""
+    torch.manual_seed(0)
+    norm = Qwen3MoeRMSNorm(2048, eps=1e-6).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(2048, device="cuda") * 0.5 + 1)
+    x = (torch.randn(64, 2048, device="cuda") * 3).to(dtype)
+    want = norm(x)
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
+    got = FusedRMSNorm(norm, norm.forward)(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps * 2, atol=0)
+    assert (got != want).float().mean().item() < 0.01
