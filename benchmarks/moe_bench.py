@@ -312,6 +312,18 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 # -- expert-aware streaming (engine/moe/pool.py) -----------------------------------------------------------
+# Batch 1 with direct reads: no cache at all, and the hot set renewed every pass (the default).
+NOCACHE_DIRECT = dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True)
+HOT_SET_DIRECT = dict(experts="routed", expert_policy="lfu", direct=True, refresh=1)
+
+
+def direct_pair(suffix: str, **changed) -> dict:
+    """``nocache_direct_<suffix>`` and ``lfu_direct_r1_<suffix>``: the two batch-1 direct-read cases with
+    ``changed`` (engine settings or ``SWITCHES``), an A/B against ``nocache_direct`` and ``lfu_direct_r1``."""
+    return {f"nocache_direct_{suffix}": (1, {**NOCACHE_DIRECT, **changed}),
+            f"lfu_direct_r1_{suffix}": (1, {**HOT_SET_DIRECT, **changed})}
+
+
 ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed expert copied, no speculation
     # The copy path (pool.DIRECT off): each call's routing read to the host, its experts copied into pool slots.
     "nocache": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=False)),
@@ -330,9 +342,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # Direct reads (engine/moe/direct.py): the tiered kernels read each expert from the VRAM hot set or the pinned
     # RAM tier by the routing on the device: no copy, no host sync a layer. lfu_direct_r1 is the default (the hot
     # set refreshed every pass); lfu_direct refreshes it every 8 passes.
-    "nocache_direct": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True)),
+    "nocache_direct": (1, dict(NOCACHE_DIRECT)),
     "lfu_direct": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
-    "lfu_direct_r1": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1)),
+    "lfu_direct_r1": (1, dict(HOT_SET_DIRECT)),
     "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
     # The same without layer graphs (engine/layer_graphs.py, on by default): every op launched from Python.
     "nocache_direct_eager": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
@@ -341,36 +353,21 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, cuda_graphs=False)),
     # The layer graphs with the cache write and attention as an eager island between two graphs (the path before
     # static passes, engine/decode/slots.py STATIC_PASSES): what capturing the attention gains.
-    "nocache_direct_island": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                      static=False)),
-    "lfu_direct_r1_island": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, static=False)),
+    **direct_pair("island", static=False),
     # Each layer replaying its own graph, every pass (engine/layer_graphs.py PASS_GRAPHS off): what replaying a
     # whole decode pass as one graph from its first layer's call gains.
-    "nocache_direct_nopass": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                      pass_graphs=False)),
-    "lfu_direct_r1_nopass": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
-                                     pass_graphs=False)),
+    **direct_pair("nopass", pass_graphs=False),
     # The dense parts (attention, norms, router) copied through the slots every step as before --dense-resident
     # (planner._dense_resident, on by default): what keeping them in VRAM gains, the cache then larger.
-    "nocache_direct_streamdense": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                           dense_resident=False)),
-    "lfu_direct_r1_streamdense": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
-                                          dense_resident=False)),
+    **direct_pair("streamdense", dense_resident=False),
     "cpu_bs1_streamdense": (1, dict(experts="cpu", dense_resident=False)),
     # The RAM tier on huge pages (engine/streamer HUGE_PAGES, the default since wave3_moe19) or on 4 KB pages:
     # whether the direct reads' kernel reads it faster through the GPU's page tables.
-    "nocache_direct_huge": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                    huge_pages=True)),
-    "lfu_direct_r1_huge": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=True)),
-    "nocache_direct_4k": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                  huge_pages=False)),
-    "lfu_direct_r1_4k": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, huge_pages=False)),
+    **direct_pair("huge", huge_pages=True),
+    **direct_pair("4k", huge_pages=False),
     # The standard RMSNorm as one fused kernel and a multiply (engine/norms.py FUSED_RMS_NORM, off until measured)
     # instead of transformers' eight kernels a call.
-    "nocache_direct_fusednorm": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                         fused_norm=True)),
-    "lfu_direct_r1_fusednorm": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1,
-                                        fused_norm=True)),
+    **direct_pair("fusednorm", fused_norm=True),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
