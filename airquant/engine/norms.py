@@ -4,12 +4,13 @@
 forward: upcast to fp32, ``pow(2).mean``, add eps, ``rsqrt``, multiply, cast back, multiply by the weight: eight
 kernels a call. At decode a layer calls it two to four times (Qwen3: input, post-attention, query and key norms),
 and with the weights read from host RAM or VRAM in one graph those small kernels are time the link idles
-through: a Qwen3-30B-A3B batch-1 pass with no expert cache spends 8.1 of its 30.8 ms of device time in ~75 such
-kernels a layer (H100, moe_bench trace, 2026-12-06).
+through: a Qwen3-30B-A3B batch-1 pass with no expert cache spends 8.1 of its 30.8 ms of device time in ~75 small
+kernels a layer, about 30 of them its four norms' (H100, moe_bench trace, 2026-12-06).
 
 ``fuse_rms_norms`` gives each module of exactly that forward ``FusedRMSNorm``: with ``FUSED_RMS_NORM`` on CUDA,
-``torch.nn.functional.rms_norm`` (the fused ``_fused_rms_norm`` kernel: the input read once, the statistic and
-the scaling in fp32, one rounding to the input's dtype, as the eager code rounds once) and the weight multiply
+``torch.nn.functional.rms_norm`` (on CUDA torch's fused ``_fused_rms_norm`` kernel, in torch 2.13's operator
+table: the input read once, the statistic and the scaling in fp32, one rounding to the input's dtype, as the
+eager code rounds once; whether the device's torch takes it is what wave3_moe21 measures) and the weight multiply
 in the input's dtype as the eager code does it. Other devices, other RMSNorm forwards (Gemma's ``1 + weight``,
 OLMo2's multiply before the cast) and calls with more arguments run the module's own forward. What may differ:
 the fp32 sum's order inside the statistic, so a value next to a rounding boundary of the output dtype can land
