@@ -229,3 +229,16 @@ def test_kv_rows_compare_with_plain_only_over_the_same_window():
     whole["continuous_auto_settings"] = {**stream, "requests": 256, "slots": 64}
     compare_kv(whole)
     assert "auto_over_best_useful_tok_s" not in whole and "requests" in whole["kv_ratios_missing"]
+
+
+def test_max_new_sets_the_clip_of_each_requests_new_tokens():
+    from benchmarks.batch_bench import MAX_NEW, parse_args
+
+    assert parse_args(["--part", "continuous"]).max_new == MAX_NEW
+    assert parse_args(["--part", "continuous", "--quick"]).max_new == 12
+    args = parse_args(["--part", "continuous", "--max-new", "256"])
+    assert args.max_new == 256 and parse_args(["--part", "continuous", "--quick", "--max-new", "5"]).max_new == 5
+    clipped = workload(128, 1000, prompt_range=args.prompt_range, mean_new=args.mean_new, max_new=args.max_new)
+    assert max(r.max_new_tokens for r in clipped) == 256  # geometric, mean 150: 128 draws reach the clip
+    with pytest.raises(SystemExit):
+        parse_args(["--part", "continuous", "--max-new", "0"])
