@@ -347,9 +347,7 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     "lfu_direct_r1": (1, dict(HOT_SET_DIRECT)),
     "lfu_bs4_direct": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8)),
     # The same without layer graphs (engine/layer_graphs.py, on by default): every op launched from Python.
-    "nocache_direct_eager": (1, dict(experts="routed", expert_cache_gb=0.0, expert_prefetch=False, direct=True,
-                                     cuda_graphs=False)),
-    "lfu_direct_r1_eager": (1, dict(experts="routed", expert_policy="lfu", direct=True, refresh=1, cuda_graphs=False)),
+    **direct_pair("eager", cuda_graphs=False),
     "lfu_bs4_direct_eager": (4, dict(experts="routed", expert_policy="lfu", direct=True, refresh=8, cuda_graphs=False)),
     # The layer graphs with the cache write and attention as an eager island between two graphs (the path before
     # static passes, engine/decode/slots.py STATIC_PASSES): what capturing the attention gains.
@@ -657,8 +655,7 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # Keys that read their newest run's row (then the first case of it): the no-cache default path's. Its huge-page RAM
 # tier (engine/streamer HUGE_PAGES) became the default after wave3_moe19, whose ``nocache_direct`` rows ran on 4 KB
 # pages and ``nocache_direct_huge`` on what is now the default; a later ``nocache_direct`` row is the default again.
-NEWEST = {"qwen3_30b_nf4_bs1_nocache_tok_s", "qwen3_30b_nf4_bs1_nocache_over_floor", "mixtral_nf4_bs1_bytes_fraction",
-          "mixtral_nf4_bs1_step_over_bytes_floor"}
+NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases is NOCACHE_DEFAULT}
 
 
 def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
