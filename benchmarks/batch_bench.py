@@ -477,20 +477,16 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes: a test of the script")
     p.add_argument("--out", default="results/batch_bench.json")
     args = p.parse_args(argv)
-    max_new = args.max_new
-    args.prompt_range, args.mean_new, args.max_new = ((8, 24), 6, 12) if args.quick else (PROMPT_RANGE, MEAN_NEW,
-                                                                                             MAX_NEW)
-    if max_new is not None:
-        if max_new < 1:
-            p.error("--max-new must be >= 1")
-        args.max_new = max_new
+    args.prompt_range, args.mean_new = ((8, 24), 6) if args.quick else (PROMPT_RANGE, MEAN_NEW)
     sizes = {"requests": (512, 48), "slots": (256, 8), "mixed_prompts": (48, 6), "mixed_slots": (16, 3),
-             "mixed_new": (256, 8)}
+             "mixed_new": (256, 8), "max_new": (MAX_NEW, 12)}
     for name, (full, quick) in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     if args.seconds < 0:
         p.error("--seconds must be >= 0 (0 measures one pass)")
+    if args.max_new < 1:
+        p.error("--max-new must be >= 1")
     return args
 
 
