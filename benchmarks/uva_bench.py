@@ -261,8 +261,8 @@ def part_tiered(args, device, out: dict) -> None:
                     top = max(mine, key=lambda r: r["gbps"])
                     name = f"{model} {proj}" if kind == "pinned" else f"{model} {proj} {kind}"
                     best[name] = {"default_gbps": mine[0]["gbps"], "best_gbps": top["gbps"],
-                                               "best": {k: top.get(k) for k in ("block_n", "block_w", "warps",
-                                                                                "prefetch", "split", "tables")}}
+                                  "best": {k: top.get(k) for k in ("block_n", "block_w", "warps", "prefetch", "split",
+                                                                   "tables")}}
             ex = None  # its pinned buffer and pool freed before the next shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
