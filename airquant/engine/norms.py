@@ -78,7 +78,10 @@ def fused(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
-    """Give every standard RMSNorm of ``model`` the fused forward (``FusedRMSNorm``); how many."""
+    """Give every standard RMSNorm of ``model`` the fused forward (``FusedRMSNorm``) while ``FUSED_RMS_NORM`` is on
+    (off: no wrapper on the norms' calls at all); how many."""
+    if not FUSED_RMS_NORM:
+        return 0
     count = 0
     for module in model.modules():
         if standard(type(module)) and not isinstance(module.forward, FusedRMSNorm) and \

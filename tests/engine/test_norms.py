@@ -34,7 +34,7 @@ def test_the_fused_call_computes_what_the_module_does(dtype):
     assert torch.equal(fused(norm, x), norm(x))
 
 
-def test_a_model_gets_the_fused_forward_on_its_standard_norms_only(tiny_llama):
+def test_a_model_gets_the_fused_forward_on_its_standard_norms_only(tiny_llama, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -42,6 +42,9 @@ def test_a_model_gets_the_fused_forward_on_its_standard_norms_only(tiny_llama):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         want = model(ids).logits
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", False)
+    assert fuse_rms_norms(model) == 0 and not any(isinstance(m.forward, FusedRMSNorm) for m in standard_norms)
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
     assert fuse_rms_norms(model) == len(standard_norms) > 0
     assert fuse_rms_norms(model) == 0  # once
     assert all(isinstance(m.forward, FusedRMSNorm) for m in standard_norms)
