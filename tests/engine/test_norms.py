@@ -66,7 +66,9 @@ def test_off_or_off_cuda_the_module_forward_runs(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, monkeypatch):
-    """The fused statistic sums in another order: at most one unit in the last place, on few values."""
+    """The fused statistic sums in another order: at most one unit in the last place. In bf16 and fp16 the
+    output's rounding absorbs that on nearly every value; in fp32 nothing rounds after the scaling, so a row whose
+    statistic came out one unit apart differs throughout, by the same factor (seen on the H100: 15 % of values)."""
     torch.manual_seed(0)
     norm = Qwen3MoeRMSNorm(2048, eps=1e-6).to("cuda", dtype)
     with torch.no_grad():
@@ -77,4 +79,8 @@ def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, monkeypatch):
     got = FusedRMSNorm(norm, norm.forward)(x)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps * 2, atol=0)
-    assert (got != want).float().mean().item() < 0.01
+    if dtype == torch.float32:  # each row is the eager row times one factor: its statistic's, near 1
+        ratio = got / want
+        assert (ratio.amax(-1) - ratio.amin(-1)).max().item() <= 4 * torch.finfo(dtype).eps
+    else:
+        assert (got != want).float().mean().item() < 0.01
