@@ -149,7 +149,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     gives its error instead."""
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
-                 "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device")}
+                 "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device"),
+                 "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager"}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
@@ -363,9 +364,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # whether the direct reads' kernel reads it faster through the GPU's page tables.
     **direct_pair("huge", huge_pages=True),
     **direct_pair("4k", huge_pages=False),
-    # The standard RMSNorm as one fused kernel and a multiply (engine/norms.py FUSED_RMS_NORM, off until measured)
-    # instead of transformers' eight kernels a call.
+    # The standard RMSNorm as one fused kernel and a multiply (engine/norms.py FUSED_RMS_NORM): "fusednorm" measured
+    # it while it was off (wave3_moe21-23) and now equals the default; "eagernorm" is transformers' eight kernels a
+    # call, the A/B since.
     **direct_pair("fusednorm", fused_norm=True),
+    **direct_pair("eagernorm", fused_norm=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -436,7 +439,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_island", "lfu_direct_r1_island", "nocache_direct_streamdense",
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
                         "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
-                        "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm", *HOST_CASES),
+                        "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
+                        "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -627,12 +631,13 @@ def row_link(row: dict, link: float | None) -> float | None:
 # says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
 # where measured, the forced-routed row beside it otherwise.
 # The cache-on and no-cache keys read the default path's row (direct reads) where it ran, else the copy path's.
-NOCACHE_DEFAULT = ("nocache_direct_huge", "nocache_direct", "nocache")  # see NEWEST
-TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "lfu")),
+NOCACHE_DEFAULT = ("nocache_direct_fusednorm", "nocache_direct_huge", "nocache_direct", "nocache")  # see NEWEST
+HOT_SET_DEFAULT = ("lfu_direct_r1_fusednorm", "lfu_direct_r1", "lfu")  # see DEFAULT_PATH
+TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", HOT_SET_DEFAULT),
                "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
                "mixtral_nf4_max_batch_tok_s": ("mixtral-8x7b nf4", ("max_batch", "max_batch_device")),
-               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", ("lfu_direct_r1", "lfu")),
+               "qwen3_30b_nf4_bs1_tok_s": ("qwen3-30b-a3b nf4", HOT_SET_DEFAULT),
                "qwen3_30b_nf4_bs1_nocache_tok_s": ("qwen3-30b-a3b nf4", NOCACHE_DEFAULT),
                "qwen3_30b_nf4_bs1_copy_tok_s": ("qwen3-30b-a3b nf4", ("lfu",)),
                "qwen3_30b_nf4_bs1_copy_nocache_tok_s": ("qwen3-30b-a3b nf4", ("nocache",)),
@@ -644,7 +649,7 @@ TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", ("lfu_direct_r1", "
                "qwen3_30b_nf4_bs1_auto_tok_s": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
                "mixtral_nf4_bs1_cpu_experts_tok_s": ("mixtral-8x7b nf4", ("cpu_bs1",)),
                "qwen3_30b_nf4_bs1_auto_over_best": ("qwen3-30b-a3b nf4", ("auto_bs1",)),
-               "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", ("lfu_direct_r1", "lfu")),
+               "gpt_oss_120b_nf4_bs1_tok_s": ("gpt-oss-120b nf4", HOT_SET_DEFAULT),
                "qwen3_30b_nf4_bs1_nocache_over_floor": ("qwen3-30b-a3b nf4", NOCACHE_DEFAULT),
                "mixtral_nf4_bs1_bytes_fraction": ("mixtral-8x7b nf4", NOCACHE_DEFAULT),
                "mixtral_nf4_bs1_step_over_bytes_floor": ("mixtral-8x7b nf4", NOCACHE_DEFAULT)}
@@ -656,6 +661,16 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # tier (engine/streamer HUGE_PAGES) became the default after wave3_moe19, whose ``nocache_direct`` rows ran on 4 KB
 # pages and ``nocache_direct_huge`` on what is now the default; a later ``nocache_direct`` row is the default again.
 NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases is NOCACHE_DEFAULT}
+# Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM,
+# ``norms_of``) where there are any. The fused norms became the default after wave3_moe23: the ``*_fusednorm``
+# rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers' own.
+DEFAULT_PATH = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
+
+
+def norms_of(row: dict) -> str:
+    """The RMSNorms a row ran with: its ``norms`` ("fused" or "eager"); a row from before that field, the fused
+    ones only where its case turned them on (they were off by default then)."""
+    return row.get("norms") or ("fused" if (row.get("settings") or {}).get("fused_norm") else "eager")
 
 
 def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
@@ -693,11 +708,15 @@ def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | Non
 
 
 def target_row(rows: dict, key: str) -> dict | None:
-    """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed (``FASTEST``: the fastest;
-    ``NEWEST``: the first of the newest run's), else the first that ran."""
+    """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed (``DEFAULT_PATH``: of those on
+    the default norms where any; ``FASTEST``: the fastest; ``NEWEST``: the first of the newest run's), else the
+    first that ran."""
     model, cases = TARGET_ROWS[key]
     found = [rows[(model, c)] for c in cases if (model, c) in rows]
     timed = [row for row in found if row.get("tok_s")]
+    if key in DEFAULT_PATH:
+        default = "fused" if norms_mod.FUSED_RMS_NORM else "eager"
+        timed = [row for row in timed if norms_of(row) == default] or timed
     if timed and key in NEWEST:
         newest = max(row.get("run") or "" for row in timed)
         timed = [row for row in timed if (row.get("run") or "") == newest]

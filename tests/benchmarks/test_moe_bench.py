@@ -208,3 +208,29 @@ def test_the_no_cache_floor_reads_the_newest_run_of_the_default_path():
     rows[(m, "nocache_direct")] = _routed(m, "nocache_direct", "2026-12-07T01:00:00", 6.9)
     assert target_row(rows, key)["case"] == "nocache_direct"  # a later run of the default case
     assert target_row(rows, "mixtral_nf4_bs1_tok_s") is None  # other keys keep their case order
+
+
+def test_the_default_path_keys_read_rows_on_the_default_norms(monkeypatch):
+    from airquant.engine import norms
+    from benchmarks.moe_bench import norms_of, target_row
+
+    m = "qwen3-30b-a3b nf4"
+    eager = _routed(m, "lfu_direct_r1", "2026-12-06T09:06:53", 50.5)  # before the field: transformers' norms
+    fused = {**_routed(m, "lfu_direct_r1_fusednorm", "2026-12-06T09:06:02", 53.8), "settings": {"fused_norm": True}}
+    rows = {(m, "lfu_direct_r1"): eager, (m, "lfu_direct_r1_fusednorm"): fused}
+    assert (norms_of(eager), norms_of(fused)) == ("eager", "fused")
+    key = "qwen3_30b_nf4_bs1_tok_s"
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
+    assert target_row(rows, key) is fused
+    later = {**_routed(m, "lfu_direct_r1", "2026-12-07T01:00:00", 55.0), "norms": "fused"}  # the default now
+    rows[(m, "lfu_direct_r1")] = later
+    assert target_row(rows, key) is fused  # both on the default norms: the case order decides
+    del rows[(m, "lfu_direct_r1_fusednorm")]
+    assert target_row(rows, key) is later
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", False)  # no row on the default norms: any row, as before
+    assert target_row(rows, key) is later
+    n = {(m, c): {**_routed(m, c, "2026-12-06T08:58:00", t), "norms": f}
+         for c, t, f in (("nocache_direct", 28.9, "eager"), ("nocache_direct_fusednorm", 30.2, "fused"))}
+    assert target_row(n, "qwen3_30b_nf4_bs1_nocache_over_floor")["case"] == "nocache_direct"
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
+    assert target_row(n, "qwen3_30b_nf4_bs1_nocache_over_floor")["case"] == "nocache_direct_fusednorm"
