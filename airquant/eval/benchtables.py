@@ -323,6 +323,9 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
     "batch_bench_offload.json": ("The decode loop with its TurboQuant cache in host RAM (benchmarks/batch_bench.py "
                                  "--kv tq --kv-offload)", as_found),
+    "batch_bench_recheck.json": ("The same loop, --kv tq re-run alone: the planner's TurboQuant choice, its cache "
+                                 "offloaded, after the copy_target fix (benchmarks/batch_bench.py --kv tq, into a "
+                                 "copy of batch_bench.json)", batch_bench),
     "batch_bench_job.json": ("The decode loop over whole jobs, each run to its end (benchmarks/batch_bench.py "
                              "--seconds 900 --requests 128 --max-new 256)", as_found),
     "scale_bench.json": ("Ray Data: against plain `airquant batch` on one GPU, and across GPUs "
