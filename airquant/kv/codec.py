@@ -86,6 +86,20 @@ class Codec:
                                                                  self.codebook.boundaries_tensor()))
         return self._tables[key]
 
+    def preload(self, device, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+        """What a decode attention over a history reads of this codec, on ``device`` now: ``tables``, and in each
+        of ``dtypes`` its ``centroids`` and (whole codes to a byte) ``byte_table``, and the rotation in fp32 and
+        fp64 (kv/triton_kernel rotates the queries in fp64). Made lazily, the first history read of a later pass
+        made them inside its layer: a host tensor pinned and copied on the compute stream behind the next
+        layers' weight copies (tests/engine/test_gpu.py counted two such pins a layer after the byte tables)."""
+        self.tables(device)
+        for dtype in dtypes:
+            self.centroids(device, dtype)
+            if 8 % self.bits == 0:
+                self.byte_table(device, dtype)
+        for dtype in (torch.float32, torch.float64):
+            self.rotation.matrix(device, dtype)
+
     def centroids(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The centroid table in ``dtype`` on ``device``, cached (the Triton kernel gathers its half-precision
         products' operands from a table already in their dtype)."""

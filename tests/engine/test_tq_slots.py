@@ -219,3 +219,26 @@ def test_reserve_all_reserves_what_reserve_does_and_again_after_a_release():
     many.release(1)
     many.reserve_all([(1, 10)])
     assert len(many.pages[1]) == 1 and many._room[1] == PAGE_TOKENS
+
+
+@pytest.mark.parametrize("name", ["plain", "mixed"])
+def test_an_arena_makes_every_table_a_history_read_takes_when_it_is_made(name, monkeypatch):
+    """A history read (kv/triton_kernel) takes each codec's centroids and byte table in the query's dtype or fp32
+    and its rotation in fp32 and fp64. An arena is made in its layer's first pass; those made later, at a later
+    pass's first history read, were host tensors pinned and copied inside the layer (on CUDA: behind the next
+    layers' weight copies)."""
+    from airquant.kv import codec as codec_mod
+    from airquant.kv import rotation as rotation_mod
+
+    arena = SlotArena(CONFIGS[name], 1, SLOTS, HKV, DIM, "cpu", torch.bfloat16)
+    made = []
+    for mod in (codec_mod, rotation_mod):
+        monkeypatch.setattr(mod, "to_device", lambda t, device, made=made: made.append(t.shape) or t.to(device))
+    for codec in (arena.k_codec, arena.v_codec):
+        for dtype in (torch.bfloat16, torch.float32):
+            codec.centroids("cpu", dtype)
+            if 8 % codec.bits == 0:
+                codec.byte_table("cpu", dtype)
+        codec.rotation.matrix("cpu", torch.float64)
+        codec.rotation.matrix("cpu", torch.float32)
+    assert made == []

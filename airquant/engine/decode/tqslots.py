@@ -159,8 +159,8 @@ class SlotArena:
                  cap: int | None = None, pool_pages: int = 0, table: torch.Tensor | None = None):
         self.kv, self.slots, self.heads, self.dim = kv, slots, kv_heads, head_dim
         self.k_codec, self.v_codec = layer_codecs(kv, layer_idx, head_dim)
-        for codec in (self.k_codec, self.v_codec):
-            codec.tables(device)  # uploaded now, not by a later pass's first flush inside its layer (a copy waiting)
+        for codec in (self.k_codec, self.v_codec):  # uploaded now, not by a later pass's first flush or history read
+            codec.preload(device, (dtype, torch.float32))  # inside its layer (a copy waiting behind weight copies)
         self.device = device
         self.win_cap = kv.sink + kv.window + kv.block - 1
         zeros = torch.zeros
