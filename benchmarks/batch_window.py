@@ -167,14 +167,12 @@ def trace_loop(loop, passes: int, trace_dir, name: str, step=None) -> dict | Non
     """``passes`` more passes of ``loop`` (fewer if it runs out of work) under torch's profiler, outside any window
     (``step``: how a pass is run, default ``loop.step``): the summary of stream_bench.trace_summary with the passes'
     kinds (decode only, or with prompts). None when the loop was idle."""
-    from torch.profiler import profile
-
-    from benchmarks.stream_bench import profiler_activities, trace_summary
+    from benchmarks.stream_bench import profiler, trace_summary
 
     if loop.idle:
         return None
     kinds, first = [], loop.stats.passes
-    with profile(activities=profiler_activities(loop.device)) as prof:
+    with profiler(loop.device) as prof:
         while len(kinds) < passes and not loop.idle:
             decode = len(loop.stats.decode_pass_s)
             (step or loop.step)()

@@ -69,6 +69,7 @@ from airquant.quant.kernels import nf4_moe  # noqa: E402
 from airquant.store.export import export_hf  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
+from benchmarks import stream_bench as stream_mod  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
     GB,
     Bench,
@@ -150,22 +151,16 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
                  "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device"),
-                 "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager"}
+                 "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager", "after_profiler": stream_mod.PROFILED}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
                    direct=experts_mod.DIRECT, static_passes=slots_mod.STATIC_PASSES)
-    for name in SWITCHES:  # not engine settings: part_routed sets the module constants around the case
-        kw.pop(name, None)
-    kw.setdefault("experts", "whole")
-    engine, launch = None, nf4_moe.TIERED
-    nf4_moe.TIERED = tiered_launch(b, model)
-    if nf4_moe.TIERED != launch:
-        row["tiered"] = {proj: vars(c) for proj, c in nf4_moe.TIERED.items()}
+    kw = engine_settings(kw)
+    if tiered_launch(b, model) != nf4_moe.TIERED:
+        row["tiered"] = {proj: vars(c) for proj, c in tiered_launch(b, model).items()}
     try:
-        with deadline(a.case_timeout):
-            engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
-                                 context=a.prompt_len + a.steps + 3, verify_reads=False, **kw)
+        with deadline(a.case_timeout), case_engine(b, store, model, cap_gb, batch, kw) as engine:
             if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
                 row["experts_mode"] = "whole" if engine.experts is None else \
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
@@ -175,9 +170,6 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
             stats = engine.stats()
             row["layer_graphs"], report = stats.get("layer_graphs"), stats.get("experts")
             row["dense_resident_gb"] = stats.get("dense_resident_gb", 0.0)  # --dense-resident: kept, not moved
-            if case is not None and case in (a.trace or "").split(","):
-                ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.prompt_len)
-                row["trace"] = trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
             if isinstance(engine.experts, HostExperts):  # the link carries the dense parts only
                 row.update(experts=report, decode_bytes_per_step=routed_step_bytes(b, engine, batch))
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
@@ -196,11 +188,46 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
             row["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
             row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
         log.warning("%s cap %g GB batch %d: %s", model, cap_gb, batch, row["error"])
-    finally:  # unpins the RAM tier; open_engine frees the device before the next case
+    return row
+
+
+def engine_settings(kw: dict) -> dict:
+    """A case's engine settings: its ``SWITCHES`` left out (``switches`` sets those module constants around the
+    case), whole layers unless it says which experts."""
+    kw = {k: v for k, v in kw.items() if k not in SWITCHES}
+    kw.setdefault("experts", "whole")
+    return kw
+
+
+@contextmanager
+def case_engine(b: Bench, store: Path, model: str, cap_gb: float, batch: int, kw: dict):
+    """A case's engine under this model's tiered launch; closed after (unpins the RAM tier; open_engine frees the
+    device before the next case)."""
+    engine, launch = None, nf4_moe.TIERED
+    nf4_moe.TIERED = tiered_launch(b, model)
+    try:
+        engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
+                             context=b.args.prompt_len + b.args.steps + 3, verify_reads=False, **kw)
+        yield engine
+    finally:
         nf4_moe.TIERED = launch
         if engine is not None:
             engine.close()
-    return row
+
+
+def trace_case(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: str, **kw) -> dict:
+    """``--trace``: a timed case again, on an engine of its own, under torch's profiler: first the generations its
+    timed run made (``decode_step``'s: the RAM tier filled, the layer graphs captured, the hot set warmed), untimed,
+    then the traced passes (``stream_bench.trace_steps``). Run after every case of the part is timed: the profiler
+    slows what runs after it in the process (``stream_bench.PROFILED``)."""
+    from airquant.config import GenerateConfig
+
+    with deadline(b.args.case_timeout), case_engine(b, store, model, cap_gb, batch, engine_settings(kw)) as engine:
+        ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
+        for new in (2, 2 + b.args.steps):
+            engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+                                      for row in ids.tolist()])
+        return trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
 
 
 def routed_step_bytes(b: Bench, engine, batch: int) -> float:
@@ -505,7 +532,7 @@ def part_routed(b: Bench, name: str) -> None:
     cap = 4.0 if name == "qwen3" else 15.0
     cases = PART_CASES[name]
     chosen = [c for c in cases if not a.cases or c in a.cases.split(",")]
-    rows = []
+    rows, settings = [], {}
     for case in chosen:
         if case in MAX_BATCH_CASES:
             if a.max_batch:
@@ -515,10 +542,19 @@ def part_routed(b: Bench, name: str) -> None:
             if kw["experts"] == "auto":  # weighed with this run's figures, not a file of another machine's
                 kw = {**kw, "host_gemv_gbps": b.results.get("host_gemv_gbps"),
                       "link_gbps": b.results.get("link_pinned_gbps") if b.device.type == "cuda" else None}
+            settings[case] = kw
             with switches(kw):
                 rows.append(measure(b, store, label, cap, min(batch, QUICK_BATCH) if b.quick else batch, case, **kw))
     # the bytes fraction's denominator, same run
     whole = [measure(b, store, label, cap, 1)] if "nocache" in chosen else []
+    for row in rows:  # every case timed first: the profiler slows what runs after it in this process
+        if row.get("case") in (a.trace or "").split(",") and row.get("case") in settings and not row["error"]:
+            kw = settings[row["case"]]
+            with switches(kw):
+                try:
+                    row["trace"] = trace_case(b, store, label, cap, row["batch"], row["case"], **kw)
+                except (PlanError, torch.OutOfMemoryError, CaseTimeout) as exc:
+                    row["trace_error"] = f"{type(exc).__name__}: {exc}"
     for row in rows + whole:
         row["layers"] = layers
     free_gpu()

@@ -4,8 +4,8 @@
 #    rotation, now preloaded by SlotArena) and test_streamer's registered-buffer check (is_pinned reads the
 #    storage's first byte; now re-registration). Then every other CUDA test of tests/engine.
 # 2. Mixtral-8x7B at batch 1 with no cache on the fused norms (the default since wave3_moe23) against
-#    transformers' (*_eagernorm), each case alone in its own process (a host-bound case slows with its place in
-#    an invocation: wave3_moe22/23), the store kept between them.
+#    transformers' (*_eagernorm), each case alone in its own process (a host-bound case timed after a traced one
+#    ran slower: wave3_moe21-23), the store kept between them.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x

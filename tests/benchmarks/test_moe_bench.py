@@ -58,6 +58,13 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer):
     traced = [x for x in r["expert_aware"] if x.get("trace")]  # --trace nocache: that case only, both models
     assert {x["case"] for x in traced} == {"nocache"} and all(x["trace"]["top_host"] for x in traced)
     assert len(list((tmp_path / "traces").glob("*nocache.json.gz"))) == len(traced)  # one timeline per traced case
+    # a part traces after every row of it is timed (the profiler slows what runs after it): the first routed part's
+    # rows, its whole-layer row among them, ran before any profile; the second part's after the first's trace
+    first, second = ({x["case"] for x in r["expert_aware"] if x["model"] == m and x["after_profiler"] is after}
+                     for m, after in (("mixtral-8x7b nf4", False), ("qwen3-30b-a3b nf4", True)))
+    assert "nocache" in first and "max_batch" in first and "nocache" in second
+    assert not [x for x in r["expert_aware"] if x["model"] == "mixtral-8x7b nf4" and x["after_profiler"]]
+    assert [x["after_profiler"] for x in r["whole_layer"] if x["model"] == "mixtral-8x7b nf4"].count(False) == 3
     air = r["details"]["airllm"]
     assert air["layers"] == 2 and air["airquant_bf16"]["per_layer_s"] > 0 and air["airquant_nf4"]["per_layer_s"] > 0
     # AirLLM gives a time (and a ratio) or the error it stopped with, never neither
