@@ -856,6 +856,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="CASES",
                    help="expert-aware cases (comma-separated) to also run under torch's profiler: the row gets "
                         "'trace' (device time by kind, top ops by device and host time)")
+    p.add_argument("--trace-stacks", action="store_true",
+                   help="--trace with the Python functions' own spans in the timeline (torch's with_stack)")
     p.add_argument("--cases", default=None,
                    help="expert-aware parts: only these comma-separated cases (" + ",".join(ROUTED_CASES)
                         + ",max_batch,max_batch_device; default all; the whole-layer batch-1 row comes with nocache)")
@@ -888,6 +890,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     device = bench_device(args)
+    stream_mod.TRACE_STACKS = args.trace_stacks
     if args.no_fused:
         expert_compute.FUSED = False
     out = Path(args.results) / "moe_bench.json"

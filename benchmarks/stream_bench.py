@@ -191,15 +191,19 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
 # s alone (Qwen3-30B-A3B hot set, H100, wave3_moe22/23). Rows record whether a profile ran before them
 # (``after_profiler``); moe_bench traces after every case is timed.
 PROFILED = False
+# Traces with the Python functions' own spans (``with_stack``; moe_bench --trace-stacks): where the host's time goes
+# between ops, as in a host-bound step (the Qwen3 hot set's replayed pass: ~16 ms of Python between 891 host ops).
+TRACE_STACKS = False
 
 
 def profiler(device):
-    """torch's profiler over the host and (CUDA) the GPU's kernels and copies; marks the process ``PROFILED``."""
+    """torch's profiler over the host and (CUDA) the GPU's kernels and copies (``TRACE_STACKS``: and the Python
+    functions); marks the process ``PROFILED``."""
     global PROFILED
     from torch.profiler import profile
 
     PROFILED = True
-    return profile(activities=profiler_activities(device))
+    return profile(activities=profiler_activities(device), with_stack=TRACE_STACKS)
 
 
 def profiler_activities(device) -> list:

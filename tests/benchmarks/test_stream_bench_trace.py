@@ -100,3 +100,16 @@ def test_a_decode_under_the_profiler_shows_its_passes(tiny_store):
     got = pass_breakdown(events)
     assert got["last_pass_wall_ms"] > 0 and got["last_pass_device_busy_ms"] == 0.0
     assert sync_sources(events) == []  # the real events read (no CUDA here: no sync calls)
+
+
+def test_the_profiler_marks_the_process_and_takes_python_spans_when_asked(monkeypatch):
+    """Every trace goes through ``profiler``: it marks the process (rows after it say ``after_profiler``) and takes
+    the Python functions' spans only with ``TRACE_STACKS`` (moe_bench --trace-stacks)."""
+    from benchmarks import stream_bench
+
+    for stacks in (False, True):
+        monkeypatch.setattr(stream_bench, "PROFILED", False)
+        monkeypatch.setattr(stream_bench, "TRACE_STACKS", stacks)
+        with stream_bench.profiler(torch.device("cpu")) as prof:
+            torch.ones(4).sum()
+        assert stream_bench.PROFILED and prof.with_stack is stacks
