@@ -56,6 +56,7 @@ from airquant.eval.kvmem import prefill_bytes  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
+from benchmarks import stream_bench as stream_mod  # noqa: E402
 from benchmarks.stream_bench import (  # noqa: E402
     GB,
     Bench,
@@ -137,6 +138,10 @@ def part_step(b: Bench) -> dict:
     for batch in a.batches[1:]:
         step_rows(b, store, batch, {name: CACHES[name] for name in FURTHER}, by_batch.setdefault(str(batch), {}),
                   save)
+    if a.trace:  # after every row is timed: the profiler slows what runs after it in the process
+        for batch, rows in ((a.batch, first), *((n, by_batch[str(n)]) for n in a.batches[1:])):
+            trace_rows(b, store, batch, rows)
+            save()
     b.drop(store)
     return first
 
@@ -152,12 +157,9 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
     ids = prompt_ids(vocab, batch, a.context - 1 - WARM - a.steps)  # the cache ends at `context` tokens
     for name, kv in caches.items():
         try:
-            rows[name] = measure_cache(b, engine, ids, kv)
+            rows[name] = {**measure_cache(b, engine, ids, kv), "after_profiler": stream_mod.PROFILED}
             log.info("batch %d, %s: %.4f s/step, prefill %.2f s, cache %.3f GB", batch, name, rows[name]["step_s"],
                      rows[name]["prefill_s"], rows[name]["cache_bytes"] / GB)
-            if a.trace and name in FURTHER:  # where the step's time goes, at every batch
-                rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=kv,
-                                                     new=min(a.steps, 8))
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
         except DependencyError as exc:
@@ -169,6 +171,24 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
     engine.close()
     del engine
     free_gpu()
+
+
+def trace_rows(b: Bench, store: Path, batch: int, rows: dict) -> None:
+    """``--trace``: where each timed ``FURTHER`` cache's step goes at ``batch`` (``rows[name]["trace"]``), on an
+    engine of its own, after every row is timed (torch's profiler leaves CUPTI attached once it stops, and what
+    runs after it pays for that: ``stream_bench.PROFILED``)."""
+    a = b.args
+    engine = open_engine(b, store, None, batch_size=batch, context=a.context)
+    ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.context - 1 - WARM - a.steps)
+    try:
+        for name in FURTHER:
+            if name in rows and "error" not in rows[name]:
+                rows[name]["trace"] = trace_steps(b, engine, ids, f"kv-{name}-bs{batch}", kv=CACHES[name],
+                                                  new=min(a.steps, 8))
+    finally:
+        engine.close()
+        del engine
+        free_gpu()
 
 
 # -- batch: the largest 70B NF4 batch under the cap ------------------------------------------------

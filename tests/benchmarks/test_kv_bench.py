@@ -32,6 +32,9 @@ def test_quick_run_writes_every_key(tmp_path):
     # --trace: where the time goes at every batch, plain and tq
     assert all(r["details"]["cases"][n]["trace"]["new_tokens"] > 0 and bs3[n]["trace"]["new_tokens"] > 0
                for n in ("none", "tq"))
+    # ... traced after every row was timed (the profiler slows what runs after it in the process)
+    timed = [c for c in (*r["details"]["cases"].values(), *bs3.values()) if "error" not in c]
+    assert timed and not any(c["after_profiler"] for c in timed)
     # the host's share of each case's timed steps
     assert all(0 < r["details"]["cases"][n]["step_host_s"] for n in ("none", "tq"))
     # the layer graphs' counters of each timed generation: none on the CPU (no graphs there)
