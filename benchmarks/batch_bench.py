@@ -78,6 +78,7 @@ from airquant.engine.decode import Request  # noqa: E402
 from airquant.engine.runner import Engine  # noqa: E402
 from airquant.eval.benchtables import target  # noqa: E402
 from airquant.kv import KVConfig  # noqa: E402
+from benchmarks import stream_bench as stream_mod  # noqa: E402
 from benchmarks.batch_window import longest_first, run_continuous, run_static  # noqa: E402
 
 log = logging.getLogger("batch_bench")
@@ -188,6 +189,7 @@ def part_batch(args, which: str, results: dict) -> None:
     # Each --kv a row of its own: plain keeps the keys it always had; tq and auto (the throughput planner's
     # choice) get continuous_tq_* / continuous_auto_* and their settings as tq_* / auto_*.
     prefix = which if args.kv == "none" else f"{which}_{args.kv}"
+    after_profiler = stream_mod.PROFILED  # a trace earlier in this process slows the window (stream_bench.PROFILED)
     try:
         warm = warm_up(engine, slots, kv, vocab)
         order = longest_first(requests)
@@ -203,6 +205,7 @@ def part_batch(args, which: str, results: dict) -> None:
     shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
     device = "cpu" if args.quick else torch.cuda.get_device_name()
     results.update({**shown, **measured, f"{prefix}_settings": settings, f"{prefix}_warmup_s": warm,
+                    f"{prefix}_after_profiler": after_profiler,
                     f"{prefix}_device": device, "method": METHOD, "synthetic": True, "quick": args.quick,
                     "device": device})
     compare(results)

@@ -95,6 +95,7 @@ def test_passes_after_the_window_are_traced(store_dir):
     assert t["last_pass_wall_ms"] > 0 and t["syncs"] == [] and t["top_host"]
     assert (tmp / "traces" / "continuous-passes.json.gz").is_file()
     assert r["continuous_passes"] == 1  # the window's own figures leave the traced passes out
+    assert r["continuous_after_profiler"] is False  # the window ran before the profiler started
 
 
 def test_ramp_passes_are_traced_inside_their_window(store_dir):

@@ -14,7 +14,10 @@ from benchmarks.moe_bench import QUICK, main, merge_rows
 CASES = {(f"{m} nf4", 4.0, n) for m in ("mixtral-8x7b", "qwen3-30b-a3b") for n in (1, 2)}  # --quick: one cap
 
 
-def test_quick_run_records_every_case(tmp_path, real_tokenizer):
+def test_quick_run_records_every_case(tmp_path, real_tokenizer, monkeypatch):
+    from benchmarks import stream_bench
+
+    monkeypatch.setattr(stream_bench, "PROFILED", False)  # in process: no trace of another test counts
     work, out = tmp_path / "work", tmp_path / "results"
     assert main(["--quick", "--workdir", str(work), "--results", str(out), "--trace", "nocache",
                  "--trace-dir", str(tmp_path / "traces")]) == 0
