@@ -153,8 +153,7 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
     if describe:
         b.results["settings"]["plan_8b"] = engine.plan.describe(engine.manifest.layer_bytes)
         b.results["settings"]["resident_layers_8b"] = len(engine.plan.vram_layers)
-    vocab = min(engine.config.vocab_size, len(engine.tokenizer))
-    ids = prompt_ids(vocab, batch, a.context - 1 - WARM - a.steps)  # the cache ends at `context` tokens
+    ids = step_prompts(b, engine, batch)
     for name, kv in caches.items():
         try:
             rows[name] = {**measure_cache(b, engine, ids, kv), "after_profiler": stream_mod.PROFILED}
@@ -173,13 +172,19 @@ def step_rows(b: Bench, store: Path, batch: int, caches: dict, rows: dict, save,
     free_gpu()
 
 
+def step_prompts(b: Bench, engine, batch: int) -> torch.Tensor:
+    """The prompts a batch's rows are timed (and traced) with: as long as the cache ends at ``--context`` tokens."""
+    vocab = min(engine.config.vocab_size, len(engine.tokenizer))
+    return prompt_ids(vocab, batch, b.args.context - 1 - WARM - b.args.steps)
+
+
 def trace_rows(b: Bench, store: Path, batch: int, rows: dict) -> None:
     """``--trace``: where each timed ``FURTHER`` cache's step goes at ``batch`` (``rows[name]["trace"]``), on an
     engine of its own, after every row is timed (torch's profiler leaves CUPTI attached once it stops, and what
     runs after it pays for that: ``stream_bench.PROFILED``)."""
     a = b.args
     engine = open_engine(b, store, None, batch_size=batch, context=a.context)
-    ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, a.context - 1 - WARM - a.steps)
+    ids = step_prompts(b, engine, batch)
     try:
         for name in FURTHER:
             if name in rows and "error" not in rows[name]:

@@ -156,11 +156,11 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
                    direct=experts_mod.DIRECT, static_passes=slots_mod.STATIC_PASSES)
-    kw = engine_settings(kw)
-    if tiered_launch(b, model) != nf4_moe.TIERED:
-        row["tiered"] = {proj: vars(c) for proj, c in tiered_launch(b, model).items()}
+    kw, launch = engine_settings(kw), tiered_launch(b, model)
+    if launch != nf4_moe.TIERED:
+        row["tiered"] = {proj: vars(c) for proj, c in launch.items()}
     try:
-        with deadline(a.case_timeout), case_engine(b, store, model, cap_gb, batch, kw) as engine:
+        with deadline(a.case_timeout), case_engine(b, store, cap_gb, batch, kw, launch) as engine:
             if case is not None:  # what --experts auto picked for this batch (expert_plan.choose_experts)
                 row["experts_mode"] = "whole" if engine.experts is None else \
                     "cpu" if isinstance(engine.experts, HostExperts) else "routed"
@@ -200,17 +200,17 @@ def engine_settings(kw: dict) -> dict:
 
 
 @contextmanager
-def case_engine(b: Bench, store: Path, model: str, cap_gb: float, batch: int, kw: dict):
-    """A case's engine under this model's tiered launch; closed after (unpins the RAM tier; open_engine frees the
-    device before the next case)."""
-    engine, launch = None, nf4_moe.TIERED
-    nf4_moe.TIERED = tiered_launch(b, model)
+def case_engine(b: Bench, store: Path, cap_gb: float, batch: int, kw: dict, launch: dict):
+    """A case's engine under the tiered kernel's ``launch`` (``tiered_launch``: the model's); closed after (unpins
+    the RAM tier; open_engine frees the device before the next case)."""
+    engine, default = None, nf4_moe.TIERED
+    nf4_moe.TIERED = launch
     try:
         engine = open_engine(b, store, cap_gb, resident_layers=0, host_embedding=True, batch_size=batch,
                              context=b.args.prompt_len + b.args.steps + 3, verify_reads=False, **kw)
         yield engine
     finally:
-        nf4_moe.TIERED = launch
+        nf4_moe.TIERED = default
         if engine is not None:
             engine.close()
 
@@ -222,7 +222,8 @@ def trace_case(b: Bench, store: Path, model: str, cap_gb: float, batch: int, cas
     slows what runs after it in the process (``stream_bench.PROFILED``)."""
     from airquant.config import GenerateConfig
 
-    with deadline(b.args.case_timeout), case_engine(b, store, model, cap_gb, batch, engine_settings(kw)) as engine:
+    with deadline(b.args.case_timeout), \
+            case_engine(b, store, cap_gb, batch, engine_settings(kw), tiered_launch(b, model)) as engine:
         ids = prompt_ids(min(engine.config.vocab_size, len(engine.tokenizer)), batch, b.args.prompt_len)
         for new in (2, 2 + b.args.steps):
             engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=new, ignore_eos=True))

@@ -185,8 +185,8 @@ def trace_steps(b: Bench, engine, ids: torch.Tensor, name: str, kv=None, new: in
             **trace_summary(prof, b.args.trace_dir, name, top)}
 
 
-# torch's profiler leaves CUPTI attached after it stops (Kineto tears it down only with TEARDOWN_CUPTI=1, which torch
-# turns off where CUDA graphs run: pytorch/pytorch#144455), and every later CUDA call of the process pays for it: a
+# torch's profiler leaves CUPTI attached after it stops (Kineto finalizes it only with TEARDOWN_CUPTI=1:
+# pytorch/pytorch#144455), and every later CUDA call of the process may pay for it: a
 # host-bound moe_bench case timed after a traced case of the same invocation ran 0.0228 s a step against 0.0168-0.0186
 # s alone (Qwen3-30B-A3B hot set, H100, wave3_moe22/23). Rows record whether a profile ran before them
 # (``after_profiler``); moe_bench traces after every case is timed.
