@@ -62,8 +62,13 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
     from airquant.engine.moe import pool
 
     pool.DIRECT = False  # the pool's copy path with the fused kernels; direct reads: check_direct
-    for mode in ("routed", "whole"):
-        engine = Engine.open(folder / "store", device="cpu", experts=mode, resident_layers=0)
+    for mode in ("routed", "whole", "routed_chunks"):
+        # routed_chunks: a prefill's fused calls in chunks of a few tokens (pool._run_fused_chunks), each
+        # chunk's experts brought into the slots on their own
+        rows, expert_compute.FUSED_WHOLE_ROWS = expert_compute.FUSED_WHOLE_ROWS, \
+            1 if mode == "routed_chunks" else expert_compute.FUSED_WHOLE_ROWS
+        engine = Engine.open(folder / "store", device="cpu", experts=mode.split("_")[0], resident_layers=0,
+                             expert_cache_gb=0.0 if mode == "routed_chunks" else None)
         counts = {"fused": 0}
         real = expert_compute.run_fused
 
@@ -75,7 +80,7 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
         tokens, logits = decode(engine, 4)
         expert_compute.run_fused, expert_compute.FUSED = real, False
         want_tokens, want_logits = decode(engine, 4)
-        expert_compute.FUSED = True
+        expert_compute.FUSED, expert_compute.FUSED_WHOLE_ROWS = True, rows
         moe_layers = sum(1 for e in engine.manifest.shards.values() if e.experts)
         engine.close()
         scale = want_logits.abs().max().item()

@@ -276,6 +276,36 @@ def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
     assert "routed; pool" in roomy.describe()
 
 
+def test_plan_with_fused_prefill_holds_no_gather_and_no_stacked_decode(tmp_path, real_tokenizer, monkeypatch):
+    """Where a GPU run's prefills take the fused grouped kernels from the slots (NF4 experts, Triton), the
+    arena holds neither the gather nor the stacked decode, only a chunk's intermediates, and the cache gets
+    those bytes; int2 experts (no grouped kernel) and a CPU run keep them."""
+    from airquant.engine.moe import sizing
+    from airquant.quant import kernels
+
+    _, straddling = _store(tmp_path / "small", real_tokenizer, "qwen3_moe", "nf4")  # down: 32 inputs, 64-blocks
+    _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4", moe_intermediate_size=64)
+    manifest = load_manifest(store)
+    assert not sizing.fused_prefill(manifest, "cuda") or kernels.triton_available()  # no GPU here: off
+    assert not sizing.fused_prefill(manifest, "cpu")
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    assert sizing.fused_prefill(manifest, "cuda")
+    assert not sizing.fused_prefill(load_manifest(straddling), "cuda")  # the kernels need blocks inside rows
+    entry = next(e for e in manifest.shards.values() if e.experts)
+    num, top_k = entry.experts["num"], entry.experts["top_k"]
+    plain = plan_experts(manifest, 200 * tiny_slot(store), speculate=False)
+    fused = plan_experts(manifest, 200 * tiny_slot(store), speculate=False, fused=True)
+    assert (fused.gather_bytes, fused.decode_bytes) == (0, 0) and plain.gather_bytes > 0 and plain.decode_bytes > 0
+    assert fused.call_tokens == sizing.fused_chunk_tokens(num, top_k) == 32 * num // top_k
+    assert fused.arena_bytes <= plain.arena_bytes and fused.cache >= plain.cache
+    assert "prefill by the fused kernels" in fused.describe() and "GB, stacked decode" not in fused.describe()
+    monkeypatch.setattr(sizing.expert_compute, "FUSED", False)
+    assert not sizing.fused_prefill(manifest, "cuda")
+    monkeypatch.setattr(sizing.expert_compute, "FUSED", True)
+    _, int2 = _store(tmp_path / "int2", real_tokenizer, "qwen3_moe", "int2")
+    assert not sizing.fused_prefill(load_manifest(int2), "cuda")
+
+
 def test_host_arrangement_makes_each_expert_and_the_layer_copy_one_range(tmp_path, real_tokenizer):
     """The arranged RAM tier holds each expert's pool-slot image in one range, and the layer copy's tensors
     packed as the device slot holds them: the same bytes the file-order copies would have moved."""

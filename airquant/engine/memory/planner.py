@@ -343,7 +343,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
         whole.reasons.append(choice.why)
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
         return whole
-    sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0)
+    sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0, budgets.vram_bytes is not None)
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
         return replace(whole, experts=sizing)
     arena = sizing.arena_bytes
@@ -461,12 +461,14 @@ def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     if not gpu or not expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size) or \
             experts_choice(manifest, wl, gpu).host:
         return 0
-    sizing = _size_pool(manifest, wl, None)
+    sizing = _size_pool(manifest, wl, None, gpu)
     return sizing.work * sizing.slot_bytes
 
 
-def _size_pool(manifest: Manifest, wl: Workload, spare: int | None) -> expert_plan.ExpertPlan:
+def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, gpu: bool = True) -> expert_plan.ExpertPlan:
+    """The expert pool's sizes; on a GPU whose routed prefills take the fused kernels from the slots
+    (``expert_plan.fused_prefill``) without the gather and the stacked decode."""
     run = wl.engine
     return expert_plan.plan_experts(manifest, spare, cache_bytes=wl.expert_cache_bytes, policy=run.expert_policy,
-                                    speculate=run.expert_prefetch,
+                                    speculate=run.expert_prefetch, fused=gpu and expert_plan.fused_prefill(manifest, "cuda"),
                                     tokens=run.batch_size * (run.context or DEFAULT_CONTEXT))

@@ -109,6 +109,18 @@ class ExpertMatrices:
     def compute_bytes(self, width: int, cap: int | None = None) -> int:
         return self.call_tokens(width, cap) * self.token_bytes(width)
 
+    @property
+    def all_quantized(self) -> bool:
+        return bool(self.quantized) and all(self.quantized)
+
+    def fused_bytes(self, width: int, tokens: int) -> int:
+        """Device bytes of one fused call of ``tokens`` tokens over the pool (``run_fused``, grouped): per
+        (token, expert) pair its (gate/)up row and the activation's temporaries (twice the first matrix's
+        outputs), the down product's fp32 row and its weighted sum (twice the last matrix's outputs in fp32),
+        and the sorted pairs' indices (``ROW_INDEX_BYTES``)."""
+        first, last = self.shapes[0][0], self.shapes[-1][0]
+        return tokens * self.top_k * (2 * first * width + 2 * last * 4 + ROW_INDEX_BYTES)
+
     def chunk_experts(self, width: int) -> int:
         """Experts whose stacked dense weights are decoded at once (``GROUPED_BYTES``)."""
         per = sum(a * b for (a, b), q in zip(self.shapes, self.quantized) if q) * width

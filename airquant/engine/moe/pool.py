@@ -31,7 +31,7 @@ from safetensors import safe_open
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.direct import DirectReads
 from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
-from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError
+from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError, fused_chunk_tokens
 from airquant.layout import find_layout, swap_tensor
 from airquant.quant import kernels
 from airquant.store.manifest import Manifest, ShardEntry
@@ -155,6 +155,7 @@ class ExpertPool:
         self.current: int | None = None
         self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
         self._fused_specs: dict[int, tuple | None] = {}
+        self._unplanned: set[int] = set()  # layers warned about: their prefill left the fused path of the plan
         self.stats = {"bytes_copied": 0, "copied": 0, "hits": 0, "routed": 0, "guessed": 0, "guess_used": 0,
                       "guess_bytes": 0}
 
@@ -203,6 +204,15 @@ class ExpertPool:
                 out = self.direct.run(i, module, hidden, index, args[2], src, arranged)
                 if out is not None:
                     return out
+        if len(args) == 3 and not kwargs and hidden.dim() == 2 and hidden.shape[0] > expert_compute.FUSED_TOKENS:
+            out = self._run_fused_chunks(i, module, hidden, index, args[2])
+            if out is not None:
+                return out
+            if self.plan.fused and i not in self._unplanned:  # the plan left no room for the gather path
+                self._unplanned.add(i)
+                log.warning("layer %d: its prefill does not take the fused expert kernels the plan counted on; "
+                            "it gathers and decodes its experts beyond the planned VRAM (--experts whole avoids "
+                            "this)", i)
         guess = self._guess(i + 1, hidden) if self.plan.speculate else None
         # The one host read of a few-row call: its routing (and guess) at once; run_gemv takes the routing.
         # A larger call reads only its distinct experts (a long prefill's every id would be a long host list).
@@ -232,8 +242,12 @@ class ExpertPool:
     def _fused(self, i: int, module, hidden: torch.Tensor) -> tuple | None:
         """Layer i's ``FusedExperts`` and its operands over the pool (decided once per layer), where its kernels
         can run on ``hidden``."""
-        if not expert_compute.FUSED or hidden.numel() > expert_compute.FUSED_TOKENS * hidden.shape[-1] or \
-                not expert_compute.fused_runs_on(hidden):
+        if hidden.numel() > expert_compute.FUSED_TOKENS * hidden.shape[-1]:
+            return None
+        return self._fused_spec(i, module, hidden)
+
+    def _fused_spec(self, i: int, module, hidden: torch.Tensor) -> tuple | None:
+        if not expert_compute.FUSED or not expert_compute.fused_runs_on(hidden):
             return None
         if i not in self._fused_specs:
             layer = self.layers[i]
@@ -255,6 +269,39 @@ class ExpertPool:
                                        self.plan.slots)
         self._mark_read(slot_of.values())
         return out
+
+    def _run_fused_chunks(self, i: int, module, hidden: torch.Tensor, index: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor | None:
+        """A many-row call (a prefill) by the fused grouped kernels straight from the slots, in chunks of tokens
+        that route at most ``FUSED_WHOLE_ROWS`` rows an expert on average (each 16-row block decodes its expert's
+        tile again: expert_compute): no gather into packed tensors and no stacked dense decode, whose device bytes
+        the plan then leaves to the expert cache (``sizing.plan_experts`` ``fused``). NF4 only (the other formats
+        have no grouped kernel). None where the layer's kernels do not apply or the call routes an id without stored bytes (the caller's path runs it). Each
+        chunk reads its distinct experts to the host (one sync), brings them into the pool and maps each pair
+        to its slot on the device."""
+        fused = self._fused_spec(i, module, hidden)
+        if fused is None or fused[0].max_tokens is not None:  # NF4's grouped kernel; int2, GPTQ, AWQ have none
+            return None
+        layer = self.layers[i]
+        num, top_k = len(layer.ranges), index.shape[-1]
+        if bool((index >= num).any()):
+            return None
+        spec, operands = fused
+        step = fused_chunk_tokens(num, top_k)
+        outs = []
+        for a in range(0, hidden.shape[0], step):
+            part = index[a:a + step]
+            union = torch.unique(part).tolist()  # sorted: the chunk's one host read
+            slots = self._acquire(i, layer, union)
+            lut = torch.zeros(num, dtype=torch.int32)
+            lut[torch.tensor(union, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)
+            if self.ops is not None:
+                lut = lut.pin_memory().to(self.device, non_blocking=True)
+            self._wait_ready(slots)
+            outs.append(expert_compute.run_fused(spec, module, operands, hidden[a:a + step], lut[part.long()],
+                                                 weights[a:a + step], self.plan.slots))
+            self._mark_read(slots)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _wait_ready(self, slots) -> None:
         """The compute stream waits for the copies into ``slots`` (no host block)."""

@@ -63,6 +63,7 @@ class ExpertPlan:
     policy: Policy = "lfu"
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
+    fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
 
     @property
     def slots(self) -> int:
@@ -86,8 +87,9 @@ class ExpertPlan:
     def describe(self) -> str:
         return (f"experts   : routed; pool {self.slots} slots x {self.slot_bytes / 1e6:.1f} MB = "
                 f"{self.pool_bytes / GB:.2f} GB ({self.work} working + {self.cache} cache, {self.policy.upper()}), "
-                f"gather {self.gather_bytes / GB:.2f} GB, stacked decode {self.decode_bytes / GB:.2f} GB, "
-                f"expert compute {self.compute_bytes / GB:.2f} GB ({self.call_tokens} tokens a call), "
+                + ("prefill by the fused kernels from the slots (no gather, no stacked decode), " if self.fused else
+                   f"gather {self.gather_bytes / GB:.2f} GB, stacked decode {self.decode_bytes / GB:.2f} GB, ")
+                + f"expert compute {self.compute_bytes / GB:.2f} GB ({self.call_tokens} tokens a call), "
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
@@ -334,14 +336,49 @@ def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
     return batch
 
 
+def fused_chunk_tokens(num: int, top_k: int) -> int:
+    """Tokens of one chunk of a many-row routed call run by the fused grouped kernels over the pool
+    (``pool._run_fused_chunks``): at most ``FUSED_WHOLE_ROWS`` rows an expert on average, where each 16-row block
+    still decodes its expert's tile about once (Qwen3-30B-A3B: 512 tokens, Mixtral-8x7B: 128)."""
+    return max(1, expert_compute.FUSED_WHOLE_ROWS * num // max(top_k, 1))
+
+
+def fused_prefill(manifest: Manifest, device: str) -> bool:
+    """Whether a routed run's many-row calls (prefills) take the fused grouped kernels straight from the pool's
+    slots (``pool._run_fused_chunks``), so that the plan holds no gather and no stacked decode for them: NF4
+    experts of exactly a (gate/)up and a down matrix with blocks inside rows and no dense expert tensor, in
+    every MoE layer, on a GPU where Triton runs (``expert_compute.FUSED``). A layer whose module turns out not to
+    qualify at run time (a post-expert norm) takes the gather path anyway, beyond the plan."""
+    from airquant.quant import kernels
+    from airquant.quant.nf4 import NF4Linear
+
+    if device != "cuda" or not expert_compute.FUSED or not kernels.triton_available():
+        return False
+    moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
+    for entry in moe:
+        module = experts_module(tuple(entry.experts["tensors"]))
+        ones = []
+        for name, meta in entry.modules.items():
+            if "experts" in meta and name.startswith(f"{module}."):
+                out_f, in_f = meta["shape"]
+                with torch.device("meta"):
+                    ones.append(make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16))
+        if len(ones) != 2 or not all(isinstance(o, NF4Linear) and o.in_features % o.blocksize == 0 for o in ones) \
+                or len({(o.blocksize, o.double_quant) for o in ones}) != 1 or not expert_matrices(entry).all_quantized:
+            return False
+    return bool(moe)
+
+
 def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: int | None = None,
                  policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
-                 tokens: int | None = None) -> ExpertPlan:
+                 tokens: int | None = None, fused: bool = False) -> ExpertPlan:
     """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
     routes them, plus one speculated batch), and ``cache`` slots from ``cache_bytes`` or, when None, from
     the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
     terms are for a ``width``-byte compute dtype on a ``device`` (``expert_compute.DECODE_TEMP_PER_ELEM``), and
-    calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get)."""
+    calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get).
+    ``fused`` (``fused_prefill``): many-row calls run by the fused kernels from the slots in chunks
+    (``fused_chunk_tokens``), so no gather and no stacked decode; compute is a chunk's intermediates."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if not moe:
         raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
@@ -354,10 +391,17 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     shapes = [expert_matrices(e) for e in moe]
     # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
     # and the intermediates of one grouped call of at most call_tokens tokens.
-    decode = max(m.decode_bytes(e.experts["num"], width, device) for m, e in zip(shapes, moe))
     caps = [min(c, tokens) if c and tokens else c or tokens for c in map(call_cap, moe)]
-    compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
-    tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
+    if fused:
+        gather = decode = 0
+        chunks = [min(fused_chunk_tokens(e.experts["num"], e.experts["top_k"]), cap or MLP_CHUNK_TOKENS)
+                  for e, cap in zip(moe, caps)]
+        compute = max(m.fused_bytes(width, chunk) for m, chunk in zip(shapes, chunks))
+        tokens = min(chunks)
+    else:
+        decode = max(m.decode_bytes(e.experts["num"], width, device) for m, e in zip(shapes, moe))
+        compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
+        tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
     total = sum(e.experts["num"] for e in moe)
     if cache_bytes is not None:
         cache = cache_bytes // slot
@@ -367,7 +411,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
         cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
     return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
-                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate)
+                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate, fused=fused)
 
 
 def call_cap(entry: ShardEntry) -> int | None:
