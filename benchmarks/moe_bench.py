@@ -397,6 +397,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # call, the A/B since.
     **direct_pair("fusednorm", fused_norm=True),
     **direct_pair("eagernorm", fused_norm=False),
+    # Routed prefills gathered and decoded stacked, the plan holding both (expert_compute.FUSED_PREFILL off), against
+    # the default since wave3_moe25: the grouped kernel from the pool's slots, that VRAM left to the hot set.
+    **direct_pair("stackedprefill", fused_prefill=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -468,7 +471,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
                         "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
                         "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
-                        "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", *HOST_CASES),
+                        "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
+                        "lfu_direct_r1_stackedprefill", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -477,7 +481,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
-            "fused_norm": (norms_mod, "FUSED_RMS_NORM")}
+            "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)
@@ -697,7 +701,10 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # Keys that read their newest run's row (then the first case of it): the no-cache default path's. Its huge-page RAM
 # tier (engine/streamer HUGE_PAGES) became the default after wave3_moe19, whose ``nocache_direct`` rows ran on 4 KB
 # pages and ``nocache_direct_huge`` on what is now the default; a later ``nocache_direct`` row is the default again.
-NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases is NOCACHE_DEFAULT}
+# The hot set's keys too since wave3_moe25: the default plan changed under ``lfu_direct_r1`` (routed prefills by the
+# fused kernels from the slots hold no gather and no stacked decode, so the dense parts stay in VRAM beside a larger
+# hot set), and the ``*_fusednorm`` rows of before measured the plan of then.
+NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 # Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM,
 # ``norms_of``) where there are any. The fused norms became the default after wave3_moe23: the ``*_fusednorm``
 # rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers' own.

@@ -65,8 +65,8 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
     for mode in ("routed", "whole", "routed_chunks"):
         # routed_chunks: a prefill's fused calls in chunks of a few tokens (pool._run_fused_chunks), each
         # chunk's experts brought into the slots on their own
-        rows, expert_compute.FUSED_WHOLE_ROWS = expert_compute.FUSED_WHOLE_ROWS, \
-            1 if mode == "routed_chunks" else expert_compute.FUSED_WHOLE_ROWS
+        rows, expert_compute.POOL_CHUNK_ROWS = expert_compute.POOL_CHUNK_ROWS, \
+            1 if mode == "routed_chunks" else expert_compute.POOL_CHUNK_ROWS
         engine = Engine.open(folder / "store", device="cpu", experts=mode.split("_")[0], resident_layers=0,
                              expert_cache_gb=0.0 if mode == "routed_chunks" else None)
         counts = {"fused": 0}
@@ -80,7 +80,7 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
         tokens, logits = decode(engine, 4)
         expert_compute.run_fused, expert_compute.FUSED = real, False
         want_tokens, want_logits = decode(engine, 4)
-        expert_compute.FUSED, expert_compute.FUSED_WHOLE_ROWS = True, rows
+        expert_compute.FUSED, expert_compute.POOL_CHUNK_ROWS = True, rows
         moe_layers = sum(1 for e in engine.manifest.shards.values() if e.experts)
         engine.close()
         scale = want_logits.abs().max().item()
@@ -126,10 +126,55 @@ def check_direct(store: Path) -> dict:
             "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item()}
 
 
+def check_blocks(double_quant: bool, device: str = "cpu") -> dict:
+    """The grouped NF4 kernels (``nf4_moe.up``/``down`` over stacked buffers) at every block width a call may take
+    (``nf4_moe.block_rows``: 16, 64, 128 rows of one expert a block) against the dense product of the decoded
+    experts, fp32: 40 tokens routed to 2 of 4 experts (20 rows an expert on average, 33 at most here)."""
+    from airquant.quant.experts import ExpertWeights, quantize_experts
+    from airquant.quant.kernels import nf4_moe
+
+    torch.manual_seed(0)
+    experts, hidden, inter, tokens, top_k = 4, 64, 128, 40, 2
+    mats = {}
+    for name, (n, k) in (("up", (2 * inter, hidden)), ("down", (hidden, inter))):
+        tensors, meta = quantize_experts(QuantSpec(method="nf4", double_quant=double_quant),
+                                         torch.randn(experts, n, k) * 0.1, transposed=False)
+        with torch.device("meta"):
+            module = ExpertWeights(meta, compute_dtype=torch.float32)
+        module.load_state_dict(tensors, assign=True)
+        module.to(device)
+        mats[name] = (module, nf4_moe.stacked_operand({s: getattr(module, s) for s in module.suffixes}, n, k,
+                                                      module.one[0].blocksize, double_quant))
+    x = torch.randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    ids[:30, 0] = 1  # one expert with more rows than a 16-row block
+    ids[:30, 1] = torch.where(ids[:30, 1] == 1, 2, ids[:30, 1])
+    weights = torch.softmax(torch.randn(tokens, top_k), -1)
+    x, ids, weights = x.to(device), ids.to(device), weights.to(device)
+    up_w, down_w = (mats[m][0].stacked() for m in ("up", "down"))  # [E, n, k] decoded
+    h_ref = torch.stack([torch.stack([up_w[ids[t, j]] @ x[t] for j in range(top_k)]) for t in range(tokens)])
+    h_ref = h_ref.reshape(tokens * top_k, -1)
+    act = h_ref[:, :inter].contiguous()  # the down projection's input: any [P, inter] rows
+    out_ref = torch.stack([sum(weights[t, j] * (down_w[ids[t, j]] @ act[t * top_k + j]) for j in range(top_k))
+                           for t in range(tokens)])
+    row = {"double_quant": double_quant}
+    for width in (nf4_moe.BLOCK_M, *nf4_moe.BLOCK_M_WIDE):
+        pairs = nf4_moe.sort_pairs(ids, experts, width)
+        h = nf4_moe.up(x, ids, mats["up"][1], pairs)
+        out = nf4_moe.down(act, ids, weights, mats["down"][1], torch.float32, pairs)
+        row[str(width)] = {"up": (h - h_ref).abs().max().item() / h_ref.abs().max().item(),
+                           "down": (out - out_ref).abs().max().item() / out_ref.abs().max().item()}
+    row["chosen"] = [nf4_moe.block_rows(r) for r in (1, 16, 17, 64, 65, 128, 500)]
+    return row
+
+
 if __name__ == "__main__":
     tokenizer_dir = sys.argv[1]
-    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2, TYPE:gptq or TYPE:awq
+    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2, TYPE:gptq, TYPE:awq; blocks[:dq]
         model_type, _, option = spec.partition(":")
+        if model_type == "blocks":
+            print(json.dumps(check_blocks(option == "dq")), flush=True)
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(check(model_type, Path(tmp), tokenizer_dir, option == "dq",
                                    option if option in ("int2", "gptq", "awq") else "nf4")), flush=True)

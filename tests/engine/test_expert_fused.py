@@ -59,6 +59,34 @@ def test_fused_decode_equals_the_per_expert_decode():
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
 
 
+def test_grouped_kernel_blocks_of_every_width_equal_the_dense_product():
+    """The grouped NF4 kernels at 16, 64 and 128 rows of one expert a block (``nf4_moe.block_rows``: the widest
+    that a call's rows an expert need, so a prefill decodes each expert's tile about once) give the dense
+    product of the decoded experts, plain and double-quant absmax; the width follows the rows."""
+    from airquant.engine.moe import compute as expert_compute
+    from airquant.quant.kernels import nf4_moe
+
+    assert nf4_moe.BLOCK_M_WIDE[-1] == expert_compute.POOL_CHUNK_ROWS  # the pool's chunks fill the widest block
+    rows = _interpreted("blocks", "blocks:dq", timeout=300)
+    assert [r["double_quant"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["chosen"] == [16, 16, 64, 64, 128, 128, 128], r
+        for width in ("16", "64", "128"):
+            assert r[width]["up"] <= 1e-5 and r[width]["down"] <= 1e-5, r
+
+
+@pytest.mark.gpu
+def test_cuda_grouped_kernel_blocks_of_every_width_equal_the_dense_product():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tests.engine.fused_experts_check import check_blocks
+
+    for double_quant in (False, True):
+        r = check_blocks(double_quant, "cuda")
+        for width in ("16", "64", "128"):  # fp32 inputs: IEEE products
+            assert r[width]["up"] <= 1e-5 and r[width]["down"] <= 1e-5, r
+
+
 @pytest.mark.parametrize("method, types", [
     pytest.param("int2", ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"), marks=pytest.mark.slow),
     ("gptq", ("qwen3_moe", "mixtral")), ("awq", ("qwen3_moe",))])

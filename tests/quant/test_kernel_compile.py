@@ -125,20 +125,22 @@ _NF4 = {"x_ptr": "X", "out_ptr": "X", "bias_ptr": "X", "weights_ptr": "X", "w_pt
         "na_ptr": "fp32", "nqm_ptr": "fp32", "noff_ptr": "fp32", "qm_ptr": "fp32"}
 
 
-def _nf4_moe(grouped: bool, down: bool) -> Kernel:
-    """The fused routed-expert kernels (double-quant NF4, blocksize 64, Qwen3-30B-A3B's down projection K)."""
+def _nf4_moe(grouped: bool, down: bool, block_m: int = nf4_moe.BLOCK_M) -> Kernel:
+    """The fused routed-expert kernels (double-quant NF4, blocksize 64, Qwen3-30B-A3B's down projection K); the
+    grouped one at each block width a call may take (``nf4_moe.block_rows``)."""
     fixed = {"K": 768, "TOP_K": 8, "DOWN": down, "HAS_BIAS": True, "DOUBLE": True, "BS": 64, "BLOCK_N": 64}
     if grouped:
-        return Kernel(f"nf4_moe_grouped_{'down' if down else 'up'}", lambda: nf4_moe._grouped_kernel,
+        return Kernel(f"nf4_moe_grouped_{'down' if down else 'up'}_m{block_m}", lambda: nf4_moe._grouped_kernel,
                       {**_NF4, "out_ptr": "fp32" if down else "X", "rows_ptr": "i64", "experts_ptr": "i64"},
-                      lambda x: {**fixed, "IEEE": x == "fp32", "BLOCK_M": nf4_moe.BLOCK_M, "BLOCK_K": 64},
+                      lambda x: {**fixed, "IEEE": x == "fp32", "BLOCK_M": block_m, "BLOCK_K": 64},
                       {"num_warps": 4, "num_stages": nf4_moe.GROUPED_STAGES})
     return Kernel(f"nf4_moe_gemv_{'down' if down else 'up'}", lambda: nf4_moe._gemv_kernel,
                   {**_NF4, "ids_ptr": "i32"}, lambda x: {**fixed, "BLOCK_N": 32, "BLOCK_K": 256})
 
 
 KERNELS = [
-    _nf4_moe(False, False), _nf4_moe(False, True), _nf4_moe(True, False), _nf4_moe(True, True),
+    _nf4_moe(False, False), _nf4_moe(False, True),
+    *(_nf4_moe(True, down, m) for m in (nf4_moe.BLOCK_M, *nf4_moe.BLOCK_M_WIDE) for down in (False, True)),
     Kernel("uva_gather", lambda: uva_copy._gather_kernel, {"src_ptr": "u8", "dst_ptr": "u8", "table_ptr": "i64"},
            lambda x: {"CHUNK": uva_copy.CHUNK, "BLOCK": uva_copy.BLOCK}),
     Kernel("int2_gemv", lambda: int2_triton._int2_gemv_kernel, {**_INT2_PTRS, "y_ptr": "fp32"},

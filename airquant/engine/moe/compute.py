@@ -69,6 +69,14 @@ FUSED_SCHEMES = ("nf4", "int2", "gptq", "awq")
 # that is 0.92 of the link, at ~124 (Mixtral, batch 498) it decoded every expert 8 times over, 2.33 s a step
 # against 0.48 s for one bitsandbytes decode and a grouped matmul per expert (H200, moe_bench max_batch_device).
 FUSED_WHOLE_ROWS = 32
+# Routed many-row calls (prefills) of NF4 experts by the grouped kernel from the pool's slots in chunks
+# (pool._run_fused_chunks), and a GPU plan without the gather and the stacked decode for them
+# (sizing.fused_prefill); False: gathered into packed tensors and decoded stacked (the A/B).
+FUSED_PREFILL = True
+# Rows an expert may have on average in one chunk of a routed many-row call run by the fused grouped kernels from
+# the pool's slots (pool._run_fused_chunks): the widest grouped block (quant/kernels/nf4_moe ``BLOCK_M_WIDE``), so
+# that each block decodes its expert's tile about once.
+POOL_CHUNK_ROWS = 128
 # Per routed (token, expert) row of transformers' grouped forward: int64 expert ids, sort order, its inverse,
 # the token ids and this module's masks; the dense rows are counted by ``ExpertMatrices.token_bytes``.
 ROW_INDEX_BYTES = 48
@@ -120,6 +128,10 @@ class ExpertMatrices:
         and the sorted pairs' indices (``ROW_INDEX_BYTES``)."""
         first, last = self.shapes[0][0], self.shapes[-1][0]
         return tokens * self.top_k * (2 * first * width + 2 * last * 4 + ROW_INDEX_BYTES)
+
+    def fused_call_tokens(self, width: int) -> int:
+        """Tokens one fused call takes within ``COMPUTE_BYTES`` (``fused_bytes``)."""
+        return max(1, COMPUTE_BYTES // max(1, self.fused_bytes(width, 1)))
 
     def chunk_experts(self, width: int) -> int:
         """Experts whose stacked dense weights are decoded at once (``GROUPED_BYTES``)."""
@@ -442,12 +454,13 @@ def fused_experts(module, names: tuple[str, ...] | None = None, dtypes: tuple | 
 
 
 def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor, experts: int) -> torch.Tensor:
+              weights: torch.Tensor, experts: int, routed: int | None = None) -> torch.Tensor:
     """transformers' grouped experts forward on ``hidden`` [T, H] for the pairs (token, k) whose experts are
     ``ids`` [T, k] (indices into ``operands``' ``experts``: pool slots or the module's experts), weighted by
     ``weights`` [T, k]: the (gate/)up matrix of every pair in one launch, the module's own gating, then the
     down matrix, weighting and sum in another (GEMV for few tokens; above, pairs sorted into per-expert blocks
-    of a grouped tensor-core product, on the device)."""
+    of a grouped tensor-core product, on the device, as wide as the routed experts' rows on average: ``routed``
+    experts of ``experts``, where the caller knows how many)."""
     up_op, down_op = operands
     if spec.scheme in ("gptq", "awq"):
         from airquant.quant.kernels import gptq_moe
@@ -461,7 +474,8 @@ def run_fused(spec: FusedExperts, module, operands: tuple, hidden: torch.Tensor,
         return int2_moe.down_int2(h, ids, weights, down_op, hidden.dtype)  # [T, H]
     from airquant.quant.kernels import nf4_moe
 
-    sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(ids, experts)
+    sorted_pairs = None if hidden.shape[0] <= nf4_moe.GEMV_ROWS else nf4_moe.sort_pairs(
+        ids, experts, nf4_moe.block_rows(ids.numel() / max(1, min(routed or experts, ids.numel()))))
     h = activate(module, nf4_moe.up(hidden, ids, up_op, sorted_pairs), spec.gated)  # [T * k, I]
     return nf4_moe.down(h, ids, weights, down_op, hidden.dtype, sorted_pairs)  # [T, H]
 

@@ -273,13 +273,13 @@ class ExpertPool:
     def _run_fused_chunks(self, i: int, module, hidden: torch.Tensor, index: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor | None:
         """A many-row call (a prefill) by the fused grouped kernels straight from the slots, in chunks of tokens
-        that route at most ``FUSED_WHOLE_ROWS`` rows an expert on average (each 16-row block decodes its expert's
-        tile again: expert_compute): no gather into packed tensors and no stacked dense decode, whose device bytes
+        that route at most ``POOL_CHUNK_ROWS`` rows an expert on average (the widest grouped block: each block
+        decodes its expert's tile again) and within the plan's ``call_tokens``: no gather into packed tensors and no stacked dense decode, whose device bytes
         the plan then leaves to the expert cache (``sizing.plan_experts`` ``fused``). NF4 only (the other formats
         have no grouped kernel). None where the layer's kernels do not apply or the call routes an id without stored bytes (the caller's path runs it). Each
         chunk reads its distinct experts to the host (one sync), brings them into the pool and maps each pair
         to its slot on the device."""
-        fused = self._fused_spec(i, module, hidden)
+        fused = self._fused_spec(i, module, hidden) if expert_compute.FUSED_PREFILL else None
         if fused is None or fused[0].max_tokens is not None:  # NF4's grouped kernel; int2, GPTQ, AWQ have none
             return None
         layer = self.layers[i]
@@ -287,7 +287,7 @@ class ExpertPool:
         if bool((index >= num).any()):
             return None
         spec, operands = fused
-        step = fused_chunk_tokens(num, top_k)
+        step = min(fused_chunk_tokens(num, top_k), self.plan.call_tokens or hidden.shape[0])
         outs = []
         for a in range(0, hidden.shape[0], step):
             part = index[a:a + step]
@@ -299,7 +299,7 @@ class ExpertPool:
                 lut = lut.pin_memory().to(self.device, non_blocking=True)
             self._wait_ready(slots)
             outs.append(expert_compute.run_fused(spec, module, operands, hidden[a:a + step], lut[part.long()],
-                                                 weights[a:a + step], self.plan.slots))
+                                                 weights[a:a + step], self.plan.slots, len(union)))
             self._mark_read(slots)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -338,9 +338,10 @@ def first_whole_batch(mode: ExpertsMode, manifest: Manifest) -> int | None:
 
 def fused_chunk_tokens(num: int, top_k: int) -> int:
     """Tokens of one chunk of a many-row routed call run by the fused grouped kernels over the pool
-    (``pool._run_fused_chunks``): at most ``FUSED_WHOLE_ROWS`` rows an expert on average, where each 16-row block
-    still decodes its expert's tile about once (Qwen3-30B-A3B: 512 tokens, Mixtral-8x7B: 128)."""
-    return max(1, expert_compute.FUSED_WHOLE_ROWS * num // max(top_k, 1))
+    (``pool._run_fused_chunks``): at most the widest grouped block's rows an expert on average
+    (``expert_compute.POOL_CHUNK_ROWS``), so that each block decodes its expert's tile about once (Qwen3-30B-A3B:
+    2048 tokens, Mixtral-8x7B: 512); the plan bounds a chunk's intermediates further (``plan_experts``)."""
+    return max(1, expert_compute.POOL_CHUNK_ROWS * num // max(top_k, 1))
 
 
 def fused_prefill(manifest: Manifest, device: str) -> bool:
@@ -352,7 +353,8 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
     from airquant.quant import kernels
     from airquant.quant.nf4 import NF4Linear
 
-    if device != "cuda" or not expert_compute.FUSED or not kernels.triton_available():
+    if device != "cuda" or not (expert_compute.FUSED and expert_compute.FUSED_PREFILL) or \
+            not kernels.triton_available():
         return False
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     for entry in moe:
@@ -394,8 +396,8 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     caps = [min(c, tokens) if c and tokens else c or tokens for c in map(call_cap, moe)]
     if fused:
         gather = decode = 0
-        chunks = [min(fused_chunk_tokens(e.experts["num"], e.experts["top_k"]), cap or MLP_CHUNK_TOKENS)
-                  for e, cap in zip(moe, caps)]
+        chunks = [min(fused_chunk_tokens(e.experts["num"], e.experts["top_k"]), m.fused_call_tokens(width),
+                      cap or MLP_CHUNK_TOKENS) for m, e, cap in zip(shapes, moe, caps)]
         compute = max(m.fused_bytes(width, chunk) for m, chunk in zip(shapes, chunks))
         tokens = min(chunks)
     else:

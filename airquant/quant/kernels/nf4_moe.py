@@ -41,6 +41,12 @@ from airquant.quant.kernels.tiered import (  # noqa: F401 - BIAS_KINDS, Tiers: t
 BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nested_offset", "quant_map")
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
 BLOCK_M = 16  # rows of one expert a grouped block multiplies (tl.dot's smallest M)
+# Wider blocks for calls whose experts have more rows (a prefill): each block decodes its expert's tile once, so
+# rows past a block's width decode the expert again. The grouped kernel decodes ~156 G NF4 elements a second
+# (Mixtral-8x7B at batch 498 decoded every expert 8 times over in 16-row blocks: 2.33 s a step, H200), so a
+# 137-token Mixtral prefill (34 rows an expert) took 0.90 s in 16-row blocks against 0.49 s gathered and
+# decoded stacked (H100, wave3_moe25).
+BLOCK_M_WIDE = (64, 128)
 # Software-pipelined K steps of the grouped kernel: 3 (Triton's default) needs 110 KB of shared memory for the
 # down projection, over an RTX 30/40's 99 KB per block (tests/quant/test_kernel_compile.py).
 GROUPED_STAGES = 2
@@ -193,25 +199,34 @@ def _tiles(n: int, k: int) -> tuple[int, int]:
     return min(32, triton.next_power_of_2(n)), min(256, max(triton.next_power_of_2(k), 32))
 
 
-def sort_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert into blocks of ``BLOCK_M`` (``rows``: pair ids, -1 where an expert's group is
-    padded) and each block's expert (-1: an unused block): static sizes (at most P / BLOCK_M + experts
-    blocks), so nothing is read back to the host."""
+def block_rows(rows_per_expert: float) -> int:
+    """The grouped blocks' rows for a call whose routed experts have ``rows_per_expert`` rows on average: the
+    narrowest of ``BLOCK_M`` and ``BLOCK_M_WIDE`` that holds them (each block decodes its expert's tile)."""
+    for width in (BLOCK_M, *BLOCK_M_WIDE):
+        if rows_per_expert <= width:
+            return width
+    return BLOCK_M_WIDE[-1]
+
+
+def sort_pairs(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pairs grouped by expert into blocks of ``block_m`` rows (``rows``: pair ids, -1 where an expert's group is
+    padded), each block's expert (-1: an unused block) and ``block_m``: static sizes (at most P / block_m +
+    experts blocks), so nothing is read back to the host."""
     flat = ids.reshape(-1).long()
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts  # of each expert in the sorted pairs
     padded_start = torch.cumsum(padded, 0) - padded
     sorted_experts = flat[order]
     position = padded_start[sorted_experts] + torch.arange(pairs, device=flat.device) - start[sorted_experts]
-    blocks = pairs // BLOCK_M + min(experts, pairs)
-    rows = torch.full((blocks * BLOCK_M,), -1, dtype=torch.int64, device=flat.device)
+    blocks = pairs // block_m + min(experts, pairs)
+    rows = torch.full((blocks * block_m,), -1, dtype=torch.int64, device=flat.device)
     rows[position] = order
     block_experts = torch.full((blocks,), -1, dtype=torch.int64, device=flat.device)
-    block_experts[position // BLOCK_M] = sorted_experts
-    return rows, block_experts
+    block_experts[position // block_m] = sorted_experts
+    return rows, block_experts, block_m
 
 
 def up(x: torch.Tensor, ids: torch.Tensor, op: Operand, sorted_pairs=None) -> torch.Tensor:
@@ -237,14 +252,14 @@ def _run(x, ids, op: Operand, weights, sorted_pairs, down: bool) -> torch.Tensor
     if sorted_pairs is None and pairs // top_k <= GEMV_ROWS and not down:
         out = torch.empty((pairs, op.n), dtype=x.dtype, device=x.device)
         return _launch_gemv(x, out, ids, None, op, top_k, down=False)
-    rows, experts = sorted_pairs
+    rows, experts, block_m = sorted_pairs
     out = torch.empty((pairs, op.n), dtype=torch.float32 if down else x.dtype, device=x.device)
     block_n, block_k = 64, 64
     bias = op.bias_rows(ids)
     grid = (experts.numel(), triton.cdiv(op.n, block_n))
     _grouped_kernel[grid](x, out, bias if bias is not None else out, weights if weights is not None else out, rows,
                           experts, *op.args(), op.n, op.k, top_k, DOWN=down, HAS_BIAS=bias is not None,
-                          DOUBLE=op.double, BS=op.blocksize, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                          DOUBLE=op.double, BS=op.blocksize, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
                           BLOCK_N=block_n, BLOCK_K=block_k,
                           num_warps=4, num_stages=GROUPED_STAGES)
     return out
