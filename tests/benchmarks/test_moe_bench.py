@@ -234,7 +234,7 @@ def test_the_default_path_keys_read_rows_on_the_default_norms(monkeypatch):
     assert target_row(rows, key) is fused
     later = {**_routed(m, "lfu_direct_r1", "2026-12-07T01:00:00", 55.0), "norms": "fused"}  # the default now
     rows[(m, "lfu_direct_r1")] = later
-    assert target_row(rows, key) is fused  # both on the default norms: the case order decides
+    assert target_row(rows, key) is later  # both on the default norms: the newest run's (NEWEST, since wave3_moe25)
     del rows[(m, "lfu_direct_r1_fusednorm")]
     assert target_row(rows, key) is later
     monkeypatch.setattr(norms, "FUSED_RMS_NORM", False)  # no row on the default norms: any row, as before

@@ -231,6 +231,54 @@ def test_dense_parts_stream_where_kept_they_would_starve_the_hot_set(mixtral):
     assert fixed.dense_layers == list(range(8))
 
 
+@pytest.fixture(scope="module")
+def mixtral_nf4(tmp_path_factory, real_tokenizer):
+    """8 layers of NF4 experts the fused kernels take (every matrix's inputs a multiple of the 64-blocks)."""
+    from airquant.models import resolve
+    from airquant.quant import QuantSpec
+    from airquant.store.quantize import make_transform
+    from airquant.store.split import split
+    from tests.zoo import make_model
+
+    root = tmp_path_factory.mktemp("planner-moe-nf4")
+    source = resolve(str(make_model(root / "model", real_tokenizer, "mixtral", layers=8, hidden_size=64,
+                                    intermediate_size=128)))
+    transform, record = make_transform(source, QuantSpec(method="nf4"))
+    split(source, root / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    return root / "store"
+
+
+def test_fused_prefill_gives_the_prefill_arena_to_a_starved_decode(mixtral_nf4, monkeypatch):
+    """On a GPU whose Triton runs the fused kernels, a routed plan whose gather and stacked decode would leave the
+    hot set short of the experts a step routes (so its dense parts would stream) plans the prefill by the fused
+    kernels from the slots instead: no gather, no stacked decode, dense parts kept, a hot set that holds a step,
+    and a ``why`` line; with room for both, the stacked prefill (faster) stays; without Triton, never."""
+    from airquant.engine.moe import sizing
+    from airquant.engine.moe.sizing import CACHE_FRACTION
+    from airquant.quant import kernels
+
+    store, need = mixtral_nf4, 8 * 2  # 8 layers x top-2
+    dense = _dense_of(store)
+    slot = sizing.plan_experts(load_manifest(store), None).slot_bytes
+
+    def budget(slots: int) -> float:
+        return (_floor(store) + sum(dense) + slots * slot / CACHE_FRACTION + MARGIN_MIN_BYTES) / GIB
+
+    tight, roomy = budget(need - 2), budget(need + 4)
+    plain = _plan_of(store, max_vram_gb=tight, resident_layers=0)
+    assert not plain.experts.fused and plain.dense_layers == []  # no Triton here: dense parts streamed
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    fused = _plan_of(store, max_vram_gb=tight, resident_layers=0)
+    assert fused.experts.fused and (fused.experts.gather_bytes, fused.experts.decode_bytes) == (0, 0)
+    assert fused.dense_layers == list(range(8)) and fused.experts.cache >= need
+    assert fused.device_bytes <= Hardware(int(tight * GIB), GIB).plan_vram
+    why = "\n".join(fused.reasons)
+    assert "routed prefills by the fused kernels" in why and "8 dense parts of streamed MoE layers would not stay" in why
+    assert "prefill by the fused kernels" in fused.describe(load_manifest(store).layer_bytes)
+    kept = _plan_of(store, max_vram_gb=roomy, resident_layers=0)
+    assert not kept.experts.fused and kept.experts.gather_bytes > 0 and kept.dense_layers == list(range(8))
+
+
 def test_dense_parts_come_before_resident_whole_layers_and_fill_what_is_left(mixtral):
     """A budget that holds a whole layer beside the routed floor: the whole layer gives way to the dense parts
     (each read every step); a budget with room for some dense parts only keeps those that fit, in layer order."""

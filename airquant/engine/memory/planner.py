@@ -343,9 +343,49 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
         whole.reasons.append(choice.why)
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
         return whole
-    sizing = _size_pool(manifest, wl, None if budgets.vram_bytes is None else 0, budgets.vram_bytes is not None)
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
-        return replace(whole, experts=sizing)
+        return replace(whole, experts=_size_pool(manifest, wl, None))
+    placed = _place_pool(manifest, budgets, fixed, streamed, wl, whole, choice, fused=False)
+    if expert_plan.fused_prefill(manifest, "cuda"):
+        why = _starved(manifest, wl, placed) if placed.experts_fit else "the expert arena would not fit"
+        if why:
+            fused = _place_pool(manifest, budgets, fixed, streamed, wl, whole, choice, fused=True)
+            if fused.experts_fit:
+                fused.reasons.append(f"routed prefills by the fused kernels from the expert slots: with the gather "
+                                     f"and the stacked decode planned, {why} (a prefill then decodes each expert "
+                                     "in its own tiles, slower than stacked)")
+                return fused
+    return placed
+
+
+def _starved(manifest: Manifest, wl: Workload, placed: StreamPlan) -> str | None:
+    """What the decode loses to a routed plan's prefill arena (the gather and the stacked decode), or None: a
+    dense part of a streamed routed layer not kept in VRAM, or an expert hot set (planner-sized) smaller than the
+    experts one step routes. Only then does the plan give the arena's bytes to the decode and run prefills by
+    the fused kernels from the slots (``expert_plan.fused_prefill``).
+
+    Why not always: those kernels decode each expert's tiles inside the product, at ~100-160 G NF4 elements a
+    second, where the stacked path decodes an expert once at bitsandbytes' speed and multiplies with cuBLAS.
+    H100, moe_bench batch 1, hot set (wave3_moe26): Qwen3-30B-A3B under 4 GB prefilled 1024 tokens in 0.72 s
+    against 0.26, but decoded at 0.0178 s a step against 0.0263 (its dense parts and a 707-expert hot set in
+    VRAM, against the dense parts streamed and 238 experts); Mixtral-8x7B under 15 GB, whose stacked plan kept
+    its dense parts and 85 cached experts, decoded alike (0.0336 / 0.0337 s) and prefilled 128 tokens in 0.92 s
+    against 0.40."""
+    routed = [i for i in expert_plan.routed_layers(manifest, placed.tiers) if placed.tiers[i] == "ram"]
+    if wl.engine.dense_resident and not placed.kv_offload and len(placed.dense_layers) < len(routed):
+        return f"{len(routed) - len(placed.dense_layers)} dense parts of streamed MoE layers would not stay in VRAM"
+    need = routed_per_step(manifest, expert_plan.routed_layers(manifest, placed.tiers), wl.engine.batch_size)
+    if wl.expert_cache_bytes is None and placed.experts.cache < need:
+        return f"the expert hot set would hold {placed.experts.cache} experts, fewer than the {need} a step routes"
+    return None
+
+
+def _place_pool(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int], wl: Workload,
+                whole: StreamPlan, choice, fused: bool) -> StreamPlan:
+    """The layers placed around a routed run's expert arena on a GPU (``fused``: prefills by the fused kernels
+    from the slots, no gather and no stacked decode planned)."""
+    layers = manifest.layer_bytes
+    sizing = _size_pool(manifest, wl, 0, fused)
     arena = sizing.arena_bytes
     try:
         placed = plan_layers(layers, fixed, replace(budgets, vram_bytes=budgets.vram_bytes - arena),
@@ -356,11 +396,12 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
         streaming = placed
         placed = _dense_resident(manifest, placed, fixed, budgets, arena, streamed)
         if wl.expert_cache_bytes is None and placed.dense_layers:
-            placed = _dense_or_hot_set(manifest, wl, budgets, streaming, placed)
+            placed = _dense_or_hot_set(manifest, wl, budgets, streaming, placed, fused)
     if wl.expert_cache_bytes is None:  # the cache takes what the resident layers leave
         left = budgets.vram_bytes - placed.device_bytes
-        sizing = _size_pool(manifest, wl, left)
+        sizing = _size_pool(manifest, wl, left, fused)
         arena = sizing.arena_bytes
+    placed = replace(placed, reasons=list(placed.reasons))  # its own list: the unfused plan's stays as it was
     placed.reasons.append(choice.why)
     placed.reasons.append(f"expert arena {sizing.work} working + {sizing.cache} cache slots and gather "
                           f"({arena / GB:.2f} GB) planned inside the VRAM budget, before resident layers")
@@ -414,7 +455,7 @@ def routed_per_step(manifest: Manifest, routed: dict, batch: int) -> int:
 
 
 def _dense_or_hot_set(manifest: Manifest, wl: Workload, budgets: Budgets, streaming: StreamPlan,
-                      kept: StreamPlan) -> StreamPlan:
+                      kept: StreamPlan, fused: bool = False) -> StreamPlan:
     """``kept`` (dense parts in VRAM) where the expert hot set the planner then sizes still holds every expert one
     step routes; else ``streaming`` (dense parts streamed) with the hot set the larger by their bytes.
 
@@ -424,10 +465,10 @@ def _dense_or_hot_set(manifest: Manifest, wl: Workload, budgets: Budgets, stream
     0.0295 s a step; streamed, 369 slots, hit 0.68, 0.0203 s (a step routes 384). Without a cache, 0.0353 s against
     0.0356: kept dense parts only pay where they take nothing from the hot set."""
     need = routed_per_step(manifest, expert_plan.routed_layers(manifest, kept.tiers), wl.engine.batch_size)
-    slots = _size_pool(manifest, wl, budgets.vram_bytes - kept.device_bytes).cache
+    slots = _size_pool(manifest, wl, budgets.vram_bytes - kept.device_bytes, fused).cache
     if slots >= need:
         return kept
-    grown = _size_pool(manifest, wl, budgets.vram_bytes - streaming.device_bytes).cache
+    grown = _size_pool(manifest, wl, budgets.vram_bytes - streaming.device_bytes, fused).cache
     why = (f"MoE dense parts streamed: kept in VRAM ({kept.dense_bytes / GB:.2f} GB) they would leave the expert hot "
            f"set {slots} slots, fewer than the {need} experts a step routes; streamed, it holds {grown}")
     return replace(streaming, reasons=[*streaming.reasons, why])
@@ -461,14 +502,14 @@ def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     if not gpu or not expert_plan.use_routed(wl.engine.experts, manifest, True, wl.engine.batch_size) or \
             experts_choice(manifest, wl, gpu).host:
         return 0
-    sizing = _size_pool(manifest, wl, None, gpu)
+    sizing = _size_pool(manifest, wl, None)
     return sizing.work * sizing.slot_bytes
 
 
-def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, gpu: bool = True) -> expert_plan.ExpertPlan:
-    """The expert pool's sizes; on a GPU whose routed prefills take the fused kernels from the slots
-    (``expert_plan.fused_prefill``) without the gather and the stacked decode."""
+def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, fused: bool = False) -> expert_plan.ExpertPlan:
+    """The expert pool's sizes; ``fused``: routed prefills by the fused kernels from the slots, without the gather
+    and the stacked decode (``_starved``)."""
     run = wl.engine
     return expert_plan.plan_experts(manifest, spare, cache_bytes=wl.expert_cache_bytes, policy=run.expert_policy,
-                                    speculate=run.expert_prefetch, fused=gpu and expert_plan.fused_prefill(manifest, "cuda"),
+                                    speculate=run.expert_prefetch, fused=fused,
                                     tokens=run.batch_size * (run.context or DEFAULT_CONTEXT))
