@@ -274,11 +274,12 @@ class ExpertPool:
                           weights: torch.Tensor) -> torch.Tensor | None:
         """A many-row call (a prefill) by the fused grouped kernels straight from the slots, in chunks of tokens
         that route at most ``POOL_CHUNK_ROWS`` rows an expert on average (the widest grouped block: each block
-        decodes its expert's tile again) and within the plan's ``call_tokens``: no gather into packed tensors and no stacked dense decode, whose device bytes
-        the plan then leaves to the expert cache (``sizing.plan_experts`` ``fused``). NF4 only (the other formats
-        have no grouped kernel). None where the layer's kernels do not apply or the call routes an id without stored bytes (the caller's path runs it). Each
-        chunk reads its distinct experts to the host (one sync), brings them into the pool and maps each pair
-        to its slot on the device."""
+        decodes its expert's tile again) and within the plan's ``call_tokens``: no gather into packed tensors
+        and no stacked dense decode, whose device bytes a plan that counts on this (``ExpertPlan.fused``) gives
+        to the decode. NF4 only (the other formats have no grouped kernel). None where the layer's kernels do
+        not apply or the call routes an id without stored bytes (the caller's path runs it). Each chunk reads
+        its distinct experts to the host (one sync), brings them into the pool and maps each pair to its slot
+        on the device."""
         fused = self._fused_spec(i, module, hidden) if expert_compute.FUSED_PREFILL else None
         if fused is None or fused[0].max_tokens is not None:  # NF4's grouped kernel; int2, GPTQ, AWQ have none
             return None

@@ -42,10 +42,10 @@ BUFFERS = ("weight_packed", "absmax", "nested_absmax", "nested_quant_map", "nest
 GEMV_ROWS = 8  # tokens up to which a call runs by ``gemv`` (re-reading an expert per pair); ``grouped`` above
 BLOCK_M = 16  # rows of one expert a grouped block multiplies (tl.dot's smallest M)
 # Wider blocks for calls whose experts have more rows (a prefill): each block decodes its expert's tile once, so
-# rows past a block's width decode the expert again. The grouped kernel decodes ~156 G NF4 elements a second
-# (Mixtral-8x7B at batch 498 decoded every expert 8 times over in 16-row blocks: 2.33 s a step, H200), so a
-# 137-token Mixtral prefill (34 rows an expert) took 0.90 s in 16-row blocks against 0.49 s gathered and
-# decoded stacked (H100, wave3_moe25).
+# rows past a block's width decode the expert again (Mixtral-8x7B at batch 498 decoded every expert 8 times over in
+# 16-row blocks: 2.33 s a step, H200). Not shown to pay yet: a 128-token Mixtral prefill from the pool's slots
+# (~32 rows an expert) took 0.92 s with them as with 16-row blocks, against 0.40 s gathered and decoded stacked
+# (H100, wave3_moe25/26); what bounds it there is not traced. Correct at every width (tests/engine).
 BLOCK_M_WIDE = (64, 128)
 # Software-pipelined K steps of the grouped kernel: 3 (Triton's default) needs 110 KB of shared memory for the
 # down projection, over an RTX 30/40's 99 KB per block (tests/quant/test_kernel_compile.py).
