@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from airquant.engine import layer_graphs as graphs_mod  # noqa: E402
 from airquant.engine import norms as norms_mod  # noqa: E402
+from airquant.engine import rope as rope_mod  # noqa: E402
 from airquant.engine import streamer as streamer_mod  # noqa: E402
 from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
@@ -151,7 +152,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     a, link = b.args, b.results.get("link_pinned_gbps")
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
                  "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device"),
-                 "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager", "after_profiler": stream_mod.PROFILED}
+                 "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager", "after_profiler": stream_mod.PROFILED,
+                 "rope": "fused" if rope_mod.FUSED_ROPE else "eager"}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
@@ -400,6 +402,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # Routed prefills gathered and decoded stacked, the plan holding both (expert_compute.FUSED_PREFILL off), against
     # the default since wave3_moe25: the grouped kernel from the pool's slots, that VRAM left to the hot set.
     **direct_pair("stackedprefill", fused_prefill=False),
+    # The standard rotary embedding of query and key as one kernel (engine/rope.py FUSED_ROPE, off by default until
+    # this A/B has run on a GPU) against transformers' ~10 small kernels a layer.
+    **direct_pair("fusedrope", fused_rope=True),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -472,7 +477,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
                         "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
                         "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
-                        "lfu_direct_r1_stackedprefill", *HOST_CASES),
+                        "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
+                        *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -481,7 +487,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
-            "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL")}
+            "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
+            "fused_rope": (rope_mod, "FUSED_ROPE")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

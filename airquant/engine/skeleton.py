@@ -20,6 +20,7 @@ from airquant.engine import embed_head
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.pool import RoutedForward
 from airquant.engine.norms import fuse_rms_norms
+from airquant.engine.rope import fuse_rope
 from airquant.errors import StoreError
 from airquant.layout import Layout, find_layout, meta_model, swap_tensor
 from airquant.quant import make_linear
@@ -45,6 +46,7 @@ def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None)
                              f"{found}; re-run `airquant shard` with this transformers version.")
     chunk_mlp(model, MLP_CHUNK_TOKENS)
     fuse_rms_norms(model)
+    fuse_rope(model)
     return model
 
 

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from airquant.engine import rope_kernel  # noqa: E402
 from airquant.engine.moe import uva_copy  # noqa: E402
 from airquant.kv import triton_kernel as tq  # noqa: E402
 from airquant.quant import kernels  # noqa: E402
@@ -141,6 +142,9 @@ def _nf4_moe(grouped: bool, down: bool, block_m: int = nf4_moe.BLOCK_M) -> Kerne
 KERNELS = [
     _nf4_moe(False, False), _nf4_moe(False, True),
     *(_nf4_moe(True, down, m) for m in (nf4_moe.BLOCK_M, *nf4_moe.BLOCK_M_WIDE) for down in (False, True)),
+    Kernel("rope", lambda: rope_kernel.rope_kernel, dict.fromkeys(("q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cos_ptr",
+                                                                   "sin_ptr"), "X"),
+           lambda x: {"D": 128, "BLOCK": 128}, {"num_warps": 1}),
     Kernel("uva_gather", lambda: uva_copy._gather_kernel, {"src_ptr": "u8", "dst_ptr": "u8", "table_ptr": "i64"},
            lambda x: {"CHUNK": uva_copy.CHUNK, "BLOCK": uva_copy.BLOCK}),
     Kernel("int2_gemv", lambda: int2_triton._int2_gemv_kernel, {**_INT2_PTRS, "y_ptr": "fp32"},
