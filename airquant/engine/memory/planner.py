@@ -344,7 +344,7 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
         return whole
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
-        return replace(whole, experts=_size_pool(manifest, wl, None))
+        return replace(whole, experts=_size_pool(manifest, wl, None, expert_plan.fused_prefill(manifest, "cpu")))
     placed = _place_pool(manifest, budgets, fixed, streamed, wl, whole, choice, fused=False)
     if expert_plan.fused_prefill(manifest, "cuda"):
         why = _starved(manifest, wl, placed) if placed.experts_fit else "the expert arena would not fit"

@@ -204,11 +204,12 @@ class ExpertPool:
                 out = self.direct.run(i, module, hidden, index, args[2], src, arranged)
                 if out is not None:
                     return out
-        if len(args) == 3 and not kwargs and hidden.dim() == 2 and hidden.shape[0] > expert_compute.FUSED_TOKENS:
+        if self.plan.fused and len(args) == 3 and not kwargs and hidden.dim() == 2 and \
+                hidden.shape[0] > expert_compute.FUSED_TOKENS:  # the plan left no room for the gather path
             out = self._run_fused_chunks(i, module, hidden, index, args[2])
             if out is not None:
                 return out
-            if self.plan.fused and i not in self._unplanned:  # the plan left no room for the gather path
+            if i not in self._unplanned:
                 self._unplanned.add(i)
                 log.warning("layer %d: its prefill does not take the fused expert kernels the plan counted on; "
                             "it gathers and decodes its experts beyond the planned VRAM (--experts whole avoids "

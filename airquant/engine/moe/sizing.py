@@ -348,13 +348,15 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
     """Whether a routed run's many-row calls (prefills) take the fused grouped kernels straight from the pool's
     slots (``pool._run_fused_chunks``), so that the plan holds no gather and no stacked decode for them: NF4
     experts of exactly a (gate/)up and a down matrix with blocks inside rows and no dense expert tensor, in
-    every MoE layer, on a GPU where Triton runs (``expert_compute.FUSED``). A layer whose module turns out not to
-    qualify at run time (a post-expert norm) takes the gather path anyway, beyond the plan."""
+    every MoE layer, on a GPU where Triton runs (``expert_compute.FUSED``), or under Triton's interpreter (the
+    tests' CPU runs). Whether a GPU plan takes it is the planner's (``planner._starved``); the pool follows the
+    plan (``ExpertPlan.fused``). A layer whose module turns out not to qualify at run time (a post-expert norm)
+    takes the gather path anyway, beyond the plan."""
     from airquant.quant import kernels
     from airquant.quant.nf4 import NF4Linear
 
-    if device != "cuda" or not (expert_compute.FUSED and expert_compute.FUSED_PREFILL) or \
-            not kernels.triton_available():
+    runs = device == "cuda" and kernels.triton_available() or kernels.interpreting()
+    if not (runs and expert_compute.FUSED and expert_compute.FUSED_PREFILL):
         return False
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     for entry in moe:
