@@ -7,7 +7,7 @@ layer at decode. In a Qwen3-30B-A3B batch-1 pass replayed as one graph they are 
 that took 3.5 of the pass's 10.7 ms of device time, and each node of the graph costs the GPU a gap as well
 (H100, moe_bench trace, wave3_moe25).
 
-``fuse_rope`` gives a model's modeling module(s) whose two functions are exactly those (``standard``, by their
+``fuse_rope`` gives a model's modeling module(s) whose two functions are exactly those (``standard_rotary``, by their
 source) ``FusedRope`` in place of ``apply_rotary_pos_emb``: with ``FUSED_ROPE`` and CUDA tensors of the usual
 shapes (query ``[B, Hq, T, D]``, key ``[B, Hk, T, D]``, cos and sin ``[B, T, D]``, one dtype, ``unsqueeze_dim`` 1)
 one Triton launch rotates both, rounding where the eager ops round (each product to the dtype, then their sum), so
@@ -60,7 +60,7 @@ def _body(fn) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     return tuple(a.arg for a in func.args.args), tuple(ast.unparse(node) for node in body)
 
 
-def standard(module) -> bool:
+def standard_rotary(module) -> bool:
     """Whether a modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` are transformers' standard ones."""
     apply, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
     if isinstance(apply, FusedRope):
@@ -133,7 +133,7 @@ def fuse_rope(model: nn.Module) -> int:
         module = sys.modules.get(name)
         if module is None or isinstance(getattr(module, "apply_rotary_pos_emb", None), FusedRope):
             continue
-        if standard(module):
+        if standard_rotary(module):
             module.apply_rotary_pos_emb = FusedRope(module.apply_rotary_pos_emb)
             count += 1
     return count

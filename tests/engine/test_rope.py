@@ -20,15 +20,15 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from airquant.engine import rope
-from airquant.engine.rope import FusedRope, fuse_rope, standard
+from airquant.engine.rope import FusedRope, fuse_rope, standard_rotary
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_only_the_standard_functions_are_recognised():
-    assert standard(modeling_llama) and standard(modeling_qwen3_moe)
-    assert not standard(modeling_gpt_oss)  # its own rotary (split halves, no rotate_half)
-    assert not standard(rope)  # no such functions at all
+    assert standard_rotary(modeling_llama) and standard_rotary(modeling_qwen3_moe)
+    assert not standard_rotary(modeling_gpt_oss)  # its own rotary (split halves, no rotate_half)
+    assert not standard_rotary(rope)  # no such functions at all
 
 
 def test_a_model_gets_the_fused_call_only_when_on_and_computes_as_before(tiny_llama, monkeypatch):
@@ -43,7 +43,7 @@ def test_a_model_gets_the_fused_call_only_when_on_and_computes_as_before(tiny_ll
     monkeypatch.setattr(rope, "FUSED_ROPE", True)
     assert fuse_rope(model) == 1 and isinstance(modeling_llama.apply_rotary_pos_emb, FusedRope)
     assert fuse_rope(model) == 0  # once
-    assert standard(modeling_llama)  # still recognised through the wrapper
+    assert standard_rotary(modeling_llama)  # still recognised through the wrapper
     with torch.no_grad():  # CPU tensors: the wrapper calls the original
         assert torch.equal(model(ids).logits, want)
 

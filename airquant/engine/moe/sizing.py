@@ -24,7 +24,8 @@ import torch
 from airquant.config import MLP_CHUNK_TOKENS
 from airquant.engine.moe import compute as expert_compute
 from airquant.errors import AirQuantError
-from airquant.quant import make_linear
+from airquant.quant import kernels, make_linear
+from airquant.quant.nf4 import NF4Linear
 from airquant.store.manifest import Manifest, ShardEntry
 from airquant.units import GB
 
@@ -352,9 +353,6 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
     tests' CPU runs). Whether a GPU plan takes it is the planner's (``planner._starved``); the pool follows the
     plan (``ExpertPlan.fused``). A layer whose module turns out not to qualify at run time (a post-expert norm)
     takes the gather path anyway, beyond the plan."""
-    from airquant.quant import kernels
-    from airquant.quant.nf4 import NF4Linear
-
     runs = device == "cuda" and kernels.triton_available() or kernels.interpreting()
     if not (runs and expert_compute.FUSED and expert_compute.FUSED_PREFILL):
         return False
