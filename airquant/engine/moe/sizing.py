@@ -365,8 +365,9 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
                 out_f, in_f = meta["shape"]
                 with torch.device("meta"):
                     ones.append(make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16))
-        if len(ones) != 2 or not all(isinstance(o, NF4Linear) and o.in_features % o.blocksize == 0 for o in ones) \
-                or len({(o.blocksize, o.double_quant) for o in ones}) != 1 or not expert_matrices(entry).all_quantized:
+        if len(ones) != 2 or not all(isinstance(o, NF4Linear) and o.in_features % o.blocksize == 0 for o in ones):
+            return False
+        if len({(o.blocksize, o.double_quant) for o in ones}) != 1 or not expert_matrices(entry).all_quantized:
             return False
     return bool(moe)
 
