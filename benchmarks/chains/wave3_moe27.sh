@@ -10,11 +10,7 @@ cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x
 timeout 250 python -m pytest -q -p no:cacheprovider tests/engine -k "cuda or gpu" > $R/gpu_engine.log 2>&1
-run() {  # part, label, case, extra arguments
-  mkdir -p $R/$2 && cp results/moe_bench.json $R/$2/
-  timeout 300 python benchmarks/moe_bench.py --workdir /tmp/bw --keep-stores --steps 6 --part $1 \
-      --results $R/$2 --cases $3 "${@:4}" > $R/$2.log 2>&1
-}
+. benchmarks/chains/moe_case.sh  # run PART LABEL CASE [arguments]
 mkdir -p $R/traces/m27
 run qwen3_routed m27a lfu_direct_r1
 run qwen3_routed m27b lfu_direct_r1_fusedrope --trace lfu_direct_r1_fusedrope --trace-dir $R/traces/m27
