@@ -371,10 +371,11 @@ def _starved(manifest: Manifest, wl: Workload, placed: StreamPlan) -> str | None
     VRAM, against the dense parts streamed and 238 experts); Mixtral-8x7B under 15 GB, whose stacked plan kept
     its dense parts and 85 cached experts, decoded alike (0.0336 / 0.0337 s) and prefilled 128 tokens in 0.92 s
     against 0.40."""
-    routed = [i for i in expert_plan.routed_layers(manifest, placed.tiers) if placed.tiers[i] == "ram"]
-    if wl.engine.dense_resident and not placed.kv_offload and len(placed.dense_layers) < len(routed):
-        return f"{len(routed) - len(placed.dense_layers)} dense parts of streamed MoE layers would not stay in VRAM"
-    need = routed_per_step(manifest, expert_plan.routed_layers(manifest, placed.tiers), wl.engine.batch_size)
+    routed = expert_plan.routed_layers(manifest, placed.tiers)
+    in_ram = [i for i in routed if placed.tiers[i] == "ram"]
+    if wl.engine.dense_resident and not placed.kv_offload and len(placed.dense_layers) < len(in_ram):
+        return f"{len(in_ram) - len(placed.dense_layers)} dense parts of streamed MoE layers would not stay in VRAM"
+    need = routed_per_step(manifest, routed, wl.engine.batch_size)
     if wl.expert_cache_bytes is None and placed.experts.cache < need:
         return f"the expert hot set would hold {placed.experts.cache} experts, fewer than the {need} a step routes"
     return None

@@ -279,21 +279,22 @@ class ExpertPool:
         and no stacked dense decode, whose device bytes a plan that counts on this (``ExpertPlan.fused``) gives
         to the decode. NF4 only (the other formats have no grouped kernel). None where the layer's kernels do
         not apply or the call routes an id without stored bytes (the caller's path runs it). Each chunk reads
-        its distinct experts to the host (one sync), brings them into the pool and maps each pair to its slot
-        on the device."""
-        fused = self._fused_spec(i, module, hidden) if expert_compute.FUSED_PREFILL else None
+        its distinct experts to the host (one sync; a call of one chunk, once), brings them into the pool and
+        maps each pair to its slot on the device."""
+        fused = self._fused_spec(i, module, hidden)
         if fused is None or fused[0].max_tokens is not None:  # NF4's grouped kernel; int2, GPTQ, AWQ have none
             return None
         layer = self.layers[i]
         num, top_k = len(layer.ranges), index.shape[-1]
-        if bool((index >= num).any()):
+        routed = torch.unique(index).tolist()  # sorted: one host read (a one-chunk call's only one)
+        if routed and routed[-1] >= num:
             return None
         spec, operands = fused
         step = min(fused_chunk_tokens(num, top_k), self.plan.call_tokens or hidden.shape[0])
         outs = []
         for a in range(0, hidden.shape[0], step):
             part = index[a:a + step]
-            union = torch.unique(part).tolist()  # sorted: the chunk's one host read
+            union = routed if step >= hidden.shape[0] else torch.unique(part).tolist()
             slots = self._acquire(i, layer, union)
             lut = torch.zeros(num, dtype=torch.int32)
             lut[torch.tensor(union, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)

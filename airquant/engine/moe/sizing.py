@@ -358,13 +358,7 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
         return False
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     for entry in moe:
-        module = experts_module(tuple(entry.experts["tensors"]))
-        ones = []
-        for name, meta in entry.modules.items():
-            if "experts" in meta and name.startswith(f"{module}."):
-                out_f, in_f = meta["shape"]
-                with torch.device("meta"):
-                    ones.append(make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16))
+        ones = expert_linears(entry)
         if len(ones) != 2 or not all(isinstance(o, NF4Linear) and o.in_features % o.blocksize == 0 for o in ones):
             return False
         if len({(o.blocksize, o.double_quant) for o in ones}) != 1 or not expert_matrices(entry).all_quantized:
@@ -423,19 +417,27 @@ def call_cap(entry: ShardEntry) -> int | None:
     return MLP_CHUNK_TOKENS if experts_module(tuple(entry.experts["tensors"])).startswith("mlp.") else None
 
 
-def expert_matrices(entry: ShardEntry) -> expert_compute.ExpertMatrices:
-    """One expert's matrices of a MoE layer, from its manifest entry: quantized modules (their dense
-    ``shape``, and whether their scheme decodes stacked) and dense [E, a, b] expert tensors."""
+def expert_linears(entry: ShardEntry) -> list:
+    """One expert's quantized modules of a MoE layer, built on meta from its manifest entry (in_features and
+    out_features, the scheme's class and settings)."""
     module = experts_module(tuple(entry.experts["tensors"]))
-    shapes, quantized, stacks = [], [], []
+    ones = []
     for name, meta in entry.modules.items():
         if "experts" in meta and name.startswith(f"{module}."):
             out_f, in_f = meta["shape"]
             with torch.device("meta"):
-                one = make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16)
-            shapes.append((out_f, in_f))
-            quantized.append(True)
-            stacks.append(hasattr(one, "dequantize_stacked"))
+                ones.append(make_linear(meta, in_f, out_f, False, compute_dtype=torch.bfloat16))
+    return ones
+
+
+def expert_matrices(entry: ShardEntry) -> expert_compute.ExpertMatrices:
+    """One expert's matrices of a MoE layer, from its manifest entry: quantized modules (their dense
+    ``shape``, and whether their scheme decodes stacked) and dense [E, a, b] expert tensors."""
+    shapes, quantized, stacks = [], [], []
+    for one in expert_linears(entry):
+        shapes.append((one.out_features, one.in_features))
+        quantized.append(True)
+        stacks.append(hasattr(one, "dequantize_stacked"))
     for name in entry.experts["tensors"]:
         meta = entry.tensors[name]
         if meta.get("scheme", "dense") == "dense" and "float" in meta.get("dtype", "") and len(meta["shape"]) == 3:
