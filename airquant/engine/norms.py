@@ -45,21 +45,26 @@ STANDARD_BODY = (
 )
 
 
+def function_body(fn) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(argument names, statements but the docstring, each unparsed) of a plain Python function's source; None
+    where it has none, or takes ``*args``, ``**kwargs`` or keyword-only arguments. How this module and
+    ``engine/rope`` recognise transformers' functions they compute otherwise."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return None
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or func.args.vararg or func.args.kwarg or func.args.kwonlyargs:
+        return None
+    body = [node for node in func.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    return tuple(a.arg for a in func.args.args), tuple(ast.unparse(node) for node in body)
+
+
 @functools.cache
 def standard(cls: type) -> bool:
     """Whether ``cls.forward`` is transformers' standard RMSNorm forward: arguments ``(self, hidden_states)`` and,
     its docstring aside, the statements of ``STANDARD_BODY``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (AttributeError, OSError, TypeError, SyntaxError):
-        return False
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef) or [a.arg for a in func.args.args] != ["self", "hidden_states"] or \
-            func.args.vararg or func.args.kwarg or func.args.kwonlyargs:
-        return False
-    body = [node for node in func.body
-            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]  # the docstring
-    return tuple(ast.unparse(node) for node in body) == STANDARD_BODY
+    return function_body(getattr(cls, "forward", None)) == (("self", "hidden_states"), STANDARD_BODY)
 
 
 class FusedRMSNorm:

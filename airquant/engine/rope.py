@@ -19,15 +19,13 @@ Off by default until measured on a GPU against the eager ops (``benchmarks/moe_b
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
 import sys
-import textwrap
 
 import torch
 from torch import nn
 
+from airquant.engine.norms import function_body
 from airquant.quant import kernels
 
 FUSED_ROPE = False
@@ -47,19 +45,6 @@ STANDARD_ROTATE = (
 APPLY_ARGS = (("q", "k", "cos", "sin", "unsqueeze_dim"), ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"))
 
 
-def _body(fn) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(argument names, statements but the docstring) of a plain function's source, or None."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef) or func.args.vararg or func.args.kwarg or func.args.kwonlyargs:
-        return None
-    body = [node for node in func.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
-    return tuple(a.arg for a in func.args.args), tuple(ast.unparse(node) for node in body)
-
-
 def standard_rotary(module) -> bool:
     """Whether a modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` are transformers' standard ones."""
     apply, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
@@ -72,7 +57,7 @@ def standard_rotary(module) -> bool:
 
 @functools.cache
 def _same(fn, args: tuple, body: tuple) -> bool:
-    found = _body(fn)
+    found = function_body(fn)
     return found is not None and found[0] in args and found[1] == body
 
 
