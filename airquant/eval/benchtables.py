@@ -320,6 +320,8 @@ def uva_bench(d: dict) -> list[str]:
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "stream_bench.json": ("Layer streaming vs AirLLM and accelerate (benchmarks/stream_bench.py)", stream_bench),
     "moe_bench.json": ("MoE shapes: expert streaming (benchmarks/moe_bench.py)", as_found),
+    "moe_bench_prompt1024.json": ("MoE shapes, the batch-1 hot set after 1024-token prompts (benchmarks/moe_bench.py "
+                                  "--prompt-len 1024, into a copy of moe_bench.json)", as_found),
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
     "batch_bench_offload.json": ("The decode loop with its TurboQuant cache in host RAM (benchmarks/batch_bench.py "
                                  "--kv tq --kv-offload)", as_found),
