@@ -12,7 +12,8 @@ Each part injects one kind of fault a number of times and checks the promise tha
   exactly once, and no record finished before the kill is lost or changed;
 - ``oom``: an out-of-memory error injected mid-batch → the batch halves, every prompt is answered once;
 - ``server_load``: many concurrent clients on loopback → every request answered (200) or refused (429), the
-  server alive, its memory flat; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx, /health answers;
+  server alive, its memory flat once warm; ``server_fuzz``: malformed requests from ``hypothesis`` → all 4xx,
+  /health answers;
 - ``server_attacks``: a lying Content-Length with a chunked body, bodies never sent or never finished, foreign Host
   headers, stop-string/prompt/token floods, a seed over 2^64, a lone surrogate, a 1e-300 temperature beside other
   requests, a client that hangs up (``fault_attacks``) → the refusal each one owes, nothing crosses its scope;
@@ -214,20 +215,26 @@ def oom(store: Path, work: Path, prompts: int = 12, fits: int = 2) -> CaseResult
 
 
 # -- the server --------------------------------------------------------------------------------
-def server_load(store: Path, clients: int, seconds: float, max_queue: int = 16) -> CaseResult:
+def server_load(store: Path, clients: int, seconds: float, max_queue: int = 16, warmup: float = 2.0) -> CaseResult:
+    """``clients`` flooding the server for ``warmup`` then ``seconds`` seconds; its RSS is checked over the second
+    part only. The first requests grow it once (an idle server of the tiny store: 530 MB, 608 MB a second into the
+    flood, then 608-609 MB over the next 15 s on this machine): what the check looks for is growth with the number
+    of requests, not that one-time step."""
     with ft.ServerProcess(store, "--max-queue", str(max_queue), "--max-batch", "8") as server:
+        warm = ft.flood(server, clients, warmup)
         stats = ft.flood(server, clients, seconds)
         alive = server.alive() and ft.health(server.url) == 200
-    rss = stats["rss_mb"]
-    # Flat: the last quarter of the run holds no more than the first quarter plus a little
-    # (allocator noise, tokenizer caches), not a growth with the number of requests.
-    flat = max(rss[-max(1, len(rss) // 4):]) <= 1.10 * max(rss[: max(1, len(rss) // 4)]) + 32
-    bad = stats["requests"] - stats["ok"] - stats["rejected"]
+    rss = stats["rss_mb"]  # from the end of the warm-up, once a second
+    # Flat: the last quarter of the run holds no more than the first quarter plus a little (allocator noise).
+    flat = max(rss[-max(1, len(rss) // 4):]) <= 1.02 * max(rss[: max(1, len(rss) // 4)]) + 16
+    sent, ok, rejected = (stats[k] + warm[k] for k in ("requests", "ok", "rejected"))
+    bad = sent - ok - rejected
     good = bad == 0 and alive and flat
-    return CaseResult(f"{clients} clients for {seconds:.0f}s", stats["requests"], stats["requests"] - bad
-                      if good else stats["requests"] - max(bad, 1),
-                      detail=f"{stats['ok']} answered, {stats['rejected']} refused (429), {bad} other, alive {alive}, "
-                             f"RSS {rss[0]:.0f}->{rss[-1]:.0f} MB (peak {max(rss):.0f}), flat {flat}")
+    kept = sent - bad if good else sent - max(bad, 1)
+    return CaseResult(f"{clients} clients for {warmup + seconds:.0f}s", sent, kept,
+                      detail=f"{ok} answered, {rejected} refused (429), {bad} other, alive {alive}, RSS "
+                             f"{warm['rss_mb'][0]:.0f} MB idle, {rss[0]:.0f}->{rss[-1]:.0f} MB after {warmup:.0f} s "
+                             f"(peak {max(rss):.0f}), flat {flat}")
 
 
 def server_fuzz(store: Path, examples: int, seed: int = 0) -> CaseResult:
