@@ -402,9 +402,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # Routed prefills gathered and decoded stacked, the plan holding both (expert_compute.FUSED_PREFILL off), against
     # the default since wave3_moe25: the grouped kernel from the pool's slots, that VRAM left to the hot set.
     **direct_pair("stackedprefill", fused_prefill=False),
-    # The standard rotary embedding of query and key as one kernel (engine/rope.py FUSED_ROPE, off by default until
-    # this A/B has run on a GPU) against transformers' ~10 small kernels a layer.
+    # The standard rotary embedding of query and key as one kernel (engine/rope.py FUSED_ROPE): "fusedrope" measured
+    # it while it was off (wave3_moe27) and now equals the default; "eagerrope" is transformers' ~10 small kernels a
+    # layer, the A/B since.
     **direct_pair("fusedrope", fused_rope=True),
+    **direct_pair("eagerrope", fused_rope=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -478,7 +480,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
                         "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
-                        *HOST_CASES),
+                        "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -679,8 +681,9 @@ def row_link(row: dict, link: float | None) -> float | None:
 # says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
 # where measured, the forced-routed row beside it otherwise.
 # The cache-on and no-cache keys read the default path's row (direct reads) where it ran, else the copy path's.
-NOCACHE_DEFAULT = ("nocache_direct_fusednorm", "nocache_direct_huge", "nocache_direct", "nocache")  # see NEWEST
-HOT_SET_DEFAULT = ("lfu_direct_r1_fusednorm", "lfu_direct_r1", "lfu")  # see DEFAULT_PATH
+NOCACHE_DEFAULT = ("nocache_direct_fusedrope", "nocache_direct_fusednorm", "nocache_direct_huge", "nocache_direct",
+                   "nocache")  # see NEWEST
+HOT_SET_DEFAULT = ("lfu_direct_r1_fusedrope", "lfu_direct_r1_fusednorm", "lfu_direct_r1", "lfu")  # see DEFAULT_PATH
 TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", HOT_SET_DEFAULT),
                "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
@@ -713,8 +716,10 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # hot set), and the ``*_fusednorm`` rows of before measured the plan of then.
 NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 # Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM,
-# ``norms_of``) where there are any. The fused norms became the default after wave3_moe23: the ``*_fusednorm``
-# rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers' own.
+# ``norms_of``) where there are any, and of those the rows on the default rotary embedding (engine/rope.py
+# FUSED_ROPE, ``rope_of``) where there are any. The fused norms became the default after wave3_moe23: the
+# ``*_fusednorm`` rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers'
+# own; the fused rotary embedding after wave3_moe27 (``*_fusedrope`` rows), likewise.
 DEFAULT_PATH = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 
 
@@ -722,6 +727,12 @@ def norms_of(row: dict) -> str:
     """The RMSNorms a row ran with: its ``norms`` ("fused" or "eager"); a row from before that field, the fused
     ones only where its case turned them on (they were off by default then)."""
     return row.get("norms") or ("fused" if (row.get("settings") or {}).get("fused_norm") else "eager")
+
+
+def rope_of(row: dict) -> str:
+    """The rotary embedding a row ran with: its ``rope`` ("fused" or "eager"); a row from before that field ran
+    transformers' own (the fused one had no switch then)."""
+    return row.get("rope") or ("fused" if (row.get("settings") or {}).get("fused_rope") else "eager")
 
 
 def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
@@ -760,14 +771,16 @@ def cache_speedup(r: dict, prefix: str, nocache: dict | None, cached: dict | Non
 
 def target_row(rows: dict, key: str) -> dict | None:
     """The row a key reads (``TARGET_ROWS``): the first of its cases with a speed (``DEFAULT_PATH``: of those on
-    the default norms where any; ``FASTEST``: the fastest; ``NEWEST``: the first of the newest run's), else the
-    first that ran."""
+    the default norms, then rotary embedding, where any; ``FASTEST``: the fastest; ``NEWEST``: the first of the
+    newest run's), else the first that ran."""
     model, cases = TARGET_ROWS[key]
     found = [rows[(model, c)] for c in cases if (model, c) in rows]
     timed = [row for row in found if row.get("tok_s")]
     if key in DEFAULT_PATH:
         default = "fused" if norms_mod.FUSED_RMS_NORM else "eager"
         timed = [row for row in timed if norms_of(row) == default] or timed
+        default = "fused" if rope_mod.FUSED_ROPE else "eager"
+        timed = [row for row in timed if rope_of(row) == default] or timed
     if timed and key in NEWEST:
         newest = max(row.get("run") or "" for row in timed)
         timed = [row for row in timed if (row.get("run") or "") == newest]

@@ -338,6 +338,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "verify_bench.json": ("Reliability: checksums on every read (benchmarks/verify_bench.py)", verify_bench),
     "quant_speed.json": ("Compressed layer files, decode speed (benchmarks/quant_speed.py)", quant_speed),
     "kv_bench.json": ("Compressed KV cache on the GPU (benchmarks/kv_bench.py)", kv_bench),
+    "kv_bench_bs32.json": ("The same at batch 32 alone, its decode passes traced (benchmarks/kv_bench.py --batches 32 "
+                           "--trace)", kv_bench),
     "kv_bench_rerun.json": ("The same, a re-run on another machine (benchmarks/kv_bench.py)", kv_bench),
     "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv_table),
     "uva_bench.json": ("Kernel reads of pinned host RAM, tiered NF4 launches (benchmarks/uva_bench.py)", uva_bench),

@@ -244,3 +244,27 @@ def test_the_default_path_keys_read_rows_on_the_default_norms(monkeypatch):
     assert target_row(n, "qwen3_30b_nf4_bs1_nocache_over_floor")["case"] == "nocache_direct"
     monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
     assert target_row(n, "qwen3_30b_nf4_bs1_nocache_over_floor")["case"] == "nocache_direct_fusednorm"
+
+
+def test_the_default_path_keys_read_rows_on_the_default_rotary_embedding(monkeypatch):
+    from airquant.engine import norms, rope
+    from benchmarks.moe_bench import rope_of, target_row
+
+    monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
+    m = "qwen3-30b-a3b nf4"
+    eager = {**_routed(m, "lfu_direct_r1", "2026-12-06T13:52:00", 70.7), "norms": "fused", "rope": "eager"}
+    fused = {**_routed(m, "lfu_direct_r1_fusedrope", "2026-12-06T13:53:00", 74.9), "norms": "fused",
+             "rope": "fused"}
+    rows = {(m, "lfu_direct_r1"): eager, (m, "lfu_direct_r1_fusedrope"): fused}
+    assert (rope_of(eager), rope_of(fused)) == ("eager", "fused")
+    assert rope_of({"settings": {"fused_rope": True}}) == "fused" and rope_of({}) == "eager"  # rows before the field
+    key = "qwen3_30b_nf4_bs1_tok_s"
+    monkeypatch.setattr(rope, "FUSED_ROPE", True)
+    assert target_row(rows, key) is fused
+    later = {**eager, "run": "2026-12-07T01:00:00"}  # a later run, but on transformers' rotary embedding
+    rows[(m, "lfu_direct_r1")] = later
+    assert target_row(rows, key) is fused
+    monkeypatch.setattr(rope, "FUSED_ROPE", False)
+    assert target_row(rows, key) is later
+    del rows[(m, "lfu_direct_r1")]
+    assert target_row(rows, key) is fused  # no row on the default: any row, as before

@@ -34,7 +34,9 @@ def test_only_the_standard_functions_are_recognised():
 def test_a_model_gets_the_fused_call_only_when_on_and_computes_as_before(tiny_llama, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)  # restored
+    current = modeling_llama.apply_rotary_pos_emb  # an engine opened earlier in the process may have wrapped it
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", getattr(current, "original", current))  # restored
+    monkeypatch.setattr(rope, "FUSED_ROPE", False)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     with torch.no_grad():
