@@ -891,3 +891,30 @@ def test_a_second_turboquant_loop_decodes_as_it_does_eagerly(stores):
     assert graphs.stats["failed"] == 0 and graphs.stats["replays"] > 0, graphs.stats
     for g, w in zip(got, want):
         assert g[0] == w[0] and torch.equal(g[1], w[1])
+
+
+def _reordered(engine: Engine) -> tuple[list[list[int]], torch.Tensor]:
+    """Four requests through three slots: decode passes of three rows in slot order, then (the first one done, the
+    fourth in its slot 0, last in the row) of three rows out of slot order."""
+    logits = []
+    handle = engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: logits.append(out[0].float().cpu()))
+    lengths = ((PROMPT, 6), (PROMPT[:4], 14), (PROMPT[2:], 14), (PROMPT[1:], 6))
+    try:
+        seqs = engine.decode_loop(3, context=64).run(
+            [engine.request(p, GenerateConfig(max_new_tokens=n, ignore_eos=True)) for p, n in lengths])
+    finally:
+        handle.remove()
+    return [list(s.out) for s in seqs], torch.cat(logits)
+
+
+def test_passes_in_and_out_of_slot_order_replay_their_own_graphs(stores):
+    """A static pass whose rows are every slot in slot order reads its queries and places its outputs as views
+    (``SlotKV.full``); one of as many rows out of slot order gathers and scatters them. Each replays the graph of
+    its own kind: the decode equals the same decode run eagerly."""
+    want = _static_eager(stores["llama"], _reordered)
+    engine, graphs = _graphed(stores["llama"])
+    got = _reordered(engine)
+    engine.close()
+    assert graphs.stats["replays"] > 0 and graphs.stats["failed"] == 0, graphs.stats
+    assert got[0] == want[0] and torch.equal(got[1], want[1])

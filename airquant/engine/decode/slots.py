@@ -261,9 +261,10 @@ class SlotKV:
         # One sequence decoding one token (batch 1): its token is written and attended by slices of its own slot,
         # with no index tensors, scatter or mask (~10 fewer ops a layer on the host, and sdpa without a mask).
         self.single = dec[0] if len(segments) == 1 and dec and not self.static else None
-        # Every slot decoding, slot n's token at row offset n (a full continuous batch): the row is already in
-        # slot order, so its tokens are read and its outputs placed as views (no gather, zero fill or scatter).
-        self.full = not self.static and len(dec) == len(segments) == self.slots and all(
+        # Every slot decoding, slot n's token at row offset n (a full continuous batch, batch 1 in a loop of one
+        # slot): the row is already in slot order, so its tokens are read and its outputs placed as views (no
+        # gather, zero fill or scatter). A static pass's layer graph captures that too: ``static_key`` holds it.
+        self.full = len(dec) == len(segments) == self.slots and all(
             s.slot == n and s.offset == n for n, s in enumerate(dec))
         self._decode = self._decode_host = None
         if self.static:
@@ -372,7 +373,7 @@ class SlotKV:
             return (self.tq_hist, self._tq[i].static_key(), self._static.data_ptr(), self._tq_static.data_ptr())
         k, v = self._k[i], self._v[i]  # addresses and strides (a kept buffer's view: its own cap's strides)
         return (self.static_span, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), (*k.shape[:2], k.shape[3]),
-                (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr())
+                (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr(), self.full)
 
     def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
         count = self.kv.schedule.quantized_count
