@@ -407,6 +407,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # layer, the A/B since.
     **direct_pair("fusedrope", fused_rope=True),
     **direct_pair("eagerrope", fused_rope=False),
+    # Static passes as before decode/slots.py LEAN_STATIC: each layer gathering and scattering its rows and building
+    # its boolean mask (~12 small kernels a layer in the layer graph), against the views and the mask built once a
+    # pass of the default.
+    **direct_pair("indexstatic", lean_static=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -480,7 +484,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
                         "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
-                        "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", *HOST_CASES),
+                        "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
+                        "lfu_direct_r1_indexstatic", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -490,7 +495,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
-            "fused_rope": (rope_mod, "FUSED_ROPE")}
+            "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -35,8 +35,9 @@ def _store(tmp_path_factory, tokenizer, model_type: str, **over):
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, real_tokenizer):
-    return {t: _store(tmp_path_factory, real_tokenizer, t)
-            for t in ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss")}
+    return {**{t: _store(tmp_path_factory, real_tokenizer, t)
+               for t in ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "gpt_oss")},
+            "mistral_window": _store(tmp_path_factory, real_tokenizer, "mistral", sliding_window=6)}
 
 
 def _graphed(store, **opts) -> tuple[Engine, layer_graphs.LayerGraphs]:
@@ -101,11 +102,12 @@ def test_a_layer_graph_hands_its_output_to_the_next_without_a_host_copy(stores, 
     assert off["input_copies"] - on["input_copies"] == (layers - 1) * graphed // layers
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss", "mistral_window"])
 def test_static_passes_decode_as_the_plain_cache(stores, model_type):
     """The static passes (slots and lengths in a device tensor, a mask over a bucketed span) attend to what the
     plain cache's passes attend to: the same greedy tokens, logits within fp32 rounding; batch 1 and passes of
-    3, 2 and 1 rows; gpt-oss with its sinks and sliding layers."""
+    3, 2 and 1 rows; gpt-oss with its sinks and sliding layers, Mistral with a window of 6 tokens (its mask a
+    bias built once a pass)."""
     for run in (lambda e: _decode(e, steps=8), _batch):
         engine = Engine.open(stores[model_type], device="cpu", dtype="float32", resident_layers=0, experts="whole")
         want_tokens, want_logits = run(engine)
@@ -918,3 +920,28 @@ def test_passes_in_and_out_of_slot_order_replay_their_own_graphs(stores):
     engine.close()
     assert graphs.stats["replays"] > 0 and graphs.stats["failed"] == 0, graphs.stats
     assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
+def test_a_cache_of_its_own_keys_its_graphs_by_itself():
+    """A cache the runner does not lend its buffers to builds its static masks in buffers of its own, which only
+    its own passes refill: its static keys name it, so a later cache whose key and value buffers and static tensor
+    land where its were never replays its graphs (they would read its masks, stale). Caches lent the same buffers
+    share the masks too, and their keys."""
+    from airquant.engine.decode.slots import KVBuffers, Segment
+
+    def cache(pool=None):
+        kv = SlotKV(1, 1, 32, torch.device("cpu"), torch.float32)
+        kv.graph_rows, kv.pool = 1, pool
+        kv._k[0] = kv._v[0] = shared  # the same addresses
+        kv._static = static
+        kv.begin([Segment(0, 5, 1, 0)])
+        return kv
+
+    shared, static = torch.zeros(1, 2, 32, 4), torch.zeros(4, 1, dtype=torch.long)
+    a, b = cache(), cache()
+    assert a.static and a.full and a.static_key(0) != b.static_key(0)
+    pool = KVBuffers()
+    assert cache(pool).static_key(0) == cache(pool).static_key(0)
+    bias = a.static_bias(a.static_span, None, torch.float32)
+    assert bias.shape == (1, 1, 1, a.static_span) and bias.stride(0) % 16 == 0
+    assert torch.equal(bias[0, 0, 0, :7].isfinite(), torch.tensor([True] * 6 + [False]))

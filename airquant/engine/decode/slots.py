@@ -58,6 +58,7 @@ buffers (``KVBuffers``), so that one replays the graphs instead of capturing its
 from __future__ import annotations
 
 import bisect
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -79,6 +80,12 @@ ATTN_NAME = "airquant_ragged"
 # Decode passes under the layer graphs are static (False: the write and the attention stay an eager island
 # between two graphs, as before; moe_bench's ``*_island`` cases measure the two side by side).
 STATIC_PASSES = True
+# Static passes lean: a pass of every slot in slot order reads its rows and places its outputs as views
+# (``SlotKV.full``), and each layer reads its mask as an additive bias built once a pass (``SlotKV.static_bias``);
+# off, each layer gathers and scatters its rows and builds a boolean mask, which sdpa converts again (moe_bench's
+# ``*_indexstatic`` cases).
+LEAN_STATIC = True
+_SERIALS = itertools.count()
 LENT_SLOTS = 8  # the largest cache whose device buffers the layer graphs keep from one loop to the next
 # Static passes attend over the span rounded up to a multiple of a quarter of its power of two, at least this
 # (columns past a slot's length are masked): a layer graph per bucket, four buckets an octave, at most a
@@ -110,6 +117,7 @@ class KVBuffers:
     def __init__(self):
         self._bufs: dict[tuple[int, str], torch.Tensor] = {}
         self._static: torch.Tensor | None = None
+        self.biases: dict[tuple, torch.Tensor] = {}  # SlotKV.static_bias: read by the graphs at their addresses too
         self._owner: weakref.ref | None = None
 
     def attach(self, kv: "SlotKV") -> bool:
@@ -129,6 +137,7 @@ class KVBuffers:
                       b.device == kv.device and key[0] not in kv.offload}
         if self._static is not None and (self._static.shape[1] != kv.slots or self._static.device != kv.device):
             self._static = None
+        self.biases = {key: b for key, b in self.biases.items() if b.shape[0] == kv.slots and b.device == kv.device}
         return True
 
     def get(self, layer: int, which: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -154,6 +163,7 @@ class KVBuffers:
     def clear(self) -> None:
         self._bufs.clear()
         self._static = None
+        self.biases = {}
         self._owner = None
 
 
@@ -244,6 +254,8 @@ class SlotKV:
         self.layout = 0  # counts the changes of the buffers' and arenas' addresses (a new buffer, a grown pool)
         self._length: torch.Tensor | None = None  # static passes: tokens per slot after the pass (idle: 1)
         self.pool: KVBuffers | None = None  # the layer graphs' kept device buffers, where they lend them
+        self._biases: dict[tuple, torch.Tensor] = {}  # static_bias's, where no pool lends them
+        self.serial = next(_SERIALS)  # static_key of a cache with biases of its own: its graphs are its own
         # TurboQuant: every device arena's page table [layers, slots, pages] on the device and its host image (pinned
         # on CUDA), written in one copy a pass (``_upload_tables``); the event: that copy has read the image
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -264,7 +276,7 @@ class SlotKV:
         # Every slot decoding, slot n's token at row offset n (a full continuous batch, batch 1 in a loop of one
         # slot): the row is already in slot order, so its tokens are read and its outputs placed as views (no
         # gather, zero fill or scatter). A static pass's layer graph captures that too: ``static_key`` holds it.
-        self.full = len(dec) == len(segments) == self.slots and all(
+        self.full = (LEAN_STATIC or not self.static) and len(dec) == len(segments) == self.slots and all(
             s.slot == n and s.offset == n for n, s in enumerate(dec))
         self._decode = self._decode_host = None
         if self.static:
@@ -347,6 +359,9 @@ class SlotKV:
         # changes before a layer lands them, at its next pass)
         self._decode_host = (host[0, :rows], host[1, :rows])
         self.static_span = static_span(self.span, self.cap)
+        for (span, window, _), bias in self._bias_home().items():  # the graphs of this span read them
+            if span == self.static_span:
+                self._fill_bias(bias, window)
         if self.tq:
             count = self.kv.schedule.quantized_count
             if self._tq_static is None:
@@ -373,7 +388,33 @@ class SlotKV:
             return (self.tq_hist, self._tq[i].static_key(), self._static.data_ptr(), self._tq_static.data_ptr())
         k, v = self._k[i], self._v[i]  # addresses and strides (a kept buffer's view: its own cap's strides)
         return (self.static_span, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), (*k.shape[:2], k.shape[3]),
-                (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr(), self.full)
+                (*v.shape[:2], v.shape[3]), k.dtype, self._static.data_ptr(), self.full,
+                None if self.pool is not None else self.serial)
+
+    def static_bias(self, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """A static pass's mask over ``span`` columns as an additive bias ``[slots, 1, 1, span]`` in ``dtype``: 0 on
+        each slot's own columns (its length, its ``window``), -inf elsewhere. Built once a pass for every layer
+        (``_static_begin`` refills those of its span), at an address the layer graphs read (lent with the buffers,
+        or the cache's own: ``static_key`` then names the cache), each row 16 columns aligned (sdpa's
+        memory-efficient kernel copies a bias that is not, at every call)."""
+        home = self._bias_home()
+        bias = home.get((span, window, dtype))
+        if bias is None:  # inside a capture, its graph fills it at each replay as well
+            bias = home[(span, window, dtype)] = torch.empty(self.slots, -(-span // 16) * 16, dtype=dtype,
+                                                             device=self.device)
+            self._fill_bias(bias, window)
+        return bias[:, None, None, :span]
+
+    def _bias_home(self) -> dict:
+        return self.pool.biases if self.pool is not None else self._biases
+
+    def _fill_bias(self, bias: torch.Tensor, window: int | None) -> None:
+        cols = torch.arange(bias.shape[1], device=bias.device)
+        length = self._length[:, None]
+        keep = cols < length
+        if window:
+            keep &= cols > length - 1 - window
+        bias.zero_().masked_fill_(~keep, float("-inf"))
 
     def _tq_begin(self, segments: list[Segment], dec: list[Segment]) -> None:
         count = self.kv.schedule.quantized_count
@@ -759,7 +800,9 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
         else:
             q = query.new_zeros(keys.shape[0], hkv, g, dim)  # [S, Hkv, G, D]; rows of idle slots stay 0
             q[slots] = query[0, :, offsets].transpose(0, 1).reshape(-1, hkv, g, dim)
-        keep = None if ctx.static else kv.decode_masks.get((keys.shape[2], window))
+        lean = ctx.static and LEAN_STATIC and sink is None
+        keep = kv.static_bias(keys.shape[2], window, q.dtype) if lean else \
+            None if ctx.static else kv.decode_masks.get((keys.shape[2], window))
         if keep is None:  # built once per pass (every layer of a window reads the same columns), or by each
             # static layer from the static lengths (its graph builds it again at each replay)
             if ctx.static:
@@ -773,7 +816,7 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
                 keep &= cols > (length[:, None] - 1 - window)
             if not ctx.static:
                 kv.decode_masks[(keys.shape[2], window)] = keep
-        o = _attend(q, keys, values, keep[:, None, None, :], scale, sink)
+        o = _attend(q, keys, values, keep if lean else keep[:, None, None, :], scale, sink)
         if kv.full:
             return o.reshape(t, hq, dv).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dv]
         out[0, :, offsets] = o[slots].reshape(-1, hq, dv).transpose(0, 1)
