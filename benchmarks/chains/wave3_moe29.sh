@@ -1,0 +1,19 @@
+# Device chain for issue #34 (~9 min on one GPU; started detached, polled). Written at the end of stop 66, not yet run.
+# wave3_moe28's lean static passes (decode/slots.py LEAN_STATIC, the default) gained on the no-cache rows but the
+# Qwen3 hot set ran ~1 ms a step slower in 3 of 3 pairs, its host queuing a step in 7.2-8.3 ms against 3.0-5.8 with
+# the same graph statistics. 1. Both hot-set variants traced with Python stacks (where the host's time goes between
+# ops), each alone in its own process. 2. Three more alternating pairs of 16 steps, each case in its own process.
+cd /tmp/run && . benchmarks/device_env.sh
+R=/tmp/res; mkdir -p $R
+set -x
+. benchmarks/chains/moe_case.sh  # run PART LABEL CASE [arguments]
+mkdir -p $R/traces/m29
+run qwen3_routed m29a lfu_direct_r1 --trace lfu_direct_r1 --trace-stacks --trace-dir $R/traces/m29
+run qwen3_routed m29b lfu_direct_r1_indexstatic --trace lfu_direct_r1_indexstatic --trace-stacks \
+    --trace-dir $R/traces/m29
+for k in 1 2 3; do
+  run qwen3_routed m29c$k lfu_direct_r1_indexstatic --steps 16
+  run qwen3_routed m29d$k lfu_direct_r1 --steps 16
+done
+rm -rf /tmp/bw
+echo CHAIN_DONE > $R/done
