@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airquant.engine import layer_graphs as graphs_mod  # noqa: E402
+from airquant.engine import moe_router as router_mod  # noqa: E402
 from airquant.engine import norms as norms_mod  # noqa: E402
 from airquant.engine import rope as rope_mod  # noqa: E402
 from airquant.engine import streamer as streamer_mod  # noqa: E402
@@ -153,7 +154,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
     row: dict = {"model": model, "cap_gb": cap_gb, "batch": batch, "prompt_len": a.prompt_len, "error": None,
                  "fused": expert_compute.FUSED, "run": RUN, "device": b.results.get("device"),
                  "norms": "fused" if norms_mod.FUSED_RMS_NORM else "eager", "after_profiler": stream_mod.PROFILED,
-                 "rope": "fused" if rope_mod.FUSED_ROPE else "eager"}
+                 "rope": "fused" if rope_mod.FUSED_ROPE else "eager",
+                 "router": "fused" if router_mod.FUSED_ROUTER else "eager"}
     if case is not None:
         row.update(case=case, settings={k: v for k, v in kw.items() if k != "experts"}, experts_asked=kw["experts"],
                    gemv_tokens=expert_compute.GEMV_TOKENS, fused=expert_compute.FUSED, uva_copy=experts_mod.UVA_COPY,
@@ -411,6 +413,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # its boolean mask (~12 small kernels a layer in the layer graph), against the views and the mask built once a
     # pass of the default.
     **direct_pair("indexstatic", lean_static=False),
+    # The standard top-k router's softmax, top-k and renormalization as one kernel (engine/moe_router.py FUSED_ROUTER,
+    # off by default until this A/B has run on a GPU) against transformers' seven small kernels a layer.
+    **direct_pair("fusedrouter", fused_router=True),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -485,7 +490,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
                         "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
-                        "lfu_direct_r1_indexstatic", *HOST_CASES),
+                        "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
+                        *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
@@ -495,7 +501,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
-            "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC")}
+            "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
+            "fused_router": (router_mod, "FUSED_ROUTER")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

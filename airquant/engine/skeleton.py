@@ -19,6 +19,7 @@ from airquant.config import MLP_CHUNK_TOKENS
 from airquant.engine import embed_head
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.pool import RoutedForward
+from airquant.engine.moe_router import fuse_routers
 from airquant.engine.norms import fuse_rms_norms
 from airquant.engine.rope import fuse_rope
 from airquant.errors import StoreError
@@ -47,6 +48,7 @@ def build_skeleton(config, dtype: torch.dtype, manifest: Manifest | None = None)
     chunk_mlp(model, MLP_CHUNK_TOKENS)
     fuse_rms_norms(model)
     fuse_rope(model)
+    fuse_routers(model)
     return model
 
 

@@ -1,8 +1,11 @@
-# Device chain for issue #34 (~9 min on one GPU; started detached, polled). Written at the end of stop 66, not yet run.
+# Device chain for issue #34 (~11 min on one GPU; started detached, polled over two calls). Written at the end of
+# stop 66, not yet run.
 # wave3_moe28's lean static passes (decode/slots.py LEAN_STATIC, the default) gained on the no-cache rows but the
 # Qwen3 hot set ran ~1 ms a step slower in 3 of 3 pairs, its host queuing a step in 7.2-8.3 ms against 3.0-5.8 with
 # the same graph statistics. 1. Both hot-set variants traced with Python stacks (where the host's time goes between
 # ops), each alone in its own process. 2. Three more alternating pairs of 16 steps, each case in its own process.
+# 3. The fused top-k router (engine/moe_router.py FUSED_ROUTER, off by default, written without a GPU): its CUDA
+#    test (bf16 is checked on the GPU only), then Qwen3's hot set and no cache with it against without.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x
@@ -15,5 +18,10 @@ for k in 1 2 3; do
   run qwen3_routed m29c$k lfu_direct_r1_indexstatic --steps 16
   run qwen3_routed m29d$k lfu_direct_r1 --steps 16
 done
+timeout 120 python -m pytest -q -p no:cacheprovider tests/engine/test_moe_router.py > $R/gpu_router.log 2>&1
+run qwen3_routed m29e lfu_direct_r1_fusedrouter --steps 16
+run qwen3_routed m29f lfu_direct_r1 --steps 16
+run qwen3_routed m29g nocache_direct_fusedrouter --steps 16
+run qwen3_routed m29h nocache_direct --steps 16
 rm -rf /tmp/bw
 echo CHAIN_DONE > $R/done
