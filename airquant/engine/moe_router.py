@@ -5,7 +5,7 @@ by one linear, then the logits to fp32, a softmax, ``topk`` (a gather and a bito
 and division and the cast back: seven small kernels a layer at decode, ~18 us of a Qwen3-30B-A3B batch-1 layer
 replayed in its graph (H100, moe_bench trace, wave3_moe28), while the link idles: the experts' reads wait for it.
 
-``fuse_routers`` gives each module of exactly that forward (``standard``, by its source) ``FusedRouter``: with
+``fuse_routers`` gives each module of exactly that forward (``standard_router``, by its source) ``FusedRouter``: with
 ``FUSED_ROUTER`` and CUDA (or Triton's interpreter) the linear stays cuBLAS's and one Triton launch does the rest
 (``moe_router_kernel``): each row's softmax in fp32 with the ``expf`` torch's softmax kernel calls, its ``top_k``
 largest probabilities in descending order, divided by their sum where the module renormalizes, cast to the logits'
@@ -45,14 +45,14 @@ MAX_TOP_K = 64  # the kernel unrolls its passes
 
 
 @functools.cache
-def standard(cls: type) -> bool:
+def standard_router(cls: type) -> bool:
     """Whether ``cls.forward`` is transformers' standard top-k router forward: arguments ``(self, hidden_states)``
     and, its docstring aside, the statements of ``STANDARD_BODY``."""
     return function_body(getattr(cls, "forward", None)) == (("self", "hidden_states"), STANDARD_BODY)
 
 
 class FusedRouter:
-    """A standard router module's forward: softmax, top-k and renormalization in one kernel where ``applies``
+    """A standard router module's forward: softmax, top-k and renormalization in one kernel where ``fusable``
     holds, the module's own elsewhere."""
 
     def __init__(self, module: nn.Module, forward):
@@ -60,15 +60,15 @@ class FusedRouter:
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
         m = self.module
-        if args or kwargs or not (FUSED_ROUTER and applies(hidden_states, m.weight, m.top_k)):
+        if args or kwargs or not (FUSED_ROUTER and fusable(hidden_states, m.weight, m.top_k)):
             return self.forward(hidden_states, *args, **kwargs)
         logits = torch.nn.functional.linear(hidden_states.reshape(-1, m.hidden_dim), m.weight)
-        weights, indices = route(logits, m.top_k, bool(m.norm_topk_prob))
+        weights, indices = route_topk(logits, m.top_k, bool(m.norm_topk_prob))
         return logits, weights, indices
 
 
-def applies(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
-    """Whether ``route`` takes the call: CUDA (or the interpreter), one dtype of three, at most ``MAX_EXPERTS``
+def fusable(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
+    """Whether ``route_topk`` takes the call: CUDA (or the interpreter), one dtype of three, at most ``MAX_EXPERTS``
     experts and ``MAX_TOP_K`` picked, on one device."""
     if not (hidden_states.is_cuda and kernels.triton_available() or kernels.interpreting()):
         return False
@@ -77,7 +77,7 @@ def applies(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int) -> bo
             and weight.shape[0] <= MAX_EXPERTS and hidden_states.device == weight.device)
 
 
-def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights (``logits``' dtype) and experts (int64) of each row of ``logits`` ``[N, E]``, each ``[N, top_k]``,
     by one launch."""
     import triton
@@ -103,7 +103,7 @@ def fuse_routers(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if standard(type(module)) and not isinstance(module.forward, FusedRouter):
+        if standard_router(type(module)) and not isinstance(module.forward, FusedRouter):
             module.forward = FusedRouter(module, module.forward)
             count += 1
     return count

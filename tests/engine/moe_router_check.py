@@ -25,7 +25,7 @@ def case(dtype: torch.dtype, experts: int, top_k: int, norm: bool, rows: int = 6
     h = torch.randn(2, rows // 2, hidden).to(device=device, dtype=dtype)
     with torch.no_grad():
         want = module(h)
-        assert router.applies(h, module.weight, top_k)
+        assert router.fusable(h, module.weight, top_k)
         got = router.FusedRouter(module, module.forward)
         router.FUSED_ROUTER, before = True, router.FUSED_ROUTER
         try:

@@ -16,15 +16,15 @@ from transformers.models.olmoe import modeling_olmoe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from airquant.engine import moe_router as router
-from airquant.engine.moe_router import FusedRouter, fuse_routers, standard
+from airquant.engine.moe_router import FusedRouter, fuse_routers, standard_router
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_only_the_standard_forward_is_recognised():
-    assert standard(modeling_qwen3_moe.Qwen3MoeTopKRouter) and standard(modeling_olmoe.OlmoeTopKRouter)
-    assert not standard(modeling_mixtral.MixtralTopKRouter)  # its softmax after the top-k, no renormalization
-    assert not standard(torch.nn.Linear)
+    assert standard_router(modeling_qwen3_moe.Qwen3MoeTopKRouter) and standard_router(modeling_olmoe.OlmoeTopKRouter)
+    assert not standard_router(modeling_mixtral.MixtralTopKRouter)  # its softmax after the top-k, no renormalization
+    assert not standard_router(torch.nn.Linear)
 
 
 def test_a_model_gets_the_fused_call_only_when_on_and_computes_as_before(tmp_path, real_tokenizer, monkeypatch):
@@ -40,9 +40,9 @@ def test_a_model_gets_the_fused_call_only_when_on_and_computes_as_before(tmp_pat
     monkeypatch.setattr(router, "FUSED_ROUTER", False)
     assert fuse_routers(model) == 0
     monkeypatch.setattr(router, "FUSED_ROUTER", True)
-    routers = sum(standard(type(m)) for m in model.modules())
+    routers = sum(standard_router(type(m)) for m in model.modules())
     assert routers > 0 and fuse_routers(model) == routers and fuse_routers(model) == 0  # once
-    assert all(isinstance(m.forward, FusedRouter) for m in model.modules() if standard(type(m)))
+    assert all(isinstance(m.forward, FusedRouter) for m in model.modules() if standard_router(type(m)))
     with torch.no_grad():  # CPU tensors: the wrapper calls the module's own forward
         assert torch.equal(model(ids).logits, want)
 
