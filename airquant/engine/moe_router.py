@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from airquant.engine.norms import function_body
+from airquant.engine.norms import function_body, wrap_forwards
 from airquant.quant import kernels
 
 FUSED_ROUTER = False
@@ -101,9 +101,4 @@ def fuse_routers(model: nn.Module) -> int:
     (off: no wrapper on the routers' calls at all); how many."""
     if not FUSED_ROUTER:
         return 0
-    count = 0
-    for module in model.modules():
-        if standard_router(type(module)) and not isinstance(module.forward, FusedRouter):
-            module.forward = FusedRouter(module, module.forward)
-            count += 1
-    return count
+    return wrap_forwards(model, lambda m: standard_router(type(m)), FusedRouter)

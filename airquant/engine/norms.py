@@ -90,10 +90,16 @@ def fuse_rms_norms(model: nn.Module) -> int:
     (off: no wrapper on the norms' calls at all); how many."""
     if not FUSED_RMS_NORM:
         return 0
+    return wrap_forwards(model, lambda m: standard(type(m)) and isinstance(getattr(m, "variance_epsilon", None), float),
+                         FusedRMSNorm)
+
+
+def wrap_forwards(model: nn.Module, matches, wrapper: type) -> int:
+    """Give every module of ``model`` that ``matches`` and has no ``wrapper`` yet ``wrapper(module, forward)`` as its
+    forward (this module's and ``engine/moe_router``'s fused calls); how many."""
     count = 0
     for module in model.modules():
-        if standard(type(module)) and not isinstance(module.forward, FusedRMSNorm) and \
-                isinstance(getattr(module, "variance_epsilon", None), float):
-            module.forward = FusedRMSNorm(module, module.forward)
+        if matches(module) and not isinstance(module.forward, wrapper):
+            module.forward = wrapper(module, module.forward)
             count += 1
     return count
