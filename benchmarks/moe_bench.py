@@ -727,24 +727,23 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # fused kernels from the slots hold no gather and no stacked decode, so the dense parts stay in VRAM beside a larger
 # hot set), and the ``*_fusednorm`` rows of before measured the plan of then.
 NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
-# Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM,
-# ``norms_of``) where there are any, and of those the rows on the default rotary embedding (engine/rope.py
-# FUSED_ROPE, ``rope_of``) where there are any. The fused norms became the default after wave3_moe23: the
+# Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM)
+# where there are any, and of those the rows on the default rotary embedding (engine/rope.py FUSED_ROPE) where there
+# are any (``DEFAULT_KERNELS``, ``ran_with``). The fused norms became the default after wave3_moe23: the
 # ``*_fusednorm`` rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers'
 # own; the fused rotary embedding after wave3_moe27 (``*_fusedrope`` rows), likewise.
 DEFAULT_PATH = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 
 
-def norms_of(row: dict) -> str:
-    """The RMSNorms a row ran with: its ``norms`` ("fused" or "eager"); a row from before that field, the fused
-    ones only where its case turned them on (they were off by default then)."""
-    return row.get("norms") or ("fused" if (row.get("settings") or {}).get("fused_norm") else "eager")
+# The default path's kernels a row records, in the order ``target_row`` prefers them: (its field, the ``SWITCHES``
+# setting of the cases that turned the kernel on before it was the default).
+DEFAULT_KERNELS = (("norms", "fused_norm"), ("rope", "fused_rope"))
 
 
-def rope_of(row: dict) -> str:
-    """The rotary embedding a row ran with: its ``rope`` ("fused" or "eager"); a row from before that field ran
-    transformers' own (the fused one had no switch then)."""
-    return row.get("rope") or ("fused" if (row.get("settings") or {}).get("fused_rope") else "eager")
+def ran_with(row: dict, field: str, setting: str) -> str:
+    """Which of a kernel a row ran with, "fused" or "eager": its ``field`` (``norms``, ``rope``); a row from before
+    that field, the fused one only where its case turned it on by ``setting`` (it was off by default then)."""
+    return row.get(field) or ("fused" if (row.get("settings") or {}).get(setting) else "eager")
 
 
 def nocache_like(rows: dict, model: str, cached: dict | None) -> dict | None:
@@ -789,10 +788,9 @@ def target_row(rows: dict, key: str) -> dict | None:
     found = [rows[(model, c)] for c in cases if (model, c) in rows]
     timed = [row for row in found if row.get("tok_s")]
     if key in DEFAULT_PATH:
-        default = "fused" if norms_mod.FUSED_RMS_NORM else "eager"
-        timed = [row for row in timed if norms_of(row) == default] or timed
-        default = "fused" if rope_mod.FUSED_ROPE else "eager"
-        timed = [row for row in timed if rope_of(row) == default] or timed
+        for field, setting in DEFAULT_KERNELS:
+            default = "fused" if getattr(*SWITCHES[setting]) else "eager"
+            timed = [row for row in timed if ran_with(row, field, setting) == default] or timed
     if timed and key in NEWEST:
         newest = max(row.get("run") or "" for row in timed)
         timed = [row for row in timed if (row.get("run") or "") == newest]

@@ -222,13 +222,13 @@ def test_the_no_cache_floor_reads_the_newest_run_of_the_default_path():
 
 def test_the_default_path_keys_read_rows_on_the_default_norms(monkeypatch):
     from airquant.engine import norms
-    from benchmarks.moe_bench import norms_of, target_row
+    from benchmarks.moe_bench import ran_with, target_row
 
     m = "qwen3-30b-a3b nf4"
     eager = _routed(m, "lfu_direct_r1", "2026-12-06T09:06:53", 50.5)  # before the field: transformers' norms
     fused = {**_routed(m, "lfu_direct_r1_fusednorm", "2026-12-06T09:06:02", 53.8), "settings": {"fused_norm": True}}
     rows = {(m, "lfu_direct_r1"): eager, (m, "lfu_direct_r1_fusednorm"): fused}
-    assert (norms_of(eager), norms_of(fused)) == ("eager", "fused")
+    assert (ran_with(eager, "norms", "fused_norm"), ran_with(fused, "norms", "fused_norm")) == ("eager", "fused")
     key = "qwen3_30b_nf4_bs1_tok_s"
     monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
     assert target_row(rows, key) is fused
@@ -248,7 +248,7 @@ def test_the_default_path_keys_read_rows_on_the_default_norms(monkeypatch):
 
 def test_the_default_path_keys_read_rows_on_the_default_rotary_embedding(monkeypatch):
     from airquant.engine import norms, rope
-    from benchmarks.moe_bench import rope_of, target_row
+    from benchmarks.moe_bench import ran_with, target_row
 
     monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
     m = "qwen3-30b-a3b nf4"
@@ -256,8 +256,9 @@ def test_the_default_path_keys_read_rows_on_the_default_rotary_embedding(monkeyp
     fused = {**_routed(m, "lfu_direct_r1_fusedrope", "2026-12-06T13:53:00", 74.9), "norms": "fused",
              "rope": "fused"}
     rows = {(m, "lfu_direct_r1"): eager, (m, "lfu_direct_r1_fusedrope"): fused}
-    assert (rope_of(eager), rope_of(fused)) == ("eager", "fused")
-    assert rope_of({"settings": {"fused_rope": True}}) == "fused" and rope_of({}) == "eager"  # rows before the field
+    assert (ran_with(eager, "rope", "fused_rope"), ran_with(fused, "rope", "fused_rope")) == ("eager", "fused")
+    assert ran_with({"settings": {"fused_rope": True}}, "rope", "fused_rope") == "fused"  # rows before the field
+    assert ran_with({}, "rope", "fused_rope") == "eager"
     key = "qwen3_30b_nf4_bs1_tok_s"
     monkeypatch.setattr(rope, "FUSED_ROPE", True)
     assert target_row(rows, key) is fused
