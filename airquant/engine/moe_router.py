@@ -24,6 +24,7 @@ import functools
 import torch
 from torch import nn
 
+from airquant.engine.moe.compute import fused_runs_on
 from airquant.engine.norms import function_body, wrap_forwards
 from airquant.quant import kernels
 
@@ -68,9 +69,9 @@ class FusedRouter:
 
 
 def fusable(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
-    """Whether ``route_topk`` takes the call: CUDA (or the interpreter), one dtype of three, at most ``MAX_EXPERTS``
-    experts and ``MAX_TOP_K`` picked, on one device."""
-    if not (hidden_states.is_cuda and kernels.triton_available() or kernels.interpreting()):
+    """Whether ``route_topk`` takes the call: Triton runs on it (``fused_runs_on``: CUDA, or the interpreter), one
+    dtype of three, at most ``MAX_EXPERTS`` experts and ``MAX_TOP_K`` picked, on one device."""
+    if not fused_runs_on(hidden_states):
         return False
     return (hidden_states.dtype == weight.dtype and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and weight.dim() == 2 and 0 < top_k <= min(weight.shape[0], MAX_TOP_K)

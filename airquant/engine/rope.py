@@ -27,8 +27,8 @@ import sys
 import torch
 from torch import nn
 
+from airquant.engine.moe.compute import fused_runs_on
 from airquant.engine.norms import function_body
-from airquant.quant import kernels
 
 FUSED_ROPE = True
 
@@ -78,8 +78,9 @@ class FusedRope:
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``rotate`` takes the call: CUDA (or the interpreter), one dtype, the usual shapes, rows contiguous."""
-    if not (q.is_cuda and kernels.triton_available() or kernels.interpreting()):
+    """Whether ``rotate`` takes the call: Triton runs on ``q`` (``fused_runs_on``: CUDA, or the interpreter), one
+    dtype, the usual shapes, rows contiguous."""
+    if not fused_runs_on(q):
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         return False
