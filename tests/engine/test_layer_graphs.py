@@ -943,5 +943,5 @@ def test_a_cache_of_its_own_keys_its_graphs_by_itself():
     pool = KVBuffers()
     assert cache(pool).static_key(0) == cache(pool).static_key(0)
     bias = a.static_bias(a.static_span, None, torch.float32)
-    assert bias.shape == (1, 1, 1, a.static_span) and bias.stride(0) % 16 == 0
-    assert torch.equal(bias[0, 0, 0, :7].isfinite(), torch.tensor([True] * 6 + [False]))
+    assert bias.shape == (1, a.static_span) and bias.stride(0) % 16 == 0
+    assert torch.equal(bias[0, :7].isfinite(), torch.tensor([True] * 6 + [False]))

@@ -394,7 +394,7 @@ class SlotKV:
                 None if self.pool is not None else self.serial)
 
     def static_bias(self, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """A static pass's mask over ``span`` columns as an additive bias ``[slots, 1, 1, span]`` in ``dtype``: 0 on
+        """A static pass's mask over ``span`` columns as an additive bias ``[slots, span]`` in ``dtype``: 0 on
         each slot's own columns (its length, its ``window``), -inf elsewhere. Built once a pass for every layer
         (``_static_begin`` refills those of its span), at an address the layer graphs read (lent with the buffers,
         or the cache's own: ``static_key`` then names the cache), each row 16 columns aligned (sdpa's
@@ -405,7 +405,7 @@ class SlotKV:
             bias = home[(span, window, dtype)] = torch.empty(self.slots, -(-span // 16) * 16, dtype=dtype,
                                                              device=self.device)
             self._fill_bias(bias, window)
-        return bias[:, None, None, :span]
+        return bias[:, :span]
 
     def _bias_home(self) -> dict:
         return self.pool.biases if self.pool is not None else self._biases
@@ -818,7 +818,7 @@ def _plain_attention(query: torch.Tensor, ctx: PassContext, scale: float, window
                 keep &= cols > (length[:, None] - 1 - window)
             if not ctx.static:
                 kv.decode_masks[(keys.shape[2], window)] = keep
-        o = _attend(q, keys, values, keep if lean else keep[:, None, None, :], scale, sink)
+        o = _attend(q, keys, values, keep[:, None, None, :], scale, sink)
         if kv.full:
             return o.reshape(t, hq, dv).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dv]
         out[0, :, offsets] = o[slots].reshape(-1, hq, dv).transpose(0, 1)
