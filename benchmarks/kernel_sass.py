@@ -1,5 +1,7 @@
 """What the TurboQuant split kernel compiles to, without a GPU: each history-tile variant's machine code for one
-target, its registers, shared memory and the instructions of its history loop.
+target, its registers, shared memory and the instructions of its history loop; then the Gluon history kernel's
+(kv/gluon_kernel.py: one warp a program, so its loop's count is a tile's whole cost, against four warps' for the
+split kernel's variants).
 
     python benchmarks/kernel_sass.py [--cap 90] [--block-n 32] [--dim 128] [--num-warps 4] [--out FILE]
 
@@ -57,6 +59,36 @@ def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dt
                   "BYTES": variant[1]}
     return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", cap, 32),
                           options={"num_warps": warps, "num_stages": 1})
+
+
+# The Gluon history kernel's pointer arguments (kv/gluon_kernel.py): codes read as 32-bit words, byte tables as
+# 32-bit (keys: two centroids) and 64-bit (values: four) words.
+GLUON_POINTERS = {**{k: v for k, v in POINTERS.items() if k not in ("KF", "VF", "KCent", "VCent")},
+                  "KC": "i32", "VC": "i32", "KByte": "i32", "VByte": "i64"}
+
+
+def compile_gluon_history(cap: int, block_n: int, dtype: str = "bf16"):
+    """The Gluon history kernel as the decode loop would launch it (head size 128, the paged arena, a keep mask,
+    each row its own history), one warp, compiled for ``sm_{cap}``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from airquant.kv import gluon_kernel as gk
+
+    fn = gk._history_kernel
+    lengths = set(fn.do_not_specialize) | {"s_ec"}
+    sig = {p.name: "constexpr" if p.is_constexpr else
+           ("*" + (dtype if GLUON_POINTERS[p.name] == "X" else GLUON_POINTERS[p.name]) if p.name in GLUON_POINTERS
+            else ("fp32" if p.name == "scale" else "i32")) for p in fn.params}
+    aligned = {i for i, p in enumerate(fn.params) if sig[p.name].startswith("*") or
+               (p.name.startswith("s_") and p.name not in lengths)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    constexprs = {"DT": {"bf16": 1, "fp16": 2}[dtype], "BLOCK_N": block_n, "NORM8_K": False, "NORM8_V": False,
+                  "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": True, "PAGED": True, "PAGE": 256,
+                  "ROW_HIST": True}
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", cap, 32),
+                          options={"num_warps": 1})
 
 
 def _tool(name: str) -> str:
@@ -123,6 +155,19 @@ def main(argv=None) -> int:
                       "loops": [r["instructions"] for r in found]}
         top = ", ".join(f"{k} {v}" for k, v in list(hist["ops"].items())[:10])
         print(f"{name}: {usage['registers']} registers, {compiled.metadata.shared} B shared; history loop "
+              f"{hist['instructions']} instructions ({hist['ops'].get('BAR', 0)} BAR): {top}", flush=True)
+    try:
+        compiled = compile_gluon_history(args.cap, args.block_n)
+    except ImportError:  # a Triton without Gluon
+        compiled = None
+    if compiled is not None:
+        sass, usage = listing(compiled.asm["cubin"])
+        found = loops(sass)
+        hist = found[0] if found else {"instructions": 0, "ops": {}}
+        rows["gluon"] = {**usage, "shared_bytes": compiled.metadata.shared, "history_loop": hist, "num_warps": 1,
+                         "loops": [r["instructions"] for r in found]}
+        top = ", ".join(f"{k} {v}" for k, v in list(hist["ops"].items())[:10])
+        print(f"gluon (one warp): {usage['registers']} registers, {compiled.metadata.shared} B shared; history loop "
               f"{hist['instructions']} instructions ({hist['ops'].get('BAR', 0)} BAR): {top}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"cap": args.cap, "block_n": args.block_n, "dim": args.dim,

@@ -45,6 +45,36 @@ def _time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _graph_ms(fn, iters: int = 50) -> float | None:
+    """GPU time of ``fn`` captured in a CUDA graph and replayed (no host time between launches: how the decode
+    loop's static passes run it); None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time_ms(graph.replay, iters)
+
+
+def _kernel_us(fn, calls: int = 10) -> dict | None:
+    """Device microseconds a call of ``fn`` spends in each kernel (torch's profiler, ``calls`` calls); None off
+    CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    return {e.key[:60]: round(device_us(e) / calls, 2) for e in prof.key_averages() if device_us(e) > 0}
+
+
 def _component_rows(q, keys, values, ctx, scale) -> dict:
     """The torch path (ops the kernels replace) and the Triton kernels at fixed tile shapes."""
     from airquant.kv import triton_kernel
@@ -77,6 +107,10 @@ TILES = ((32, 4, 1), (32, 2, 1))
 # has no registers: None only.
 REGS = (None, 128)
 BEFORE = "v00_p1056_n32_w4_s1_r0"  # the autotuner's usual pick before the byte tables
+SHORT = (BEFORE, "v01_p1056_n32_w4_s1_r0", "v01_p2112_n32_w4_s1_r0")  # --sweep short: the Triton rows timed
+# The Gluon history kernel's launches: (split programs, one warp each; BLOCK_N; a register cap or None). Compiled
+# for sm_90 (kernel_sass-style, offline): BLOCK_N 32 takes 255 registers a thread, 16 232.
+GLUON_ROWS = ((2112, 32, None), (4224, 32, None), (8448, 32, None), (4224, 16, None), (4224, 32, 168))
 
 
 def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
@@ -115,35 +149,57 @@ def paged_sweep(args, device="cuda", dtype=torch.bfloat16) -> dict:
                     "tq_bytes": read, "tq_floor_ms": read / gbps / 1e6, "kernels": {}}
             ref = None
 
-            def timed(call) -> dict:
+            def timed(call, detail: bool = False) -> dict:
+                """The call's time from the host (``ms``) and, ``detail``: replayed as a CUDA graph
+                (``graph_ms``) and each kernel's device time (``kernel_us``)."""
                 nonlocal ref
                 got = call()
                 ref = got if ref is None else ref
                 ms = _time_ms(call)
-                return {"ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
-                        "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
+                row = {"ms": ms, "gbps": read / ms / 1e6, "over_floor": ms / rows["tq_floor_ms"],
+                       "over_fp16_sdpa": ms / sdpa, "max_abs_diff": (got.float() - ref.float()).abs().max().item()}
+                if detail:
+                    row.update(graph_ms=_graph_ms(call), kernel_us=_kernel_us(call))
+                return row
             regs = REGS if torch.device(device).type == "cuda" else (None,)
             for cols, tab in triton_kernel.VARIANTS:
                 for programs in PROGRAMS:
                     for block_n, warps, stages in TILES:
                         for reg in regs:
                             name = f"v{cols}{tab}_p{programs}_n{block_n}_w{warps}_s{stages}_r{reg or 0}"
+                            if args.sweep == "short" and name not in SHORT:
+                                continue
                             rows["kernels"][name] = timed(lambda: triton_kernel.attention(
                                 q, win_k, win_v, ctx, bucket.keep, d**-0.5, block_n=block_n, num_warps=warps,
-                                num_stages=stages, variant=(cols, tab), paged=paged, programs=programs, maxnreg=reg))
+                                num_stages=stages, variant=(cols, tab), paged=paged, programs=programs, maxnreg=reg,
+                                history="triton"), detail=args.sweep == "short")
+            if triton_kernel.gluon_history(q, ctx, triton_kernel._DOT.get(dtype, 0), g):
+                for programs, block_n, reg in GLUON_ROWS:
+                    rows["kernels"][f"gluon_p{programs}_n{block_n}_r{reg or 0}"] = timed(
+                        lambda: triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5, paged=paged,
+                                                        programs=programs, history="gluon", block_n=block_n,
+                                                        maxnreg=reg), detail=True)
+            sdpa_graph = _graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, plain_k, plain_v, enable_gqa=True))
+            if sdpa_graph is not None:
+                rows["fp16_cache_sdpa_graph_ms"] = sdpa_graph
             best = min(rows["kernels"].items(), key=lambda kv_: kv_[1]["ms"])
             before = rows["kernels"][BEFORE]
             rows.update(best=best[0], best_ms=best[1]["ms"], before_ms=before["ms"],
                         best_over_fp16_sdpa=best[1]["over_fp16_sdpa"], before_over_fp16_sdpa=before["over_fp16_sdpa"])
             if torch.device(device).type == "cuda":  # the engine's own call: autotuned tiles and variant
                 rows["autotuned"] = timed(lambda: triton_kernel.attention(q, win_k, win_v, ctx, bucket.keep, d**-0.5,
-                                                                          paged=paged))
+                                                                          paged=paged, history="triton"))
                 chosen = [v for k, v in triton_kernel._CHOSEN.items() if k[6]]  # the paged launches' choices
                 rows["autotuned"]["config"] = {k: v for k, v in chosen[-1].items() if not callable(v)}
             out["rows"][key] = rows
             auto = f", autotuned {rows['autotuned']['ms']:.3f} ms" if "autotuned" in rows else ""
             print(f"{key}: sdpa {sdpa:.3f} ms, floor {rows['tq_floor_ms']:.3f} ms, before {before['ms']:.3f} ms, "
                   f"best {best[0]} {best[1]['ms']:.3f} ms{auto}", flush=True)
+            for kname, k in rows["kernels"].items():
+                if k.get("graph_ms") is not None:
+                    print(f"  {kname}: graph {k['graph_ms']:.3f} ms (sdpa {rows['fp16_cache_sdpa_graph_ms']:.3f}); "
+                          f"kernels {k['kernel_us']}", flush=True)
     return out
 
 
@@ -158,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="8,32", help="--paged: batch sizes (comma-separated)")
     parser.add_argument("--group-sizes", default="4,8", help="--paged: query heads per KV head (8B: 4, 70B: 8)")
     parser.add_argument("--out", default=None, help="--paged: where the JSON goes (printed besides)")
+    parser.add_argument("--sweep", choices=("full", "short"), default="full",
+                        help="--paged: every Triton launch setting, or the byte-table tiles and the old pick only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -36,6 +36,7 @@ Importing this module never requires triton or CUDA: ``applicable`` says whether
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -72,9 +73,46 @@ VARIANTS = ((0, 0), (1, 0), (0, 1))
 # the softmax's layout and back).
 AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32, 1, 0, 1, None))
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
+# Which kernel reads the packed history of a call it can take (``gluon_history``): "gluon" (kv/gluon_kernel.py,
+# operands gathered into the tensor cores' register layouts, one warp a split) or "triton" (the split kernel's
+# history tiles). Unmeasured on a GPU when written: "triton" until the GPU sweep (kv_attention_speed.py --paged).
+HISTORY_KERNEL = "triton"
+# Split programs the Gluon history kernel aims at (one warp each; the Triton kernel's are four).
+GLUON_PROGRAMS = 4224
+# Tiles of the Gluon history kernel (32: 195 registers compiled for sm_90, 1 274 instructions a tile, no barrier;
+# 16 and 64 took 254-255 registers).
+GLUON_BLOCK_N = 32
+# The window's splits beside a Gluon history (a few hundred unquantized tokens): one tile config, not tuned.
+WINDOW_TILES = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "COLS": 0, "BYTES": 0}
 # Centroid tables in the products' dtype where the products are half precision (False: fp32 tables converted
 # in the kernel, as before; benchmarks/kv_attention_speed.py compares both in one run).
 TABLES_IN_PRODUCT_DTYPE = True
+
+
+def preferred_history() -> str:
+    """The history kernel a call takes where both can: AIRQUANT_TQ_HISTORY ("gluon" or "triton") if set, else
+    ``HISTORY_KERNEL``."""
+    chosen = os.environ.get("AIRQUANT_TQ_HISTORY") or HISTORY_KERNEL
+    if chosen not in ("gluon", "triton"):
+        raise ValueError(f"AIRQUANT_TQ_HISTORY={chosen!r}: expected 'gluon' or 'triton' (or unset: {HISTORY_KERNEL})")
+    return chosen
+
+
+def gluon_history(query: torch.Tensor, ctx: CompressedContext, dot: int, rows: int) -> bool:
+    """Whether the Gluon history kernel can read this call's history: half-precision products, K4/V2 codes, head
+    size 128, at most 16 query rows a kv-head (``G * QLEN``), Ampere or later, a Triton with Gluon."""
+    if dot not in (1, 2) or rows > 16 or query.shape[-1] != 128:
+        return False
+    if (ctx.k_codec.bits, ctx.v_codec.bits) != (4, 2):
+        return False
+    cap = device_capability(query.device)
+    if cap is None or cap < (8, 0):
+        return False
+    try:
+        from airquant.kv import gluon_kernel  # noqa: F401  (Triton >= 3.5)
+    except ImportError:
+        return False
+    return True
 
 
 def shared_bytes(dim: int) -> int:
@@ -219,7 +257,7 @@ if triton is not None:
     # them, and a decode loop whose lengths grow by one token a step met a new one every few steps (seconds of
     # compile each, measured as a 28 s longer prefill ramp of the first TurboQuant run on the H200). Strides of
     # the packed tensors stay specialized: they are multiples of a page and keep the loads aligned.
-    LENGTH_ARGS = ("s_eb", "s_eh", "s_el", "KV_LEN", "F", "N_HIST", "full_splits")
+    LENGTH_ARGS = ("s_eb", "s_eh", "s_el", "KV_LEN", "F", "N_HIST", "full_splits", "n_splits")
 
     @triton.jit(do_not_specialize=LENGTH_ARGS)
     def _split_kernel(
@@ -228,7 +266,7 @@ if triton is not None:
         s_qb, s_qh, s_ql, s_rb, s_rh, s_rl, s_kfb, s_kfh, s_kfn, s_vfb, s_vfh, s_vfn,
         s_kcb, s_kch, s_kcn, s_knb, s_knh, s_vcb, s_vch, s_vcn, s_vnb, s_vnh,
         s_eb, s_eh, s_el, s_ec,
-        HKV, G, QLEN, KV_LEN, F, SINK, N_HIST, full_splits, per_split, scale,
+        HKV, G, QLEN, KV_LEN, F, SINK, N_HIST, full_splits, n_splits, per_split, scale,
         D: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM8_K: tl.constexpr, NORM8_V: tl.constexpr, HAS_KMEAN: tl.constexpr, HAS_VMEAN: tl.constexpr,
@@ -316,7 +354,7 @@ if triton is not None:
             if HAS_VMEAN:  # every history value is v_mean + its quantized residual: v_mean's rotated image here
                 acc += tl.load(VMeanRot + sh * D + cols)[None, :] * l_i[:, None]
             # acc stays in the value rotation's space: the merge rotates the history's sum back once
-        out = (pid_bh * tl.num_programs(1) + pid_s) * rows + offs_m
+        out = (pid_bh * n_splits + pid_s) * rows + offs_m  # the grid may hold only the window's splits
         tl.store(OutM + out, m_i, mask=row_ok)
         tl.store(OutL + out, l_i, mask=row_ok)
         tl.store(OutAcc + out[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])  # each column where it belongs
@@ -425,6 +463,7 @@ def attention(
     variant: tuple[int, int] = (0, 0),
     num_stages: int = 1,
     maxnreg: int | None = None,
+    history: str | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`airquant.kv.attention.compressed_attention`: ``[B, L, Hq, D]``.
 
@@ -432,9 +471,14 @@ def attention(
     ``block_n`` None: autotuned among ``AUTOTUNED``; else that tile, ``num_warps``, ``num_stages``, ``variant``
     (one of ``VARIANTS``: (COLS, BYTES)) and ``maxnreg`` (registers a thread, None: no cap; benchmarks, tests).
     ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
-    ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``; benchmarks)."""
+    ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``, or ``GLUON_PROGRAMS``; benchmarks).
+    ``history``: which kernel reads the packed history, "gluon" or "triton" (None: ``preferred_history()`` where
+    ``gluon_history`` allows, else "triton"); ``block_n`` and the tile settings are then the Gluon kernel's tile
+    (None: ``GLUON_BLOCK_N``) and the window's splits run ``WINDOW_TILES``."""
     if variant not in VARIANTS:
         raise ValueError(f"history-tile variant {variant}: one of {VARIANTS} ((COLS, BYTES))")
+    if history not in (None, "gluon", "triton"):
+        raise ValueError(f"history={history!r}: 'gluon', 'triton' or None (HISTORY_KERNEL where it applies)")
     hist = ctx.history
     # The kernel reads feature vectors with unit stride; anything else is copied once here.
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
@@ -448,8 +492,14 @@ def attention(
     dot = 0 if exact else _DOT[query.dtype]
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_blocks = math.ceil(rows / block_m)
-    # Histories and unquantized parts are split alike; the split count aims at TARGET_PROGRAMS.
-    n_hist_splits, per_split = _splits(hist.length, batch * hkv * m_blocks, programs or TARGET_PROGRAMS)
+    can_gluon = gluon_history(query, ctx, dot, rows)
+    if history == "gluon" and not can_gluon:
+        raise ValueError("the Gluon history kernel takes half-precision K4/V2 calls of head size 128 and at most 16 "
+                         "query rows a kv-head, on Ampere or later: use history='triton'")
+    gluon = history == "gluon" or (history is None and preferred_history() == "gluon" and can_gluon)
+    # Histories and unquantized parts are split alike; the split count aims at the history kernel's programs.
+    target = programs or (GLUON_PROGRAMS if gluon else TARGET_PROGRAMS)
+    n_hist_splits, per_split = _splits(hist.length, batch * hkv * (1 if gluon else m_blocks), target)
     full_splits = math.ceil(n_full / per_split)
     n_splits = full_splits + n_hist_splits
     out_m = torch.empty(batch * hkv * n_splits * rows, device=query.device, dtype=torch.float32)
@@ -479,7 +529,9 @@ def attention(
               lengths is not None,
               hist.k_ref is not None, hist.v_ref is not None, hist.k_mean is not None, hist.v_mean is not None,
               query.dtype, keys.dtype, values.dtype, kn.dtype, vn.dtype, query.device)
-    if block_n is not None:
+    if gluon:
+        split, tiles = _split_kernel, WINDOW_TILES
+    elif block_n is not None:
         split, tiles = _split_kernel, {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
                                        "COLS": variant[0], "BYTES": variant[1]}
         if maxnreg is not None:
@@ -488,24 +540,32 @@ def attention(
         split, tiles = _split_kernel, _CHOSEN[chosen]
     else:
         split, tiles = _split_tuned, {}
-    split[(batch * hkv, n_splits, m_blocks)](
-        query, q_rot, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, k_byte, v_byte, k_mean, v_mean,
-        keep_arg, out_m, out_l, out_acc,
-        paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
-        lengths if lengths is not None else out_m,
-        query.stride(0), query.stride(1), query.stride(2), q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1), *s_e,
-        hkv, groups, q_len, kv_len, n_full, ctx.sink, hist.length, full_splits, per_split, scale,
-        D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits, DOT=dot,
-        BLOCK_M=block_m, NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
-        HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
-        PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, ROW_HIST=lengths is not None,
-        **tiles,
-    )  # fmt: skip
-    if split is _split_tuned:
-        _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()  # leaves out what the config does not set
+    grid = (batch * hkv, full_splits if gluon else n_splits, m_blocks)
+    if grid[1]:  # none where a Gluon history has no window beside it
+        split[grid](
+            query, q_rot, keys, values, kc, kn, k_ref, vc, vn, v_ref, k_cent, v_cent, k_byte, v_byte, k_mean, v_mean,
+            keep_arg, out_m, out_l, out_acc,
+            paged.slots if paged else out_m, paged.table if paged else out_m, paged.table.stride(0) if paged else 0,
+            lengths if lengths is not None else out_m,
+            query.stride(0), query.stride(1), query.stride(2), q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            kc.stride(0), kc.stride(1), kc.stride(2), kn.stride(0), kn.stride(1),
+            vc.stride(0), vc.stride(1), vc.stride(2), vn.stride(0), vn.stride(1), *s_e,
+            hkv, groups, q_len, kv_len, n_full, ctx.sink, hist.length, full_splits, n_splits, per_split, scale,
+            D=dim, BITS_K=ctx.k_codec.bits, BITS_V=ctx.v_codec.bits, DOT=dot,
+            BLOCK_M=block_m, NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
+            HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
+            PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, ROW_HIST=lengths is not None,
+            **tiles,
+        )  # fmt: skip
+        if split is _split_tuned:
+            _CHOSEN[chosen] = _split_tuned.best_config.all_kwargs()  # leaves out what the config does not set
+    if gluon:
+        from airquant.kv import gluon_kernel
+
+        gluon_kernel.launch(query, q_rot, ctx, paged, keep8, s_e, k_mean, v_mean, k_ref, v_ref, out_m, out_l, out_acc,
+                            (hkv, groups, q_len, kv_len, full_splits, n_splits, n_hist_splits, per_split), scale,
+                            block_n or GLUON_BLOCK_N, maxnreg)
     out = torch.empty(batch, q_len, hq, dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(batch * hkv, m_blocks)](
         out_m, out_l, out_acc, out, rot_v, out.stride(0), out.stride(1), out.stride(2), hkv, groups, q_len, n_splits,

@@ -36,7 +36,11 @@ def test_every_variant_compiles_without_spills(tmp_path):
     out = tmp_path / "sass.json"
     assert main(["--out", str(out)]) == 0
     rows = json.loads(out.read_text())["variants"]
+    gluon = rows.pop("gluon")
     assert set(rows) == {"v00", "v10", "v01"}
     for row in rows.values():
         assert 0 < row["registers"] <= 255 and row["local_bytes"] == 0 and row["shared_bytes"] > 0
         assert len(row["loops"]) >= 2 and row["history_loop"]["ops"]["HMMA"] > 0  # history and window loops
+    # the Gluon history kernel gathers its operands straight into the MMA's registers: no shared memory, no barrier
+    assert 0 < gluon["registers"] <= 255 and gluon["local_bytes"] == 0 and gluon["shared_bytes"] == 0
+    assert gluon["history_loop"]["ops"]["HMMA"] > 0 and "BAR" not in gluon["history_loop"]["ops"]

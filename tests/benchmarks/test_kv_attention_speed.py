@@ -16,7 +16,7 @@ import argparse, json, torch
 import tests.kv.interpreted_tq_kernel  # the interpreter's scalar fix
 import benchmarks.kv_attention_speed as bench
 bench.PROGRAMS, bench.TILES = (264, 1056), ((32, 4, 1),)
-args = argparse.Namespace(kv_heads=2, head_dim=64, tokens=300, batches=[2, 3], group_sizes=[2])
+args = argparse.Namespace(kv_heads=2, head_dim=64, tokens=300, batches=[2, 3], group_sizes=[2], sweep="full")
 print(json.dumps(bench.paged_sweep(args, device="cpu", dtype=torch.float16)))
 """
 
