@@ -13,7 +13,10 @@ products' dtype, which beat fp32 ones by 1.6-2.4x on an H100 and H200), beside t
 through sdpa and the bytes floor (the packed history and windows read once at the device-to-device copy
 bandwidth measured in the same run), the setting the autotuner usually picked before (``before``: dimension
 order, 1 056 programs, BLOCK_N 32, no cap) and, on CUDA, what the autotuner picks at ``TARGET_PROGRAMS`` (the
-engine's call; chosen at the first row and kept for the others, as a process keeps it). Writes ``--out`` (JSON).
+engine's call; chosen at the first row and kept for the others, as a process keeps it), and the Gluon history
+kernel's launches (kv/gluon_kernel.py, where it applies). ``--sweep short`` times the byte-table tiles and the old
+pick of the Triton kernel only, and for those and the Gluon rows also each call replayed as a CUDA graph (no host
+time between launches, as the decode loop's static passes run) and each kernel's device time. Writes ``--out``.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ REGS = (None, 128)
 BEFORE = "v00_p1056_n32_w4_s1_r0"  # the autotuner's usual pick before the byte tables
 SHORT = (BEFORE, "v01_p1056_n32_w4_s1_r0", "v01_p2112_n32_w4_s1_r0")  # --sweep short: the Triton rows timed
 # The Gluon history kernel's launches: (split programs, one warp each; BLOCK_N; a register cap or None). Compiled
-# for sm_90 (kernel_sass-style, offline): BLOCK_N 32 takes 255 registers a thread, 16 232.
+# for sm_90 (kernel_sass.py): BLOCK_N 32 takes 255 registers a thread, 16 232. An H100 at batch 32 (CUDA graphs,
+# results/kv_attention_speed_gluon.json): 0.299 / 0.278 / 0.310 / 0.309 / 0.355 ms in this order.
 GLUON_ROWS = ((2112, 32, None), (4224, 32, None), (8448, 32, None), (4224, 16, None), (4224, 32, 168))
 
 

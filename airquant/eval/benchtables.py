@@ -103,6 +103,30 @@ def kv_bench(d: dict) -> list[str]:
                        "largest batch, 70B NF4 under 15 GB"], rows), *_targets(d)]
 
 
+def kv_attention_speed(d: dict) -> list[str]:
+    """The TurboQuant attention of one layer over the loop's arena (kv_attention_speed --paged): each launch's time
+    from the host and, where recorded, replayed as a CUDA graph with its history kernel's device time, beside sdpa
+    over the same batch's bf16 cache and the packed bytes' floor."""
+    settings, rows = d.get("settings") or {}, []
+    for key, r in (d.get("rows") or {}).items():
+        rows.append([key, "sdpa over the bf16 cache", _f(r.get("fp16_cache_sdpa_ms"), "{:.3f}"),
+                     _f(r.get("fp16_cache_sdpa_graph_ms"), "{:.3f}"), "—", "1.00"])
+        for name, k in (r.get("kernels") or {}).items():
+            us = k.get("kernel_us") or {}
+            history = us.get("_history_kernel", us.get("_split_kernel"))
+            best = k.get("graph_ms") or k.get("ms")
+            rows.append([key, name, _f(k.get("ms"), "{:.3f}"), _f(k.get("graph_ms"), "{:.3f}"), _f(history, "{:.0f}"),
+                         _f(best / r["fp16_cache_sdpa_ms"] if best and r.get("fp16_cache_sdpa_ms") else None,
+                            "{:.2f}")])
+    return [f"Measured on **{settings.get('device', '?')}**: {settings.get('tokens')} tokens a slot, "
+            f"{settings.get('kv_heads')} KV heads of {settings.get('head_dim')}, {settings.get('kv')}, "
+            f"{settings.get('dtype')}. Launch names: `v<cols><bytes>_p<programs>_n<BLOCK_N>_w<warps>_s<stages>_r<reg "
+            "cap>` the Triton split kernel's history tiles, `gluon_...` the Gluon history kernel; the history "
+            "column is that kernel's device time a call (the Gluon rows' window and merge are the Triton kernels').",
+            "", *md_table(["batch, query heads a KV head", "launch", "ms (host)", "ms (CUDA graph)",
+                           "history kernel µs", "÷ sdpa"], rows)]
+
+
 def int2_gemv_table(d: dict) -> list[str]:
     rows = [[f"{r.get('out_features')}×{r.get('in_features')}", r.get("batch"), r.get("kernel"),
              _f(r.get("int2_ms"), "{:.4f}"), _f(r.get("int2_eager_ms"), "{:.4f}"),
@@ -341,6 +365,9 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "kv_bench_bs32.json": ("The same at batch 32 alone, its decode passes traced (benchmarks/kv_bench.py --batches 32 "
                            "--trace)", kv_bench),
     "kv_bench_rerun.json": ("The same, a re-run on another machine (benchmarks/kv_bench.py)", kv_bench),
+    "kv_attention_speed_gluon.json": ("The TurboQuant attention of one layer, the Triton split kernel against the "
+                                      "Gluon history kernel (benchmarks/kv_attention_speed.py --paged --sweep short)",
+                                      kv_attention_speed),
     "int2_gemv.json": ("Fused int2 GEMV bandwidth (benchmarks/quant_int2_gemv.py)", int2_gemv_table),
     "uva_bench.json": ("Kernel reads of pinned host RAM, tiered NF4 launches (benchmarks/uva_bench.py)", uva_bench),
     "uva_bench_focus.json": ("The same, focused sweep after the code-book and alignment change "

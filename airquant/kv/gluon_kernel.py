@@ -21,8 +21,11 @@ needs no shared memory and no barrier:
 
 Each program writes the softmax state ``(m, l, acc)`` of its split where the Triton kernel's history splits write
 theirs; the Triton kernel runs the window's splits and the merge (:func:`airquant.kv.triton_kernel.attention`).
-Gluon has no interpreter: the kernel is checked against the torch ops on a GPU (tests/kv/test_triton_gpu.py), and
-compiled offline for sm_90 by benchmarks/kernel_sass.py (its history loop, per warp and tile).
+Gluon has no interpreter: the kernel is checked against the Triton kernel on a GPU (tests/kv/test_gluon_gpu.py) and
+compiled offline for sm_90 by benchmarks/kernel_sass.py (no shared memory, no barrier, 1 291 instructions a
+32-token tile for the whole program, 255 registers). Measured on an H100 (batch 32, 8K a slot, CUDA graphs): 205 us
+a call against the Triton kernel's 537 at its best; the call with window and merge 0.278 ms against sdpa's 0.342
+over the bf16 cache (``triton_kernel.HISTORY_KERNEL`` says what is still to run before it is the default).
 """
 
 from __future__ import annotations

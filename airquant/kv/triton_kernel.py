@@ -75,12 +75,19 @@ AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32,
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Which kernel reads the packed history of a call it can take (``gluon_history``): "gluon" (kv/gluon_kernel.py,
 # operands gathered into the tensor cores' register layouts, one warp a split) or "triton" (the split kernel's
-# history tiles). Unmeasured on a GPU when written: "triton" until the GPU sweep (kv_attention_speed.py --paged).
+# history tiles). An H100 (2026-12-06, kv_attention_speed --paged --sweep short, 8K a slot, batch 32, 4 query heads
+# a KV head, each call replayed as a CUDA graph, results/kv_attention_speed_gluon.json): the whole call 0.278 ms
+# with the Gluon history (its kernel 205 us) against 0.588 ms at the Triton kernel's best (537 us) and sdpa's
+# 0.342 over the bf16 cache; results within the Triton rows' own spread (max difference 2.4e-4). Still "triton":
+# its GPU tests ran for one case of the matrix (bf16, K4/V2, 4 query heads a KV head: flat, paged, per-row,
+# unmasked) before the session's device time ran out; fp16, 8 and 3 heads and the centred / 8-bit-norm / sink
+# caches, batch 8 and the decode loop's step (kv_bench) are not yet run (benchmarks/chains/wave3_kv33.sh).
 HISTORY_KERNEL = "triton"
-# Split programs the Gluon history kernel aims at (one warp each; the Triton kernel's are four).
+# Split programs the Gluon history kernel aims at (one warp each; the Triton kernel's are four). Same H100 run,
+# batch 32: 2 112 0.299 ms, 4 224 0.278, 8 448 0.310.
 GLUON_PROGRAMS = 4224
-# Tiles of the Gluon history kernel (32: 195 registers compiled for sm_90, 1 274 instructions a tile, no barrier;
-# 16 and 64 took 254-255 registers).
+# Tiles of the Gluon history kernel: 32 (255 registers compiled for sm_90, 1 291 instructions a tile, no barrier);
+# 16 took 0.309 ms in that run and a cap of 168 registers 0.355.
 GLUON_BLOCK_N = 32
 # The window's splits beside a Gluon history (a few hundred unquantized tokens): one tile config, not tuned.
 WINDOW_TILES = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "COLS": 0, "BYTES": 0}

@@ -275,3 +275,24 @@ def test_batch_bench_section_lists_the_kv_rows_with_their_cards_and_targets():
     assert "| auto (the planner's) | 192 | host RAM | 90.5 | — | H200 |" in text
     assert "auto_over_best_useful_tok_s" in text and "Not compared: auto and plain ran with different device" in text
     assert "by KV cache" not in "\n".join(batch_bench({"continuous_useful_tok_s": 32.8, "slots": 24}))
+
+
+def test_kv_attention_speed_section_lists_each_launch_with_its_graph_and_history_kernel_time():
+    """kv_attention_speed --paged (issue #38): a row per launch under sdpa's, its CUDA-graph time and history
+    kernel's device time where recorded (the Gluon kernel's, else the Triton split kernel's), and the ratio to
+    sdpa from the graph time where there is one."""
+    from airquant.eval.benchtables import kv_attention_speed
+
+    d = {"settings": {"device": "H100", "tokens": 8192, "kv_heads": 8, "head_dim": 128, "kv": "K4/V2",
+                      "dtype": "bfloat16"},
+         "rows": {"b32_g4": {"fp16_cache_sdpa_ms": 0.4, "kernels": {
+             "v01_p1056_n32_w4_s1_r0": {"ms": 0.6, "graph_ms": 0.5, "kernel_us": {"_split_kernel": 450.0}},
+             "gluon_p4224_n32_r0": {"ms": 0.7, "graph_ms": 0.2, "kernel_us": {"_split_kernel": 15.0,
+                                                                             "_history_kernel": 150.0}},
+             "v00_p1056_n32_w4_s1_r0": {"ms": 0.8}}}}}
+    text = "\n".join(kv_attention_speed(d))
+    assert "Measured on **H100**: 8192 tokens a slot" in text
+    assert "| b32_g4 | sdpa over the bf16 cache | 0.400 | — | — | 1.00 |" in text
+    assert "| b32_g4 | v01_p1056_n32_w4_s1_r0 | 0.600 | 0.500 | 450 | 1.25 |" in text
+    assert "| b32_g4 | gluon_p4224_n32_r0 | 0.700 | 0.200 | 150 | 0.50 |" in text
+    assert "| b32_g4 | v00_p1056_n32_w4_s1_r0 | 0.800 | — | — | 2.00 |" in text
