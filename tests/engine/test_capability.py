@@ -160,3 +160,15 @@ def test_plan_prints_the_compute_line(monkeypatch):
     monkeypatch.setenv(kernels.FORCE_ENV, "7.5")
     assert compute_line("bfloat16", None, "auto").startswith("compute   : float16 (sm_75; store bfloat16)")
     assert compute_line("bfloat16", None, "cpu") == "compute   : bfloat16 (cpu; store bfloat16)"
+
+
+def test_the_tq_attention_path_names_the_history_kernel_and_its_switch(monkeypatch):
+    """Ampere and later with head size 128: the Gluon history kernel for K4/V2 decode is named, as chosen
+    (AIRQUANT_TQ_HISTORY) or as the switch that turns it on; a T4 or another head size never names it."""
+    monkeypatch.delenv("AIRQUANT_TQ_HISTORY", raising=False)
+    monkeypatch.setattr("airquant.kv.triton_kernel.HISTORY_KERNEL", "triton")
+    assert _paths(capability_plan((9, 0), "bfloat16"))["tq-attn"].endswith("AIRQUANT_TQ_HISTORY=gluon")
+    monkeypatch.setenv("AIRQUANT_TQ_HISTORY", "gluon")
+    assert _paths(capability_plan((8, 0), "bfloat16"))["tq-attn"].endswith("gluon (tensor cores)")
+    assert "gluon" not in _paths(capability_plan((7, 5), "bfloat16", head_dim=64))["tq-attn"]
+    assert "gluon" not in _paths(capability_plan((9, 0), "bfloat16", head_dim=64))["tq-attn"]
