@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 triton_kernel = pytest.importorskip("airquant.kv.triton_kernel")
 pytest.importorskip("triton.experimental.gluon")
 
-from airquant.engine.decode.tqslots import SlotArena, decode_plan  # noqa: E402
+from airquant.engine.decode.tqslots import decode_plan  # noqa: E402
+from tests.kv.arenas import filled_arena  # noqa: E402
 
 CASES = {
     "k4v2": KVConfig(backend="tq", bits_k=4, bits_v=2, window=16, block=8),
@@ -25,21 +26,16 @@ CASES = {
 
 
 def _arena(kv, lengths, heads, dim, dtype, gen):
-    arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device="cuda", dtype=dtype,
-                      cap=max(lengths) + 40)
-    for slot, n in enumerate(lengths):  # pages handed out slot after slot: they interleave
-        arena.reserve(slot, kv.schedule.quantized_count(n + 1))
-    for slot, n in enumerate(lengths):
-        arena.prefill(slot, (torch.randn(1, heads, n, dim, generator=gen) + 1.5).to("cuda", dtype),
-                      torch.randn(1, heads, n, dim, generator=gen).to("cuda", dtype))
-    return arena
+    """Every slot's pages interleaved with the others' (the page table is read, not a contiguous stride)."""
+    return filled_arena(kv, lengths, heads, dim, gen, dtype=dtype, device="cuda", interleave=True, key_shift=1.5,
+                        cap=max(lengths) + 40)
 
 
 def _errors(calls: dict, ref: torch.Tensor) -> dict:
     return {name: (got.float() - ref.float()).abs().max().item() for name, got in calls.items()}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("groups", [4, 8, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gluon_history_equals_the_triton_kernel_within_rounding(name, groups, dtype):

@@ -9,8 +9,9 @@ import torch
 from airquant.kv.config import KVConfig
 
 triton = pytest.importorskip("triton")
-from airquant.engine.decode.tqslots import SlotArena, decode_plan  # noqa: E402
+from airquant.engine.decode.tqslots import decode_plan  # noqa: E402
 from airquant.kv import triton_kernel  # noqa: E402
+from tests.kv.arenas import filled_arena  # noqa: E402
 
 # the split kernel's positional arguments by name (its constexprs come as keywords)
 SPLIT_ARGS = [p.name for p in triton_kernel._split_kernel.params if not p.is_constexpr]
@@ -30,12 +31,7 @@ class _Grid:
 def _bucket(kv, lengths=(700, 300)):
     gen = torch.Generator().manual_seed(0)
     heads, dim = 2, 128
-    arena = SlotArena(kv, layer_idx=1, slots=len(lengths), kv_heads=heads, head_dim=dim, device="cpu",
-                      dtype=torch.bfloat16)
-    for slot, n in enumerate(lengths):
-        arena.reserve(slot, kv.schedule.quantized_count(n + 1))
-        arena.prefill(slot, torch.randn(1, heads, n, dim, generator=gen).bfloat16(),
-                      torch.randn(1, heads, n, dim, generator=gen).bfloat16())
+    arena = filled_arena(kv, lengths, heads, dim, gen, dtype=torch.bfloat16)
     plan = decode_plan(kv, len(lengths), [(slot, n, slot) for slot, n in enumerate(lengths)], "cpu")
     bucket = next(b for b in plan.buckets if b.hist_len)
     keys, values, ctx = arena.context(plan, bucket)

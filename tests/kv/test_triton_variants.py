@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from airquant.engine.decode.tqslots import SlotArena, decode_plan
+from airquant.engine.decode.tqslots import decode_plan
 from airquant.kv.config import KVConfig
+from tests.kv.arenas import filled_arena
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
@@ -51,11 +52,7 @@ def _decode_launches(monkeypatch, kv: KVConfig, prompts: tuple[int, ...]) -> lis
     monkeypatch.setattr(triton_kernel, "_merge_kernel", _Recorder(_MERGE, calls))
     gen = torch.Generator().manual_seed(0)
     heads, dim = 2, 64
-    arena = SlotArena(kv, layer_idx=1, slots=len(prompts), kv_heads=heads, head_dim=dim, device="cpu",
-                      dtype=torch.float32)
-    for slot, n in enumerate(prompts):
-        arena.reserve(slot, kv.schedule.quantized_count(n + 1))
-        arena.prefill(slot, torch.randn(1, heads, n, dim, generator=gen), torch.randn(1, heads, n, dim, generator=gen))
+    arena = filled_arena(kv, prompts, heads, dim, gen)
     plan = decode_plan(kv, len(prompts), [(slot, n, slot) for slot, n in enumerate(prompts)], "cpu")
     new = torch.randn(1, heads, len(prompts), dim, generator=gen)
     arena.write_decode(plan, new, new)
