@@ -38,10 +38,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from airquant.kv.codec import LOG_NORM_LEVELS, LOG_NORM_SPAN
+from airquant.kv.paging import SPLIT_QUANTUM
 
 _HALF_SPAN = tl.constexpr(LOG_NORM_SPAN / 2)
 _NORM_STEP = tl.constexpr(LOG_NORM_SPAN / LOG_NORM_LEVELS)
-ROWS = 16  # the MMA's rows: query rows (G * QLEN) a launch may have
 _MMA_LAYOUT = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 _MMA = gl.constexpr(_MMA_LAYOUT)
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA_LAYOUT, k_width=2))
@@ -340,6 +340,6 @@ def launch(query, q_rot, ctx, paged, keep8, s_e, k_mean, v_mean, k_ref, v_ref, o
         DT=1 if query.dtype == torch.bfloat16 else 2, BLOCK_N=block_n,
         NORM8_K=hist.k_ref is not None, NORM8_V=hist.v_ref is not None,
         HAS_KMEAN=hist.k_mean is not None, HAS_VMEAN=hist.v_mean is not None, HAS_KEEP=keep8 is not None,
-        PAGED=paged is not None, PAGE=paged.page if paged else 64, ROW_HIST=lengths is not None,
+        PAGED=paged is not None, PAGE=paged.page if paged else SPLIT_QUANTUM, ROW_HIST=lengths is not None,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

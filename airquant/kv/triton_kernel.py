@@ -504,6 +504,9 @@ def attention(
         raise ValueError("the Gluon history kernel takes half-precision K4/V2 calls of head size 128 and at most 16 "
                          "query rows a kv-head, on Ampere or later: use history='triton'")
     gluon = history == "gluon" or (history is None and preferred_history() == "gluon" and can_gluon)
+    if gluon and block_n is not None and (block_n < 16 or SPLIT_QUANTUM % block_n):
+        raise ValueError(f"block_n={block_n} for the Gluon history kernel: 16, 32 or 64 (a tile stays within a "
+                         f"split of {SPLIT_QUANTUM}-token multiples and holds the MMA's 16 tokens)")
     # Histories and unquantized parts are split alike; the split count aims at the history kernel's programs.
     target = programs or (GLUON_PROGRAMS if gluon else TARGET_PROGRAMS)
     n_hist_splits, per_split = _splits(hist.length, batch * hkv * (1 if gluon else m_blocks), target)

@@ -98,6 +98,10 @@ def test_the_choice_follows_the_argument_then_the_environment_then_the_default(r
     assert kernels() == ["split", "gluon", "merge"]
     with pytest.raises(ValueError, match="history='cuda'"):
         kernels(history="cuda")
+    assert kernels(history="gluon", block_n=16) == ["split", "gluon", "merge"]
+    for tile in (8, 48, 128):
+        with pytest.raises(ValueError, match=f"block_n={tile} for the Gluon history kernel: 16, 32 or 64"):
+            kernels(history="gluon", block_n=tile)
 
 
 def test_calls_the_gluon_kernel_cannot_read_are_refused_with_the_fix():
