@@ -14,10 +14,7 @@ mkdir -p $R/traces/m29
 run qwen3_routed m29a lfu_direct_r1 --trace lfu_direct_r1 --trace-stacks --trace-dir $R/traces/m29
 run qwen3_routed m29b lfu_direct_r1_indexstatic --trace lfu_direct_r1_indexstatic --trace-stacks \
     --trace-dir $R/traces/m29
-for k in 1 2 3; do
-  run qwen3_routed m29c$k lfu_direct_r1_indexstatic --steps 16
-  run qwen3_routed m29d$k lfu_direct_r1 --steps 16
-done
+pairs 3 qwen3_routed m29p lfu_direct_r1_indexstatic lfu_direct_r1 --steps 16  # m29pa1 m29pb1 ... m29pb3
 timeout 120 python -m pytest -q -p no:cacheprovider tests/engine/test_moe_router.py > $R/gpu_router.log 2>&1
 run qwen3_routed m29e lfu_direct_r1_fusedrouter --steps 16
 run qwen3_routed m29f lfu_direct_r1 --steps 16
