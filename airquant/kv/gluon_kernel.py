@@ -171,7 +171,7 @@ def _value_operand(words, Byte, q: gl.constexpr, dt: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _query_chunk(QR, base, m_a, ok_a, w: gl.constexpr, dt: gl.constexpr):
+def _query_chunk(QR, base, ok_a, w: gl.constexpr, dt: gl.constexpr):
     """Operand A ``[16, 32]``: the rotated queries' dimensions of key chunk ``w`` (``_key_dims``)."""
     k_a = gl.arange(0, 32, layout=gl.SliceLayout(0, _A)) + 32 * w
     return gl.load(QR + base + gl.expand_dims(_key_dims(k_a), 0), mask=ok_a, other=0.0).to(dt)
@@ -216,10 +216,10 @@ def _history_kernel(
     m_a = gl.arange(0, 16, layout=gl.SliceLayout(1, _A))
     ok_a = gl.expand_dims(m_a < rows, 1)
     q_base = b * s_rb + gl.expand_dims((h * G + m_a // QLEN) * s_rh + (m_a % QLEN) * s_rl, 1)
-    q0 = _query_chunk(QR, q_base, m_a, ok_a, 0, dt)
-    q1 = _query_chunk(QR, q_base, m_a, ok_a, 1, dt)
-    q2 = _query_chunk(QR, q_base, m_a, ok_a, 2, dt)
-    q3 = _query_chunk(QR, q_base, m_a, ok_a, 3, dt)
+    q0 = _query_chunk(QR, q_base, ok_a, 0, dt)
+    q1 = _query_chunk(QR, q_base, ok_a, 1, dt)
+    q2 = _query_chunk(QR, q_base, ok_a, 2, dt)
+    q3 = _query_chunk(QR, q_base, ok_a, 3, dt)
 
     offs_m = gl.arange(0, 16, layout=_ROW)
     row_ok = offs_m < rows
@@ -291,9 +291,10 @@ def _history_kernel(
         # online softmax in the accumulator's layout
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.expand_dims(gl.exp(m_i - m_safe), 1)
+        alpha = gl.exp(m_i - m_safe)
         p = gl.exp(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * gl.exp(m_i - m_safe) + gl.sum(p, axis=1)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        alpha = gl.expand_dims(alpha, 1)
         m_i = m_new
         p_op = gl.convert_layout((p * gl.expand_dims(_norms(vn_raw, VR + sh, NORM8_V), 0)).to(dt), _A)
 
