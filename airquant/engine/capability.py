@@ -24,7 +24,7 @@ from torch import nn
 
 from airquant.errors import AirQuantError
 from airquant.kv.triton_kernel import fits as tq_kernel_fits
-from airquant.kv.triton_kernel import preferred_history
+from airquant.kv.triton_kernel import gluon_fits, preferred_history
 from airquant.quant.kernels import BF16_MIN, HOPPER_MIN, TF32_MIN, device_capability, forced_capability
 from airquant.store.split import DTYPES
 
@@ -76,7 +76,7 @@ def kernel_paths(cap: Cap | None, head_dim: int = 128) -> tuple[tuple[str, str],
             else "gluon-ldg (table lookups, plain loads)") + " from 16M weights; else triton"
     tq = (f"triton (fp16/bf16 products) for head dim {head_dim}" if tq_kernel_fits(head_dim, cap)
           else f"torch ops: head dim {head_dim} needs {4 * head_dim * head_dim // 1024} KB of shared memory")
-    if head_dim == 128 and cap >= (8, 0) and tq.startswith("triton"):  # kv.triton_kernel.gluon_history's rule
+    if gluon_fits(head_dim, cap) and tq.startswith("triton"):
         tq += ("; K4/V2 decode histories: gluon (tensor cores)" if preferred_history() == "gluon"
                else "; the gluon history kernel for K4/V2 decode: AIRQUANT_TQ_HISTORY=gluon")
     return (("dense", "cuBLAS"), ("nf4", "bitsandbytes (CUDA)"),

@@ -105,15 +105,18 @@ def preferred_history() -> str:
     return chosen
 
 
+def gluon_fits(dim: int, capability: tuple[int, int] | None) -> bool:
+    """Whether the Gluon history kernel is built for head size ``dim`` on a GPU of ``capability``: 128, Ampere or
+    later (its MMA is sm_80's)."""
+    return dim == 128 and capability is not None and capability >= (8, 0)
+
+
 def gluon_history(query: torch.Tensor, ctx: CompressedContext, dot: int, rows: int) -> bool:
-    """Whether the Gluon history kernel can read this call's history: half-precision products, K4/V2 codes, head
-    size 128, at most 16 query rows a kv-head (``G * QLEN``), Ampere or later, a Triton with Gluon."""
-    if dot not in (1, 2) or rows > 16 or query.shape[-1] != 128:
+    """Whether the Gluon history kernel can read this call's history: half-precision products, K4/V2 codes, at
+    most 16 query rows a kv-head (``G * QLEN``), ``gluon_fits``, a Triton with Gluon."""
+    if dot not in (1, 2) or rows > 16 or (ctx.k_codec.bits, ctx.v_codec.bits) != (4, 2):
         return False
-    if (ctx.k_codec.bits, ctx.v_codec.bits) != (4, 2):
-        return False
-    cap = device_capability(query.device)
-    if cap is None or cap < (8, 0):
+    if not gluon_fits(query.shape[-1], device_capability(query.device)):
         return False
     try:
         from airquant.kv import gluon_kernel  # noqa: F401  (Triton >= 3.5)
