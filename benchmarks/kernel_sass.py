@@ -37,6 +37,18 @@ POINTERS = {"Q": "X", "QR": "fp32", "KF": "X", "VF": "X", "KC": "u8", "KN": "fp1
             "Table": "i64", "HistLen": "i64"}
 
 
+def _signature(fn, pointers: dict, dtype: str, lengths: set) -> tuple[dict, dict]:
+    """(signature, attributes) of a kernel compiled as launched: ``pointers``' element types (X: ``dtype``), the
+    float ``scale``, other arguments int32; pointers and the strides Triton specializes at the launch (multiples of
+    a page: every ``s_*`` but ``lengths``) 16-divisible."""
+    sig = {p.name: "constexpr" if p.is_constexpr else
+           ("*" + (dtype if pointers[p.name] == "X" else pointers[p.name]) if p.name in pointers
+            else ("fp32" if p.name == "scale" else "i32")) for p in fn.params}
+    aligned = {i for i, p in enumerate(fn.params) if sig[p.name].startswith("*") or
+               (p.name.startswith("s_") and p.name not in lengths)}
+    return sig, {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
 def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dtype: str = "bf16", warps: int = 4):
     """The split kernel as the decode loop launches it (see the module docstring), compiled for ``sm_{cap}``."""
     import triton
@@ -46,13 +58,7 @@ def compile_split(variant: tuple[int, int], cap: int, block_n: int, dim: int, dt
     from airquant.kv import triton_kernel as tq
 
     fn = tq._split_kernel
-    sig = {p.name: "constexpr" if p.is_constexpr else
-           ("*" + (dtype if POINTERS[p.name] == "X" else POINTERS[p.name]) if p.name in POINTERS else "i32")
-           for p in fn.params}
-    # integers Triton specializes at the launch: strides (multiples of a page), not the lengths
-    aligned = {i for i, p in enumerate(fn.params) if sig[p.name].startswith("*") or
-               (p.name.startswith("s_") and p.name not in tq.LENGTH_ARGS and p.name != "s_ec")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    sig, attrs = _signature(fn, POINTERS, dtype, set(tq.LENGTH_ARGS) | {"s_ec"})
     constexprs = {"D": dim, "BITS_K": 4, "BITS_V": 2, "DOT": {"bf16": 1, "fp16": 2}[dtype], "BLOCK_M": 16,
                   "BLOCK_N": block_n, "NORM8_K": False, "NORM8_V": False, "HAS_KMEAN": True, "HAS_VMEAN": True,
                   "HAS_KEEP": True, "PAGED": True, "PAGE": 256, "ROW_HIST": True, "COLS": variant[0],
@@ -77,13 +83,7 @@ def compile_gluon_history(cap: int, block_n: int, dtype: str = "bf16"):
     from airquant.kv import gluon_kernel as gk
 
     fn = gk._history_kernel
-    lengths = set(fn.do_not_specialize) | {"s_ec"}
-    sig = {p.name: "constexpr" if p.is_constexpr else
-           ("*" + (dtype if GLUON_POINTERS[p.name] == "X" else GLUON_POINTERS[p.name]) if p.name in GLUON_POINTERS
-            else ("fp32" if p.name == "scale" else "i32")) for p in fn.params}
-    aligned = {i for i, p in enumerate(fn.params) if sig[p.name].startswith("*") or
-               (p.name.startswith("s_") and p.name not in lengths)}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    sig, attrs = _signature(fn, GLUON_POINTERS, dtype, set(fn.do_not_specialize) | {"s_ec"})
     constexprs = {"DT": {"bf16": 1, "fp16": 2}[dtype], "BLOCK_N": block_n, "NORM8_K": False, "NORM8_V": False,
                   "HAS_KMEAN": True, "HAS_VMEAN": True, "HAS_KEEP": True, "PAGED": True, "PAGE": 256,
                   "ROW_HIST": True}
