@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.stream_bench, run as a script
 
-from airquant.kv import KVConfig
-from airquant.kv.attention import compressed_attention
-from airquant.kv.cache import TQLayer, context_of
+import torch  # noqa: E402
+
+from airquant.kv import KVConfig  # noqa: E402
+from airquant.kv.attention import compressed_attention  # noqa: E402
+from airquant.kv.cache import TQLayer, context_of  # noqa: E402
 
 
 def _time_ms(fn, iters: int = 50) -> float:
@@ -74,7 +78,8 @@ def _kernel_us(fn, calls: int = 10) -> dict | None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    from benchmarks.stream_bench import device_us
+
     return {e.key[:60]: round(device_us(e) / calls, 2) for e in prof.key_averages() if device_us(e) > 0}
 
 

@@ -213,6 +213,11 @@ def profiler_activities(device) -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 
+def device_us(event) -> float:
+    """A profiler event's own device microseconds (torch's name for it changed from ``self_cuda_time_total``)."""
+    return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+
+
 def trace_summary(prof, trace_dir: str | None, name: str, top: int = 20) -> dict:
     """A finished profile (``torch.profiler.profile``) as a row: the device's busy time by kind, the last decode
     pass's breakdown, where the host waited for the device, and the ops with the most device and host time; the
@@ -225,7 +230,6 @@ def trace_summary(prof, trace_dir: str | None, name: str, top: int = 20) -> dict
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
             shutil.copyfileobj(f, g)
         os.remove(path)
-    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
     events = prof.key_averages()
     busy = {"kernel_ms": 0.0, "memcpy_htod_ms": 0.0, "memcpy_other_ms": 0.0}
     for e in events:
