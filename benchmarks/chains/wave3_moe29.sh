@@ -16,9 +16,7 @@ run qwen3_routed m29b lfu_direct_r1_indexstatic --trace lfu_direct_r1_indexstati
     --trace-dir $R/traces/m29
 pairs 3 qwen3_routed m29p lfu_direct_r1_indexstatic lfu_direct_r1 --steps 16  # m29pa1 m29pb1 ... m29pb3
 timeout 120 python -m pytest -q -p no:cacheprovider tests/engine/test_moe_router.py > $R/gpu_router.log 2>&1
-run qwen3_routed m29e lfu_direct_r1_fusedrouter --steps 16
-run qwen3_routed m29f lfu_direct_r1 --steps 16
-run qwen3_routed m29g nocache_direct_fusedrouter --steps 16
-run qwen3_routed m29h nocache_direct --steps 16
+pairs 1 qwen3_routed m29r lfu_direct_r1_fusedrouter lfu_direct_r1 --steps 16  # m29ra1 m29rb1
+pairs 1 qwen3_routed m29n nocache_direct_fusedrouter nocache_direct --steps 16  # m29na1 m29nb1
 rm -rf /tmp/bw
 echo CHAIN_DONE > $R/done
