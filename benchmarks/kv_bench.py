@@ -53,7 +53,7 @@ from airquant.engine.memory.router import (  # noqa: E402
 from airquant.errors import DependencyError  # noqa: E402
 from airquant.eval.benchtables import target  # noqa: E402
 from airquant.eval.kvmem import prefill_bytes  # noqa: E402
-from airquant.kv import KVConfig  # noqa: E402
+from airquant.kv import KVConfig, triton_kernel  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
 from benchmarks import stream_bench as stream_mod  # noqa: E402
@@ -369,7 +369,8 @@ def main(argv=None) -> int:
                                "warmup_steps": WARM, "prompt_len": args.context - 1 - WARM - args.steps,
                                "store_8b": "llama3-8b bfloat16 (synthetic), no VRAM cap",
                                "store_70b": "llama3-70b nf4 (manifest only), embedding in host RAM",
-                               "cap_gb": args.cap_gb, "layers_8b": 2 if args.quick else args.layers})
+                               "cap_gb": args.cap_gb, "layers_8b": 2 if args.quick else args.layers,
+                               "tq_history_kernel": triton_kernel.preferred_history()})
     start = time.perf_counter()
     cases = part_step(b)
     turboquant = cases["turboquant"].get("cache_bytes_per_token")

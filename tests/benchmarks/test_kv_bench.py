@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from airquant.kv import triton_kernel
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_bench.py"
 CACHES = {"none", "tq", "turboquant"}
 
@@ -51,6 +53,7 @@ def test_quick_run_writes_every_key(tmp_path):
     assert "derived" in r["details"]["batch_70b"]["turboquant"]
     # the step is the mean of the timed steps after the warm-up ones (graphs captured, kernels compiled)
     assert r["settings"]["prompt_len"] == 300 - 1 - 5 - 4 and r["settings"]["caches"]["tq"]["bits_v"] == 2
+    assert r["settings"]["tq_history_kernel"] == triton_kernel.preferred_history()  # which kernel read the history
     tq = r["details"]["cases"]["tq"]
     assert tq["warmup_steps"] == 5 and len(tq["steps_s"]) == 5 + 4
     assert abs(tq["step_s"] - sum(tq["steps_s"][5:]) / 4) < 1e-12 and tq["step_median_s"] > 0
