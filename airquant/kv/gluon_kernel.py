@@ -25,7 +25,8 @@ Gluon has no interpreter: the kernel is checked against the Triton kernel on a G
 compiled offline for sm_90 by benchmarks/kernel_sass.py (no shared memory, no barrier, 1 291 instructions a
 32-token tile for the whole program, 255 registers). Measured on an H100 (batch 32, 8K a slot, CUDA graphs): 205 us
 a call against the Triton kernel's 537 at its best; the call with window and merge 0.278 ms against sdpa's 0.342
-over the bf16 cache (``triton_kernel.HISTORY_KERNEL`` says what is still to run before it is the default).
+over the bf16 cache. The default history kernel since stop 68 (``triton_kernel.HISTORY_KERNEL``: its tests and the
+decode step on an H200).
 """
 
 from __future__ import annotations

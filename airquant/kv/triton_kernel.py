@@ -75,16 +75,19 @@ AUTOTUNED = ((64, 1, 0, 0, None), (64, 1, 0, 1, None), (32, 1, 0, 0, None), (32,
 assert all(entry[2:4] in VARIANTS for entry in AUTOTUNED)  # COLS and BYTES never together: their column orders differ
 # Which kernel reads the packed history of a call it can take (``gluon_history``): "gluon" (kv/gluon_kernel.py,
 # operands gathered into the tensor cores' register layouts, one warp a split) or "triton" (the split kernel's
-# history tiles). An H100 (2026-12-06, kv_attention_speed --paged --sweep short, 8K a slot, batch 32, 4 query heads
-# a KV head, each call replayed as a CUDA graph, results/kv_attention_speed_gluon.json): the whole call 0.278 ms
-# with the Gluon history (its kernel 205 us) against 0.588 ms at the Triton kernel's best (537 us) and sdpa's
-# 0.342 over the bf16 cache; results within the Triton rows' own spread (max difference 2.4e-4). Still "triton":
-# its GPU tests ran for one case of the matrix (bf16, K4/V2, 4 query heads a KV head: flat, paged, per-row,
-# unmasked) before the session's device time ran out; fp16, 8 and 3 heads and the centred / 8-bit-norm / sink
-# caches, batch 8 and the decode loop's step (kv_bench) are not yet run (benchmarks/chains/wave3_kv33.sh).
-HISTORY_KERNEL = "triton"
-# Split programs the Gluon history kernel aims at (one warp each; the Triton kernel's are four). Same H100 run,
-# batch 32: 2 112 0.299 ms, 4 224 0.278, 8 448 0.310.
+# history tiles). An H200 (2026-12-06, benchmarks/chains/wave3_kv33.sh, one machine and store for both kernels):
+# * its GPU tests: 14 of 14 (bf16 and fp16; 3, 4 and 8 query heads a KV head; centred, 8-bit-norm and sink
+#   caches; flat, paged, per-row), and the Triton kernel's own 21 of 21;
+# * the decode step, kv_bench at 8K (llama3-8b bf16, 32 layers): batch 8 TQ 0.0142 s against plain 0.0179 (0.79x;
+#   0.0158 with the Triton history, 0.87x); batch 32 0.0228 against 0.0233 (0.98x; Triton 0.0364, 1.57x);
+# * one layer's call (kv_attention_speed --paged --sweep short, CUDA graphs, results/kv_attention_speed_gluon.json):
+#   batch 32, 4 query heads a KV head 0.274 ms (its kernel 207 us) against the Triton kernel's best 0.589 and
+#   sdpa's 0.244 over the bf16 cache; batch 8 0.136 ms (0.113 at 2 112 programs) against 0.165 and 0.070.
+# An H100 (2026-12-06, the same sweep at batch 32): 0.278 ms against 0.588 and sdpa's 0.342.
+HISTORY_KERNEL = "gluon"
+# Split programs the Gluon history kernel aims at (one warp each; the Triton kernel's are four). The H100 at batch
+# 32: 2 112 0.299 ms, 4 224 0.278, 8 448 0.310; the H200 at batch 32 0.293 / 0.274 / 0.303, at batch 8 0.113 /
+# 0.136 / 0.183 (fewer history tiles a program at batch 8: 4 against 16; not tuned per call, two points a shape).
 GLUON_PROGRAMS = 4224
 # Tiles of the Gluon history kernel: 32 (255 registers compiled for sm_90, 1 291 instructions a tile, no barrier);
 # 16 took 0.309 ms in that run and a cap of 168 registers 0.355.
@@ -483,8 +486,8 @@ def attention(
     ``paged``: the tensors are the decode loop's arena, read through its page table (``Paged``).
     ``programs``: the split programs aimed at (None: ``TARGET_PROGRAMS``, or ``GLUON_PROGRAMS``; benchmarks).
     ``history``: which kernel reads the packed history, "gluon" or "triton" (None: ``preferred_history()`` where
-    ``gluon_history`` allows, else "triton"); ``block_n`` and the tile settings are then the Gluon kernel's tile
-    (None: ``GLUON_BLOCK_N``) and the window's splits run ``WINDOW_TILES``."""
+    ``gluon_history`` allows and no Triton tile is named by ``block_n``, else "triton"); with "gluon", ``block_n``
+    is the Gluon kernel's tile (None: ``GLUON_BLOCK_N``) and the window's splits run ``WINDOW_TILES``."""
     if variant not in VARIANTS:
         raise ValueError(f"history-tile variant {variant}: one of {VARIANTS} ((COLS, BYTES))")
     if history not in (None, "gluon", "triton"):
@@ -506,7 +509,9 @@ def attention(
     if history == "gluon" and not can_gluon:
         raise ValueError("the Gluon history kernel takes half-precision K4/V2 calls of head size 128 and at most 16 "
                          "query rows a kv-head, on Ampere or later: use history='triton'")
-    gluon = history == "gluon" or (history is None and preferred_history() == "gluon" and can_gluon)
+    # A tile named without a kernel is the Triton split kernel's (the tests and sweeps of its tiles).
+    gluon = history == "gluon" or (history is None and block_n is None and can_gluon
+                                   and preferred_history() == "gluon")
     if gluon and block_n is not None and (block_n < 16 or SPLIT_QUANTUM % block_n):
         raise ValueError(f"block_n={block_n} for the Gluon history kernel: 16, 32 or 64 (a tile stays within a "
                          f"split of {SPLIT_QUANTUM}-token multiples and holds the MMA's 16 tokens)")

@@ -98,6 +98,7 @@ def test_the_choice_follows_the_argument_then_the_environment_then_the_default(r
     assert kernels() == ["split", "gluon", "merge"]
     with pytest.raises(ValueError, match="history='cuda'"):
         kernels(history="cuda")
+    assert kernels(block_n=64) == ["split", "merge"]  # a Triton tile named: the Triton kernel's history
     assert kernels(history="gluon", block_n=16) == ["split", "gluon", "merge"]
     for tile in (8, 48, 128):
         with pytest.raises(ValueError, match=f"block_n={tile} for the Gluon history kernel: 16, 32 or 64"):
