@@ -94,7 +94,10 @@ def kv_bench(d: dict) -> list[str]:
     names = {"none": "FP16/BF16 cache", "tq": "AirQuant TurboQuant K4/V2", "turboquant": "`turboquant` 0.2.0"}
     rows = [[names.get(k, k), _f(step.get(k), "{:.4f}"), _f(cache.get(k), "{:.2f}"), _f(peak.get(k), "{:.2f}"),
              _f(batch70.get(k), "{}")] for k in names if k in step or k in batch70]
-    return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; AirQuant step ÷ FP16 step "
+    # Runs before stop 68 did not record the history kernel: each read its history with the Triton split kernel.
+    history = (d.get("settings") or {}).get("tq_history_kernel", "triton")
+    return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; TurboQuant history read by the "
+            f"{history} kernel; AirQuant step ÷ FP16 step "
             f"{_f(d.get('tq_over_fp16_step'), '{:.2f}')}, `turboquant` ÷ FP16 "
             f"{_f(d.get('turboquant_over_fp16_step'), '{:.2f}')}"
             + "".join(f"; at batch {k.rsplit('_bs', 1)[1]}: AirQuant ÷ FP16 {_f(v, '{:.2f}')}"
@@ -365,6 +368,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "kv_bench_bs32.json": ("The same at batch 32 alone, its decode passes traced (benchmarks/kv_bench.py --batches 32 "
                            "--trace)", kv_bench),
     "kv_bench_rerun.json": ("The same, a re-run on another machine (benchmarks/kv_bench.py)", kv_bench),
+    "kv_bench_triton.json": ("The same run's machine and store, the TurboQuant history read by the Triton split "
+                             "kernel (AIRQUANT_TQ_HISTORY=triton benchmarks/kv_bench.py --batches 8,32)", kv_bench),
     "kv_attention_speed_gluon.json": ("The TurboQuant attention of one layer, the Triton split kernel against the "
                                       "Gluon history kernel (benchmarks/kv_attention_speed.py --paged --sweep short)",
                                       kv_attention_speed),

@@ -296,3 +296,16 @@ def test_kv_attention_speed_section_lists_each_launch_with_its_graph_and_history
     assert "| b32_g4 | v01_p1056_n32_w4_s1_r0 | 0.600 | 0.500 | 450 | 1.25 |" in text
     assert "| b32_g4 | gluon_p4224_n32_r0 | 0.700 | 0.200 | 150 | 0.50 |" in text
     assert "| b32_g4 | v00_p1056_n32_w4_s1_r0 | 0.800 | — | — | 2.00 |" in text
+
+
+def test_kv_bench_section_names_the_history_kernel_of_its_run():
+    """kv_bench runs record which kernel read the TurboQuant history (stop 68); the section says so, and runs from
+    before that record read it with the Triton split kernel, the only one then."""
+    from airquant.eval.benchtables import kv_bench
+
+    d = {"device": "H200", "context": 8192, "batch": 8, "step_s": {"none": 0.018, "tq": 0.014},
+         "tq_over_fp16_step": 0.79, "tq_over_fp16_step_bs32": 0.98, "settings": {"tq_history_kernel": "gluon"}}
+    text = "\n".join(kv_bench(d))
+    assert "history read by the gluon kernel" in text and "at batch 32: AirQuant ÷ FP16 0.98" in text
+    del d["settings"]
+    assert "history read by the triton kernel" in "\n".join(kv_bench(d))
