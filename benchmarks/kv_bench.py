@@ -54,6 +54,7 @@ from airquant.errors import DependencyError  # noqa: E402
 from airquant.eval.benchtables import target  # noqa: E402
 from airquant.eval.kvmem import prefill_bytes  # noqa: E402
 from airquant.kv import KVConfig, triton_kernel  # noqa: E402
+from airquant.quant.kernels import device_capability  # noqa: E402
 from airquant.store.synth import SynthSpec, synth  # noqa: E402
 from airquant.units import GIB  # noqa: E402
 from benchmarks import stream_bench as stream_mod  # noqa: E402
@@ -122,12 +123,24 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
             "cache_vram_gb": peak - weights if cuda else None, "layer_graphs": graphs}
 
 
+def history_kernel(device: torch.device, head_dim: int) -> str:
+    """What reads the TurboQuant history of this run's decode calls (K4/V2, a few query rows a KV head, the model's
+    half-precision dtype): "gluon" or "triton" (``triton_kernel.preferred_history`` where the Gluon kernel fits the
+    GPU and head size), "torch" (the CPU, or a GPU the kernels do not fit)."""
+    cap = device_capability(device) if device.type == "cuda" else None
+    if triton_kernel.triton is None or not triton_kernel.fits(head_dim, cap):
+        return "torch"
+    return triton_kernel.preferred_history() if triton_kernel.gluon_fits(head_dim, cap) else "triton"
+
+
 def part_step(b: Bench) -> dict:
     """One row per cache on the 8B-shaped store (``{"error": ...}``: out of memory, or the package is missing) at the
     first batch; ``none`` and ``tq`` again at each further batch (``details.by_batch``)."""
     a = b.args
     store = make_store(b, "llama3-8b", "bfloat16", a.layers)
-    b.results["settings"]["dims_8b"] = asdict(Candidate.open(store).dims)
+    dims = Candidate.open(store).dims
+    b.results["settings"]["dims_8b"] = asdict(dims)
+    b.results["settings"]["tq_history_kernel"] = history_kernel(b.device, dims.head_dim)
     first, by_batch = {}, {}
 
     def save() -> None:  # after every case: a later case that crashes keeps the earlier ones
@@ -369,8 +382,7 @@ def main(argv=None) -> int:
                                "warmup_steps": WARM, "prompt_len": args.context - 1 - WARM - args.steps,
                                "store_8b": "llama3-8b bfloat16 (synthetic), no VRAM cap",
                                "store_70b": "llama3-70b nf4 (manifest only), embedding in host RAM",
-                               "cap_gb": args.cap_gb, "layers_8b": 2 if args.quick else args.layers,
-                               "tq_history_kernel": triton_kernel.preferred_history()})
+                               "cap_gb": args.cap_gb, "layers_8b": 2 if args.quick else args.layers})
     start = time.perf_counter()
     cases = part_step(b)
     turboquant = cases["turboquant"].get("cache_bytes_per_token")

@@ -94,10 +94,11 @@ def kv_bench(d: dict) -> list[str]:
     names = {"none": "FP16/BF16 cache", "tq": "AirQuant TurboQuant K4/V2", "turboquant": "`turboquant` 0.2.0"}
     rows = [[names.get(k, k), _f(step.get(k), "{:.4f}"), _f(cache.get(k), "{:.2f}"), _f(peak.get(k), "{:.2f}"),
              _f(batch70.get(k), "{}")] for k in names if k in step or k in batch70]
-    # Runs before stop 68 did not record the history kernel: each read its history with the Triton split kernel.
+    # Runs before stop 68 did not record it: on a GPU, each read its history with the Triton split kernel.
     history = (d.get("settings") or {}).get("tq_history_kernel", "triton")
-    return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; TurboQuant history read by the "
-            f"{history} kernel; AirQuant step ÷ FP16 step "
+    readers = {"gluon": "the Gluon kernel", "triton": "the Triton split kernel", "torch": "torch ops"}
+    return [f"{_source(d)} Context {d.get('context')} tokens, batch {d.get('batch')}; TurboQuant history read by "
+            f"{readers.get(history, history)}; AirQuant step ÷ FP16 step "
             f"{_f(d.get('tq_over_fp16_step'), '{:.2f}')}, `turboquant` ÷ FP16 "
             f"{_f(d.get('turboquant_over_fp16_step'), '{:.2f}')}"
             + "".join(f"; at batch {k.rsplit('_bs', 1)[1]}: AirQuant ÷ FP16 {_f(v, '{:.2f}')}"

@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from airquant.kv import triton_kernel
+import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_bench.py"
 CACHES = {"none", "tq", "turboquant"}
@@ -53,7 +54,7 @@ def test_quick_run_writes_every_key(tmp_path):
     assert "derived" in r["details"]["batch_70b"]["turboquant"]
     # the step is the mean of the timed steps after the warm-up ones (graphs captured, kernels compiled)
     assert r["settings"]["prompt_len"] == 300 - 1 - 5 - 4 and r["settings"]["caches"]["tq"]["bits_v"] == 2
-    assert r["settings"]["tq_history_kernel"] == triton_kernel.preferred_history()  # which kernel read the history
+    assert r["settings"]["tq_history_kernel"] == "torch"  # what read the history: torch ops on the CPU
     tq = r["details"]["cases"]["tq"]
     assert tq["warmup_steps"] == 5 and len(tq["steps_s"]) == 5 + 4
     assert abs(tq["step_s"] - sum(tq["steps_s"][5:]) / 4) < 1e-12 and tq["step_median_s"] > 0
@@ -84,3 +85,26 @@ def test_a_batch_given_twice_is_timed_once(tmp_path):
     assert quick.batches == [2] and quick.batch == 2
     plain = kv_bench.parse_args(["--batches", "8,32,8,32", "--workdir", str(tmp_path)])
     assert plain.batches == [8, 32]
+
+
+def test_the_history_kernel_recorded_is_the_one_the_calls_take(monkeypatch):
+    """Gluon where it fits the GPU and head size and is preferred, the Triton split kernel where only that fits,
+    torch ops on the CPU or where neither fits (a T4 at head size 128)."""
+    from airquant.kv import triton_kernel
+    from benchmarks import kv_bench
+
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("AIRQUANT_TQ_HISTORY", raising=False)
+    monkeypatch.setattr(triton_kernel, "HISTORY_KERNEL", "gluon")
+    caps = {(9, 0): "gluon", (8, 0): "gluon", (7, 5): "torch"}
+    for cap, kernel in caps.items():
+        monkeypatch.setattr(kv_bench, "device_capability", lambda _d, cap=cap: cap)
+        assert kv_bench.history_kernel(cuda, 128) == kernel
+    assert kv_bench.history_kernel(cuda, 64) == "triton"  # a T4 at head size 64: the Triton kernel fits
+    assert kv_bench.history_kernel(torch.device("cpu"), 128) == "torch"
+    monkeypatch.setenv("AIRQUANT_TQ_HISTORY", "triton")
+    monkeypatch.setattr(kv_bench, "device_capability", lambda _d: (9, 0))
+    assert kv_bench.history_kernel(cuda, 128) == "triton"
+    monkeypatch.delenv("AIRQUANT_TQ_HISTORY")
+    assert kv_bench.history_kernel(cuda, 64) == "triton"  # the Gluon kernel is built for head size 128 only

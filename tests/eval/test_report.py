@@ -306,6 +306,6 @@ def test_kv_bench_section_names_the_history_kernel_of_its_run():
     d = {"device": "H200", "context": 8192, "batch": 8, "step_s": {"none": 0.018, "tq": 0.014},
          "tq_over_fp16_step": 0.79, "tq_over_fp16_step_bs32": 0.98, "settings": {"tq_history_kernel": "gluon"}}
     text = "\n".join(kv_bench(d))
-    assert "history read by the gluon kernel" in text and "at batch 32: AirQuant ÷ FP16 0.98" in text
+    assert "history read by the Gluon kernel" in text and "at batch 32: AirQuant ÷ FP16 0.98" in text
     del d["settings"]
-    assert "history read by the triton kernel" in "\n".join(kv_bench(d))
+    assert "history read by the Triton split kernel" in "\n".join(kv_bench(d))
