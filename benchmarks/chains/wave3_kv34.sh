@@ -8,10 +8,6 @@
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x
-cp results/batch_bench.json $R/batch_bench.json
-python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
-for kv in none tq auto; do
-  timeout 300 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
-      > $R/loop_$kv.log 2>&1
-done
+. benchmarks/chains/loop_case.sh  # loop_rows SECONDS KV...
+loop_rows 100 none tq auto
 echo CHAIN_DONE > $R/done
