@@ -118,10 +118,11 @@ def kv_attention_speed(d: dict) -> list[str]:
         for name, k in (r.get("kernels") or {}).items():
             us = k.get("kernel_us") or {}
             history = us.get("_history_kernel", us.get("_split_kernel"))
+            # graph over sdpa's graph where both were replayed (else over its host time), host over host otherwise
             best = k.get("graph_ms") or k.get("ms")
+            sdpa = (k.get("graph_ms") and r.get("fp16_cache_sdpa_graph_ms")) or r.get("fp16_cache_sdpa_ms")
             rows.append([key, name, _f(k.get("ms"), "{:.3f}"), _f(k.get("graph_ms"), "{:.3f}"), _f(history, "{:.0f}"),
-                         _f(best / r["fp16_cache_sdpa_ms"] if best and r.get("fp16_cache_sdpa_ms") else None,
-                            "{:.2f}")])
+                         _f(best / sdpa if best and sdpa else None, "{:.2f}")])
     return [f"Measured on **{settings.get('device', '?')}**: {settings.get('tokens')} tokens a slot, "
             f"{settings.get('kv_heads')} KV heads of {settings.get('head_dim')}, {settings.get('kv')}, "
             f"{settings.get('dtype')}. Launch names: `v<cols><bytes>_p<programs>_n<BLOCK_N>_w<warps>_s<stages>_r<reg "

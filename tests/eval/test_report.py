@@ -296,6 +296,12 @@ def test_kv_attention_speed_section_lists_each_launch_with_its_graph_and_history
     assert "| b32_g4 | v01_p1056_n32_w4_s1_r0 | 0.600 | 0.500 | 450 | 1.25 |" in text
     assert "| b32_g4 | gluon_p4224_n32_r0 | 0.700 | 0.200 | 150 | 0.50 |" in text
     assert "| b32_g4 | v00_p1056_n32_w4_s1_r0 | 0.800 | — | — | 2.00 |" in text
+    # sdpa replayed as a graph too: graph times over its graph time, host times over its host time
+    d["rows"]["b32_g4"]["fp16_cache_sdpa_graph_ms"] = 0.25
+    text = "\n".join(kv_attention_speed(d))
+    assert "| b32_g4 | sdpa over the bf16 cache | 0.400 | 0.250 | — | 1.00 |" in text
+    assert "| b32_g4 | gluon_p4224_n32_r0 | 0.700 | 0.200 | 150 | 0.80 |" in text
+    assert "| b32_g4 | v00_p1056_n32_w4_s1_r0 | 0.800 | — | — | 2.00 |" in text
 
 
 def test_kv_bench_section_names_the_history_kernel_of_its_run():
