@@ -21,10 +21,13 @@ passes as ``airquant batch`` plans it (``prefill="chunked"``). ``--kv tq`` (``co
 ``--kv auto`` (``continuous_auto_*``, ``auto_slots``, ``auto_kv``) run the throughput planner's choice of offload,
 slots and placement (``engine/memory/throughput.py``), what ``airquant batch --batch-size auto --kv tq|auto`` runs:
 the format fixed to TurboQuant K4/V2, or chosen too.
-``--kv-offload`` and ``--slots`` override; both parts record them, and ``continuous_over_static`` (plain) is
-written only when the two parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and ``_steady_``),
-``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` compare the KV rows with plain continuous where they ran
-the same request stream for the same ``--seconds``; ``targets`` holds issue #38's bars (``report`` recomputes both).
+``--slots`` and ``--kv-offload`` override; a continuous row whose placement ``--kv-offload`` / ``--no-kv-offload``
+pins is named after it (``continuous_tq_device_*``, ``continuous_plain_offload_*``, ...: ``row_name``), so that
+the placements the planner passed over run beside its pick. Both parts record them, and ``continuous_over_static``
+(plain) is written only when the two parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and
+``_steady_``), ``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` (over every measured row;
+``auto_best_row`` names the best) compare the KV rows with plain continuous where they ran the same request stream
+for the same ``--seconds``; ``targets`` holds issue #38's bars (``report`` recomputes both).
 
 Time budget, no extrapolation: a streamed 70B pass takes ~0.6 s, so all 512 requests (~1300 passes at 64 slots)
 do not fit one command. ``static`` and ``continuous`` each measure a window of ``--seconds`` (300) of wall time,
@@ -187,8 +190,10 @@ def part_batch(args, which: str, results: dict) -> None:
                 f"clipped to 1..{args.max_new}, seed 0", "order": "longest prompt first", **planned}
     engine = open_engine(store, args, slots, context, offload, kv_cache=kv_name, placement=placement)
     # Each --kv a row of its own: plain keeps the keys it always had; tq and auto (the throughput planner's
-    # choice) get continuous_tq_* / continuous_auto_* and their settings as tq_* / auto_*.
-    prefix = which if args.kv == "none" else f"{which}_{args.kv}"
+    # choice) get continuous_tq_* / continuous_auto_* and their settings as tq_* / auto_*; a placement pinned by
+    # --kv-offload / --no-kv-offload names the row after it (row_name).
+    name = row_name(args.kv, args.kv_offload if which == "continuous" else None)
+    prefix = f"{which}_{name}" if name else which
     after_profiler = stream_mod.PROFILED  # a trace earlier in this process slows the window (stream_bench.PROFILED)
     try:
         warm = warm_up(engine, slots, kv, vocab)
@@ -202,7 +207,10 @@ def part_batch(args, which: str, results: dict) -> None:
     finally:
         engine.close()
     link_floor(measured.get(f"{prefix}_trace"), planned.get("link_gbps"))
-    shown = settings if args.kv == "none" else {f"{args.kv}_{k}": v for k, v in settings.items()}
+    shown = {f"{name}_{k}" if name else k: v for k, v in settings.items()}
+    for key in (f"{prefix}_trace", f"{prefix}_ramp_trace", f"{prefix}_ramp_traced"):
+        if key not in measured:  # an earlier run's trace of this row does not describe this window
+            results.pop(key, None)
     device = "cpu" if args.quick else torch.cuda.get_device_name()
     results.update({**shown, **measured, f"{prefix}_settings": settings, f"{prefix}_warmup_s": warm,
                     f"{prefix}_after_profiler": after_profiler,
@@ -248,6 +256,21 @@ def other_card(results: dict, row: str, base: str) -> list[str]:
     return []
 
 
+# --kv-offload / --no-kv-offload pin the cache's placement: such a row is named after it, so that a placement the
+# planner passed over is measured beside its pick (auto_over_best is over every measured row).
+PLACED = {True: "offload", False: "device"}
+KV_ROWS = ("tq", "auto", *(f"{kv}_{where}" for kv in ("plain", "tq", "auto") for where in PLACED.values()))
+
+
+def row_name(kv: str, offload: bool | None) -> str:
+    """A continuous row's name in the results (its keys ``continuous_{name}_*``, its settings ``{name}_*``): ''
+    for plain (the ``continuous_*`` keys), ``tq`` / ``auto`` for the planner's placement, or with the placement
+    pinned ``plain_device``, ``tq_offload``, ``auto_device``, ..."""
+    if offload is None:
+        return "" if kv == "none" else kv
+    return f"{'plain' if kv == 'none' else kv}_{PLACED[offload]}"
+
+
 # Issue #38: TurboQuant rows against plain on the same request stream and window. key: (threshold, kind).
 TARGETS = {"tq_over_plain_useful_tok_s": (3.0, "min"), "tq_slots_over_plain": (4.0, "min"),
            "auto_over_best_useful_tok_s": (0.95, "min")}
@@ -266,22 +289,24 @@ def differences(results: dict, row: str, base: str) -> list[str]:
 
 
 def compare_kv(results: dict) -> None:
-    """The KV rows (``--kv tq`` / ``auto``) over plain continuous, where they ran the same request stream for the
-    same window: whole-window and steady rates, slots; ``auto_over_best`` = auto / the best measured row. Rows
-    that differ get no ratio and say why (``kv_ratios_missing``); ``targets`` checks the issue's bars. Without a
-    plain row (a file of whole jobs, where plain would take the longest), ``auto_over_best`` sets auto against
-    the TurboQuant row alone."""
+    """The KV rows (``--kv tq`` / ``auto``, and rows of a pinned placement, ``KV_ROWS``) over plain continuous,
+    where they ran the same request stream for the same window on the same card: whole-window and steady rates,
+    slots; ``auto_over_best`` = auto / the best measured row, ``auto_best_row`` names it. Rows that differ get no
+    ratio and say why (``kv_ratios_missing``); ``targets`` checks the issue's bars. Without a plain row (a file of
+    whole jobs, where plain would take the longest), the rows are compared with the TurboQuant row (else the
+    first one measured), and ``auto_over_best`` sets auto against the rows beside it."""
     for key in ("tq_over_plain_useful_tok_s", "tq_over_plain_steady_useful_tok_s", "tq_slots_over_plain",
-                "auto_over_best_useful_tok_s", "kv_ratios_missing", "targets"):
+                "auto_over_best_useful_tok_s", "auto_best_row", "kv_ratios_missing", "targets"):
         results.pop(key, None)
-    ran = {name: f"continuous_{name}" for name in ("tq", "auto") if f"continuous_{name}_settings" in results}
+    ran = {name: f"continuous_{name}" for name in KV_ROWS if f"continuous_{name}_settings" in results}
     if "continuous_settings" in results:
-        base, rates = ("plain", "continuous"), {"none": results.get("continuous_useful_tok_s")}
-    elif len(ran) == 2:
-        base = ("tq", ran.pop("tq"))
-        rates = {"tq": results["continuous_tq_useful_tok_s"]}
+        base = ("plain", "continuous")
+    elif "auto" in ran and len(ran) > 1:
+        first = "tq" if "tq" in ran else next(n for n in ran if n != "auto")
+        base = (first, ran.pop(first))
     else:
         return
+    rates = {base[0]: results.get(f"{base[1]}_useful_tok_s")}
     missing = []
     for name, row in ran.items():
         differ = differences(results, row, base[1])
@@ -289,14 +314,16 @@ def compare_kv(results: dict) -> None:
             missing.append(f"{name} and {base[0]} ran with different {', '.join(differ)}")
             continue
         rates[name] = results[f"{row}_useful_tok_s"]
-        if name == "tq":
-            results["tq_over_plain_useful_tok_s"] = rates["tq"] / rates["none"]
+        if name == "tq" and base[0] == "plain":
+            results["tq_over_plain_useful_tok_s"] = rates["tq"] / rates["plain"]
             # a window too short for every slot to be filled (an offloaded cache's ramp) has no steady rate
             steady = results.get("continuous_tq_steady_useful_tok_s"), results.get("continuous_steady_useful_tok_s")
             results["tq_over_plain_steady_useful_tok_s"] = steady[0] / steady[1] if all(steady) else None
             results["tq_slots_over_plain"] = results["tq_slots"] / results["slots"]
     if "auto" in rates:
-        results["auto_over_best_useful_tok_s"] = rates["auto"] / max(rates.values())
+        best = max((n for n in rates if rates[n] is not None), key=rates.get)
+        results["auto_over_best_useful_tok_s"] = rates["auto"] / rates[best]
+        results["auto_best_row"] = best
     if missing:
         results["kv_ratios_missing"] = "; ".join(missing)
     results["targets"] = {key: target(results.get(key), *bar) for key, bar in TARGETS.items()}
@@ -432,7 +459,7 @@ def report(results: dict) -> None:
             "continuous_over_static_missing", "tq_slots", "continuous_tq_useful_tok_s", "auto_slots", "auto_kv",
             "auto_kv_offload", "continuous_auto_useful_tok_s", "tq_over_plain_useful_tok_s",
             "tq_over_plain_steady_useful_tok_s", "tq_slots_over_plain", "auto_over_best_useful_tok_s",
-            "kv_ratios_missing",
+            "auto_best_row", "kv_ratios_missing",
             "bs1_8b_step_s", "link_pinned_gbps", "bs1_link_fraction", "cpu_mixed_static_utilization",
             "cpu_mixed_continuous_utilization", "cpu_mixed_static_wall_s", "cpu_mixed_continuous_wall_s"]
     for k in keys:
@@ -466,7 +493,9 @@ def parse_args(argv=None):
     p.add_argument("--kv", choices=["none", "tq", "auto"], default="none",
                    help="none: plain (continuous_* keys); tq: TurboQuant K4/V2 (continuous_tq_*); auto: the throughput "
                         "planner's KV format, offload and slots (continuous_auto_*)")
-    p.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin the cache in host RAM (or on the device: --no-kv-offload); default: the router's or "
+                        "the planner's choice. A pinned continuous row is named after it (continuous_tq_device_*)")
     p.add_argument("--mixed-prompts", type=int, default=None, help="default 48 (--quick: 6)")
     p.add_argument("--mixed-slots", type=int, default=None, help="default 16 (--quick: 3)")
     p.add_argument("--mixed-new", type=int, default=None, help="default 256 (--quick: 8)")

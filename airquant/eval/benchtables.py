@@ -243,23 +243,33 @@ def batch_bench(d: dict) -> list[str]:
             *md_table(["batching", "slot utilization", "wall time"], cpu)]
 
 
+KV_ROW_NAMES = {"": "plain", "tq": "TurboQuant K4/V2", "auto": "auto (the planner's)"}  # batch_bench.row_name
+
+
 def _batch_kv(d: dict) -> list[str]:
-    """batch_bench's continuous rows by KV cache (``--kv none|tq|auto``, each its own run: its card named) and
-    issue #38's targets over them (``compare_kv``: only rows of one stream, window and card are compared)."""
+    """batch_bench's continuous rows by KV cache (``--kv none|tq|auto``, each its own run: its card named; a row
+    whose placement was pinned is named after it, ``tq_device``) and issue #38's targets over them (``compare_kv``:
+    only rows of one stream, window and card are compared)."""
+    found = {k[len("continuous_"):-len("_useful_tok_s")] for k in d
+             if k.startswith("continuous_") and k.endswith("_useful_tok_s") and "steady" not in k}
+    names = ["", "tq", "auto", *sorted(found - {"", "tq", "auto"})]
     rows = []
-    for name, row, prefix in (("plain", "", ""), ("TurboQuant K4/V2", "_tq", "tq_"), ("auto (the planner's)", "_auto",
-                                                                                    "auto_")):
+    for name in names:
+        row, prefix = (f"_{name}", f"{name}_") if name else ("", "")
         if d.get(f"continuous{row}_useful_tok_s") is None:
             continue
+        kv, _, pinned = name.partition("_")
+        label = KV_ROW_NAMES.get(kv if kv != "plain" else "", name) + (f", {pinned} pinned" if pinned else "")
         where = "host RAM" if d.get(f"{prefix}kv_offload") else "device"
-        rows.append([name, _f(d.get(f"{prefix}slots")), where, _f(d.get(f"continuous{row}_useful_tok_s"), "{:.1f}"),
+        rows.append([label, _f(d.get(f"{prefix}slots")), where, _f(d.get(f"continuous{row}_useful_tok_s"), "{:.1f}"),
                      _f(d.get(f"continuous{row}_steady_useful_tok_s"), "{:.1f}"),
                      str(d.get(f"continuous{row}_device") or "not recorded")])
     if len(rows) < 2:
         return []
-    missing = d.get("kv_ratios_missing")
+    missing, best = d.get("kv_ratios_missing"), d.get("auto_best_row")
     return ["", f"The continuous loop by KV cache, {_f(d.get('continuous_budget_s'), '{:.0f}')} s windows:", "",
             *md_table(["KV cache", "slots", "cache on", "useful tok/s", "steady", "card"], rows), *_targets(d),
+            *(["", f"The best row measured (auto_over_best's denominator): {best}."] if best else []),
             *(["", f"Not compared: {missing}."] if missing else [])]
 
 
@@ -351,6 +361,9 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "moe_bench.json": ("MoE shapes: expert streaming (benchmarks/moe_bench.py)", as_found),
     "moe_bench_prompt1024.json": ("MoE shapes, the batch-1 hot set after 1024-token prompts (benchmarks/moe_bench.py "
                                   "--prompt-len 1024, into a copy of moe_bench.json)", as_found),
+    "moe_router_ab.json": ("MoE shapes, the fused top-k router against the eager ops: Qwen3-30B-A3B batch 1, each case "
+                           "in its own process on one H200 (benchmarks/moe_bench.py *_fusedrouter cases; folded by "
+                           "benchmarks/merge_runs.py --changes-only)", as_found),
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
     "batch_bench_offload.json": ("The decode loop with its TurboQuant cache in host RAM (benchmarks/batch_bench.py "
                                  "--kv tq --kv-offload)", as_found),

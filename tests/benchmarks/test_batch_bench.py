@@ -171,6 +171,52 @@ def test_kv_tq_runs_the_planners_turboquant_choice(store_dir):
     assert r["continuous_tq_requests_finished"] == r["tq_requests"] == 48 and r["continuous_tq_useful_tok_s"] > 0
 
 
+def test_a_pinned_placement_is_a_row_of_its_own_and_a_rerun_drops_its_old_trace(store_dir):
+    """``--kv tq --no-kv-offload``: the placement pinned, the row named after it beside the planner's ``tq`` row;
+    run again without ``--trace-passes``, the row keeps no trace of the earlier window."""
+    tmp = fresh(store_dir, "pinned")
+    r = bench(tmp, "continuous", "--seconds", "0", "--kv", "tq", "--no-kv-offload", "--trace-passes", "1")
+    assert r["tq_device_kv"] == "tq" and r["tq_device_kv_offload"] is False and 1 <= r["tq_device_slots"] <= 8
+    assert r["continuous_tq_device_trace"]["passes"] == 1 and "continuous_tq_settings" not in r
+    r = bench(tmp, "continuous", "--seconds", "0", "--kv", "tq", "--no-kv-offload")
+    assert "continuous_tq_device_trace" not in r and r["continuous_tq_device_passes"] == 1
+
+
+def test_row_names_follow_the_kv_format_and_a_pinned_placement():
+    from benchmarks.batch_bench import row_name
+
+    assert [row_name(kv, None) for kv in ("none", "tq", "auto")] == ["", "tq", "auto"]
+    assert [row_name(kv, True) for kv in ("none", "tq", "auto")] == ["plain_offload", "tq_offload", "auto_offload"]
+    assert row_name("tq", False) == "tq_device"
+
+
+def test_auto_is_set_against_every_measured_row_pinned_placements_included():
+    """``auto_over_best`` over plain, the planner's TurboQuant row and the placements pinned beside it; the best
+    row is named; a pinned row of another window is left out and says why."""
+    from benchmarks.batch_bench import compare_kv
+
+    stream = {"requests": 512, "context": 1466, "distribution": "d", "order": "longest prompt first"}
+    r = {"slots": 24, "tq_slots": 192}
+    for row, rate in (("", 33.7), ("_tq", 156.1), ("_auto", 158.6), ("_tq_device", 120.0)):
+        r.update({f"continuous{row}_settings": stream, f"continuous{row}_budget_s": 200.0,
+                  f"continuous{row}_useful_tok_s": rate, f"continuous{row}_device": "H200"})
+    compare_kv(r)
+    assert r["auto_over_best_useful_tok_s"] == 1.0 and r["auto_best_row"] == "auto"
+    assert r["tq_over_plain_useful_tok_s"] == 156.1 / 33.7 and r["tq_slots_over_plain"] == 8.0
+    r["continuous_tq_device_useful_tok_s"] = 200.0
+    compare_kv(r)
+    assert r["auto_over_best_useful_tok_s"] == 158.6 / 200.0 and r["auto_best_row"] == "tq_device"
+    assert r["targets"]["auto_over_best_useful_tok_s"]["met"] is False
+    r["continuous_tq_device_budget_s"] = 100.0
+    compare_kv(r)
+    assert r["auto_best_row"] == "auto" and "tq_device and plain ran with different window" in r["kv_ratios_missing"]
+    # a file of whole jobs (no plain row): auto against the pinned row alone
+    whole = {k: v for k, v in r.items() if k.startswith(("continuous_auto", "continuous_tq_device"))}
+    whole["continuous_tq_device_budget_s"] = 200.0
+    compare_kv(whole)
+    assert whole["auto_over_best_useful_tok_s"] == 158.6 / 200.0 and "tq_over_plain_useful_tok_s" not in whole
+
+
 def test_a_traced_pass_is_set_against_its_bytes_over_the_link():
     """``link_floor``: a traced pass's host-to-device bytes over the link measured before the run, and its wall over
     that; no bytes, no trace or no link (a CPU run) add nothing."""

@@ -275,6 +275,12 @@ def test_batch_bench_section_lists_the_kv_rows_with_their_cards_and_targets():
     assert "| auto (the planner's) | 192 | host RAM | 90.5 | — | H200 |" in text
     assert "auto_over_best_useful_tok_s" in text and "Not compared: auto and plain ran with different device" in text
     assert "by KV cache" not in "\n".join(batch_bench({"continuous_useful_tok_s": 32.8, "slots": 24}))
+    # a row whose placement was pinned (batch_bench --no-kv-offload) is listed under its own name
+    d.update({"continuous_tq_device_useful_tok_s": 120.0, "tq_device_slots": 99, "tq_device_kv_offload": False,
+              "continuous_tq_device_device": "H200", "auto_best_row": "tq_device"})
+    text = "\n".join(batch_bench(d))
+    assert "| TurboQuant K4/V2, device pinned | 99 | device | 120.0 | — | H200 |" in text
+    assert "The best row measured (auto_over_best's denominator): tq_device." in text
 
 
 def test_kv_attention_speed_section_lists_each_launch_with_its_graph_and_history_kernel_time():
