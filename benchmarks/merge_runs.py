@@ -10,8 +10,11 @@ earlier one's rows. This keeps, from each run in order, only what that run chang
 - anything else: the run's value.
 
 Derived keys and targets are then recomputed from the merged rows (``moe_bench --part report``), never copied.
+``--changes-only`` leaves the base's own content out: a file of the runs' rows alone (an A/B on another card than
+the committed file's, kept beside it rather than mixed into it).
 
     python benchmarks/merge_runs.py results/moe_bench.json RUN_A.json RUN_B.json [--out results/moe_bench.json]
+    python benchmarks/merge_runs.py results/moe_bench.json RUN_A.json RUN_B.json --changes-only --out AB.json
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks.moe_bench import merge_rows  # noqa: E402
 
 ROWS = ("expert_aware", "whole_layer")
+META = ("device", "synthetic", "quick", "versions")  # what a file of changes alone keeps of the last run as it is
 
 
-def fold(base: dict, runs: list[dict]) -> dict:
-    """``base`` with each run's changes applied in order (runs later in the list win where two changed a key)."""
-    out = json.loads(json.dumps(base))
+def fold(base: dict, runs: list[dict], changes_only: bool = False) -> dict:
+    """``base`` with each run's changes applied in order (runs later in the list win where two changed a key);
+    ``changes_only``: the changes alone, nothing of ``base`` that no run changed, and the last run's ``META``."""
+    out = {k: runs[-1][k] for k in META if k in runs[-1]} if changes_only else json.loads(json.dumps(base))
     for run in runs:
         for key, value in run.items():
             old = base.get(key)
@@ -58,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("base", type=Path, help="the committed results file every run started from")
     p.add_argument("runs", type=Path, nargs="+", help="each run's copy of it, in the order they ran")
     p.add_argument("--out", type=Path, default=None, help="where to write (default: over the base)")
+    p.add_argument("--changes-only", action="store_true",
+                   help="write only what the runs changed (their rows and keys), not the base's own content")
     a = p.parse_args(argv)
-    merged = fold(json.loads(a.base.read_text()), [json.loads(r.read_text()) for r in a.runs])
+    if a.changes_only and (a.out is None or a.out.resolve() == a.base.resolve()):
+        p.error("--changes-only writes a file of its own: pass --out PATH other than the base")
+    merged = fold(json.loads(a.base.read_text()), [json.loads(r.read_text()) for r in a.runs], a.changes_only)
     out = a.out or a.base
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / a.base.name

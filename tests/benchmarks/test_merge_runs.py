@@ -3,6 +3,8 @@ that keeps every chain's rows, re-measured cases replaced, derived keys recomput
 
 import json
 
+import pytest
+
 from benchmarks import merge_runs
 
 
@@ -57,3 +59,24 @@ def test_moe_bench_files_get_their_derived_keys_from_the_merged_rows(tmp_path):
     merged = json.loads(base.read_text())
     assert merged["qwen3_30b_nf4_bs1_tok_s"] == 40.0  # recomputed from the row, not the run's stale 1.0
     assert merged["targets"]["qwen3_30b_nf4_bs1_tok_s"]["met"] is True
+
+
+def test_changes_only_keeps_the_runs_rows_and_keys_without_the_bases(tmp_path):
+    """An A/B on another card: its rows in a file of their own, derived keys from them alone; never over the base."""
+    a = _run(expert_aware=[_row("q", "direct", 0.03, "A")], link_pinned_gbps=55.0)
+    b = _run(expert_aware=[_row("m", "lfu", 0.05, "B")], details={"host": {"x": 2}})
+    merged = merge_runs.fold(BASE, [a, b], changes_only=True)
+    assert {(r["model"], r["case"]) for r in merged["expert_aware"]} == {("q", "direct"), ("m", "lfu")}
+    assert merged["link_pinned_gbps"] == 55.0 and merged["details"] == {"host": {"x": 2}}
+    assert "profiles" not in merged
+    b["versions"], b["synthetic"] = {"torch": "2.11"}, True  # what the runs ran on, kept though unchanged
+    assert merge_runs.fold({**BASE, **{k: b[k] for k in ("versions", "synthetic")}}, [a, b], True)["versions"] == \
+        {"torch": "2.11"}
+    base = tmp_path / "moe_bench.json"
+    base.write_text(json.dumps(BASE))
+    run = tmp_path / "run_a.json"
+    run.write_text(json.dumps(a))
+    with pytest.raises(SystemExit) as refused:
+        merge_runs.main([str(base), str(run), "--changes-only"])
+    assert refused.value.code == 2
+    assert json.loads(base.read_text()) == BASE
