@@ -413,9 +413,11 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # its boolean mask (~12 small kernels a layer in the layer graph), against the views and the mask built once a
     # pass of the default.
     **direct_pair("indexstatic", lean_static=False),
-    # The standard top-k router's softmax, top-k and renormalization as one kernel (engine/moe_router.py FUSED_ROUTER,
-    # off by default until this A/B has run on a GPU) against transformers' seven small kernels a layer.
+    # The standard top-k router's softmax, top-k and renormalization as one kernel (engine/moe_router.py FUSED_ROUTER)
+    # against transformers' seven small kernels a layer: "fusedrouter" measured it before it was the default
+    # (wave3_moe29r), "eagerrouter" measures the eager ops since.
     **direct_pair("fusedrouter", fused_router=True),
+    **direct_pair("eagerrouter", fused_router=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -491,6 +493,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
                         "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
+                        "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter",
                         *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
@@ -693,9 +696,10 @@ def row_link(row: dict, link: float | None) -> float | None:
 # says why by the first row's error. mixtral_nf4_bs256_tok_s is what a user gets by default (--experts auto)
 # where measured, the forced-routed row beside it otherwise.
 # The cache-on and no-cache keys read the default path's row (direct reads) where it ran, else the copy path's.
-NOCACHE_DEFAULT = ("nocache_direct_fusedrope", "nocache_direct_fusednorm", "nocache_direct_huge", "nocache_direct",
-                   "nocache")  # see NEWEST
-HOT_SET_DEFAULT = ("lfu_direct_r1_fusedrope", "lfu_direct_r1_fusednorm", "lfu_direct_r1", "lfu")  # see DEFAULT_PATH
+NOCACHE_DEFAULT = ("nocache_direct_fusedrouter", "nocache_direct_fusedrope", "nocache_direct_fusednorm",
+                   "nocache_direct_huge", "nocache_direct", "nocache")  # see NEWEST
+HOT_SET_DEFAULT = ("lfu_direct_r1_fusedrouter", "lfu_direct_r1_fusedrope", "lfu_direct_r1_fusednorm", "lfu_direct_r1",
+                   "lfu")  # see DEFAULT_PATH
 TARGET_ROWS = {"mixtral_nf4_bs1_tok_s": ("mixtral-8x7b nf4", HOT_SET_DEFAULT),
                "mixtral_nf4_bs256_tok_s": ("mixtral-8x7b nf4", ("auto_bs256", "lfu_bs256")),
                "mixtral_nf4_bs256_routed_tok_s": ("mixtral-8x7b nf4", ("lfu_bs256",)),
@@ -728,21 +732,24 @@ FASTEST = {"mixtral_nf4_max_batch_tok_s"}  # keys that read the fastest of their
 # hot set), and the ``*_fusednorm`` rows of before measured the plan of then.
 NEWEST = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 # Keys of the default batch-1 path: they read rows measured with the default norms (engine/norms.py FUSED_RMS_NORM)
-# where there are any, and of those the rows on the default rotary embedding (engine/rope.py FUSED_ROPE) where there
-# are any (``DEFAULT_KERNELS``, ``ran_with``). The fused norms became the default after wave3_moe23: the
-# ``*_fusednorm`` rows measured it, the ``nocache_direct`` and ``lfu_direct_r1`` rows of before ran transformers'
-# own; the fused rotary embedding after wave3_moe27 (``*_fusedrope`` rows), likewise.
+# where there are any, and of those the rows on the default rotary embedding (engine/rope.py FUSED_ROPE), then on the
+# default router (engine/moe_router.py FUSED_ROUTER), each where there are any (``DEFAULT_KERNELS``, ``ran_with``).
+# The fused norms became the default after wave3_moe23: the ``*_fusednorm`` rows measured it, the ``nocache_direct``
+# and ``lfu_direct_r1`` rows of before ran transformers' own; the fused rotary embedding after wave3_moe27
+# (``*_fusedrope`` rows), likewise; the fused router after wave3_moe29r (``*_fusedrouter`` rows; a row records
+# ``router``).
 DEFAULT_PATH = {key for key, (_, cases) in TARGET_ROWS.items() if cases in (NOCACHE_DEFAULT, HOT_SET_DEFAULT)}
 
 
 # The default path's kernels a row records, in the order ``target_row`` prefers them: (its field, the ``SWITCHES``
 # setting of the cases that turned the kernel on before it was the default).
-DEFAULT_KERNELS = (("norms", "fused_norm"), ("rope", "fused_rope"))
+DEFAULT_KERNELS = (("norms", "fused_norm"), ("rope", "fused_rope"), ("router", "fused_router"))
 
 
 def ran_with(row: dict, field: str, setting: str) -> str:
-    """Which of a kernel a row ran with, "fused" or "eager": its ``field`` (``norms``, ``rope``); a row from before
-    that field, the fused one only where its case turned it on by ``setting`` (it was off by default then)."""
+    """Which of a kernel a row ran with, "fused" or "eager": its ``field`` (``norms``, ``rope``, ``router``); a row
+    from before that field, the fused one only where its case turned it on by ``setting`` (it was off by default
+    then)."""
     return row.get(field) or ("fused" if (row.get("settings") or {}).get(setting) else "eager")
 
 
