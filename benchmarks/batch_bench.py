@@ -23,8 +23,9 @@ slots and placement (``engine/memory/throughput.py``), what ``airquant batch --b
 the format fixed to TurboQuant K4/V2, or chosen too.
 ``--slots`` and ``--kv-offload`` override; a continuous row whose placement ``--kv-offload`` / ``--no-kv-offload``
 pins is named after it (``continuous_tq_device_*``, ``continuous_plain_offload_*``, ...: ``row_name``), so that
-the placements the planner passed over run beside its pick. Both parts record them, and ``continuous_over_static``
-(plain) is written only when the two parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and
+the placements the planner passed over run beside its pick (static keeps its keys: ``continuous_over_static`` pairs
+the unpinned rows). Both parts record them, and ``continuous_over_static`` (plain) is written only when the two
+parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and
 ``_steady_``), ``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` (over every measured row;
 ``auto_best_row`` names the best) compare the KV rows with plain continuous where they ran the same request stream
 for the same ``--seconds``; ``targets`` holds issue #38's bars (``report`` recomputes both).
