@@ -418,6 +418,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # (wave3_moe29r), "eagerrouter" measures the eager ops since.
     **direct_pair("fusedrouter", fused_router=True),
     **direct_pair("eagerrouter", fused_router=False),
+    # Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default until this A/B has run on a GPU):
+    # each layer's experts guessed from its input before its attention and copied while the link would idle.
+    **direct_pair("specread", spec_read=True),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -493,7 +496,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
                         "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
-                        "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter",
+                        "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
+                        "lfu_direct_r1_specread",
                         *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
@@ -505,7 +509,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
-            "fused_router": (router_mod, "FUSED_ROUTER")}
+            "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (direct_mod, "SPECULATE")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

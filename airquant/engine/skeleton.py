@@ -18,7 +18,7 @@ from torch import nn
 from airquant.config import MLP_CHUNK_TOKENS
 from airquant.engine import embed_head
 from airquant.engine.moe import compute as expert_compute
-from airquant.engine.moe.pool import RoutedForward
+from airquant.engine.moe.pool import RoutedForward, speculation_hook
 from airquant.engine.moe_router import fuse_routers
 from airquant.engine.norms import fuse_rms_norms
 from airquant.engine.rope import fuse_rope
@@ -301,3 +301,4 @@ def attach_experts(model: nn.Module, pool) -> None:
         block = layers[i].layer if isinstance(layers[i], StreamedLayer) else layers[i]
         module = block.get_submodule(layer.module)
         module.forward = RoutedForward(pool, i, module, module.forward)
+        speculation_hook(pool, i, block)  # direct.SPECULATE: layer i's experts guessed before its attention

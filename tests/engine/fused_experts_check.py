@@ -115,15 +115,27 @@ def check_direct(store: Path) -> dict:
         tokens, logits = decode(engine, 6)
         report = engine.experts.report()
         engine.close()
+        # speculative reads (direct.SPECULATE): each layer's experts guessed from its input, copied into slots
+        # of their own and read from there where the guess was right
+        direct.SPECULATE = True
+        engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0,
+                             expert_cache_gb=cache_bytes / 1e9)
+        spec_tokens, spec_logits = decode(engine, 6)
+        spec_report = engine.experts.report()
+        engine.close()
     finally:
         direct.DirectReads.run, (direct.REFRESH_PASSES, pool.DIRECT) = real, old
+        direct.SPECULATE = False
     expert_compute.FUSED = False
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
     want_tokens, want_logits = decode(engine, 6)
     engine.close()
     expert_compute.FUSED = True
+    scale = want_logits.abs().max().item()
     return {"direct_calls": calls["direct"], "tokens_equal": tokens == want_tokens, "report": report,
-            "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item()}
+            "max_rel_diff": (logits - want_logits).abs().max().item() / scale,
+            "spec": {"tokens_equal": spec_tokens == want_tokens, "report": spec_report,
+                     "max_rel_diff": (spec_logits - want_logits).abs().max().item() / scale}}
 
 
 def check_blocks(double_quant: bool, device: str = "cpu") -> dict:

@@ -14,16 +14,16 @@ from airquant.engine.moe.layout import HostArrangement, LayerExperts
 EXPERTS, IMAGE = 4, 64  # one 64-byte tensor an expert
 
 
-def _reads(policy: str, hot: int) -> tuple[DirectReads, torch.Tensor, HostArrangement]:
+def _reads(policy: str, hot: int, spec: int = 0) -> tuple[DirectReads, torch.Tensor, HostArrangement]:
     ranges = [[(e * IMAGE, (e + 1) * IMAGE)] for e in range(EXPERTS)]
     arranged = HostArrangement.of(EXPERTS * IMAGE, [], 0, ranges)
     src = torch.arange(arranged.nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
     layers = {i: LayerExperts(index=i, top_k=1, module="mlp.experts", names=("w",), dtypes=(torch.uint8,),
                               shapes=((IMAGE,),), dense=(False,), offsets=(0,), ranges=tuple(map(tuple, ranges)),
                               key=f"k{i}", path=Path("x"), data_offset=0) for i in (0, 1)}
-    mem = torch.zeros((2 + hot, IMAGE), dtype=torch.uint8)  # 2 working slots, then the hot set's
+    mem = torch.zeros((2 + hot + spec, IMAGE), dtype=torch.uint8)  # 2 working slots, the hot set's, the guesses'
     reads = DirectReads(layers, {0, 1}, mem, range(2, 2 + hot), torch.device("cpu"), lambda i: (src, arranged),
-                        policy)
+                        policy, spec_slots=range(2 + hot, 2 + hot + spec))
     return reads, src, arranged
 
 
@@ -87,3 +87,53 @@ def test_code_books_are_shared_only_where_every_image_holds_the_same():
     off = start + 2 * stride + m.offsets[BUFFERS.index("quant_map")]
     src[off:off + 4] = 0  # expert 2's first code differs
     assert reads.code_books(src, arranged, (m, m)) == {}
+
+
+def _guessing(monkeypatch, hot: int):
+    """Direct reads with one hot slot and two speculative ones; layer 0's images known (it ran once); a gate
+    whose top two logits on a one-token input are experts 3 and 1."""
+    from airquant.engine.moe import direct
+
+    monkeypatch.setattr(direct, "SPECULATE", True)
+    reads, src, arranged = _reads("lfu", hot=hot, spec=2)
+    reads._matrices[0] = ("images",)  # as after the layer's first direct call
+    gate = torch.zeros(EXPERTS, 8)
+    gate[3, 0], gate[1, 0] = 2.0, 1.0
+    return reads, src, arranged, gate, torch.ones(1, 1, 8)
+
+
+def test_a_guess_is_copied_into_its_own_slots_and_the_table_pointed_back_after_the_call(monkeypatch):
+    """``speculate``: the gate's top-k experts over the normed input, copied into the speculative slots (never the
+    working or hot slots) and pointed at; an expert of the hot set keeps its slot and is not copied; after the
+    call (``_settle``) the guessed entries point at the RAM tier again, the hot one at its slot."""
+    reads, src, arranged, gate, x = _guessing(monkeypatch, hot=1)
+    _pass(reads, {(0, 1): 4})
+    assert _hot(reads) == {(0, 1)}
+    hot_slot = int(reads.table[0, 1])
+    assert reads.speculate(0, x, lambda h: h, gate, top_k=2)
+    assert int(reads.table[0, 1]) == hot_slot  # in the hot set: read from there, not copied again
+    slot = int(reads.table[0, 3])
+    assert slot in reads.spec_slots
+    assert torch.equal(reads.mem[slot], src[arranged.expert_start(3):arranged.expert_start(3) + IMAGE])
+    assert int(reads.spec_copied[0]) == 1 and reads.link_bytes() == reads.hot_bytes + IMAGE
+    reads._settle(0, reads._join(0))
+    assert int(reads.table[0, 3]) == -1 and int(reads.table[0, 1]) == hot_slot
+    assert reads.report()["spec_calls"] == 1 and reads.report()["spec_bytes_copied"] == IMAGE
+
+
+def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(monkeypatch):
+    from airquant.engine.moe import direct
+
+    reads, _, _, gate, x = _guessing(monkeypatch, hot=0)
+    assert not reads.speculate(0, torch.ones(1, 2, 8), lambda h: h, gate, top_k=2)  # a prefill's call
+    assert not reads.speculate(1, x, lambda h: h, gate, top_k=2)  # layer 1 has not run by direct reads yet
+    assert not reads.speculate(0, x, lambda h: h, gate, top_k=3)  # more guesses than slots
+    assert reads.speculate(0, x, lambda h: h, gate, top_k=2)
+    assert {int(reads.table[0, e]) for e in (1, 3)} == set(reads.spec_slots)
+    # the call never came (an aborted forward): the next guess first points layer 0's entries back
+    reads._matrices[1] = ("images",)
+    assert reads.speculate(1, x, lambda h: h, gate, top_k=2)
+    assert (reads.table[0] == -1).all() and {int(reads.table[1, e]) for e in (1, 3)} == set(reads.spec_slots)
+    monkeypatch.setattr(direct, "SPECULATE", False)
+    reads._settle(1, reads._join(1))
+    assert not reads.speculate(0, x, lambda h: h, gate, top_k=2) and (reads.table == -1).all()

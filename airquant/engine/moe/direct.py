@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 # against 0.140 (H200, same run).
 REFRESH_PASSES = 1
 HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refreshes ago counts 1/16
+# Same-layer speculative reads (``DirectReads.speculate``): off until measured on a GPU against reads from the RAM
+# tier alone (benchmarks/moe_bench.py ``*_specread`` cases). At a one-token call the link idles while the layer's
+# attention, norms and router run (~7 ms of a Qwen3-30B-A3B step of ~30, H100 trace, wave3_kv32); the layer's own
+# input routed before its attention guesses its experts (top-8 of 128 matched 66 % on a random Qwen3-MoE of the
+# real width, CPU, 24 layers: ~50 % early, ~80 % late), and their images are copied into spare pool slots then.
+SPECULATE = False
 
 
 # The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
@@ -96,7 +102,7 @@ class DirectReads:
     """Owns the device tables, counters and the hot set of direct reads for a pool's routed layers."""
 
     def __init__(self, layers: dict[int, LayerExperts], eligible: set[int], mem: torch.Tensor, hot_slots: range,
-                 device: torch.device, host_image, policy: str = "lfu"):
+                 device: torch.device, host_image, policy: str = "lfu", spec_slots: range = range(0)):
         self.layers, self.eligible, self.mem, self.device = layers, eligible, mem, device
         self.policy = policy  # --expert-policy: lfu ranks by decayed counts, lru by the last pass that used one
         self.host_image = host_image  # i -> (layer i's RAM-tier bytes or None, its HostArrangement or None)
@@ -115,6 +121,15 @@ class DirectReads:
         self._matrices: dict[int, tuple | None] = {}
         self._books: dict[int, dict[str, torch.Tensor]] = {}
         self._reachable: bool | None = None if mem.is_cuda else True
+        # Speculative reads: pool slots of their own (never the copy path's nor the hot set's), the guesses of
+        # the layer whose call has not run yet, the images copied per layer (counted on the device).
+        self.spec_slots = spec_slots
+        self._spec_ids = torch.tensor(list(spec_slots), dtype=torch.int32, device=device)
+        self._pending: dict[int, tuple] = {}
+        # counted on the device (a replayed graph runs no Python): calls guessed, images copied, per layer
+        self.spec_calls = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.spec_copied = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._side = torch.cuda.Stream(device) if mem.is_cuda and spec_slots else None
 
     def reachable(self, src: torch.Tensor) -> bool:
         """Whether the GPU reads the RAM tier (``src``, a layer's pinned buffer) exactly: probed once, by the
@@ -158,6 +173,7 @@ class DirectReads:
             return None
         from airquant.quant.kernels import nf4_moe
 
+        pending = self._join(i)  # before a refresh writes the table the speculation wrote
         work = functools.partial(self._host_part, i, index.numel())
         if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
             work()
@@ -169,7 +185,79 @@ class DirectReads:
         up, down = _tiered_kernels(spec.scheme)
         flat = hidden.reshape(-1, hidden.shape[-1])
         h = expert_compute.activate(module, up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
-        return down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+        out = down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
+        if pending is not None:
+            self._settle(i, pending)
+        return out
+
+    # -- speculative reads -------------------------------------------------------------------------------
+    def speculate(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, top_k: int) -> bool:
+        """Guess layer i's experts from its input ``hidden`` (one token) before its attention runs: ``gate``
+        ([E, H], the router's weight) over ``norm(hidden)`` (the norm the router's input takes), the ``top_k``
+        largest logits; copy the guessed images that are not in the hot set into the speculative slots and point
+        layer i's table at them. On a GPU all of it runs on a side stream beside the attention, with no host
+        sync (engine/moe/uva_copy reads the RAM tier); the layer's call waits for it (``_join``) and points the
+        table back after its kernels (``_settle``). A wrong guess costs link time the attention left idle; the
+        routed experts are read as ever. Returns whether it speculated: only where ``SPECULATE``, the layer has
+        run by direct reads before (its images and reachability known) and the guesses fit the slots."""
+        if not SPECULATE or i not in self.eligible or self._matrices.get(i) is None or \
+                hidden.numel() != hidden.shape[-1] or top_k > len(self.spec_slots) or self._reachable is not True:
+            return False
+        src, arranged = self.host_image(i)
+        if src is None or arranged is None:
+            return False
+        for j in list(self._pending):  # a guess whose call never came (an aborted forward): its table entries
+            self._settle(j, self._join(j))  # would point at slots the next guesses overwrite
+        if self._side is None:
+            self._pending[i] = self._guess_and_copy(i, hidden, norm, gate, top_k, src, arranged)
+            return True
+        current = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            guess, free = self._guess_and_copy(i, hidden, norm, gate, top_k, src, arranged)
+            if not torch.cuda.is_current_stream_capturing():  # a graph's pool keeps them until it is freed
+                for t in (guess, free):
+                    t.record_stream(current)
+        self._pending[i] = (guess, free)
+        return True
+
+    def _guess_and_copy(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, top_k: int, src, arranged):
+        """The guesses ([k], on the device) and which of them were copied (not in the hot set), the table set."""
+        x = norm(hidden).reshape(1, -1)
+        guess = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:len(arranged.expert_ranges)].topk(top_k).indices
+        held = self.table[i].index_select(0, guess)
+        free = held < 0
+        slots = self._spec_ids[:top_k]
+        if self.mem.is_cuda:
+            from airquant.engine.moe import uva_copy
+
+            start = arranged.expert_start(0)
+            desc = torch.stack((start + guess * arranged.stride, slots.long() * self.mem.shape[1],
+                                free.long() * arranged.image_bytes), dim=1).contiguous()
+            uva_copy.gather(src, self.mem.view(-1), desc, arranged.image_bytes)
+        else:
+            for e, slot, copy in zip(guess.tolist(), slots.tolist(), free.tolist()):
+                if copy:
+                    at = arranged.expert_start(e)
+                    self.mem[slot, :arranged.image_bytes].copy_(src[at:at + arranged.image_bytes])
+        self.table[i].index_put_((guess,), torch.where(free, slots, held))
+        self.spec_copied[i:i + 1].add_(free.sum())
+        self.spec_calls[i:i + 1].add_(1)
+        return guess, free
+
+    def _join(self, i: int) -> tuple | None:
+        """Layer i's speculation, the compute stream made to wait for it (None: none)."""
+        pending = self._pending.pop(i, None)
+        if pending is not None and self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        return pending
+
+    def _settle(self, i: int, pending: tuple) -> None:
+        """After layer i's kernels: the entries the speculation set point back at the RAM tier (the hot set's
+        stay), on the compute stream; the slots are free for the next layer's guesses."""
+        guess, free = pending
+        self.table[i].index_put_((guess,), torch.where(free, torch.full_like(self._spec_ids[:1], -1),
+                                                       self.table[i].index_select(0, guess)))
 
     def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:  # NF4 only
         """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier
@@ -271,16 +359,26 @@ class DirectReads:
         routed = sum(self.routed)
         return {"direct_pairs": routed, "direct_hits": int(sum(hits)),
                 "direct_link_bytes": self.link_bytes(hits), "hot_experts": len(self.hot),
-                "hot_bytes_copied": self.hot_bytes}
+                "hot_bytes_copied": self.hot_bytes, "spec_calls": int(self.spec_calls.sum()),
+                "spec_bytes_copied": self._spec_bytes()}
 
     def link_bytes(self, hits: list[int] | None = None) -> int:
         """Bytes the kernels read from the RAM tier (missed pairs times their expert's bytes) and the hot
         set's copies."""
-        hits = self.hits.tolist() if hits is None else hits
-        return self.hot_bytes + sum((self.routed[i] - hits[i]) * self.layers[i].expert_bytes(0)
-                                    for i in self.layers if self.routed[i])
+        hits = self.hits.tolist() if hits is None else hits  # a speculated expert's reads count as hits
+        return self.hot_bytes + self._spec_bytes() + sum((self.routed[i] - hits[i]) * self.layers[i].expert_bytes(0)
+                                                         for i in self.layers if self.routed[i])
+
+    def _spec_bytes(self) -> int:
+        """Bytes the speculative reads copied (their images, counted on the device)."""
+        if not self.spec_slots:
+            return 0
+        copied = self.spec_copied.tolist()
+        return sum(copied[i] * self.layers[i].expert_bytes(0) for i in self.layers if copied[i])
 
     def reset(self) -> None:
         self.hits.zero_()
+        self.spec_copied.zero_()
+        self.spec_calls.zero_()
         self.routed = [0] * len(self.routed)
         self.hot_bytes = 0

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe import direct as direct_mod
 from airquant.engine.moe.direct import DirectReads
 from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
 from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError, fused_chunk_tokens
@@ -110,6 +111,32 @@ def skeleton_layers(model) -> list:
     return list(model.get_submodule(find_layout(model).stack))
 
 
+def speculation_hook(pool: "ExpertPool", i: int, block) -> bool:
+    """Guess layer i's experts before its attention (``DirectReads.speculate``), from a forward pre-hook on the
+    block's input norm (inside the layer's call, so a captured graph holds it): the router ([E, H] weight beside
+    the experts module) over ``post_attention_layernorm`` of the block's input. Whether the hook was set: only
+    with direct reads that have speculative slots, on a block of that norm and router."""
+    reads = getattr(pool, "direct", None)  # host experts (--experts cpu) have none
+    if reads is None or not reads.spec_slots or i not in reads.eligible:
+        return False
+    layer = pool.layers[i]
+    parent = block.get_submodule(layer.module.rpartition(".")[0]) if "." in layer.module else block
+    num = len(layer.ranges)
+    gates = [m for name, m in parent.named_children() if isinstance(getattr(m, "weight", None), torch.Tensor)
+             and m.weight.dim() == 2 and m.weight.shape[0] >= num and name != layer.module.rpartition(".")[2]]
+    first, norm = getattr(block, "input_layernorm", None), getattr(block, "post_attention_layernorm", None)
+    if len(gates) != 1 or not isinstance(first, torch.nn.Module) or not isinstance(norm, torch.nn.Module):
+        return False
+    gate = gates[0]
+
+    def guess(_module, args):
+        if args:
+            reads.speculate(i, args[0], norm, gate.weight, layer.top_k)
+
+    first.register_forward_pre_hook(guess)
+    return True
+
+
 class RoutedForward:
     """Stands in for an experts module's ``forward``: the pool brings the routed experts, then runs it."""
 
@@ -135,12 +162,17 @@ class ExpertPool:
         self.ops, self.host_image, self.routers = ops, host_image, routers
         self.mem = (ops.alloc(plan.pool_bytes) if ops is not None else torch.empty(plan.pool_bytes, dtype=torch.uint8)
                     ).view(plan.slots, plan.slot_bytes)
-        # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots.
+        # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots; speculative
+        # reads (direct.SPECULATE) take the last top-k working slots where the copy path keeps as many.
         self.direct = None
+        work = plan.work
         if DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available())):
+            k = max(layers[i].top_k for i in direct)
+            spec = range(work - k, work) if direct_mod.SPECULATE and work >= 2 * k else range(0)
+            work -= len(spec)
             self.direct = DirectReads(layers, set(direct), self.mem, range(plan.work, plan.slots), device,
-                                      host_image, plan.policy)
-        self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
+                                      host_image, plan.policy, spec_slots=spec)
+        self.table = SlotTable(work if self.direct is not None else plan.slots, plan.policy)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
         # Exactly the staging the plan counted in the host budget (ExpertPlan.staging: none unless a routed
