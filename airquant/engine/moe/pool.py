@@ -160,19 +160,18 @@ class ExpertPool:
                  direct: set[int] = frozenset()):
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
         self.ops, self.host_image, self.routers = ops, host_image, routers
-        self.mem = (ops.alloc(plan.pool_bytes) if ops is not None else torch.empty(plan.pool_bytes, dtype=torch.uint8)
-                    ).view(plan.slots, plan.slot_bytes)
         # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots; speculative
-        # reads (direct.SPECULATE) take the last top-k working slots where the copy path keeps as many.
+        # reads (direct.SPECULATE, off by default) get top-k slots more, beyond the plan's.
+        reads = DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available()))
+        rows = plan.slots + (max(layers[i].top_k for i in direct) if reads and direct_mod.SPECULATE else 0)
+        nbytes = rows * plan.slot_bytes
+        self.mem = (ops.alloc(nbytes) if ops is not None else torch.empty(nbytes, dtype=torch.uint8)
+                    ).view(rows, plan.slot_bytes)
         self.direct = None
-        work = plan.work
-        if DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available())):
-            k = max(layers[i].top_k for i in direct)
-            spec = range(work - k, work) if direct_mod.SPECULATE and work >= 2 * k else range(0)
-            work -= len(spec)
+        if reads:
             self.direct = DirectReads(layers, set(direct), self.mem, range(plan.work, plan.slots), device,
-                                      host_image, plan.policy, spec_slots=spec)
-        self.table = SlotTable(work if self.direct is not None else plan.slots, plan.policy)
+                                      host_image, plan.policy, spec_slots=range(plan.slots, rows))
+        self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
         # Exactly the staging the plan counted in the host budget (ExpertPlan.staging: none unless a routed
