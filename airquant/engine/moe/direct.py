@@ -217,7 +217,8 @@ class DirectReads:
             guess, free = self._guess_and_copy(i, hidden, norm, gate, top_k, src, arranged)
             if not torch.cuda.is_current_stream_capturing():  # a graph's pool keeps them until it is freed
                 for t in (guess, free):
-                    t.record_stream(current)
+                    t.record_stream(current)  # read by _settle on the compute stream
+                hidden.record_stream(self._side)  # the compute stream's tensor, read here
         self._pending[i] = (guess, free)
         return True
 
