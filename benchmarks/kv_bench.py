@@ -125,12 +125,9 @@ def measure_cache(b: Bench, engine, ids: torch.Tensor, kv: KVConfig) -> dict:
 
 def history_kernel(device: torch.device, head_dim: int) -> str:
     """What reads the TurboQuant history of this run's decode calls (K4/V2, a few query rows a KV head, the model's
-    half-precision dtype): "gluon" or "triton" (``triton_kernel.preferred_history`` where the Gluon kernel fits the
-    GPU and head size), "torch" (the CPU, or a GPU the kernels do not fit)."""
+    half-precision dtype): ``triton_kernel.history_reader`` on this device, "torch" without Triton."""
     cap = device_capability(device) if device.type == "cuda" else None
-    if triton_kernel.triton is None or not triton_kernel.fits(head_dim, cap):
-        return "torch"
-    return triton_kernel.preferred_history() if triton_kernel.gluon_fits(head_dim, cap) else "triton"
+    return "torch" if triton_kernel.triton is None else triton_kernel.history_reader(head_dim, cap)
 
 
 def part_step(b: Bench) -> dict:

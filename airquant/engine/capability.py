@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from airquant.errors import AirQuantError
-from airquant.kv.triton_kernel import fits as tq_kernel_fits
-from airquant.kv.triton_kernel import gluon_fits, preferred_history
+from airquant.kv.triton_kernel import gluon_fits, history_reader
 from airquant.quant.kernels import BF16_MIN, HOPPER_MIN, TF32_MIN, device_capability, forced_capability
 from airquant.store.split import DTYPES
 
@@ -74,11 +73,13 @@ def kernel_paths(cap: Cap | None, head_dim: int = 128) -> tuple[tuple[str, str],
     tma = "gluon-tma (weights through a TMA ring)" if cap >= HOPPER_MIN else None
     gemv = (f"{tma}, from 128M weights; else gluon-ldg" if tma
             else "gluon-ldg (table lookups, plain loads)") + " from 16M weights; else triton"
-    tq = (f"triton (fp16/bf16 products) for head dim {head_dim}" if tq_kernel_fits(head_dim, cap)
+    reader = history_reader(head_dim, cap)
+    tq = (f"triton (fp16/bf16 products) for head dim {head_dim}" if reader != "torch"
           else f"torch ops: head dim {head_dim} needs {4 * head_dim * head_dim // 1024} KB of shared memory")
-    if gluon_fits(head_dim, cap) and tq.startswith("triton"):
-        tq += ("; K4/V2 decode histories: gluon (tensor cores)" if preferred_history() == "gluon"
-               else "; the gluon history kernel for K4/V2 decode: AIRQUANT_TQ_HISTORY=gluon")
+    if reader == "gluon":
+        tq += "; K4/V2 decode histories: gluon (tensor cores)"
+    elif reader == "triton" and gluon_fits(head_dim, cap):
+        tq += "; the gluon history kernel for K4/V2 decode: AIRQUANT_TQ_HISTORY=gluon"
     return (("dense", "cuBLAS"), ("nf4", "bitsandbytes (CUDA)"),
             ("int2", f"decode {gemv}; batches: triton GEMM"),
             ("gptq/awq", "triton packed GEMM"), ("gguf", "triton packed GEMM (Q4_0/Q4_1/Q8_0); others torch"),

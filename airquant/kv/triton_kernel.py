@@ -114,6 +114,15 @@ def gluon_fits(dim: int, capability: tuple[int, int] | None) -> bool:
     return dim == 128 and capability is not None and capability >= (8, 0)
 
 
+def history_reader(dim: int, capability: tuple[int, int] | None) -> str:
+    """What reads a half-precision K4/V2 decode call's packed history (a few query rows a KV head) for head size
+    ``dim`` on a GPU of ``capability``: "gluon" where ``gluon_fits`` and it is preferred (``preferred_history``),
+    "triton" where the split kernel ``fits``, else "torch" (no GPU, or a head the kernels do not take)."""
+    if not fits(dim, capability):
+        return "torch"
+    return preferred_history() if gluon_fits(dim, capability) else "triton"
+
+
 def gluon_history(query: torch.Tensor, ctx: CompressedContext, dot: int, rows: int) -> bool:
     """Whether the Gluon history kernel can read this call's history: half-precision products, K4/V2 codes, at
     most 16 query rows a kv-head (``G * QLEN``), ``gluon_fits``, a Triton with Gluon."""
