@@ -13,7 +13,11 @@ set -x
 timeout 300 python -m pytest -q -m gpu tests/kv/test_triton_gpu.py > $R/gpu_tests.log 2>&1
 timeout 420 python benchmarks/kv_bench.py --batches 8,32 --workdir /tmp/kvw --out $R/kv_bench.json > $R/kv.log 2>&1
 rm -rf /tmp/kvw
-. benchmarks/chains/loop_case.sh  # loop_rows SECONDS KV... (stop 68; the same commands as it ran)
-loop_rows 100 none tq auto
+cp results/batch_bench.json $R/batch_bench.json
+python benchmarks/batch_bench.py --part build > $R/build.log 2>&1
+for kv in none tq auto; do
+  timeout 300 python benchmarks/batch_bench.py --part continuous --kv $kv --seconds 100 --out $R/batch_bench.json \
+      > $R/loop_$kv.log 2>&1
+done
 bash benchmarks/chains/wave3_moe18.sh
 echo CHAIN_DONE > $R/done

@@ -1,5 +1,6 @@
-# Device chain for issue #34 (~6 min): wave3_moe29's first three runs alone (stop 69, 9 min of device time left):
-# the fused top-k router's CUDA test, then Qwen3's hot set and no cache with it against without.
+# Device chain for issue #34 (~6 min; stop 69, 9 min of device time left): wave3_moe29's fused-router runs alone
+# (that chain now holds the rest): the fused top-k router's CUDA test, then Qwen3's hot set and no cache with it
+# against without.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R
 set -x
