@@ -25,10 +25,10 @@ the format fixed to TurboQuant K4/V2, or chosen too.
 pins is named after it (``continuous_tq_device_*``, ``continuous_plain_offload_*``, ...: ``row_name``), so that
 the placements the planner passed over run beside its pick (static keeps its keys: ``continuous_over_static`` pairs
 the unpinned rows). Both parts record them, and ``continuous_over_static`` (plain) is written only when the two
-parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and
-``_steady_``), ``tq_slots_over_plain`` and ``auto_over_best_useful_tok_s`` (over every measured row;
-``auto_best_row`` names the best) compare the KV rows with plain continuous where they ran the same request stream
-for the same ``--seconds``; ``targets`` holds issue #38's bars (``report`` recomputes both).
+parts ran with the same settings. ``tq_over_plain_useful_tok_s`` (and ``_steady_``), ``tq_slots_over_plain`` and
+``auto_over_best_useful_tok_s`` (over every measured row; ``auto_best_row`` names the best) compare the KV rows with
+plain continuous where they ran the same request stream for the same ``--seconds``; ``targets`` holds issue #38's
+bars (``report`` recomputes both).
 
 Time budget, no extrapolation: a streamed 70B pass takes ~0.6 s, so all 512 requests (~1300 passes at 64 slots)
 do not fit one command. ``static`` and ``continuous`` each measure a window of ``--seconds`` (300) of wall time,

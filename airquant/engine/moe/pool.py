@@ -120,10 +120,11 @@ def speculation_hook(pool: "ExpertPool", i: int, block) -> bool:
     if reads is None or not reads.spec_slots or i not in reads.eligible:
         return False
     layer = pool.layers[i]
-    parent = block.get_submodule(layer.module.rpartition(".")[0]) if "." in layer.module else block
+    parent, _, experts = layer.module.rpartition(".")
     num = len(layer.ranges)
-    gates = [m for name, m in parent.named_children() if isinstance(getattr(m, "weight", None), torch.Tensor)
-             and m.weight.dim() == 2 and m.weight.shape[0] >= num and name != layer.module.rpartition(".")[2]]
+    gates = [m for name, m in block.get_submodule(parent).named_children() if name != experts
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+             and m.weight.shape[0] >= num]
     first, norm = getattr(block, "input_layernorm", None), getattr(block, "post_attention_layernorm", None)
     if len(gates) != 1 or not isinstance(first, torch.nn.Module) or not isinstance(norm, torch.nn.Module):
         return False
