@@ -421,6 +421,8 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default until this A/B has run on a GPU):
     # each layer's experts guessed from its input before its attention and copied while the link would idle.
     **direct_pair("specread", spec_read=True),
+    # The same copying only the 4 most confident guesses (direct.SPECULATE_GUESSES): what the idle link can carry.
+    **direct_pair("specread4", spec_read=True, spec_guesses=4),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -497,7 +499,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
                         "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
-                        "lfu_direct_r1_specread",
+                        "lfu_direct_r1_specread", "nocache_direct_specread4", "lfu_direct_r1_specread4",
                         *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
@@ -509,7 +511,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
-            "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (direct_mod, "SPECULATE")}
+            "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (direct_mod, "SPECULATE"),
+            "spec_guesses": (direct_mod, "SPECULATE_GUESSES")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -1,5 +1,5 @@
 # Device chain for issue #34 (~10 min on one GPU; started detached, polled over two calls). Written in stop 69,
-# not yet run. Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a
+# not yet run. Also the copy of the 4 most confident guesses only (SPECULATE_GUESSES). Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a
 # GPU): each one-token call's experts guessed from the layer's input before its attention, copied on a side
 # stream into slots of their own while the link would idle, joined before the tiered kernels.
 # 1. Their CUDA test (inside the layer graphs) and the direct-read test beside it. 2. Qwen3-30B-A3B's no-cache row
@@ -13,6 +13,7 @@ set -x
 timeout 300 python -m pytest -q -p no:cacheprovider tests/engine/test_expert_fused.py \
     -k "speculative_reads or routed_decode_by_direct_reads" > $R/gpu_spec.log 2>&1
 pairs 1 qwen3_routed m31n nocache_direct_specread nocache_direct --steps 16  # m31na1 m31nb1
+run qwen3_routed m31n4 nocache_direct_specread4 --steps 16  # the 4 most confident guesses copied
 pairs 1 qwen3_routed m31h lfu_direct_r1_specread lfu_direct_r1 --steps 16  # m31ha1 m31hb1
 pairs 1 mixtral_routed m31m nocache_direct_specread nocache_direct --steps 16  # m31ma1 m31mb1
 run qwen3_routed m31t nocache_direct_specread --trace nocache_direct_specread --trace-stacks \

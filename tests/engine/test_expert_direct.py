@@ -137,3 +137,17 @@ def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(
     monkeypatch.setattr(direct, "SPECULATE", False)
     reads._settle(1, reads._join(1))
     assert not reads.speculate(0, x, lambda h: h, gate, top_k=2) and (reads.table == -1).all()
+
+
+def test_only_the_most_confident_guesses_are_copied_when_limited(monkeypatch):
+    """``SPECULATE_GUESSES``: of a call's top-k guesses only that many, the largest logits, are copied and pointed
+    at; the others stay on the RAM tier."""
+    from airquant.engine.moe import direct
+
+    reads, src, arranged, gate, x = _guessing(monkeypatch, hot=0)
+    monkeypatch.setattr(direct, "SPECULATE_GUESSES", 1)
+    assert reads.speculate(0, x, lambda h: h, gate, top_k=2)
+    assert int(reads.table[0, 1]) == -1 and int(reads.table[0, 3]) in reads.spec_slots
+    assert int(reads.spec_copied[0]) == 1 and reads.report()["spec_bytes_copied"] == IMAGE
+    reads._settle(0, reads._join(0))
+    assert (reads.table == -1).all()

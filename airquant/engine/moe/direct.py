@@ -48,6 +48,9 @@ HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refr
 # input routed before its attention guesses its experts (top-8 of 128 matched 66 % on a random Qwen3-MoE of the
 # real width, CPU, 24 layers: ~50 % early, ~80 % late), and their images are copied into spare pool slots then.
 SPECULATE = False
+# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3-4 Qwen3-30B-A3B
+# images a layer (~0.17 ms at 55 GB/s), fewer than its 8 routed ones; the most confident guesses hit most often.
+SPECULATE_GUESSES: int | None = None
 
 
 # The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
@@ -225,10 +228,11 @@ class DirectReads:
     def _guess_and_copy(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, top_k: int, src, arranged):
         """The guesses ([k], on the device) and which of them were copied (not in the hot set), the table set."""
         x = norm(hidden).reshape(1, -1)
-        guess = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:len(arranged.expert_ranges)].topk(top_k).indices
+        guesses = min(top_k, SPECULATE_GUESSES or top_k)
+        guess = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:len(arranged.expert_ranges)].topk(guesses).indices
         held = self.table[i].index_select(0, guess)
         free = held < 0
-        slots = self._spec_ids[:top_k]
+        slots = self._spec_ids[:guesses]
         if self.mem.is_cuda:
             from airquant.engine.moe import uva_copy
 
