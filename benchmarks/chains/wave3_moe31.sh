@@ -11,12 +11,12 @@ R=/tmp/res; mkdir -p $R/traces/m31
 set -x
 . benchmarks/chains/moe_case.sh  # run PART LABEL CASE [arguments]
 timeout 300 python -m pytest -q -p no:cacheprovider tests/engine/test_expert_fused.py \
-    -k "speculative_reads or routed_decode_by_direct_reads" > $R/gpu_spec.log 2>&1
+    -k "speculative_reads" > $R/gpu_spec.log 2>&1
 pairs 1 qwen3_routed m31n nocache_direct_specread nocache_direct --steps 16  # m31na1 m31nb1
-run qwen3_routed m31n4 nocache_direct_specread4 --steps 16  # the 4 most confident guesses copied
 pairs 1 mixtral_routed m31m nocache_direct_specread nocache_direct --steps 16  # m31ma1 m31mb1
 run qwen3_routed m31t nocache_direct_specread --trace nocache_direct_specread --trace-stacks \
     --trace-dir $R/traces/m31
+run qwen3_routed m31n4 nocache_direct_specread4 --steps 16  # the 4 most confident guesses copied
 pairs 1 qwen3_routed m31h lfu_direct_r1_specread lfu_direct_r1 --steps 16  # m31ha1 m31hb1
 rm -rf /tmp/bw
 echo CHAIN_DONE > $R/done
