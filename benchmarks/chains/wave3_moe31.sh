@@ -2,7 +2,7 @@
 # not yet run. Also the copy of the 4 most confident guesses only (SPECULATE_GUESSES). Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a
 # GPU): each one-token call's experts guessed from the layer's input before its attention, copied on a side
 # stream into slots of their own while the link would idle, joined before the tiered kernels.
-# 1. Their CUDA test (inside the layer graphs) and the direct-read test beside it. 2. Qwen3-30B-A3B's no-cache row
+# 1. Their CUDA test (inside the layer graphs). 2. Qwen3-30B-A3B's no-cache row
 # with and without (target nocache_over_floor 1.3; 1.61 with the fused router, H200), its hot set likewise, each
 # case alone in its own process. 3. Mixtral's no cache (target step_over_bytes_floor 1.15). 4. A trace of the
 # speculative no-cache step (does the gather overlap the attention; what the guesses hit: spec rows' hit rate).
