@@ -1,11 +1,11 @@
-# Device chain for issue #34 (~10 min on one GPU; started detached, polled over two calls). Written in stop 69,
-# not yet run. Also the copy of the 4 most confident guesses only (SPECULATE_GUESSES). Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a
-# GPU): each one-token call's experts guessed from the layer's input before its attention, copied on a side
-# stream into slots of their own while the link would idle, joined before the tiered kernels.
-# 1. Their CUDA test (inside the layer graphs). 2. Qwen3-30B-A3B's no-cache row
-# with and without (target nocache_over_floor 1.3; 1.61 with the fused router, H200), its hot set likewise, each
-# case alone in its own process. 3. Mixtral's no cache (target step_over_bytes_floor 1.15). 4. A trace of the
-# speculative no-cache step (does the gather overlap the attention; what the guesses hit: spec rows' hit rate).
+# Device chain for issue #34 (~8 min on one GPU; started detached, polled). Written in stop 69, not yet run.
+# Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a GPU): each
+# one-token call's experts guessed from the layer's input before its attention, copied on a side stream into slots
+# of their own while the link would idle, joined before the tiered kernels. In priority order, each case alone in
+# its own process: 1. their CUDA test (inside the layer graphs); 2. Qwen3-30B-A3B's no-cache row with and without
+# (target nocache_over_floor 1.3; 1.61 with the fused router, H200); 3. Mixtral's no cache (target
+# step_over_bytes_floor 1.15); 4. a trace of the speculative no-cache step (does the gather overlap the
+# attention); 5. only the 4 most confident guesses copied (SPECULATE_GUESSES); 6. the hot set with and without.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces/m31
 set -x
