@@ -53,6 +53,11 @@ SPECULATE = False
 SPECULATE_GUESSES: int | None = None
 
 
+def spec_guesses(top_k: int) -> int:
+    """How many of a top-k call's experts speculation copies (``SPECULATE_GUESSES``), and so the slots it needs."""
+    return min(top_k, SPECULATE_GUESSES or top_k)
+
+
 # The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
 INT2_DTYPES = {"codes": torch.uint8, "scales": torch.float16, "zeros": torch.float16,
                "outlier_weight": torch.float16, "outlier_idx": torch.int32}
@@ -203,8 +208,9 @@ class DirectReads:
         table back after its kernels (``_settle``). A wrong guess costs link time the attention left idle; the
         routed experts are read as ever. Returns whether it speculated: only where ``SPECULATE``, the layer has
         run by direct reads before (its images and reachability known) and the guesses fit the slots."""
+        guesses = spec_guesses(top_k)
         if not SPECULATE or i not in self.eligible or self._matrices.get(i) is None or \
-                hidden.numel() != hidden.shape[-1] or top_k > len(self.spec_slots) or self._reachable is not True:
+                hidden.numel() != hidden.shape[-1] or guesses > len(self.spec_slots) or self._reachable is not True:
             return False
         src, arranged = self.host_image(i)
         if src is None or arranged is None:
@@ -212,12 +218,12 @@ class DirectReads:
         for j in list(self._pending):  # a guess whose call never came (an aborted forward): its table entries
             self._settle(j, self._join(j))  # would point at slots the next guesses overwrite
         if self._side is None:
-            self._pending[i] = self._guess_and_copy(i, hidden, norm, gate, top_k, src, arranged)
+            self._pending[i] = self._guess_and_copy(i, hidden, norm, gate, guesses, src, arranged)
             return True
         current = torch.cuda.current_stream(self.device)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
-            guess, free = self._guess_and_copy(i, hidden, norm, gate, top_k, src, arranged)
+            guess, free = self._guess_and_copy(i, hidden, norm, gate, guesses, src, arranged)
             if not torch.cuda.is_current_stream_capturing():  # a graph's pool keeps them until it is freed
                 for t in (guess, free):
                     t.record_stream(current)  # read by _settle on the compute stream
@@ -225,10 +231,10 @@ class DirectReads:
         self._pending[i] = (guess, free)
         return True
 
-    def _guess_and_copy(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, top_k: int, src, arranged):
-        """The guesses ([k], on the device) and which of them were copied (not in the hot set), the table set."""
+    def _guess_and_copy(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, guesses: int, src, arranged):
+        """The ``guesses`` largest logits' experts (on the device) and which of them were copied (not in the hot
+        set), the table set."""
         x = norm(hidden).reshape(1, -1)
-        guesses = min(top_k, SPECULATE_GUESSES or top_k)
         guess = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:len(arranged.expert_ranges)].topk(guesses).indices
         held = self.table[i].index_select(0, guess)
         free = held < 0

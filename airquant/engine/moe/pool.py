@@ -162,9 +162,10 @@ class ExpertPool:
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
         self.ops, self.host_image, self.routers = ops, host_image, routers
         # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots; speculative
-        # reads (direct.SPECULATE, off by default) get top-k slots more, beyond the plan's.
+        # reads (direct.SPECULATE, off by default) get a slot more per guess (direct.spec_guesses), beyond the plan's.
         reads = DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available()))
-        rows = plan.slots + (max(layers[i].top_k for i in direct) if reads and direct_mod.SPECULATE else 0)
+        rows = plan.slots + (max(direct_mod.spec_guesses(layers[i].top_k) for i in direct)
+                             if reads and direct_mod.SPECULATE else 0)
         nbytes = rows * plan.slot_bytes
         self.mem = (ops.alloc(nbytes) if ops is not None else torch.empty(nbytes, dtype=torch.uint8)
                     ).view(rows, plan.slot_bytes)
