@@ -29,7 +29,6 @@ import torch
 from safetensors import safe_open
 
 from airquant.engine.moe import compute as expert_compute
-from airquant.engine.moe import direct as direct_mod
 from airquant.engine.moe.direct import DirectReads
 from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
 from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError, fused_chunk_tokens
@@ -162,10 +161,9 @@ class ExpertPool:
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
         self.ops, self.host_image, self.routers = ops, host_image, routers
         # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots; speculative
-        # reads (direct.SPECULATE, off by default) get a slot more per guess (direct.spec_guesses), beyond the plan's.
+        # reads (direct.SPECULATE, off by default) get the plan's spec_slots, a slot per guess beyond its slots.
         reads = DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available()))
-        rows = plan.slots + (max(direct_mod.spec_guesses(layers[i].top_k) for i in direct)
-                             if reads and direct_mod.SPECULATE else 0)
+        rows = plan.slots + (plan.spec_slots if reads else 0)
         nbytes = rows * plan.slot_bytes
         self.mem = (ops.alloc(nbytes) if ops is not None else torch.empty(nbytes, dtype=torch.uint8)
                     ).view(rows, plan.slot_bytes)

@@ -65,6 +65,7 @@ class ExpertPlan:
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
     fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
+    spec_slots: int = 0  # further slots same-layer speculative reads copy into (direct.SPECULATE; 0 when off)
 
     @property
     def slots(self) -> int:
@@ -72,7 +73,7 @@ class ExpertPlan:
 
     @property
     def pool_bytes(self) -> int:
-        return self.slots * self.slot_bytes
+        return (self.slots + self.spec_slots) * self.slot_bytes
 
     @property
     def staging_bytes(self) -> int:
@@ -93,6 +94,7 @@ class ExpertPlan:
                 + f"expert compute {self.compute_bytes / GB:.2f} GB ({self.call_tokens} tokens a call), "
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
+                + (f", same-layer speculative reads {self.spec_slots} slots" if self.spec_slots else "")
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
 
 
@@ -384,6 +386,9 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     top_k = max(e.experts["top_k"] for e in moe)
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
+    from airquant.engine.moe import direct as direct_reads  # here: direct imports this module's layout
+
+    spec = direct_reads.spec_guesses(top_k) if direct_reads.SPECULATE else 0  # the pool's rows beyond its slots
     gather = num * slot
     shapes = [expert_matrices(e) for e in moe]
     # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
@@ -405,10 +410,11 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     elif spare_bytes is None:
         cache = 0
     else:
-        cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
+        cache = max(int((spare_bytes - ((work + spec) * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
     return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
-                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate, fused=fused)
+                      compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate, fused=fused,
+                      spec_slots=spec)
 
 
 def call_cap(entry: ShardEntry) -> int | None:
