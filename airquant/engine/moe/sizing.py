@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -65,7 +65,7 @@ class ExpertPlan:
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
     fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
-    spec_slots: int = 0  # further slots same-layer speculative reads copy into (direct.SPECULATE; 0 when off)
+    spec_slots: int = 0  # further slots same-layer speculative reads copy into (direct.SPECULATE; 0: off)
 
     @property
     def slots(self) -> int:
@@ -370,14 +370,17 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
 
 def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: int | None = None,
                  policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
-                 tokens: int | None = None, fused: bool = False) -> ExpertPlan:
+                 tokens: int | None = None, fused: bool = False,
+                 spec_reads: Callable[[int], int] | None = None) -> ExpertPlan:
     """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
     routes them, plus one speculated batch), and ``cache`` slots from ``cache_bytes`` or, when None, from
     the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
     terms are for a ``width``-byte compute dtype on a ``device`` (``expert_compute.DECODE_TEMP_PER_ELEM``), and
     calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get).
     ``fused`` (``fused_prefill``): many-row calls run by the fused kernels from the slots in chunks
-    (``fused_chunk_tokens``), so no gather and no stacked decode; compute is a chunk's intermediates."""
+    (``fused_chunk_tokens``), so no gather and no stacked decode; compute is a chunk's intermediates.
+    ``spec_reads``: same-layer speculative reads' slots for a top-k call (``direct.spec_guesses`` where
+    ``direct.SPECULATE``; None: off), counted beside the pool's."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if not moe:
         raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
@@ -386,9 +389,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     top_k = max(e.experts["top_k"] for e in moe)
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
-    from airquant.engine.moe import direct as direct_reads  # here: direct imports this module's layout
-
-    spec = direct_reads.spec_guesses(top_k) if direct_reads.SPECULATE else 0  # the pool's rows beyond its slots
+    spec = spec_reads(top_k) if spec_reads is not None else 0  # the pool's rows beyond its slots
     gather = num * slot
     shapes = [expert_matrices(e) for e in moe]
     # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
