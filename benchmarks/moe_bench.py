@@ -64,6 +64,7 @@ from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
 from airquant.engine.moe import direct as direct_mod  # noqa: E402
 from airquant.engine.moe import pool as experts_mod  # noqa: E402
+from airquant.engine.moe import sizing as sizing_mod  # noqa: E402
 from airquant.engine.moe.host import HostExperts  # noqa: E402
 from airquant.engine.profile import summarize  # noqa: E402
 from airquant.eval.benchtables import target  # noqa: E402
@@ -418,10 +419,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # (wave3_moe29r), "eagerrouter" measures the eager ops since.
     **direct_pair("fusedrouter", fused_router=True),
     **direct_pair("eagerrouter", fused_router=False),
-    # Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default until this A/B has run on a GPU):
+    # Same-layer speculative reads (engine/moe/sizing.py SPECULATE, off by default until this A/B has run on a GPU):
     # each layer's experts guessed from its input before its attention and copied while the link would idle.
     **direct_pair("specread", spec_read=True),
-    # The same copying only the 4 most confident guesses (direct.SPECULATE_GUESSES): what the idle link can carry.
+    # The same copying only the 4 most confident guesses (sizing.SPECULATE_GUESSES): what the idle link can carry.
     **direct_pair("specread4", spec_read=True, spec_guesses=4),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
@@ -511,8 +512,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
-            "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (direct_mod, "SPECULATE"),
-            "spec_guesses": (direct_mod, "SPECULATE_GUESSES")}
+            "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (sizing_mod, "SPECULATE"),
+            "spec_guesses": (sizing_mod, "SPECULATE_GUESSES")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

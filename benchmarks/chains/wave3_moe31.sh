@@ -1,5 +1,5 @@
 # Device chain for issue #34 (~8 min on one GPU; started detached, polled). Written in stop 69, not yet run.
-# Same-layer speculative reads (engine/moe/direct.py SPECULATE, off by default, written without a GPU): each
+# Same-layer speculative reads (engine/moe/sizing.py SPECULATE, off by default, written without a GPU): each
 # one-token call's experts guessed from the layer's input before its attention, copied on a side stream into slots
 # of their own while the link would idle, joined before the tiered kernels. In priority order, each case alone in
 # its own process: 1. their CUDA test (inside the layer graphs); 2. Qwen3-30B-A3B's no-cache row with and without

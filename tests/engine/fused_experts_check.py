@@ -93,7 +93,7 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
 def check_direct(store: Path) -> dict:
     """Direct reads (pool.DIRECT: the tiered kernels read each expert from the hot set or the RAM tier) against
     the per-expert path; the hot set refreshed every 2 passes, so that later steps read some experts from it."""
-    from airquant.engine.moe import direct, pool
+    from airquant.engine.moe import direct, pool, sizing
 
     calls = {"direct": 0}
     real = direct.DirectReads.run
@@ -115,9 +115,9 @@ def check_direct(store: Path) -> dict:
         tokens, logits = decode(engine, 6)
         report = engine.experts.report()
         engine.close()
-        # speculative reads (direct.SPECULATE): each layer's experts guessed from its input, copied into slots
+        # speculative reads (sizing.SPECULATE): each layer's experts guessed from its input, copied into slots
         # of their own and read from there where the guess was right
-        direct.SPECULATE = True
+        sizing.SPECULATE = True
         engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0,
                              expert_cache_gb=cache_bytes / 1e9)
         spec_tokens, spec_logits = decode(engine, 6)
@@ -125,7 +125,7 @@ def check_direct(store: Path) -> dict:
         engine.close()
     finally:
         direct.DirectReads.run, (direct.REFRESH_PASSES, pool.DIRECT) = real, old
-        direct.SPECULATE = False
+        sizing.SPECULATE = False
     expert_compute.FUSED = False
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
     want_tokens, want_logits = decode(engine, 6)

@@ -92,9 +92,9 @@ def test_code_books_are_shared_only_where_every_image_holds_the_same():
 def _guessing(monkeypatch, hot: int):
     """Direct reads with one hot slot and two speculative ones; layer 0's images known (it ran once); a gate
     whose top two logits on a one-token input are experts 3 and 1."""
-    from airquant.engine.moe import direct
+    from airquant.engine.moe import sizing
 
-    monkeypatch.setattr(direct, "SPECULATE", True)
+    monkeypatch.setattr(sizing, "SPECULATE", True)
     reads, src, arranged = _reads("lfu", hot=hot, spec=2)
     reads._matrices[0] = ("images",)  # as after the layer's first direct call
     gate = torch.zeros(EXPERTS, 8)
@@ -122,7 +122,7 @@ def test_a_guess_is_copied_into_its_own_slots_and_the_table_pointed_back_after_t
 
 
 def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(monkeypatch):
-    from airquant.engine.moe import direct
+    from airquant.engine.moe import sizing
 
     reads, _, _, gate, x = _guessing(monkeypatch, hot=0)
     assert not reads.speculate(0, torch.ones(1, 2, 8), lambda h: h, gate, top_k=2)  # a prefill's call
@@ -134,7 +134,7 @@ def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(
     reads._matrices[1] = ("images",)
     assert reads.speculate(1, x, lambda h: h, gate, top_k=2)
     assert (reads.table[0] == -1).all() and {int(reads.table[1, e]) for e in (1, 3)} == set(reads.spec_slots)
-    monkeypatch.setattr(direct, "SPECULATE", False)
+    monkeypatch.setattr(sizing, "SPECULATE", False)
     reads._settle(1, reads._join(1))
     assert not reads.speculate(0, x, lambda h: h, gate, top_k=2) and (reads.table == -1).all()
 
@@ -142,10 +142,10 @@ def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(
 def test_only_the_most_confident_guesses_are_copied_when_limited(monkeypatch):
     """``SPECULATE_GUESSES``: of a call's top-k guesses only that many, the largest logits, are copied and pointed
     at; the others stay on the RAM tier."""
-    from airquant.engine.moe import direct
+    from airquant.engine.moe import sizing
 
     reads, src, arranged, gate, x = _guessing(monkeypatch, hot=0)
-    monkeypatch.setattr(direct, "SPECULATE_GUESSES", 1)
+    monkeypatch.setattr(sizing, "SPECULATE_GUESSES", 1)
     assert reads.speculate(0, x, lambda h: h, gate, top_k=2)
     assert int(reads.table[0, 1]) == -1 and int(reads.table[0, 3]) in reads.spec_slots
     assert int(reads.spec_copied[0]) == 1 and reads.report()["spec_bytes_copied"] == IMAGE

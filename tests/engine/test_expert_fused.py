@@ -57,7 +57,7 @@ def test_fused_decode_equals_the_per_expert_decode():
         direct = r["direct"]
         assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
-        # speculative reads (direct.SPECULATE): the same tokens and logits; every one-token step guessed, bytes
+        # speculative reads (sizing.SPECULATE): the same tokens and logits; every one-token step guessed, bytes
         # copied for the guesses not in the hot set
         spec = direct["spec"]
         assert spec["tokens_equal"] and spec["max_rel_diff"] <= 1e-5, r
@@ -114,7 +114,7 @@ def test_fused_int2_gptq_and_awq_decode_equal_the_per_expert_decode(method, type
         direct = r["direct"]
         assert direct["direct_calls"] >= 5 * r["routed"]["layers"], r
         assert direct["report"]["direct"]["hot_experts"] == 4 and direct["report"]["direct"]["direct_hits"] > 0, r
-        # speculative reads (direct.SPECULATE): the same tokens and logits; every one-token step guessed, bytes
+        # speculative reads (sizing.SPECULATE): the same tokens and logits; every one-token step guessed, bytes
         # copied for the guesses not in the hot set
         spec = direct["spec"]
         assert spec["tokens_equal"] and spec["max_rel_diff"] <= 1e-5, r
@@ -297,18 +297,18 @@ def test_cuda_routed_decode_by_direct_reads(stores, monkeypatch, model_type):  #
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_cuda_speculative_reads_decode_as_reads_from_the_ram_tier(stores, monkeypatch, model_type):  # noqa: F811
-    """Speculative reads on CUDA (engine/moe/direct.py SPECULATE): each one-token call's experts guessed before
+    """Speculative reads on CUDA (engine/moe/sizing.py SPECULATE): each one-token call's experts guessed before
     its attention on a side stream, copied by the gather kernel, joined before the tiered kernels (inside the
     layer graphs); the tokens and logits are those of direct reads from the RAM tier alone."""
-    from airquant.engine.moe import direct
     from airquant.engine.moe import pool as experts_mod
+    from airquant.engine.moe import sizing
     from airquant.engine.runner import Engine
     from tests.engine.test_expert_gemv import _decode
 
     monkeypatch.setattr(experts_mod, "DIRECT", True)
     runs = {}
     for spec in (False, True):
-        monkeypatch.setattr(direct, "SPECULATE", spec)
+        monkeypatch.setattr(sizing, "SPECULATE", spec)
         engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed",
                              resident_layers=0, expert_cache_gb=0.0)
         runs[spec] = (*_decode(engine), engine.experts.report()["direct"])

@@ -277,10 +277,10 @@ def test_plan_sizes_work_cache_and_gather(tmp_path, real_tokenizer):
 
 
 def test_plan_counts_the_slots_of_speculative_reads(tmp_path, real_tokenizer, monkeypatch):
-    """Same-layer speculative reads (direct.SPECULATE) copy a call's guesses into slots beyond the pool's: the
+    """Same-layer speculative reads (sizing.SPECULATE) copy a call's guesses into slots beyond the pool's: the
     plan counts them in its device bytes and leaves the cache that much less of the same spare VRAM; the
-    engine's planner asks for them exactly when speculation is on."""
-    from airquant.engine.moe import direct
+    engine's plan has them exactly when speculation is on."""
+    from airquant.engine.moe import sizing
 
     _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")
     manifest = load_manifest(store)
@@ -288,15 +288,16 @@ def test_plan_counts_the_slots_of_speculative_reads(tmp_path, real_tokenizer, mo
     bare = plan_experts(manifest, None, speculate=False)
     spare = bare.arena_bytes + 5 * bare.slot_bytes  # a cache of a few slots, under its cap
     off = plan_experts(manifest, spare, speculate=False)
-    on = plan_experts(manifest, spare, speculate=False, spec_reads=direct.spec_guesses)
-    monkeypatch.setattr(direct, "SPECULATE_GUESSES", 1)
-    one = plan_experts(manifest, spare, speculate=False, spec_reads=direct.spec_guesses)
+    monkeypatch.setattr(sizing, "SPECULATE", True)
+    on = plan_experts(manifest, spare, speculate=False)
+    monkeypatch.setattr(sizing, "SPECULATE_GUESSES", 1)
+    one = plan_experts(manifest, spare, speculate=False)
     assert (off.spec_slots, on.spec_slots, one.spec_slots) == (0, top_k, 1)
     assert on.pool_bytes == (on.slots + top_k) * on.slot_bytes and on.arena_bytes <= spare
     assert on.cache < off.cache and one.cache >= on.cache
     assert f"speculative reads {top_k} slots" in on.describe() and "speculative reads" not in off.describe()
-    for speculate, want in ((False, 0), (True, 1)):
-        monkeypatch.setattr(direct, "SPECULATE", speculate)
+    for speculate, want in ((False, 0), (True, 1)):  # 1: SPECULATE_GUESSES
+        monkeypatch.setattr(sizing, "SPECULATE", speculate)
         engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
         assert engine.experts.plan.spec_slots == want
         engine.close()

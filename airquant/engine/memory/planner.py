@@ -35,7 +35,6 @@ from airquant.engine.memory.placement import (
     reserve_for,
     top_k_of,
 )
-from airquant.engine.moe import direct as direct_reads
 from airquant.engine.moe import sizing as expert_plan
 from airquant.kv import KVConfig
 from airquant.kv.layers import LayerStates
@@ -514,5 +513,4 @@ def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, fused: bool 
     run = wl.engine
     return expert_plan.plan_experts(manifest, spare, cache_bytes=wl.expert_cache_bytes, policy=run.expert_policy,
                                     speculate=run.expert_prefetch, fused=fused,
-                                    spec_reads=direct_reads.spec_guesses if direct_reads.SPECULATE else None,
                                     tokens=run.batch_size * (run.context or DEFAULT_CONTEXT))

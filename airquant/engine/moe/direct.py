@@ -32,6 +32,7 @@ import torch
 
 from airquant.engine import layer_graphs
 from airquant.engine.moe import compute as expert_compute
+from airquant.engine.moe import sizing
 from airquant.engine.moe.layout import LayerExperts
 from airquant.kv.rotation import to_device
 
@@ -42,20 +43,6 @@ log = logging.getLogger(__name__)
 # against 0.140 (H200, same run).
 REFRESH_PASSES = 1
 HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refreshes ago counts 1/16
-# Same-layer speculative reads (``DirectReads.speculate``): off until measured on a GPU against reads from the RAM
-# tier alone (benchmarks/moe_bench.py ``*_specread`` cases). At a one-token call the link idles while the layer's
-# attention, norms and router run (~7 ms of a Qwen3-30B-A3B step of ~30, H100 trace, wave3_kv32); the layer's own
-# input routed before its attention guesses its experts (top-8 of 128 matched 66 % on a random Qwen3-MoE of the
-# real width, CPU, 24 layers: ~50 % early, ~80 % late), and their images are copied into spare pool slots then.
-SPECULATE = False
-# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3-4 Qwen3-30B-A3B
-# images a layer (~0.17 ms at 55 GB/s), fewer than its 8 routed ones; the most confident guesses hit most often.
-SPECULATE_GUESSES: int | None = None
-
-
-def spec_guesses(top_k: int) -> int:
-    """How many of a top-k call's experts speculation copies (``SPECULATE_GUESSES``), and so the slots it needs."""
-    return min(top_k, SPECULATE_GUESSES or top_k)
 
 
 # The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
@@ -206,10 +193,10 @@ class DirectReads:
         layer i's table at them. On a GPU all of it runs on a side stream beside the attention, with no host
         sync (engine/moe/uva_copy reads the RAM tier); the layer's call waits for it (``_join``) and points the
         table back after its kernels (``_settle``). A wrong guess costs link time the attention left idle; the
-        routed experts are read as ever. Returns whether it speculated: only where ``SPECULATE``, the layer has
+        routed experts are read as ever. Returns whether it speculated: only where ``sizing.SPECULATE``, the layer has
         run by direct reads before (its images and reachability known) and the guesses fit the slots."""
-        guesses = spec_guesses(top_k)
-        if not SPECULATE or i not in self.eligible or self._matrices.get(i) is None or \
+        guesses = sizing.spec_guesses(top_k)
+        if not sizing.SPECULATE or i not in self.eligible or self._matrices.get(i) is None or \
                 hidden.numel() != hidden.shape[-1] or guesses > len(self.spec_slots) or self._reachable is not True:
             return False
         src, arranged = self.host_image(i)

@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -42,7 +42,20 @@ ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views rein
 # of 128 bytes but for the last two (the nested offset, the code book): their rows stay on lines.
 LINE = 128
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
+# Same-layer speculative reads (direct.py ``DirectReads.speculate``): off until measured on a GPU against reads from
+# the RAM tier alone (benchmarks/moe_bench.py ``*_specread`` cases). At a one-token call the link idles while the layer's
+# attention, norms and router run (~7 ms of a Qwen3-30B-A3B step of ~30, H100 trace, wave3_kv32); the layer's own
+# input routed before its attention guesses its experts (top-8 of 128 matched 66 % on a random Qwen3-MoE of the
+# real width, CPU, 24 layers: ~50 % early, ~80 % late), and their images are copied into spare pool slots then.
+SPECULATE = False
+# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3-4 Qwen3-30B-A3B
+# images a layer (~0.17 ms at 55 GB/s), fewer than its 8 routed ones; the most confident guesses hit most often.
+SPECULATE_GUESSES: int | None = None
 
+
+def spec_guesses(top_k: int) -> int:
+    """How many of a top-k call's experts speculation copies (``SPECULATE_GUESSES``), and so the slots it needs."""
+    return min(top_k, SPECULATE_GUESSES or top_k)
 
 
 class ExpertsError(AirQuantError):
@@ -65,7 +78,7 @@ class ExpertPlan:
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
     fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
-    spec_slots: int = 0  # further slots same-layer speculative reads copy into (direct.SPECULATE; 0: off)
+    spec_slots: int = 0  # further slots same-layer speculative reads copy into (``SPECULATE``; 0: off)
 
     @property
     def slots(self) -> int:
@@ -370,8 +383,7 @@ def fused_prefill(manifest: Manifest, device: str) -> bool:
 
 def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: int | None = None,
                  policy: Policy = "lfu", speculate: bool = True, width: int = 2, device: str = "cuda",
-                 tokens: int | None = None, fused: bool = False,
-                 spec_reads: Callable[[int], int] | None = None) -> ExpertPlan:
+                 tokens: int | None = None, fused: bool = False) -> ExpertPlan:
     """Size the pool: ``work`` slots for the experts of one call (every expert of a layer, as a prefill
     routes them, plus one speculated batch), and ``cache`` slots from ``cache_bytes`` or, when None, from
     the VRAM the layer plan leaves free (``spare_bytes``; None on CPU: no cache). The decode and compute
@@ -379,8 +391,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get).
     ``fused`` (``fused_prefill``): many-row calls run by the fused kernels from the slots in chunks
     (``fused_chunk_tokens``), so no gather and no stacked decode; compute is a chunk's intermediates.
-    ``spec_reads``: same-layer speculative reads' slots for a top-k call (``direct.spec_guesses`` where
-    ``direct.SPECULATE``; None: off), counted beside the pool's."""
+    Same-layer speculative reads (``SPECULATE``) get ``spec_guesses(top_k)`` slots beside the pool's."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if not moe:
         raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
@@ -389,7 +400,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     top_k = max(e.experts["top_k"] for e in moe)
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
-    spec = spec_reads(top_k) if spec_reads is not None else 0  # the pool's rows beyond its slots
+    spec = spec_guesses(top_k) if SPECULATE else 0  # the pool's rows beyond its slots
     gather = num * slot
     shapes = [expert_matrices(e) for e in moe]
     # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
