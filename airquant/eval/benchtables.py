@@ -206,6 +206,17 @@ def as_found(d: dict) -> list[str]:
     return head + ["", *md_table(["figure", "value"], figures)] + _targets(d)
 
 
+def moe_ab(d: dict) -> list[str]:
+    """An A/B of benchmarks/moe_bench.py cases (``merge_runs --changes-only``): what ``as_found`` gives, then each
+    case's row (its step, bytes a step and hit rate: what the pair differs by)."""
+    rows = [[r.get("model"), r.get("cap_gb"), r.get("batch"), f"`{r.get('case')}`", _f(r.get("step_s"), "{:.4f}"),
+             _f(r.get("tok_s"), "{:.1f}"), _f((r.get("decode_bytes_per_step") or 0) / 1e9 or None, "{:.3f}"),
+             _f((r.get("experts") or {}).get("hit_rate"), "{:.2f}"), r.get("error") or r.get("run") or ""]
+            for r in d.get("expert_aware", [])]
+    return as_found(d) + ["", *md_table(["model", "cap GB", "batch", "case", "step s", "tok/s", "GB a step",
+                                         "hits", "run (or error)"], rows)]
+
+
 def _met(value: Any, target: float, kind: str) -> str:
     if value is None:
         return "not measured"
@@ -363,7 +374,11 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
                                   "--prompt-len 1024, into a copy of moe_bench.json)", as_found),
     "moe_router_ab.json": ("MoE shapes, the fused top-k router against the eager ops: Qwen3-30B-A3B batch 1, each case "
                            "in its own process on one H200 (benchmarks/moe_bench.py *_fusedrouter cases; folded by "
-                           "benchmarks/merge_runs.py --changes-only)", as_found),
+                           "benchmarks/merge_runs.py --changes-only)", moe_ab),
+    "moe_specread_ab.json": ("MoE shapes, same-layer speculative reads against direct reads alone (off by default): "
+                             "Qwen3-30B-A3B and Mixtral batch 1, each case in its own process on one H200 "
+                             "(benchmarks/moe_bench.py *_specread cases; folded by benchmarks/merge_runs.py "
+                             "--changes-only)", moe_ab),
     "batch_bench.json": ("Continuous batching and the decode loop (benchmarks/batch_bench.py)", batch_bench),
     "batch_bench_offload.json": ("The decode loop with its TurboQuant cache in host RAM (benchmarks/batch_bench.py "
                                  "--kv tq --kv-offload)", as_found),

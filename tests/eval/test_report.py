@@ -321,3 +321,19 @@ def test_kv_bench_section_names_the_history_kernel_of_its_run():
     assert "history read by the Gluon kernel" in text and "at batch 32: AirQuant ÷ FP16 0.98" in text
     del d["settings"]
     assert "history read by the Triton split kernel" in "\n".join(kv_bench(d))
+
+
+def test_moe_ab_section_lists_each_case_row():
+    """An A/B file of moe_bench cases (merge_runs --changes-only) shows each case's step, bytes and hit rate, the
+    figures the pair differs by, and an error where a case did not run."""
+    from airquant.eval.benchtables import moe_ab
+
+    d = {"device": "H200", "link_pinned_gbps": 55.4, "expert_aware": [
+        {"model": "qwen3-30b-a3b nf4", "cap_gb": 4, "batch": 1, "case": "nocache_direct_specread", "step_s": 0.0511,
+         "tok_s": 19.6, "decode_bytes_per_step": 1.261e9, "experts": {"hit_rate": 0.63}, "run": "r1"},
+        {"model": "qwen3-30b-a3b nf4", "cap_gb": 4, "batch": 1, "case": "nocache_direct", "step_s": None,
+         "error": "OutOfMemoryError: no room", "run": "r2"}]}
+    text = "\n".join(moe_ab(d))
+    assert "| `nocache_direct_specread` | 0.0511 | 19.6 | 1.261 | 0.63 | r1 |" in text
+    assert "| `nocache_direct` | — | — | — | — | OutOfMemoryError: no room |" in text
+    assert "| link_pinned_gbps | 55.4 |" in text

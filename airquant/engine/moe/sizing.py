@@ -42,11 +42,13 @@ ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views rein
 # of 128 bytes but for the last two (the nested offset, the code book): their rows stay on lines.
 LINE = 128
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
-# Same-layer speculative reads (direct.py ``DirectReads.speculate``): off until measured on a GPU against reads from
-# the RAM tier alone (benchmarks/moe_bench.py ``*_specread`` cases). At a one-token call the link idles while the layer's
-# attention, norms and router run (~7 ms of a Qwen3-30B-A3B step of ~30, H100 trace, wave3_kv32); the layer's own
-# input routed before its attention guesses its experts (top-8 of 128 matched 66 % on a random Qwen3-MoE of the
-# real width, CPU, 24 layers: ~50 % early, ~80 % late), and their images are copied into spare pool slots then.
+# Same-layer speculative reads (direct.py ``DirectReads.speculate``): each one-token call's experts guessed from the
+# layer's input before its attention and copied into spare slots while the link would idle. Off: measured slower on
+# every case (wave3_moe31, H200, each case in its own process, results/moe_specread_ab.json). Qwen3-30B-A3B no cache
+# 0.0511 s a step against 0.0289 (63 % of routed experts found guessed), the 4 most confident only 0.0353; Mixtral no cache 0.335
+# against 0.142; Qwen3's hot set 0.0186 against 0.0122. The trace says why: a layer's copy of 8 guesses (21.6 MB)
+# takes ~0.8 ms in the gather kernel (~27 GB/s), the attention it should hide behind ~0.15 ms; the tiered kernels
+# wait for it, and the link carries the wrong guesses too.
 SPECULATE = False
 # How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3-4 Qwen3-30B-A3B
 # images a layer (~0.17 ms at 55 GB/s), fewer than its 8 routed ones; the most confident guesses hit most often.
