@@ -1,4 +1,4 @@
-# Device chain for issue #34 (~8 min on one GPU; started detached, polled). Written in stop 69, not yet run.
+# Device chain for issue #34 (~8 min on one GPU; started detached, polled). Ran in stop 71 (H200): every case slower.
 # Same-layer speculative reads (engine/moe/sizing.py SPECULATE, off by default, written without a GPU): each
 # one-token call's experts guessed from the layer's input before its attention, copied on a side stream into slots
 # of their own while the link would idle, joined before the tiered kernels. In priority order, each case alone in
