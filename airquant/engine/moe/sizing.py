@@ -44,14 +44,15 @@ LINE = 128
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
 # Same-layer speculative reads (direct.py ``DirectReads.speculate``): each one-token call's experts guessed from the
 # layer's input before its attention and copied into spare slots while the link would idle. Off: measured slower on
-# every case (wave3_moe31, H200, each case in its own process, results/moe_specread_ab.json). Qwen3-30B-A3B no cache
-# 0.0511 s a step against 0.0289 (63 % of routed experts found guessed), the 4 most confident only 0.0353; Mixtral no cache 0.335
-# against 0.142; Qwen3's hot set 0.0186 against 0.0122. The trace says why: a layer's copy of 8 guesses (21.6 MB)
-# takes ~0.8 ms in the gather kernel (~27 GB/s), the attention it should hide behind ~0.15 ms; the tiered kernels
-# wait for it, and the link carries the wrong guesses too.
+# every case (wave3_moe31, H200, each case in its own process, results/moe_specread_ab.json). Qwen3-30B-A3B no
+# cache 0.0511 s a step against 0.0289 (63 % of routed experts found guessed); Mixtral no cache 0.335 against
+# 0.142; Qwen3's hot set 0.0186 against 0.0122. The trace says why: a layer's copy of 8 guesses (21.6 MB) takes
+# ~0.8 ms in the gather kernel (~27 GB/s), the attention it should hide behind ~0.15 ms; the tiered kernels wait
+# for it, and the link carries the wrong guesses too.
 SPECULATE = False
-# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3-4 Qwen3-30B-A3B
-# images a layer (~0.17 ms at 55 GB/s), fewer than its 8 routed ones; the most confident guesses hit most often.
+# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3 Qwen3-30B-A3B
+# images a layer at 55 GB/s, fewer than its 8 routed ones. The 4 most confident: 38 % of routed experts found
+# guessed, 0.0353 s a step against 0.0289 without speculation (wave3_moe31).
 SPECULATE_GUESSES: int | None = None
 
 
