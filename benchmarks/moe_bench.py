@@ -419,7 +419,7 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # (wave3_moe29r), "eagerrouter" measures the eager ops since.
     **direct_pair("fusedrouter", fused_router=True),
     **direct_pair("eagerrouter", fused_router=False),
-    # Same-layer speculative reads (engine/moe/sizing.py SPECULATE, off by default until this A/B has run on a GPU):
+    # Same-layer speculative reads (engine/moe/sizing.py SPECULATE; off: slower on every case, wave3_moe31, H200):
     # each layer's experts guessed from its input before its attention and copied while the link would idle.
     **direct_pair("specread", spec_read=True),
     # The same copying only the 4 most confident guesses (sizing.SPECULATE_GUESSES): what the idle link can carry.
