@@ -424,6 +424,12 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     **direct_pair("specread", spec_read=True),
     # The same copying only the 4 most confident guesses (sizing.SPECULATE_GUESSES): what the idle link can carry.
     **direct_pair("specread4", spec_read=True, spec_guesses=4),
+    # Copied reads (engine/moe/sizing.py COPY_READS_MIN_BYTES; pool._run_copied): a no-cache call whose experts
+    # bring ~96 MB or more over the link (Mixtral-8x7B's two, not Qwen3-30B-A3B's eight) reads its routing to the
+    # host and has the copy engine bring them in, up parts first. "copied" takes them for every call, "uvaread"
+    # for none (the tiered kernel reads every expert from the RAM tier); the hot-set case never takes them.
+    **direct_pair("copied", copy_reads=0),
+    **direct_pair("uvaread", copy_reads=None),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -501,10 +507,11 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
                         "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
                         "lfu_direct_r1_specread", "nocache_direct_specread4", "lfu_direct_r1_specread4",
-                        *HOST_CASES),
+                        "nocache_direct_copied", "nocache_direct_uvaread", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
-                         "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass"),
+                         "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass",
+                         "nocache_direct_copied", "nocache_direct_uvaread"),
               "mixtral": (*ROUTED_CASES, *MAX_BATCH_CASES)}
 SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_compute, "FUSED"),
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
@@ -513,7 +520,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
             "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (sizing_mod, "SPECULATE"),
-            "spec_guesses": (sizing_mod, "SPECULATE_GUESSES")}
+            "spec_guesses": (sizing_mod, "SPECULATE_GUESSES"), "copy_reads": (sizing_mod, "COPY_READS_MIN_BYTES")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -41,7 +41,8 @@ def decode(engine: Engine, steps: int) -> tuple[list[int], torch.Tensor]:
     return list(out[0].token_ids), torch.cat(logits)
 
 
-def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool, method: str = "nf4") -> dict:
+def build_store(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool, method: str = "nf4") -> Path:
+    """A tiny store of ``model_type`` in ``folder``: NF4, int2, or a hub GPTQ/AWQ checkpoint stacked at the split."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -58,6 +59,11 @@ def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool,
     source = resolve(str(model))
     transform, record = make_transform(source, spec)
     split(source, folder / "store", dtype="float32", quant=record, transform=transform, progress=False)
+    return folder / "store"
+
+
+def check(model_type: str, folder: Path, tokenizer_dir: str, double_quant: bool, method: str = "nf4") -> dict:
+    build_store(model_type, folder, tokenizer_dir, double_quant, method)
     row = {"type": model_type, "method": method, "double_quant": double_quant}
     from airquant.engine.moe import pool
 
@@ -138,6 +144,41 @@ def check_direct(store: Path) -> dict:
                      "max_rel_diff": (spec_logits - want_logits).abs().max().item() / scale}}
 
 
+def check_copied(model_type: str, folder: Path, tokenizer_dir: str, method: str = "nf4") -> dict:
+    """Copied reads (pool ``_run_copied``, every eligible call: ``sizing.COPY_READS_MIN_BYTES`` 0; no cache): each
+    one-token call's experts copied into working slots in two parts and read there by the tiered kernels, each
+    top-k column's down projection on its own, against the per-expert path (fused kernels off)."""
+    from airquant.engine.moe import pool, sizing
+
+    store = build_store(model_type, folder, tokenizer_dir, False, method)
+    calls = {"copied": 0}
+    real = pool.ExpertPool._run_copied
+
+    def counted(self, *args, **kwargs):
+        calls["copied"] += 1
+        return real(self, *args, **kwargs)
+
+    old = sizing.COPY_READS_MIN_BYTES, pool.DIRECT
+    pool.ExpertPool._run_copied, sizing.COPY_READS_MIN_BYTES, pool.DIRECT = counted, 0, True
+    try:
+        engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0, expert_cache_gb=0.0)
+        tokens, logits = decode(engine, 4)
+        report = engine.experts.report()
+        layers = sum(1 for e in engine.manifest.shards.values() if e.experts)
+        engine.close()
+    finally:
+        pool.ExpertPool._run_copied, (sizing.COPY_READS_MIN_BYTES, pool.DIRECT) = real, old
+    expert_compute.FUSED = False
+    engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
+    want_tokens, want_logits = decode(engine, 4)
+    engine.close()
+    expert_compute.FUSED = True
+    return {"type": model_type, "method": method, "copied_calls": calls["copied"], "layers": layers,
+            "report": {k: v for k, v in report.items() if k != "direct"}, "direct": report.get("direct"),
+            "tokens_equal": tokens == want_tokens,
+            "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item()}
+
+
 def check_blocks(double_quant: bool, device: str = "cpu") -> dict:
     """The grouped NF4 kernels (``nf4_moe.up``/``down`` over stacked buffers) at every block width a call may take
     (``nf4_moe.block_rows``: 16, 64, 128 rows of one expert a block) against the dense product of the decoded
@@ -182,10 +223,16 @@ def check_blocks(double_quant: bool, device: str = "cpu") -> dict:
 
 if __name__ == "__main__":
     tokenizer_dir = sys.argv[1]
-    for spec in sys.argv[2:]:  # TYPE, TYPE:dq (NF4 double quant), TYPE:int2, TYPE:gptq, TYPE:awq; blocks[:dq]
+    # TYPE, TYPE:dq (NF4 double quant), TYPE:int2, TYPE:gptq, TYPE:awq; blocks[:dq]; copied:TYPE[:int2|gptq|awq]
+    for spec in sys.argv[2:]:
         model_type, _, option = spec.partition(":")
         if model_type == "blocks":
             print(json.dumps(check_blocks(option == "dq")), flush=True)
+            continue
+        if model_type == "copied":
+            model_type, _, method = option.partition(":")
+            with tempfile.TemporaryDirectory() as tmp:
+                print(json.dumps(check_copied(model_type, Path(tmp), tokenizer_dir, method or "nf4")), flush=True)
             continue
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps(check(model_type, Path(tmp), tokenizer_dir, option == "dq",

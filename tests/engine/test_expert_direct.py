@@ -151,3 +151,38 @@ def test_only_the_most_confident_guesses_are_copied_when_limited(monkeypatch):
     assert int(reads.spec_copied[0]) == 1 and reads.report()["spec_bytes_copied"] == IMAGE
     reads._settle(0, reads._join(0))
     assert (reads.table == -1).all()
+
+
+def test_an_image_is_copied_in_two_parts_the_down_matrix_bulk_last():
+    """Copied reads copy each expert image in two parts (``layout.image_parts``): the down matrix's longest run of
+    tensors (a shard orders tensors by dtype, then name: its absmax and packed weight sit side by side), and the
+    rest, which holds all the up projection reads. Together they cover the image once; no down run: one part."""
+    from airquant.engine.moe import sizing
+    from airquant.engine.moe.layout import image_parts, slot_offsets
+
+    sizes = {"down_proj.nested_absmax": 4, "down_proj.quant_map": 64, "gate_up_proj.nested_absmax": 4,
+             "gate_up_proj.quant_map": 64, "down_proj.absmax": 128, "down_proj.weight_packed": 4096,
+             "gate_up_proj.absmax": 256, "gate_up_proj.weight_packed": 8192}  # the order of a real NF4 shard
+    names, at, ranges = tuple(sizes), 0, []
+    for n in names:
+        ranges.append((at, at + sizes[n]))
+        at += sizes[n]
+    offsets = slot_offsets(ranges)
+    layer = LayerExperts(index=0, top_k=2, module="mlp.experts", names=names, dtypes=(torch.uint8,) * len(names),
+                         shapes=tuple((sizes[n],) for n in names), dense=(False,) * len(names), offsets=offsets,
+                         ranges=(tuple(ranges),), key="k", path=Path("x"), data_offset=0)
+    image = offsets[-1] + sizes[names[-1]]
+    first, second = image_parts(layer, "down_proj", image)
+    place = dict(zip(names, offsets))
+    assert second == ((place["down_proj.absmax"], place["down_proj.weight_packed"] + 4096),)
+    covered = sorted((*first, *second))
+    assert covered[0][0] == 0 and covered[-1][1] == image
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no byte twice, none left out
+    for n in names:  # every tensor the up projection reads (and the down matrix's small tables) is in the first
+        if not n.startswith("down_proj.") or sizes[n] < 128:
+            assert any(a <= place[n] and place[n] + sizes[n] <= b for a, b in first), n
+    assert image_parts(layer, "w2", image) == (((0, image),), ())
+    # which calls are copied: from the threshold up, never beside a hot set, never when off
+    assert sizing.copy_reads(sizing.COPY_READS_MIN_BYTES, hot_set=False)
+    assert not sizing.copy_reads(sizing.COPY_READS_MIN_BYTES - 1, hot_set=False)
+    assert not sizing.copy_reads(2 * sizing.COPY_READS_MIN_BYTES, hot_set=True)

@@ -30,7 +30,9 @@ CHECK = Path(__file__).with_name("fused_experts_check.py")
 
 def _interpreted(*args: str, timeout: int = 900) -> list[dict]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(CHECK), str(TOKENIZER_DIR), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,6 +65,21 @@ def test_fused_decode_equals_the_per_expert_decode():
         assert spec["tokens_equal"] and spec["max_rel_diff"] <= 1e-5, r
         assert spec["report"]["direct"]["spec_calls"] >= 4 * r["routed"]["layers"], r
         assert spec["report"]["direct"]["spec_bytes_copied"] > 0, r
+
+
+def test_copied_reads_decode_as_the_per_expert_path():
+    """Copied reads (engine/moe/pool.py ``_run_copied``, forced for every call): each one-token call's experts copied
+    into working slots in two parts and read there by the tiered kernels, one down projection per top-k column,
+    for NF4 (gated), int2 and GPTQ experts: the greedy tokens and logits of the per-expert path, every MoE layer
+    of every one-token step copied, each call's distinct experts counted as routed and copied."""
+    rows = _interpreted("copied:mixtral", "copied:qwen3_moe:int2", "copied:mixtral:gptq")
+    assert [(r["type"], r["method"]) for r in rows] == [("mixtral", "nf4"), ("qwen3_moe", "int2"), ("mixtral", "gptq")]
+    for r in rows:
+        assert r["copied_calls"] >= 3 * r["layers"], r  # 3 one-token steps after the prefill
+        assert r["report"]["copied_calls"] == r["copied_calls"], r
+        assert r["report"]["copied"] == r["report"]["routed"] > 0 and r["report"]["bytes_copied"] > 0, r
+        assert r["direct"]["direct_pairs"] == 0, r  # none read from the RAM tier by the kernels
+        assert r["tokens_equal"] and r["max_rel_diff"] <= 1e-5, r
 
 
 def test_grouped_kernel_blocks_of_every_width_equal_the_dense_product():
@@ -139,7 +156,9 @@ assert torch.equal(dst, want)
 print("ok")
 """
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
@@ -292,6 +311,33 @@ def test_cuda_routed_decode_by_direct_reads(stores, monkeypatch, model_type):  #
     assert same >= 2  # a bf16 near-tie may flip a later token; compare the logits up to it
     diff = (logits[:same + 1] - want_logits[:same + 1]).abs().max().item()
     assert diff <= 3e-2 * want_logits.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_cuda_copied_reads_decode_as_reads_from_the_ram_tier(stores, monkeypatch, model_type):  # noqa: F811
+    """Copied reads on CUDA (engine/moe/sizing.py COPY_READS_MIN_BYTES 0: every call): each one-token call's routing
+    read to the host in an eager island between the layer graphs, its experts copied by the copy engine in two parts
+    on the copy stream, the tiered kernels waiting on each part's event; the tokens and logits are those of direct
+    reads from the RAM tier alone (no cache)."""
+    from airquant.engine.moe import pool as experts_mod
+    from airquant.engine.moe import sizing
+    from airquant.engine.runner import Engine
+    from tests.engine.test_expert_gemv import _decode
+
+    monkeypatch.setattr(experts_mod, "DIRECT", True)
+    runs = {}
+    for copied in (None, 0):
+        monkeypatch.setattr(sizing, "COPY_READS_MIN_BYTES", copied)
+        engine = Engine.open(stores[model_type], device="cuda", dtype="bfloat16", experts="routed",
+                             resident_layers=0, expert_cache_gb=0.0)
+        runs[copied] = (*_decode(engine), engine.experts.report())
+        engine.close()
+    (tokens, logits, report), (want_tokens, want_logits, want_report) = runs[0], runs[None]
+    assert report["copied_calls"] > 0 and report["direct"]["direct_pairs"] == 0, report
+    assert want_report["copied_calls"] == 0 and want_report["direct"]["direct_pairs"] > 0, want_report
+    assert tokens == want_tokens
+    assert (logits - want_logits).abs().max().item() <= 1e-2 * want_logits.abs().max().item()
 
 
 @pytest.mark.gpu

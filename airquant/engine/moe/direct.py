@@ -82,7 +82,7 @@ def _gptq_images(spec) -> tuple | None:
                    for m in (spec.up, spec.down))
 
 
-def _tiered_kernels(scheme: str) -> tuple:
+def tiered_kernels(scheme: str) -> tuple:
     """The (up, down) tiered GEMVs of an experts format (they take the same arguments)."""
     from airquant.quant.kernels import gptq_moe, int2_moe, nf4_moe
 
@@ -107,6 +107,7 @@ class DirectReads:
         self.table = torch.full((rows, num), -1, dtype=torch.int32, device=device)
         self.counts = torch.zeros((rows, num), dtype=torch.int32, device=device)
         self.hits = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.scratch_hits = torch.zeros(1, dtype=torch.int64, device=device)  # copied reads' (not counted)
         self.scores = torch.zeros((rows, num), dtype=torch.float64)
         self.hot: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.routed = [0] * rows  # pairs computed by direct reads, per layer (known on the host: no sync)
@@ -166,24 +167,33 @@ class DirectReads:
         found = self.matrices(i, module) if i in self.eligible else None
         if found is None:
             return None
-        from airquant.quant.kernels import nf4_moe
-
         pending = self._join(i)  # before a refresh writes the table the speculation wrote
         work = functools.partial(self._host_part, i, index.numel())
         if not layer_graphs.host_work(work):  # a layer graph's runner runs it before each replay
             work()
         spec, up_m, down_m = found
-        if spec.scheme == "nf4" and i not in self._books:
-            self._books[i] = self.code_books(src, arranged, (up_m, down_m))
-        tiers = nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem, self.table[i], self.counts[i],
-                              self.hits[i:i + 1], **self._books.get(i, {}))
-        up, down = _tiered_kernels(spec.scheme)
+        tiers = self.tiers(i, src, arranged)
+        up, down = tiered_kernels(spec.scheme)
         flat = hidden.reshape(-1, hidden.shape[-1])
         h = expert_compute.activate(module, up(flat, index, up_m, tiers), spec.gated)  # [T * k, I]
         out = down(h, index, weights, down_m, tiers, hidden.dtype)  # [T, H]
         if pending is not None:
             self._settle(i, pending)
         return out
+
+    def tiers(self, i: int, src: torch.Tensor, arranged, table: torch.Tensor | None = None,
+              hits: torch.Tensor | None = None):
+        """Layer i's ``Tiers`` for the tiered kernels: its RAM-tier bytes, the pool, its device code books (NF4),
+        and a table and hit counter: the hot set's, or ``table``/``hits`` (copied reads: the call's working
+        slots, whose reads are no hot-set hits)."""
+        from airquant.quant.kernels import nf4_moe
+
+        spec, up_m, down_m = self._matrices[i]
+        if spec.scheme == "nf4" and i not in self._books:
+            self._books[i] = self.code_books(src, arranged, (up_m, down_m))
+        return nf4_moe.Tiers(src, arranged.experts_start, arranged.stride, self.mem,
+                             self.table[i] if table is None else table, self.counts[i],
+                             self.hits[i:i + 1] if hits is None else hits, **self._books.get(i, {}))
 
     # -- speculative reads -------------------------------------------------------------------------------
     def speculate(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, top_k: int) -> bool:

@@ -233,6 +233,23 @@ class HostArrangement:
                 buf[base + off:base + off + end - start].copy_(src[start:end])
 
 
+def image_parts(layer: LayerExperts, down: str, image_bytes: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """An expert's image as two copies, each ((start, end), ...) inside it: the longest run of consecutive tensors
+    of the ``down`` matrix (its packed weight and absmax, which a shard stores side by side), and the rest
+    (the first matrix, the code books, the down matrix's small tables). What the first projection reads is all in
+    the rest. No run of the down matrix: the whole image, then nothing."""
+    spans = sorted((off, off + end - start, name == f"{down}_bias" or name.startswith(f"{down}."))
+                   for name, off, (start, end) in zip(layer.names, layer.offsets, layer.ranges[0]))
+    best, run = (0, 0), None
+    for start, end, is_down in spans:
+        run = (run[0] if run else start, end) if is_down else None
+        if run and run[1] - run[0] > best[1] - best[0]:
+            best = run
+    if best == (0, 0):
+        return ((0, image_bytes),), ()
+    return tuple(r for r in ((0, best[0]), (best[1], image_bytes)) if r[1] > r[0]), (best,)
+
+
 def read_range(layer: LayerExperts, start: int, end: int) -> torch.Tensor:
     """Bytes [start, end) of a layer's data section, read from its shard file (a disk-tier layer)."""
     buf = torch.empty(end - start, dtype=torch.uint8)

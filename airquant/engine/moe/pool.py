@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from airquant.engine import layer_graphs
 from airquant.engine.moe import compute as expert_compute
-from airquant.engine.moe.direct import DirectReads
-from airquant.engine.moe.layout import LayerExperts, SlotTable, read_range
+from airquant.engine.moe import sizing
+from airquant.engine.moe.direct import DirectReads, tiered_kernels
+from airquant.engine.moe.layout import LayerExperts, SlotTable, image_parts, read_range
 from airquant.engine.moe.sizing import SPECULATE_TOKENS, ExpertPlan, ExpertsError, fused_chunk_tokens
 from airquant.layout import find_layout, swap_tensor
 from airquant.quant import kernels
@@ -173,6 +175,7 @@ class ExpertPool:
                                       host_image, plan.policy, spec_slots=range(plan.slots, rows))
         self.table = SlotTable(plan.work if self.direct is not None else plan.slots, plan.policy)
         self.ready: list[object] = [None] * plan.slots  # copy into the slot done (event)
+        self.ready_up: list[object] = [None] * plan.slots  # its first part done (copied reads; else = ready)
         self.free: list[object] = [None] * plan.slots  # last gather out of the slot done (event)
         # Exactly the staging the plan counted in the host budget (ExpertPlan.staging: none unless a routed
         # layer is read from disk on a GPU; on CPU disk reads go straight into the slots).
@@ -186,9 +189,10 @@ class ExpertPool:
         self.current: int | None = None
         self.grouped = True  # grouped matmul over the packed experts (False: the module's own forward)
         self._fused_specs: dict[int, tuple | None] = {}
+        self._parts: dict[int, tuple] = {}  # layer -> its expert image's two copies (copied reads)
         self._unplanned: set[int] = set()  # layers warned about: their prefill left the fused path of the plan
         self.stats = {"bytes_copied": 0, "copied": 0, "hits": 0, "routed": 0, "guessed": 0, "guess_used": 0,
-                      "guess_bytes": 0}
+                      "guess_bytes": 0, "copied_calls": 0}
 
     @property
     def bytes_copied(self) -> int:
@@ -232,6 +236,8 @@ class ExpertPool:
                 hidden.numel() <= expert_compute.FUSED_TOKENS * hidden.shape[-1]:
             src, arranged = self.host_image(i)
             if src is not None and arranged is not None and self.direct.reachable(src):
+                if self._copied(i, module, layer, index):  # it reads on the host: between two layer graphs
+                    return layer_graphs.eager_island(self._run_copied, i, module, hidden, index, args[2])
                 out = self.direct.run(i, module, hidden, index, args[2], src, arranged)
                 if out is not None:
                     return out
@@ -270,6 +276,58 @@ class ExpertPool:
                 return forward(*args, **kwargs)
             return expert_compute.run_grouped(module, grouped, *args, num=len(union),
                                                tokens=self.plan.call_tokens or None, ids=local)
+
+    def _copied(self, i: int, module, layer: LayerExperts, index: torch.Tensor) -> bool:
+        """Whether a direct-read call takes copied reads (``sizing.copy_reads``): decided by its shape, so a
+        layer graph's key holds one way or the other."""
+        if i not in self.direct.eligible or self.direct.matrices(i, module) is None:
+            return False
+        call = min(index.numel(), len(layer.ranges)) * layer.expert_bytes(0)
+        return sizing.copy_reads(call, hot_set=bool(self.direct.hot_slots))
+
+    def _run_copied(self, i: int, module, hidden: torch.Tensor, index: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """A few-row call whose experts the copy engine brings into working slots (``sizing.COPY_READS_MIN_BYTES``
+        says when and why), computed by the direct reads' tiered kernels through a table of those slots.
+
+        The routing is read to the host (the call's one sync). Its experts are copied column by column of the
+        top-k (column 0's experts first), each image in two parts (``layout.image_parts``): every expert's first
+        part (the (gate/)up matrix, the code books), then each expert's down part. The up kernel waits for the
+        first parts only and runs while the down parts arrive; each column's down projection waits for its own
+        experts' and is summed in fp32, so only the last column's runs after the link. Counts as the copy path
+        does: each distinct expert routed and copied (or found in a working slot)."""
+        layer = self.layers[i]
+        src, arranged = self.host_image(i)
+        spec, up_m, down_m = self.direct.matrices(i, module)
+        top_k = index.shape[-1]
+        index, weights = index.reshape(-1, top_k), weights.reshape(-1, top_k)
+        rows = index.tolist()  # the one host read of the call
+        self.stats["copied_calls"] += 1
+        order = list(dict.fromkeys(row[k] for k in range(top_k) for row in rows))  # column 0's experts first
+        slots = self._acquire(i, layer, order, parts=self._image_parts(i, layer, spec, arranged))
+        slot_of = dict(zip(order, slots))
+        table = torch.full((len(layer.ranges),), -1, dtype=torch.int32)
+        table[torch.tensor(order, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)
+        if self.ops is not None:
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        tiers = self.direct.tiers(i, src, arranged, table=table, hits=self.direct.scratch_hits)
+        up, down = tiered_kernels(spec.scheme)
+        self._wait_ready(slots, up=True)
+        h = expert_compute.activate(module, up(hidden.reshape(-1, hidden.shape[-1]), index, up_m, tiers),
+                                    spec.gated).view(len(rows), top_k, -1)  # [T, k, I]
+        out = None
+        for k in range(top_k):
+            self._wait_ready({slot_of[row[k]] for row in rows})
+            part = down(h[:, k], index[:, k:k + 1], weights[:, k:k + 1], down_m, tiers, torch.float32)  # [T, H]
+            out = part if out is None else out + part
+        self._mark_read(slots)
+        return out.to(hidden.dtype)
+
+    def _image_parts(self, i: int, layer: LayerExperts, spec, arranged) -> tuple:
+        """Layer i's expert image in its two copies (``layout.image_parts``), found once a layer."""
+        if i not in self._parts:
+            self._parts[i] = image_parts(layer, spec.down.name, arranged.image_bytes)
+        return self._parts[i]
 
     def _fused(self, i: int, module, hidden: torch.Tensor) -> tuple | None:
         """Layer i's ``FusedExperts`` and its operands over the pool (decided once per layer), where its kernels
@@ -337,10 +395,12 @@ class ExpertPool:
             self._mark_read(slots)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _wait_ready(self, slots) -> None:
-        """The compute stream waits for the copies into ``slots`` (no host block)."""
+    def _wait_ready(self, slots, up: bool = False) -> None:
+        """The compute stream waits for the copies into ``slots`` (no host block); ``up``: only for their first
+        parts (copied reads: what the up projection reads)."""
         if self.ops is not None:
-            for event in {id(self.ready[s]): self.ready[s] for s in slots if self.ready[s] is not None}.values():
+            ready = self.ready_up if up else self.ready
+            for event in {id(ready[s]): ready[s] for s in slots if ready[s] is not None}.values():
                 self.ops.wait(event)
 
     def _mark_read(self, slots) -> None:
@@ -373,7 +433,9 @@ class ExpertPool:
         out.index_copy_(0, chosen, part.reshape(len(union), -1, part.shape[-1]).to(out.dtype))
         return out.reshape(hidden.shape)
 
-    def _acquire(self, i: int, layer: LayerExperts, union: list[int]) -> list[int]:
+    def _acquire(self, i: int, layer: LayerExperts, union: list[int], parts: tuple | None = None) -> list[int]:
+        """Slots holding ``union``'s experts (in its order), the missing ones copied in (``parts``: in two parts,
+        see ``_copy_cuda``)."""
         table = self.table
         table.tick += 1
         if i != self.current and self.plan.cache == 0:  # no cache: only this layer's (and speculated) stay
@@ -393,12 +455,13 @@ class ExpertPool:
                 slots[e] = slot
                 keep.add(slot)
         self.stats["hits"] += len(union) - len(missing)
-        self._copy_in(i, layer, missing, keep, slots)
+        self._copy_in(i, layer, missing, keep, slots, parts)
         for slot in slots.values():
             table.touch(slot)
         return [slots[e] for e in union]
 
-    def _copy_in(self, i: int, layer: LayerExperts, experts: list[int], keep: set[int], slots: dict) -> None:
+    def _copy_in(self, i: int, layer: LayerExperts, experts: list[int], keep: set[int], slots: dict,
+                 parts: tuple | None = None) -> None:
         """Slots for ``experts`` (evicting by policy, never a slot in ``keep``) and their copies queued."""
         for e in experts:
             slot = self.table.victim(keep)
@@ -411,23 +474,28 @@ class ExpertPool:
         targets = [(slots[e], e) for e in experts]
         if self.ops is None:
             for slot, e in targets:
-                for start, end, off in _runs(layer, arranged, e):
+                for start, end, off in _runs(layer, arranged, e, parts if src is not None else None):
                     self.mem[slot, off:off + end - start].copy_(src[start:end] if src is not None else
                                                                 read_range(layer, start, end))
         else:
-            self._copy_cuda(layer, targets, src, arranged)
+            self._copy_cuda(layer, targets, src, arranged, parts)
         moved = sum(layer.expert_bytes(e) for e in experts)
         self.stats["bytes_copied"] += moved
         self.stats["copied"] += len(experts)
 
-    def _copy_cuda(self, layer: LayerExperts, targets: list[tuple[int, int]], src, arranged) -> None:
+    def _copy_cuda(self, layer: LayerExperts, targets: list[tuple[int, int]], src, arranged,
+                   parts: tuple | None = None) -> None:
         """The copies of a call in one batch on the copy stream: one per expert from an arranged RAM tier (one
         per expert tensor slice from an unarranged one), one per expert from a staging buffer (disk), after
-        the gathers that last read the slots."""
+        the gathers that last read the slots. ``parts`` (copied reads, an arranged tier): each image's first
+        part for every target, then each target's second part, an event after each (``ready_up``, ``ready``)."""
         stream = self.ops.stream
         with torch.cuda.stream(stream):
             for event in {id(self.free[s]): self.free[s] for s, _ in targets if self.free[s] is not None}.values():
                 stream.wait_event(event)
+            if parts is not None and src is not None and arranged is not None:
+                self._copy_parts(targets, src, arranged, parts, stream)
+                return
             staged = []
             if src is not None and self.uva is None:
                 from airquant.engine.moe import uva_copy  # Triton: imported only where a GPU run copies this way
@@ -451,9 +519,31 @@ class ExpertPool:
             done = torch.cuda.Event()
             done.record(stream)
         for slot, _ in targets:
-            self.ready[slot] = done
+            self.ready[slot] = self.ready_up[slot] = done
         for k in staged:
             self._staging_free[k] = done
+
+    def _copy_parts(self, targets: list[tuple[int, int]], src: torch.Tensor, arranged, parts: tuple,
+                    stream) -> None:
+        """``_copy_cuda``'s copies in two parts, on ``stream`` (current): the first parts, then each target's
+        second part."""
+        mem = self.mem.view(-1)
+        first, second = parts
+
+        def copy(slot: int, e: int, runs) -> None:
+            at, start = slot * self.plan.slot_bytes, arranged.expert_start(e)
+            for a, b in runs:
+                mem[at + a:at + b].copy_(src[start + a:start + b], non_blocking=True)
+
+        for slot, e in targets:
+            copy(slot, e, first)
+        up_done = torch.cuda.Event()
+        up_done.record(stream)
+        for slot, e in targets:
+            copy(slot, e, second)
+            done = torch.cuda.Event()
+            done.record(stream)
+            self.ready[slot], self.ready_up[slot] = done, up_done
 
     def _copy_uva(self, layer: LayerExperts, targets: list[tuple[int, int]], src: torch.Tensor,
                   arranged) -> None:
@@ -519,11 +609,14 @@ class ExpertPool:
             self.table.touch(slot)
 
 
-def _runs(layer: LayerExperts, arranged, e: int) -> list[tuple[int, int, int]]:
+def _runs(layer: LayerExperts, arranged, e: int, parts: tuple | None = None) -> list[tuple[int, int, int]]:
     """Expert e's copies out of host memory, (source start, source end, offset in its slot): one from an
-    arranged RAM tier (``HostArrangement``), else one per tensor slice in the file's order."""
+    arranged RAM tier (``HostArrangement``; ``parts``: its image's two parts, ``layout.image_parts``), else one
+    per tensor slice in the file's order."""
     if arranged is not None:
         start = arranged.expert_start(e)
+        if parts is not None:
+            return [(start + a, start + b, a) for a, b in (*parts[0], *parts[1])]
         return [(start, start + arranged.image_bytes, 0)]
     return [(start, end, off) for (start, end), off in zip(layer.ranges[e], layer.offsets)]
 

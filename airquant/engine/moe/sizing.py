@@ -54,6 +54,22 @@ SPECULATE = False
 # images a layer at 55 GB/s, fewer than its 8 routed ones. The 4 most confident: 38 % of routed experts found
 # guessed, 0.0353 s a step against 0.0289 without speculation (wave3_moe31).
 SPECULATE_GUESSES: int | None = None
+# Copied reads (pool.py ``ExpertPool._run_copied``): a few-row call whose routed experts bring at least this many
+# bytes over the link, in a pool with no hot set, reads its routing to the host (one sync, an eager island of the
+# layer graph) and has the copy engine bring its experts into working slots, the (gate/)up parts first; the same
+# tiered kernels then read them from VRAM, the up projection while the down parts still arrive and each top-k
+# column's down projection as soon as its experts are in. Why: the tiered kernel reads the pinned RAM tier at
+# 0.84-0.89 of the link (Mixtral-8x7B's experts, results/uva_hostmem.json, H100), the copy engine at the link; a
+# copied call pays a host sync, two graph launches and its last down projection instead (~0.2 ms), which 12 % of
+# a call's link time buys back from ~90 MB a call up (Mixtral-8x7B: 2 x 99 MB; Qwen3-30B-A3B: 8 x 2.7 MB).
+# None: never (every call reads directly); 0: every eligible call.
+COPY_READS_MIN_BYTES: int | None = 96 * 2**20
+
+
+def copy_reads(call_bytes: int, hot_set: bool) -> bool:
+    """Whether a direct-read call whose routed experts are ``call_bytes`` (top-k times rows, at most every expert,
+    times an image) is copied by the copy engine instead (``COPY_READS_MIN_BYTES``): never beside a hot set."""
+    return COPY_READS_MIN_BYTES is not None and not hot_set and call_bytes >= COPY_READS_MIN_BYTES
 
 
 def spec_guesses(top_k: int) -> int:
