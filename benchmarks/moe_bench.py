@@ -233,7 +233,7 @@ def trace_case(b: Bench, store: Path, model: str, cap_gb: float, batch: int, cas
         for new in (2, 2 + b.args.steps):
             engine.generate_requests([engine.request(row, GenerateConfig(max_new_tokens=new, ignore_eos=True))
                                       for row in ids.tolist()])
-        return trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"))
+        return trace_steps(b, engine, ids, f"{model}-bs{batch}-{case}".replace(" ", "-"), new=b.args.trace_passes)
 
 
 def routed_step_bytes(b: Bench, engine, batch: int) -> float:
@@ -916,6 +916,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="CASES",
                    help="expert-aware cases (comma-separated) to also run under torch's profiler: the row gets "
                         "'trace' (device time by kind, top ops by device and host time)")
+    p.add_argument("--trace-passes", type=int, default=3, metavar="N",
+                   help="--trace: decode passes under the profiler (the first ones of a new loop may capture graphs; "
+                        "the summary's last_pass_* figures are the last one's)")
     p.add_argument("--trace-stacks", action="store_true",
                    help="--trace with the Python functions' own spans in the timeline (torch's with_stack)")
     p.add_argument("--cases", default=None,

@@ -1,5 +1,6 @@
 # Device chain for issue #34 (~12 min on one GPU, best an H100: results/moe_bench.json is the H100's; started
-# detached, polled over two calls). Ran in stop 72 (H100), folded into results/moe_bench.json in its order. Copied reads (engine/moe/sizing.py COPY_READS_MIN_BYTES, pool._run_copied; on
+# detached, polled over two calls). Ran in stop 72 (H100), folded into results/moe_bench.json in its order.
+# Copied reads (engine/moe/sizing.py COPY_READS_MIN_BYTES, pool._run_copied; on
 # by default from ~96 MB a call, written without a GPU): a no-cache call's experts brought in by the copy engine,
 # up parts first, instead of the tiered kernel's reads of the RAM tier. In priority order, each case alone in its
 # own process:

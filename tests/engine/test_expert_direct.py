@@ -186,3 +186,8 @@ def test_an_image_is_copied_in_two_parts_the_down_matrix_bulk_last():
     assert sizing.copy_reads(sizing.COPY_READS_MIN_BYTES, hot_set=False)
     assert not sizing.copy_reads(sizing.COPY_READS_MIN_BYTES - 1, hot_set=False)
     assert not sizing.copy_reads(2 * sizing.COPY_READS_MIN_BYTES, hot_set=True)
+    # the plan says so: Mixtral-8x7B's two 99 MB experts without a cache, not with one, not Qwen3's eight 2.7 MB
+    mixtral = sizing.ExpertPlan(slot_bytes=99_100_000, work=8, cache=0, gather_bytes=0, top_k=2)
+    assert mixtral.copied and "198 MB) copied by the copy engine" in mixtral.describe()
+    assert not sizing.ExpertPlan(slot_bytes=99_100_000, work=8, cache=4, gather_bytes=0, top_k=2).copied
+    assert not sizing.ExpertPlan(slot_bytes=2_700_000, work=128, cache=0, gather_bytes=0, top_k=8).copied

@@ -98,6 +98,13 @@ class ExpertPlan:
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
     fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
     spec_slots: int = 0  # further slots same-layer speculative reads copy into (``SPECULATE``; 0: off)
+    top_k: int = 0  # experts a token routes to (the largest of the store's layers)
+
+    @property
+    def copied(self) -> bool:
+        """Whether a one-token decode call takes copied reads (``copy_reads``: its top-k experts' bytes, no cache)
+        where direct reads run."""
+        return copy_reads(self.top_k * self.slot_bytes, hot_set=self.cache > 0)
 
     @property
     def slots(self) -> int:
@@ -127,6 +134,8 @@ class ExpertPlan:
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
                 + (f", same-layer speculative reads {self.spec_slots} slots" if self.spec_slots else "")
+                + (f", one-token decode calls ({self.top_k * self.slot_bytes / 1e6:.0f} MB) copied by the copy engine"
+                   if self.copied else "")
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
 
 
@@ -445,7 +454,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
     return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
                       compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate, fused=fused,
-                      spec_slots=spec)
+                      spec_slots=spec, top_k=top_k)
 
 
 def call_cap(entry: ShardEntry) -> int | None:
