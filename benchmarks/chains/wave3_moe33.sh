@@ -1,4 +1,4 @@
-# Device chain for issue #34 (~7 min on one GPU, best an H100; started detached, polled).
+# Device chain for issue #34 (~7 min on one GPU, best an H100; started detached, polled). Ran in stop 72 (H100).
 # 1. The Qwen3-30B-A3B hot set on the default (the issue's --trace of the batch-1 step), 8 passes under the
 #    profiler: wave3_moe32's 3 traced passes were two graph captures of the new loop and one pass.
 # 2. Mixtral-8x7B no cache, copied (the default) against uvaread once more: wave3_moe32's first pair ran 1.18x.
