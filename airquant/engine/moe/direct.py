@@ -109,6 +109,7 @@ class DirectReads:
         self.hits = torch.zeros(rows, dtype=torch.int64, device=device)
         self.scratch_hits = torch.zeros(1, dtype=torch.int64, device=device)  # copied reads' (not counted)
         self.scores = torch.zeros((rows, num), dtype=torch.float64)
+        self._stored: torch.Tensor | None = None  # [rows, num]: the eligible layers' stored experts (``_top``)
         self.hot: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.routed = [0] * rows  # pairs computed by direct reads, per layer (known on the host: no sync)
         self.hot_bytes = 0  # copied into the hot set
@@ -341,15 +342,15 @@ class DirectReads:
         """The ``n`` (layer, expert) keys of the highest positive scores among eligible layers' stored experts."""
         if n <= 0:
             return set()
-        scores = self.scores.clone()
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        for i in self.eligible:
-            mask[i, :len(self.layers[i].ranges)] = True
-        scores[~mask] = 0.0
-        flat = scores.reshape(-1)
+        if self._stored is None:  # built once: a slice per layer cost ~0.4 ms of host time a refresh (H100 trace)
+            self._stored = torch.zeros_like(self.scores, dtype=torch.bool)
+            for i in self.eligible:
+                self._stored[i, :len(self.layers[i].ranges)] = True
+        flat = torch.where(self._stored, self.scores, 0.0).reshape(-1)
         top = torch.topk(flat, min(n, flat.numel()))
-        num = scores.shape[1]
-        return {(int(k) // num, int(k) % num) for v, k in zip(top.values.tolist(), top.indices.tolist()) if v > 0}
+        num = self.scores.shape[1]
+        picked = top.indices[top.values > 0]
+        return set(zip((picked // num).tolist(), (picked % num).tolist()))
 
     def _write_table(self, keys: list[tuple[int, int]], slots: list[int]) -> None:
         """Table entries set on the compute stream (after every kernel queued so far)."""
