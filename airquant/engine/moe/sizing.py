@@ -59,12 +59,12 @@ SPECULATE_GUESSES: int | None = None
 # layer graph) and has the copy engine bring its experts into working slots, the (gate/)up parts first; the same
 # tiered kernels then read them from VRAM, the up projection while the down parts still arrive and each top-k
 # column's down projection as soon as its experts are in. Why: the tiered kernel reads the pinned RAM tier at
-# 0.84-0.89 of the link (Mixtral-8x7B's experts, results/uva_hostmem.json, H100), the copy engine at the link; a
-# copied call pays a host sync, two graph launches and its last down projection instead (~0.2 ms), which 12 % of
-# a call's link time buys back from ~90 MB a call up. Measured (H100, batch 1, no cache, wave3_moe32/33): Mixtral-8x7B
-# (2 x 99 MB) 0.128 s a step copied against 0.138-0.142 read by the kernel; gpt-oss-120b (4 x 12.6 MB) 0.0233
-# against 0.0216; Qwen3-30B-A3B (8 x 2.7 MB) 0.0755 against 0.0286. None: never (every call reads directly); 0: every
-# eligible call.
+# 0.84-0.89 of the link (Mixtral-8x7B's experts, results/uva_hostmem.json, H100), the copy engine at the link
+# (55.0 GB/s in the traced copied step); a copied call pays instead the host's reply to its routing (~0.15 ms) and
+# its last down projection after the link (~0.12 ms), which ~12 % of a call's link time buys back from ~100 MB up.
+# Measured (H100, batch 1, no cache, wave3_moe32/33): Mixtral-8x7B (2 x 99 MB a call) 0.128 s a step copied against
+# 0.138-0.142 read by the kernel; gpt-oss-120b (4 x 12.6 MB) 0.0233 against 0.0216; Qwen3-30B-A3B (8 x 2.7 MB)
+# 0.0755 against 0.0286. None: never (every call reads directly); 0: every eligible call.
 COPY_READS_MIN_BYTES: int | None = 96 * 2**20
 
 
