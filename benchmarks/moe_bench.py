@@ -430,6 +430,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # for none (the tiered kernel reads every expert from the RAM tier); the hot-set case never takes them.
     **direct_pair("copied", copy_reads=0),
     **direct_pair("uvaread", copy_reads=None),
+    # A decode pass's graph captured in 4 graphs split at layer boundaries (engine/layer_graphs.py PASS_GRAPH_PARTS,
+    # 1 by default): the GPU runs the first while the host launches the next (one launch of the whole pass kept the
+    # GPU idle 1.57 ms of Qwen3-30B-A3B's hot-set step, wave3_moe33).
+    **direct_pair("passparts", pass_parts=4),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -507,7 +511,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
                         "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
                         "lfu_direct_r1_specread", "nocache_direct_specread4", "lfu_direct_r1_specread4",
-                        "nocache_direct_copied", "nocache_direct_uvaread", *HOST_CASES),
+                        "nocache_direct_copied", "nocache_direct_uvaread", "nocache_direct_passparts",
+                        "lfu_direct_r1_passparts", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass",
@@ -520,7 +525,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
             "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (sizing_mod, "SPECULATE"),
-            "spec_guesses": (sizing_mod, "SPECULATE_GUESSES"), "copy_reads": (sizing_mod, "COPY_READS_MIN_BYTES")}
+            "spec_guesses": (sizing_mod, "SPECULATE_GUESSES"), "copy_reads": (sizing_mod, "COPY_READS_MIN_BYTES"),
+            "pass_parts": (graphs_mod, "PASS_GRAPH_PARTS")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

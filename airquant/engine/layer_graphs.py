@@ -47,7 +47,8 @@ graph computed (the previous output, the same arguments, the same weights dict) 
 host cost of a few microseconds a layer instead of a key, its twins and a graph launch (a host-bound step's
 whole difference: Qwen3-30B-A3B's hot-set step on the H200 waited on the host between layers, wave3_moe14).
 A call that differs from what the graph ran (another weights dict, other arguments) runs as before, from its own
-input: its cache write rewrites the rows the graph wrote.
+input: its cache write rewrites the rows the graph wrote. ``PASS_GRAPH_PARTS`` captures a pass in that many graphs,
+split at layer boundaries and replayed in order, so the GPU starts on the first while the host launches the next.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ CARRY = True
 # attended bucket and row count in use; the least recently replayed goes first).
 PASS_GRAPHS = True
 PASSES_KEPT = 8
+# The graphs a pass graph is captured in, split at layer boundaries (1: one graph). A pass is ~1 500 nodes for
+# Qwen3-30B-A3B at batch 1 and its cudaGraphLaunch took 1.57 ms of host time before the GPU ran its first kernel
+# (H100 trace, wave3_moe33: ~12 % of the 12.0 ms hot-set step idle); in parts the GPU runs the first while the host
+# launches the next. Measured neither way yet: 1 until a device run compares them (moe_bench ``*_passparts``).
+PASS_GRAPH_PARTS = 1
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
 
@@ -456,10 +462,11 @@ class _Trace:
 
 @dataclass
 class _PassEntry:
-    """A decode pass in one graph: its steps, the output of each (the graph's tensors), the first call's twins, and
-    the cache buffers its static writes read (their addresses, checked before a replay)."""
+    """A decode pass in one graph (or ``PASS_GRAPH_PARTS`` graphs, in order): its steps, the output of each (the
+    graphs' tensors), the first call's twins, and the cache buffers its static writes read (their addresses, checked
+    before a replay)."""
 
-    graph: object
+    graphs: list
     steps: list
     outputs: list
     twins: list
@@ -936,7 +943,11 @@ class LayerGraphs:
             with _mode("runner"), _recording(recorder):
                 recorder.begin()
                 hidden = c_args[0]
-                for step in steps:
+                per = -(-len(steps) // max(PASS_GRAPH_PARTS, 1))  # layers a graph
+                for n, step in enumerate(steps):
+                    if n and n % per == 0:  # the next part: its first layer reads the last one's output
+                        recorder.end()
+                        recorder.begin()
                     recorder.layer(step.key[-1])
                     out = step.call(hidden, *c_args[1:], **c_kwargs)
                     if recorder.pending or not isinstance(out, torch.Tensor) or \
@@ -957,7 +968,7 @@ class LayerGraphs:
             return None
         finally:
             kv.recorder = None
-        entry = _PassEntry(recorder.graphs[0], list(steps), outputs, twins, self._buffers_of(kv, steps),
+        entry = _PassEntry(list(recorder.graphs), list(steps), outputs, twins, self._buffers_of(kv, steps),
                            frozenset(s.key for s in steps), self._stable, (weakref.ref(kv), kv.layout))
         self._passes[first.key] = entry
         while len(self._passes) > PASSES_KEPT:
@@ -968,7 +979,8 @@ class LayerGraphs:
     def _replay_pass(self, entry: _PassEntry, leaves: list, kv, args: tuple, kwargs: dict):
         _run_work(entry.steps)
         self._load(entry.twins, leaves, kv)
-        self.backend.replay(entry.graph)
+        for graph in entry.graphs:
+            self.backend.replay(graph)
         self.stats["pass_replays"] += 1
         return self._replayed(entry, args, kwargs)
 

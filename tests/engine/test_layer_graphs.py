@@ -253,6 +253,24 @@ def test_a_decode_pass_replays_as_one_graph(stores, model_type):
     assert s["pass_calls"] == 6 * layers and s["pass_breaks"] == 0 and s["failed"] == 0
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_decode_pass_in_parts_replays_as_one_graph_does(stores, monkeypatch, parts):
+    """``PASS_GRAPH_PARTS``: a pass graph captured in several graphs split at layer boundaries (the GPU runs the
+    first while the host launches the next) replays them in order; the decode equals the same decode run eagerly,
+    with the same captures and replays as one graph."""
+    want = _static_eager(stores["qwen3_moe"], lambda e: _decode(e, steps=10))
+    monkeypatch.setattr(layer_graphs, "PASS_GRAPH_PARTS", parts)
+    engine, graphs = _graphed(stores["qwen3_moe"])
+    tokens, logits = _decode(engine, steps=10)
+    layers = len(skeleton.decoder_layers(engine.model))
+    engine.close()
+    assert tokens == want[0] and torch.equal(logits, want[1])
+    s = graphs.stats
+    assert (s["captures"], s["replays"], s["pass_captures"], s["pass_replays"]) == (layers, layers, 1, 5), s
+    assert s["pass_calls"] == 6 * layers and s["pass_breaks"] == 0 and s["failed"] == 0
+    assert [len(e.graphs) for e in graphs._passes.values()] == [min(parts, layers)]
+
+
 def test_a_pass_whose_layer_gets_other_weights_runs_that_layer_alone(stores, monkeypatch):
     """A layer handed another weights dict than the pass graph ran with (here once, the same tensors) runs from its
     own input, replaying its own graph, and the pass goes on without the pass graph; the next passes are traced
@@ -752,6 +770,22 @@ def test_cuda_layer_graphs_with_direct_reads_equal_eager(monkeypatch, tmp_path_f
     assert stats["layer_graphs"]["pass_replays"] >= 2 and stats["layer_graphs"]["pass_breaks"] == 0, stats
     assert stats["experts"]["direct"]["direct_pairs"] > 0, stats
     assert stats["static"][0] >= layers and stats["static"][1] == 0, stats  # the attention in the graphs
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.gpu
+def test_cuda_pass_graph_in_parts_equals_eager(monkeypatch, tmp_path_factory, real_tokenizer):
+    """``PASS_GRAPH_PARTS`` on CUDA (Qwen3-MoE NF4, direct reads): the pass captured in 2 graphs, each replayed at
+    its capture's end and then every pass in order; the tokens and logits equal the eager decode's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(layer_graphs, "PASS_GRAPH_PARTS", 2)
+    store = _nf4_store(tmp_path_factory, real_tokenizer, "qwen3_moe")
+    (want_tokens, want_logits), (tokens, logits), stats, layers = _eager_then_graphed(
+        monkeypatch, store, lambda engine: _decode(engine, steps=10))
+    assert stats["layer_graphs"]["failed"] == 0 and stats["layer_graphs"]["pass_replays"] >= 2, stats
+    assert stats["layer_graphs"]["pass_breaks"] == 0, stats
     assert tokens == want_tokens
     assert torch.equal(logits, want_logits)
 
