@@ -146,8 +146,9 @@ def check_direct(store: Path) -> dict:
 
 def check_copied(model_type: str, folder: Path, tokenizer_dir: str, method: str = "nf4") -> dict:
     """Copied reads (pool ``_run_copied``, every eligible call: ``sizing.COPY_READS_MIN_BYTES`` 0; no cache): each
-    one-token call's experts copied into working slots in two parts and read there by the tiered kernels, each
-    top-k column's down projection on its own, against the per-expert path (fused kernels off)."""
+    decode call's experts copied into working slots in two parts and read there by the tiered kernels, each
+    top-k column's down projection on its own, against the per-expert path (fused kernels off): one request, then
+    three decoded together."""
     from airquant.engine.moe import pool, sizing
 
     store = build_store(model_type, folder, tokenizer_dir, False, method)
@@ -158,6 +159,10 @@ def check_copied(model_type: str, folder: Path, tokenizer_dir: str, method: str 
         calls["copied"] += 1
         return real(self, *args, **kwargs)
 
+    def batch(engine: Engine) -> list[list[int]]:  # three prompts decoded together: calls of 3 tokens
+        requests = [engine.request(PROMPT[:n], GenerateConfig(max_new_tokens=4, ignore_eos=True)) for n in (12, 7, 9)]
+        return [list(o.token_ids) for o in engine.generate_requests(requests)]
+
     old = sizing.COPY_READS_MIN_BYTES, pool.DIRECT
     pool.ExpertPool._run_copied, sizing.COPY_READS_MIN_BYTES, pool.DIRECT = counted, 0, True
     try:
@@ -165,18 +170,22 @@ def check_copied(model_type: str, folder: Path, tokenizer_dir: str, method: str 
         tokens, logits = decode(engine, 4)
         report = engine.experts.report()
         layers = sum(1 for e in engine.manifest.shards.values() if e.experts)
+        single = calls["copied"]
+        batched = batch(engine)
         engine.close()
     finally:
         pool.ExpertPool._run_copied, (sizing.COPY_READS_MIN_BYTES, pool.DIRECT) = real, old
     expert_compute.FUSED = False
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
     want_tokens, want_logits = decode(engine, 4)
+    want_batched = batch(engine)
     engine.close()
     expert_compute.FUSED = True
-    return {"type": model_type, "method": method, "copied_calls": calls["copied"], "layers": layers,
+    return {"type": model_type, "method": method, "copied_calls": single, "layers": layers,
             "report": {k: v for k, v in report.items() if k != "direct"}, "direct": report.get("direct"),
             "tokens_equal": tokens == want_tokens,
-            "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item()}
+            "max_rel_diff": (logits - want_logits).abs().max().item() / want_logits.abs().max().item(),
+            "batch3_copied_calls": calls["copied"] - single, "batch3_tokens_equal": batched == want_batched}
 
 
 def check_blocks(double_quant: bool, device: str = "cpu") -> dict:

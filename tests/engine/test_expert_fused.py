@@ -71,7 +71,8 @@ def test_copied_reads_decode_as_the_per_expert_path():
     """Copied reads (engine/moe/pool.py ``_run_copied``, forced for every call): each one-token call's experts copied
     into working slots in two parts and read there by the tiered kernels, one down projection per top-k column,
     for NF4 (gated), int2 and GPTQ experts: the greedy tokens and logits of the per-expert path, every MoE layer
-    of every one-token step copied, each call's distinct experts counted as routed and copied."""
+    of every one-token step copied, each call's distinct experts counted as routed and copied; three requests
+    decoded together (calls of 3 tokens) give the per-expert path's tokens too."""
     rows = _interpreted("copied:mixtral", "copied:qwen3_moe:int2", "copied:mixtral:gptq")
     assert [(r["type"], r["method"]) for r in rows] == [("mixtral", "nf4"), ("qwen3_moe", "int2"), ("mixtral", "gptq")]
     for r in rows:
@@ -80,6 +81,8 @@ def test_copied_reads_decode_as_the_per_expert_path():
         assert r["report"]["copied"] == r["report"]["routed"] > 0 and r["report"]["bytes_copied"] > 0, r
         assert r["direct"]["direct_pairs"] == 0, r  # none read from the RAM tier by the kernels
         assert r["tokens_equal"] and r["max_rel_diff"] <= 1e-5, r
+        # three requests decoded together: calls of 3 tokens copied, column by column, the same greedy tokens
+        assert r["batch3_copied_calls"] >= 3 * r["layers"] and r["batch3_tokens_equal"], r
 
 
 def test_grouped_kernel_blocks_of_every_width_equal_the_dense_product():
