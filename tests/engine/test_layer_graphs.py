@@ -236,12 +236,14 @@ def test_a_new_bucket_is_captured_again(stores, monkeypatch):
     assert graphs.stats["pass_captures"] >= 2  # a pass graph per bucket that lasted long enough
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_a_decode_pass_replays_as_one_graph(stores, model_type):
+@pytest.mark.parametrize("model_type,parts", [("llama", 1), ("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen3_moe", 3)])
+def test_a_decode_pass_replays_as_one_graph(stores, monkeypatch, model_type, parts):
     """Once a pass has replayed every layer's own graph (fixed weights, each layer fed the previous one's output),
     the next pass is captured whole and the later ones replay it from the first layer's call; the other layers
-    only return their output. The decode equals the same decode run eagerly."""
+    only return their output. The decode equals the same decode run eagerly. ``PASS_GRAPH_PARTS``: the pass in
+    that many graphs split at layer boundaries, replayed in order, the same captures and replays."""
     want = _static_eager(stores[model_type], lambda e: _decode(e, steps=10))
+    monkeypatch.setattr(layer_graphs, "PASS_GRAPH_PARTS", parts)
     engine, graphs = _graphed(stores[model_type])
     tokens, logits = _decode(engine, steps=10)
     layers = len(skeleton.decoder_layers(engine.model))
@@ -249,23 +251,6 @@ def test_a_decode_pass_replays_as_one_graph(stores, model_type):
     assert tokens == want[0] and torch.equal(logits, want[1])
     s = graphs.stats
     # 9 decode passes: a warm-up, a capture, one pass of replays (traced), the pass graph's capture, 5 replays
-    assert (s["captures"], s["replays"], s["pass_captures"], s["pass_replays"]) == (layers, layers, 1, 5), s
-    assert s["pass_calls"] == 6 * layers and s["pass_breaks"] == 0 and s["failed"] == 0
-
-
-@pytest.mark.parametrize("parts", [2, 3])
-def test_a_decode_pass_in_parts_replays_as_one_graph_does(stores, monkeypatch, parts):
-    """``PASS_GRAPH_PARTS``: a pass graph captured in several graphs split at layer boundaries (the GPU runs the
-    first while the host launches the next) replays them in order; the decode equals the same decode run eagerly,
-    with the same captures and replays as one graph."""
-    want = _static_eager(stores["qwen3_moe"], lambda e: _decode(e, steps=10))
-    monkeypatch.setattr(layer_graphs, "PASS_GRAPH_PARTS", parts)
-    engine, graphs = _graphed(stores["qwen3_moe"])
-    tokens, logits = _decode(engine, steps=10)
-    layers = len(skeleton.decoder_layers(engine.model))
-    engine.close()
-    assert tokens == want[0] and torch.equal(logits, want[1])
-    s = graphs.stats
     assert (s["captures"], s["replays"], s["pass_captures"], s["pass_replays"]) == (layers, layers, 1, 5), s
     assert s["pass_calls"] == 6 * layers and s["pass_breaks"] == 0 and s["failed"] == 0
     assert [len(e.graphs) for e in graphs._passes.values()] == [min(parts, layers)]
