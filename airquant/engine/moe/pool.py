@@ -306,10 +306,7 @@ class ExpertPool:
         order = list(dict.fromkeys(row[k] for k in range(top_k) for row in rows))  # column 0's experts first
         slots = self._acquire(i, layer, order, parts=self._image_parts(i, layer, spec, arranged))
         slot_of = dict(zip(order, slots))
-        table = torch.full((len(layer.ranges),), -1, dtype=torch.int32)
-        table[torch.tensor(order, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)
-        if self.ops is not None:
-            table = table.pin_memory().to(self.device, non_blocking=True)
+        table = self._slot_table(len(layer.ranges), order, slots, fill=-1)  # -1: not in the pool (none read)
         tiers = self.direct.tiers(i, src, arranged, table=table, hits=self.direct.scratch_hits)
         up, down = tiered_kernels(spec.scheme)
         self._wait_ready(slots, up=True)
@@ -385,15 +382,19 @@ class ExpertPool:
             part = index[a:a + step]
             union = routed if step >= hidden.shape[0] else torch.unique(part).tolist()
             slots = self._acquire(i, layer, union)
-            lut = torch.zeros(num, dtype=torch.int32)
-            lut[torch.tensor(union, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)
-            if self.ops is not None:
-                lut = lut.pin_memory().to(self.device, non_blocking=True)
+            lut = self._slot_table(num, union, slots, fill=0)
             self._wait_ready(slots)
             outs.append(expert_compute.run_fused(spec, module, operands, hidden[a:a + step], lut[part.long()],
                                                  weights[a:a + step], self.plan.slots, len(union)))
             self._mark_read(slots)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _slot_table(self, num: int, experts: list[int], slots: list[int], fill: int) -> torch.Tensor:
+        """int32 ``[num]`` on the device: each of ``experts``' slot, ``fill`` for the others; built in pinned host
+        memory, so its copy to the device does not block."""
+        table = torch.full((num,), fill, dtype=torch.int32, pin_memory=self.ops is not None)
+        table[torch.tensor(experts, dtype=torch.long)] = torch.tensor(slots, dtype=torch.int32)
+        return table.to(self.device, non_blocking=True) if self.ops is not None else table
 
     def _wait_ready(self, slots, up: bool = False) -> None:
         """The compute stream waits for the copies into ``slots`` (no host block); ``up``: only for their first
