@@ -422,9 +422,12 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # Same-layer speculative reads (engine/moe/sizing.py SPECULATE; off: slower on every case, wave3_moe31, H200):
     # each layer's experts guessed from its input before its attention and copied while the link would idle.
     **direct_pair("specread", spec_read=True),
-    # The same copying only the 4 (2) most confident guesses (sizing.SPECULATE_GUESSES): what the idle link carries.
+    # The same copying only the 4 (3, 2, 1) most confident guesses (sizing.SPECULATE_GUESSES): what the idle link
+    # carries.
     **direct_pair("specread4", spec_read=True, spec_guesses=4),
     **direct_pair("specread2", spec_read=True, spec_guesses=2),
+    **direct_pair("specread1", spec_read=True, spec_guesses=1),
+    **direct_pair("specread3", spec_read=True, spec_guesses=3),
     # Copied reads (engine/moe/sizing.py COPY_READS_MIN_BYTES; pool._run_copied): a no-cache call whose experts
     # bring ~96 MB or more over the link (Mixtral-8x7B's two, not Qwen3-30B-A3B's eight) reads its routing to the
     # host and has the copy engine bring them in, up parts first. "copied" takes them for every call, "uvaread"
@@ -512,7 +515,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
                         "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
                         "lfu_direct_r1_specread", "nocache_direct_specread4", "lfu_direct_r1_specread4",
-                        "nocache_direct_specread2", "lfu_direct_r1_specread2",
+                        "nocache_direct_specread2", "lfu_direct_r1_specread2", "nocache_direct_specread1",
+                        "lfu_direct_r1_specread1", "nocache_direct_specread3", "lfu_direct_r1_specread3",
                         "nocache_direct_copied", "nocache_direct_uvaread", "nocache_direct_passparts",
                         "lfu_direct_r1_passparts", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",

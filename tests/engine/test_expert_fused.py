@@ -167,6 +167,80 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+SPEC_KERNELS = """
+import torch
+from airquant.engine.moe import uva_copy
+
+def check(src, start, stride, length, experts, device):
+    mem = torch.zeros((6, 4224), dtype=torch.uint8, device=device)
+    table = torch.full((experts,), -1, dtype=torch.int32, device=device)
+    table[7] = 1  # expert 7 in the hot set (slot 1)
+    logits = torch.randn(experts)
+    logits[2], logits[7], logits[9], logits[3] = float("nan"), 5.0, 4.0, 4.0
+    logits = logits.to(device)
+    slots = torch.tensor([3, 4, 5], dtype=torch.int32, device=device)
+    guess = torch.empty(3, dtype=torch.int64, device=device)
+    free = torch.empty(3, dtype=torch.int32, device=device)
+    copied, calls = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
+    uva_copy.spec_plan(logits, table, slots, guess, free, copied, calls)
+    assert guess.tolist() == [7, 3, 9], guess  # a tie: the first index; a NaN never
+    assert free.tolist() == [0, 1, 1] and copied.item() == 2 and calls.item() == 1
+    t = table.tolist()
+    assert t[7] == 1 and t[3] == 4 and t[9] == 5 and {t[e] for e in (0, 1, 2, 4, 5, 6, 8)} == {-1}, t
+    uva_copy.gather_images(src, mem, guess, free, slots, start, stride, length, experts)
+    words = start % 16 == 0  # 16-byte loads: the run rounded up to 64 bytes of the source
+    run = -(-length // 64) * 64 if words else length
+    want = torch.zeros((6, 4224), dtype=torch.uint8)
+    for slot, e in ((4, 3), (5, 9)):
+        want[slot, :run] = src[start + e * stride:start + e * stride + run].cpu()
+    assert torch.equal(mem.cpu(), want), (start, (mem.cpu() != want).nonzero()[:5])
+    table[9] = 0  # a hot-set refresh pointed expert 9 at its slot meanwhile
+    uva_copy.spec_settle(table, guess, free, slots)
+    assert table.tolist()[7] == 1 and table.tolist()[3] == -1 and table.tolist()[9] == 0
+
+def run(src, device):
+    for start in (256, 260):  # 16-byte aligned (words), 4 past (bytes)
+        check(src, start, 4096 + 128, 4003, 10, device)
+    print("ok")
+"""
+
+
+def test_speculation_kernels_plan_copy_and_settle_the_guesses():
+    """uva_copy's speculative-read kernels (interpreted on CPU tensors): ``spec_plan`` takes the largest logits
+    (the first index on a tie, never a NaN), points the table at the guesses' slots but for one in the hot set,
+    and counts; ``gather_images`` copies the images to be copied into their slots, by 16-byte loads of whole
+    64-byte runs where aligned (the run's tail past the image: the source's next bytes) and by bytes where not;
+    ``spec_settle`` points back only the entries still at their guess's slot."""
+    script = SPEC_KERNELS + """
+torch.manual_seed(0)
+run(torch.randint(0, 256, (260 + 10 * 4224,), dtype=torch.uint8), "cpu")
+"""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_cuda_speculation_kernels_read_the_pinned_ram_tier():
+    """The same kernels compiled, the images read from a pinned host buffer (the 16-byte loads' path and the
+    bytes' path)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from airquant.engine.cuda_ops import HostMemory
+
+    namespace = {}
+    exec(SPEC_KERNELS, namespace)
+    memory = HostMemory(pinned=True)
+    src = memory.empty(260 + 10 * 4224)
+    torch.manual_seed(0)
+    src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8))
+    namespace["run"](src, "cuda")
+    memory.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("route", ["one-token", "two-rows", "four-rows", "many-rows"])

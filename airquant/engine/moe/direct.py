@@ -231,24 +231,29 @@ class DirectReads:
 
     def _guess_and_copy(self, i: int, hidden: torch.Tensor, norm, gate: torch.Tensor, guesses: int, src, arranged):
         """The ``guesses`` largest logits' experts (on the device) and which of them were copied (not in the hot
-        set), the table set."""
+        set), the table set. On a GPU three launches beside the norm and the logits (engine/moe/uva_copy
+        ``spec_plan``, ``gather_images``); on the CPU the same in torch."""
         x = norm(hidden).reshape(1, -1)
-        guess = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:len(arranged.expert_ranges)].topk(guesses).indices
-        held = self.table[i].index_select(0, guess)
-        free = held < 0
+        experts = len(arranged.expert_ranges)
+        logits = (x.to(gate.dtype) @ gate.t()).reshape(-1)[:experts]
         slots = self._spec_ids[:guesses]
         if self.mem.is_cuda:
             from airquant.engine.moe import uva_copy
 
-            start = arranged.expert_start(0)
-            desc = torch.stack((start + guess * arranged.stride, slots.long() * self.mem.shape[1],
-                                free.long() * arranged.image_bytes), dim=1).contiguous()
-            uva_copy.gather(src, self.mem.view(-1), desc, arranged.image_bytes)
-        else:
-            for e, slot, copy in zip(guess.tolist(), slots.tolist(), free.tolist()):
-                if copy:
-                    at = arranged.expert_start(e)
-                    self.mem[slot, :arranged.image_bytes].copy_(src[at:at + arranged.image_bytes])
+            guess = torch.empty(guesses, dtype=torch.int64, device=self.device)
+            free = torch.empty(guesses, dtype=torch.int32, device=self.device)
+            uva_copy.spec_plan(logits.contiguous(), self.table[i], slots, guess, free, self.spec_copied[i:i + 1],
+                               self.spec_calls[i:i + 1])
+            uva_copy.gather_images(src, self.mem, guess, free, slots, arranged.expert_start(0), arranged.stride,
+                                   arranged.image_bytes, experts)
+            return guess, free
+        guess = logits.topk(guesses).indices
+        held = self.table[i].index_select(0, guess)
+        free = held < 0
+        for e, slot, copy in zip(guess.tolist(), slots.tolist(), free.tolist()):
+            if copy:
+                at = arranged.expert_start(e)
+                self.mem[slot, :arranged.image_bytes].copy_(src[at:at + arranged.image_bytes])
         self.table[i].index_put_((guess,), torch.where(free, slots, held))
         self.spec_copied[i:i + 1].add_(free.sum())
         self.spec_calls[i:i + 1].add_(1)
@@ -262,11 +267,19 @@ class DirectReads:
         return pending
 
     def _settle(self, i: int, pending: tuple) -> None:
-        """After layer i's kernels: the entries the speculation set point back at the RAM tier (the hot set's
-        stay), on the compute stream; the slots are free for the next layer's guesses."""
+        """After layer i's kernels: the entries the speculation set point back at the RAM tier (-1), on the compute
+        stream, unless a hot-set refresh pointed one at its hot slot meanwhile; the slots are free for the next
+        layer's guesses."""
         guess, free = pending
-        self.table[i].index_put_((guess,), torch.where(free, torch.full_like(self._spec_ids[:1], -1),
-                                                       self.table[i].index_select(0, guess)))
+        slots = self._spec_ids[:guess.numel()]
+        if self.table.is_cuda:
+            from airquant.engine.moe import uva_copy
+
+            uva_copy.spec_settle(self.table[i], guess, free, slots)
+            return
+        row = self.table[i]
+        mine = free.bool() & (row.index_select(0, guess) == slots)
+        row.index_put_((guess,), torch.where(mine, torch.full_like(slots, -1), row.index_select(0, guess)))
 
     def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:  # NF4 only
         """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier

@@ -65,3 +65,108 @@ def probe(src: torch.Tensor, device: torch.device) -> bool:
     if not ok:
         log.warning("expert copies by one kernel are off: a probe copy differed from the copy engine's")
     return ok
+
+
+# -- speculative reads (engine/moe/direct.py ``DirectReads.speculate``) --------------------------------------
+# A layer's guessed experts planned and copied in two launches beside its attention, with no host sync:
+# ``spec_plan`` takes the router's logits, picks the top ``K`` (first index on ties, a NaN logit never), points the
+# layer's table at the guesses' slots (a hot-set entry stays) and counts; ``gather_images`` copies the guessed
+# images that were not in the hot set from the RAM tier into those slots. The gather reads 4-byte words where
+# every address is 16-byte aligned (the copy of 2 Qwen3-30B-A3B images by byte loads ran ~26 GB/s on an H100
+# beside the attention, where a kernel's word loads get ~51 of the link's 55: results/uva_bench.json), in
+# programs of ``IMAGE_CHUNK`` bytes, so a few megabytes spread over every SM.
+IMAGE_CHUNK = 1 << 14
+IMAGE_BLOCK = 4096  # bytes a program moves per step (1024 words: two 16-byte loads a thread at 4 warps)
+
+
+@triton.jit
+def _spec_plan_kernel(logits_ptr, experts, table_ptr, slots_ptr, guess_ptr, free_ptr, copied_ptr, calls_ptr,
+                      K: tl.constexpr, BLOCK_E: tl.constexpr):
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + offs, mask=offs < experts, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN: never a guess
+    copied = tl.zeros((), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=0)
+        e = tl.min(tl.where((x == best) & (offs < experts), offs, BLOCK_E), axis=0)
+        ok = e < experts
+        e = tl.where(ok, e, 0)
+        held = tl.load(table_ptr + e)
+        free = ok & (held < 0)
+        tl.store(guess_ptr + j, e)
+        tl.store(free_ptr + j, free.to(tl.int32))
+        tl.store(table_ptr + e, tl.where(free, tl.load(slots_ptr + j), held))
+        copied += free.to(tl.int64)
+        x = tl.where(offs == e, float("-inf"), x)
+    tl.store(copied_ptr, tl.load(copied_ptr) + copied)
+    tl.store(calls_ptr, tl.load(calls_ptr) + 1)
+
+
+@triton.jit
+def _gather_images_kernel(src_ptr, dst_ptr, guess_ptr, free_ptr, slots_ptr, start, stride, row, length,
+                          WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (j, c) copies chunk c of guess j's image when it is to be copied; units are 4-byte words where
+    ``WORDS`` (every address a multiple of 16 bytes, ``length`` of 64), else bytes."""
+    j = tl.program_id(0)
+    first = tl.program_id(1).to(tl.int64) * CHUNK
+    if WORDS:
+        source = src_ptr.to(tl.pointer_type(tl.int32))
+        target = dst_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        source = src_ptr
+        target = dst_ptr
+    if tl.load(free_ptr + j) != 0:
+        s = start + tl.load(guess_ptr + j).to(tl.int64) * stride
+        d = tl.load(slots_ptr + j).to(tl.int64) * row
+        if WORDS:
+            s = tl.multiple_of(s, 4)
+            d = tl.multiple_of(d, 4)
+        offs = tl.arange(0, BLOCK)
+        for at in range(0, CHUNK, BLOCK):
+            pos = first + at + offs
+            mask = pos < length
+            tl.store(target + d + pos, tl.load(source + s + pos, mask=mask), mask=mask)
+
+
+@triton.jit
+def _spec_settle_kernel(table_ptr, guess_ptr, free_ptr, slots_ptr, K: tl.constexpr):
+    for j in tl.static_range(K):
+        e = tl.load(guess_ptr + j)
+        slot = tl.load(slots_ptr + j)
+        if (tl.load(free_ptr + j) != 0) & (tl.load(table_ptr + e) == slot):
+            tl.store(table_ptr + e, -1)
+
+
+def spec_plan(logits: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, guess: torch.Tensor,
+              free: torch.Tensor, copied: torch.Tensor, calls: torch.Tensor) -> None:
+    """The ``guess.numel()`` largest of ``logits`` [E]: their ids into ``guess`` (int64), whether each is to be
+    copied (not in the hot set: ``table`` entry < 0) into ``free`` (int32), ``table`` (a layer's int32 row)
+    pointed at ``slots``' (int32) slot for those; ``copied`` += their count and ``calls`` += 1 (int64 [1])."""
+    k = guess.numel()
+    _spec_plan_kernel[(1,)](logits, logits.numel(), table, slots, guess, free, copied, calls, K=k,
+                            BLOCK_E=triton.next_power_of_2(max(logits.numel(), 16)), num_warps=1)
+
+
+def gather_images(src: torch.Tensor, dst: torch.Tensor, guess: torch.Tensor, free: torch.Tensor,
+                  slots: torch.Tensor, start: int, stride: int, length: int, experts: int) -> None:
+    """For each guess j (< ``experts``) with ``free[j]``: ``length`` bytes of ``src`` (pinned host bytes) from
+    ``start + guess[j] * stride`` into row ``slots[j]`` of ``dst`` (device bytes [slots, row]), on the current
+    stream. In 4-byte words, the run rounded up to 64 bytes (a length Triton knows divides by 16 words: 16-byte
+    loads), where every address is 16-byte aligned and the rounded run of every expert stays inside ``src``, its
+    stride and a row; bytes otherwise."""
+    row = dst.shape[1]
+    wide = -(-length // 64) * 64
+    words = all(v % 16 == 0 for v in (start, stride, row, src.data_ptr(), dst.data_ptr())) and \
+        wide <= min(row, stride) and start + (experts - 1) * stride + wide <= src.numel()
+    unit = 4 if words else 1
+    n = (wide if words else length) // unit
+    chunk = IMAGE_CHUNK // unit
+    grid = (guess.numel(), triton.cdiv(n, chunk))
+    _gather_images_kernel[grid](src, dst, guess, free, slots, start // unit, stride // unit, row // unit, n,
+                                WORDS=words, CHUNK=chunk, BLOCK=IMAGE_BLOCK // unit, num_warps=4)
+
+
+def spec_settle(table: torch.Tensor, guess: torch.Tensor, free: torch.Tensor, slots: torch.Tensor) -> None:
+    """After the layer's kernels: each copied guess whose ``table`` entry still points at its slot points back at
+    the RAM tier (-1); an entry a hot-set refresh rewrote meanwhile keeps the hot slot."""
+    _spec_settle_kernel[(1,)](table, guess, free, slots, K=guess.numel(), num_warps=1)
