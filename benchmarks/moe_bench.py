@@ -419,8 +419,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # (wave3_moe29r), "eagerrouter" measures the eager ops since.
     **direct_pair("fusedrouter", fused_router=True),
     **direct_pair("eagerrouter", fused_router=False),
-    # Same-layer speculative reads (engine/moe/sizing.py SPECULATE; off: slower on every case, wave3_moe31, H200):
-    # each layer's experts guessed from its input before its attention and copied while the link would idle.
+    # Same-layer speculative reads (engine/moe/sizing.py SPECULATE): each layer's experts guessed from its input
+    # before its attention and copied while the link would idle. By default (auto) only without a hot set, as many
+    # guesses as SPECULATE_BYTES holds (Qwen3-30B-A3B's no-cache case: 2); "nospec" never, "specread" all top-k.
+    **direct_pair("nospec", spec_read=False),
     **direct_pair("specread", spec_read=True),
     # The same copying only the 4 (3, 2, 1) most confident guesses (sizing.SPECULATE_GUESSES): what the idle link
     # carries.
@@ -515,7 +517,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
                         "nocache_direct_eagerrouter", "lfu_direct_r1_eagerrouter", "nocache_direct_specread",
                         "lfu_direct_r1_specread", "nocache_direct_specread4", "lfu_direct_r1_specread4",
-                        "nocache_direct_specread2", "lfu_direct_r1_specread2", "nocache_direct_specread1",
+                        "nocache_direct_specread2", "lfu_direct_r1_specread2", "nocache_direct_nospec",
+                        "nocache_direct_specread1",
                         "lfu_direct_r1_specread1", "nocache_direct_specread3", "lfu_direct_r1_specread3",
                         "nocache_direct_copied", "nocache_direct_uvaread", "nocache_direct_passparts",
                         "lfu_direct_r1_passparts", *HOST_CASES),

@@ -301,4 +301,4 @@ def attach_experts(model: nn.Module, pool) -> None:
         block = layers[i].layer if isinstance(layers[i], StreamedLayer) else layers[i]
         module = block.get_submodule(layer.module)
         module.forward = RoutedForward(pool, i, module, module.forward)
-        speculation_hook(pool, i, block)  # sizing.SPECULATE: layer i's experts guessed before its attention
+        speculation_hook(pool, i, block)  # sizing.spec_guesses: layer i's experts guessed before its attention

@@ -110,6 +110,7 @@ def check_direct(store: Path) -> dict:
         return out
 
     old = direct.REFRESH_PASSES, pool.DIRECT
+    old_spec = sizing.SPECULATE
     direct.DirectReads.run, direct.REFRESH_PASSES, pool.DIRECT = counted, 2, True
     try:
         # a cache of 4 experts: the hot set (CPU plans give none by default)
@@ -121,8 +122,8 @@ def check_direct(store: Path) -> dict:
         tokens, logits = decode(engine, 6)
         report = engine.experts.report()
         engine.close()
-        # speculative reads (sizing.SPECULATE): each layer's experts guessed from its input, copied into slots
-        # of their own and read from there where the guess was right
+        # speculative reads (sizing.SPECULATE on; auto never guesses on the CPU): each layer's experts guessed
+        # from its input, copied into slots of their own and read from there where the guess was right
         sizing.SPECULATE = True
         engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0,
                              expert_cache_gb=cache_bytes / 1e9)
@@ -131,7 +132,7 @@ def check_direct(store: Path) -> dict:
         engine.close()
     finally:
         direct.DirectReads.run, (direct.REFRESH_PASSES, pool.DIRECT) = real, old
-        sizing.SPECULATE = False
+        sizing.SPECULATE = old_spec
     expert_compute.FUSED = False
     engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0)
     want_tokens, want_logits = decode(engine, 6)

@@ -127,7 +127,10 @@ def test_no_guess_when_off_or_for_more_than_one_token_and_a_stale_one_is_undone(
     reads, _, _, gate, x = _guessing(monkeypatch, hot=0)
     assert not reads.speculate(0, torch.ones(1, 2, 8), lambda h: h, gate, top_k=2)  # a prefill's call
     assert not reads.speculate(1, x, lambda h: h, gate, top_k=2)  # layer 1 has not run by direct reads yet
-    assert not reads.speculate(0, x, lambda h: h, gate, top_k=3)  # more guesses than slots
+    assert reads.speculate(0, x, lambda h: h, gate, top_k=3)  # more top-k than slots: the top ones guessed
+    assert {int(reads.table[0, e]) for e in (1, 3)} == set(reads.spec_slots)
+    reads._settle(0, reads._join(0))
+    assert (reads.table == -1).all()
     assert reads.speculate(0, x, lambda h: h, gate, top_k=2)
     assert {int(reads.table[0, e]) for e in (1, 3)} == set(reads.spec_slots)
     # the call never came (an aborted forward): the next guess first points layer 0's entries back

@@ -172,7 +172,7 @@ import torch
 from airquant.engine.moe import uva_copy
 
 def check(src, start, stride, length, experts, device):
-    mem = torch.zeros((6, 4224), dtype=torch.uint8, device=device)
+    mem = torch.zeros((6, stride), dtype=torch.uint8, device=device)
     table = torch.full((experts,), -1, dtype=torch.int32, device=device)
     table[7] = 1  # expert 7 in the hot set (slot 1)
     logits = torch.randn(experts)
@@ -190,7 +190,7 @@ def check(src, start, stride, length, experts, device):
     uva_copy.gather_images(src, mem, guess, free, slots, start, stride, length, experts)
     words = start % 16 == 0  # 16-byte loads: the run rounded up to 64 bytes of the source
     run = -(-length // 64) * 64 if words else length
-    want = torch.zeros((6, 4224), dtype=torch.uint8)
+    want = torch.zeros((6, stride), dtype=torch.uint8)
     for slot, e in ((4, 3), (5, 9)):
         want[slot, :run] = src[start + e * stride:start + e * stride + run].cpu()
     assert torch.equal(mem.cpu(), want), (start, (mem.cpu() != want).nonzero()[:5])
@@ -201,6 +201,7 @@ def check(src, start, stride, length, experts, device):
 def run(src, device):
     for start in (256, 260):  # 16-byte aligned (words), 4 past (bytes)
         check(src, start, 4096 + 128, 4003, 10, device)
+    check(src, 256, 300_032, 290_003, 10, device)  # over IMAGE_PROGRAMS chunks a guess: two rounds a program
     print("ok")
 """
 
@@ -209,11 +210,12 @@ def test_speculation_kernels_plan_copy_and_settle_the_guesses():
     """uva_copy's speculative-read kernels (interpreted on CPU tensors): ``spec_plan`` takes the largest logits
     (the first index on a tie, never a NaN), points the table at the guesses' slots but for one in the hot set,
     and counts; ``gather_images`` copies the images to be copied into their slots, by 16-byte loads of whole
-    64-byte runs where aligned (the run's tail past the image: the source's next bytes) and by bytes where not;
+    64-byte runs where aligned (the run's tail past the image: the source's next bytes) and by bytes where not,
+    each program over one chunk or several;
     ``spec_settle`` points back only the entries still at their guess's slot."""
     script = SPEC_KERNELS + """
 torch.manual_seed(0)
-run(torch.randint(0, 256, (260 + 10 * 4224,), dtype=torch.uint8), "cpu")
+run(torch.randint(0, 256, (256 + 10 * 300_032,), dtype=torch.uint8), "cpu")
 """
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1",
@@ -234,7 +236,7 @@ def test_cuda_speculation_kernels_read_the_pinned_ram_tier():
     namespace = {}
     exec(SPEC_KERNELS, namespace)
     memory = HostMemory(pinned=True)
-    src = memory.empty(260 + 10 * 4224)
+    src = memory.empty(256 + 10 * 300_032)
     torch.manual_seed(0)
     src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8))
     namespace["run"](src, "cuda")

@@ -303,6 +303,38 @@ def test_plan_counts_the_slots_of_speculative_reads(tmp_path, real_tokenizer, mo
         engine.close()
 
 
+def test_auto_speculation_takes_slots_only_beside_no_cache(tmp_path, real_tokenizer, monkeypatch):
+    """By default (sizing.SPECULATE None) a GPU plan guesses only where its pool has no hot set (a cache of fewer
+    experts than a token routes): as many of the top-k as ``SPECULATE_BYTES`` holds (none where one expert is
+    larger), none beside a cache, none on the CPU, none where the spare VRAM has no room for their slots (the
+    guesses' slots before a cache of one)."""
+    from airquant.engine.moe import sizing
+
+    _, store = _store(tmp_path, real_tokenizer, "qwen3_moe", "nf4")
+    manifest = load_manifest(store)
+    top_k = max(e.experts["top_k"] for e in manifest.shards.values() if e.experts)
+    assert sizing.SPECULATE is None
+    bare = plan_experts(manifest, None, cache_bytes=0)
+    slot = bare.slot_bytes
+    assert bare.spec_slots == top_k  # tiny experts: all k fit the bytes
+    base = bare.arena_bytes - bare.spec_slots * slot  # the arena without them
+    monkeypatch.setattr(sizing, "SPECULATE_BYTES", 2 * slot + 1)
+    no_cache = plan_experts(manifest, None, cache_bytes=0)
+    assert no_cache.spec_slots == min(top_k, 2) and no_cache.cache == 0
+    assert f"speculative reads {no_cache.spec_slots} slots" in no_cache.describe()
+    assert plan_experts(manifest, None, cache_bytes=top_k * slot).spec_slots == 0  # a hot set
+    assert plan_experts(manifest, None, cache_bytes=(top_k - 1) * slot).spec_slots == min(top_k, 2)
+    assert plan_experts(manifest, None, cache_bytes=0, device="cpu").spec_slots == 0
+    roomy = plan_experts(manifest, base + (top_k + 3) * slot)  # the spare VRAM holds a cache: no guesses
+    assert roomy.cache > 0 and roomy.spec_slots == 0
+    tight = plan_experts(manifest, base + slot)  # no cache; room for one guess's slot, not two
+    assert tight.cache == 0 and tight.spec_slots == 0 and tight.arena_bytes <= base + slot
+    room = plan_experts(manifest, base + 2 * slot)
+    assert room.cache == 0 and room.spec_slots == min(top_k, 2) and room.arena_bytes <= base + 2 * slot
+    monkeypatch.setattr(sizing, "SPECULATE_BYTES", slot - 1)  # larger experts than the attention hides
+    assert plan_experts(manifest, None, cache_bytes=0).spec_slots == 0
+
+
 def test_plan_with_fused_prefill_holds_no_gather_and_no_stacked_decode(tmp_path, real_tokenizer, monkeypatch):
     """Where a GPU run's prefills take the fused grouped kernels from the slots (NF4 experts, Triton), the
     arena holds neither the gather nor the stacked decode, only a chunk's intermediates, and the cache gets

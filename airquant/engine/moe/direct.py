@@ -204,11 +204,13 @@ class DirectReads:
         layer i's table at them. On a GPU all of it runs on a side stream beside the attention, with no host
         sync (engine/moe/uva_copy reads the RAM tier); the layer's call waits for it (``_join``) and points the
         table back after its kernels (``_settle``). A wrong guess costs link time the attention left idle; the
-        routed experts are read as ever. Returns whether it speculated: only where ``sizing.SPECULATE``, the layer has
-        run by direct reads before (its images and reachability known) and the guesses fit the slots."""
-        guesses = sizing.spec_guesses(top_k)
-        if not sizing.SPECULATE or i not in self.eligible or self._matrices.get(i) is None or \
-                hidden.numel() != hidden.shape[-1] or guesses > len(self.spec_slots) or self._reachable is not True:
+        routed experts are read as ever. Returns whether it speculated: only with speculative slots (the plan's
+        ``spec_guesses``: the top that many are guessed, ``sizing.SPECULATE_GUESSES`` fewer) unless
+        ``sizing.SPECULATE`` is False, where the layer has run by direct reads before (its images and
+        reachability known)."""
+        guesses = min(top_k, len(self.spec_slots), sizing.SPECULATE_GUESSES or top_k)
+        if sizing.SPECULATE is False or not guesses or i not in self.eligible or self._matrices.get(i) is None or \
+                hidden.numel() != hidden.shape[-1] or self._reachable is not True:
             return False
         src, arranged = self.host_image(i)
         if src is None or arranged is None:

@@ -42,17 +42,21 @@ ALIGN = 64  # every tensor of a slot starts on this boundary, so byte views rein
 # of 128 bytes but for the last two (the nested offset, the code book): their rows stay on lines.
 LINE = 128
 CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator slack
-# Same-layer speculative reads (direct.py ``DirectReads.speculate``): each one-token call's experts guessed from the
-# layer's input before its attention and copied into spare slots while the link would idle. Off: measured slower on
-# every case (wave3_moe31, H200, each case in its own process, results/moe_specread_ab.json). Qwen3-30B-A3B no
-# cache 0.0511 s a step against 0.0289 (63 % of routed experts found guessed); Mixtral no cache 0.335 against
-# 0.142; Qwen3's hot set 0.0186 against 0.0122. The trace says why: a layer's copy of 8 guesses (21.6 MB) takes
-# ~0.8 ms in the gather kernel (~27 GB/s), the attention it should hide behind ~0.15 ms; the tiered kernels wait
-# for it, and the link carries the wrong guesses too.
-SPECULATE = False
-# How many of a call's top-k guesses are copied (None: all k). The attention's idle link carries ~3 Qwen3-30B-A3B
-# images a layer at 55 GB/s, fewer than its 8 routed ones. The 4 most confident: 38 % of routed experts found
-# guessed, 0.0353 s a step against 0.0289 without speculation (wave3_moe31).
+# Same-layer speculative reads (direct.py ``DirectReads.speculate``): each one-token call's most likely experts
+# guessed from the layer's input before its attention (the router over the post-attention norm of it) and copied
+# into slots of their own beside the attention, while the link would idle; the call's kernels read them from VRAM.
+# None (auto): only in a pool with no hot set (a cache of fewer experts than a token routes) on a GPU, as many
+# guesses as ``SPECULATE_BYTES`` holds (with a hot set most guesses are hits already; a guess larger than the
+# attention's idle link only delays the call). True:
+# always, every one of the top-k guessed (``SPECULATE_GUESSES`` limits it); False: never.
+# Measured (H100, batch 1, Qwen3-30B-A3B, no cache, wave3_moe35/36): 2 guesses are 95 % right; copied by byte loads
+# after ~14 small kernels (0.2 ms against a 0.09 ms attention) the step took 0.0341 s against 0.0289 without; by
+# spec_plan and gather_images' 16-byte loads (51 GB/s) 0.0279 against 0.0285, the kernels reading 4.5 ms less but
+# the attention kernel starting ~55 us late a layer beside a copy that sat on every SM (uva_copy.IMAGE_PROGRAMS
+# since). The hot set's step: 0.0118 s with 2 guesses against 0.0112.
+SPECULATE: bool | None = None
+SPECULATE_BYTES = 6 * 2**20  # auto: the guesses' bytes a layer's attention hides (~0.1 ms of a 55 GB/s link)
+# How many of a call's top-k guesses are copied where ``SPECULATE`` is True (None: all k).
 SPECULATE_GUESSES: int | None = None
 # Copied reads (pool.py ``ExpertPool._run_copied``): a few-row call whose routed experts bring at least this many
 # bytes over the link, in a pool with no hot set, reads its routing to the host (one sync, an eager island of the
@@ -74,8 +78,15 @@ def copy_reads(call_bytes: int, hot_set: bool) -> bool:
     return COPY_READS_MIN_BYTES is not None and not hot_set and call_bytes >= COPY_READS_MIN_BYTES
 
 
-def spec_guesses(top_k: int) -> int:
-    """How many of a top-k call's experts speculation copies (``SPECULATE_GUESSES``), and so the slots it needs."""
+def spec_guesses(top_k: int, slot_bytes: int, hot_set: bool, device: str = "cuda") -> int:
+    """How many of a top-k call's experts speculation copies (``SPECULATE``, ``SPECULATE_GUESSES``,
+    ``SPECULATE_BYTES`` for experts of ``slot_bytes``), and so the slots it needs: 0 is off."""
+    if SPECULATE is False:
+        return 0
+    if SPECULATE is None:
+        if hot_set or device != "cuda" or slot_bytes <= 0:
+            return 0
+        return min(top_k, SPECULATE_BYTES // slot_bytes)
     return min(top_k, SPECULATE_GUESSES or top_k)
 
 
@@ -99,7 +110,7 @@ class ExpertPlan:
     speculate: bool = True
     staging: int = 0  # host buffers (slot_bytes each) disk-tier experts are read into (``staging_buffers``)
     fused: bool = False  # many-row calls run by the fused grouped kernels over the slots: no gather, no decode
-    spec_slots: int = 0  # further slots same-layer speculative reads copy into (``SPECULATE``; 0: off)
+    spec_slots: int = 0  # further slots same-layer speculative reads copy into (``spec_guesses``; 0: off)
     top_k: int = 0  # experts a token routes to (the largest of the store's layers)
 
     @property
@@ -421,7 +432,7 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     calls of at most ``tokens`` tokens (the batch's prompt and new tokens; None: as many as a call may get).
     ``fused`` (``fused_prefill``): many-row calls run by the fused kernels from the slots in chunks
     (``fused_chunk_tokens``), so no gather and no stacked decode; compute is a chunk's intermediates.
-    Same-layer speculative reads (``SPECULATE``) get ``spec_guesses(top_k)`` slots beside the pool's."""
+    Same-layer speculative reads get ``spec_guesses`` slots beside the pool's (auto: none beside a cache)."""
     moe = [e for e in manifest.shards.values() if e.is_layer and e.experts]
     if not moe:
         raise ExpertsError("the store has no Mixture-of-Experts layer to stream by expert.")
@@ -430,7 +441,6 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     top_k = max(e.experts["top_k"] for e in moe)
     guess = min(num, SPECULATE_TOKENS * top_k) if speculate else 0
     work = num + guess
-    spec = spec_guesses(top_k) if SPECULATE else 0  # the pool's rows beyond its slots
     gather = num * slot
     shapes = [expert_matrices(e) for e in moe]
     # Bounded whatever the batch (expert_compute): stacked weights of one decode chunk and its temporaries,
@@ -452,8 +462,15 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
     elif spare_bytes is None:
         cache = 0
     else:
-        cache = max(int((spare_bytes - ((work + spec) * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
+        cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
+    # the pool's rows beyond its slots; a cache of fewer experts than a token routes is no hot set worth them
+    spec = spec_guesses(top_k, slot, hot_set=cache >= top_k, device=device)
+    if spare_bytes is not None and cache_bytes is None:  # the cache leaves the guesses' slots room
+        free = spare_bytes - (work * slot + gather + decode + compute)
+        cache = min(cache, max(int((free - spec * slot) * CACHE_FRACTION), 0) // slot)
+        if spec and cache == 0 and free < spec * slot:
+            spec = 0  # no room for them either
     return ExpertPlan(slot_bytes=slot, work=work, cache=cache, gather_bytes=gather, decode_bytes=decode,
                       compute_bytes=compute, call_tokens=tokens, policy=policy, speculate=speculate, fused=fused,
                       spec_slots=spec, top_k=top_k)

@@ -74,9 +74,14 @@ def probe(src: torch.Tensor, device: torch.device) -> bool:
 # images that were not in the hot set from the RAM tier into those slots. The gather reads 4-byte words where
 # every address is 16-byte aligned (the copy of 2 Qwen3-30B-A3B images by byte loads ran ~26 GB/s on an H100
 # beside the attention, where a kernel's word loads get ~51 of the link's 55: results/uva_bench.json), in
-# programs of ``IMAGE_CHUNK`` bytes, so a few megabytes spread over every SM.
+# at most ``IMAGE_PROGRAMS`` programs, each looping over chunks of ``IMAGE_CHUNK`` bytes. Why few: a program per
+# 16 KB chunk (338 for 2 images) copied at 51 GB/s but sat on every SM, and the attention kernel beside it
+# (larger shared memory) started ~55 us late each layer, until the copy drained (wave3_moe36 trace, H100): the
+# step gained 0.5 ms where its kernels read 4.5 ms less. The rest of the SMs stay free for the attention.
 IMAGE_CHUNK = 1 << 14
-IMAGE_BLOCK = 4096  # bytes a program moves per step (1024 words: two 16-byte loads a thread at 4 warps)
+IMAGE_BLOCK = 8192  # bytes a program moves per step (2048 words: two 16-byte loads a thread at 8 warps)
+IMAGE_WARPS = 8
+IMAGE_PROGRAMS = 48  # over all guesses of a call
 
 
 @triton.jit
@@ -104,11 +109,12 @@ def _spec_plan_kernel(logits_ptr, experts, table_ptr, slots_ptr, guess_ptr, free
 
 @triton.jit
 def _gather_images_kernel(src_ptr, dst_ptr, guess_ptr, free_ptr, slots_ptr, start, stride, row, length,
-                          WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (j, c) copies chunk c of guess j's image when it is to be copied; units are 4-byte words where
-    ``WORDS`` (every address a multiple of 16 bytes, ``length`` of 64), else bytes."""
+                          ROUNDS: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Program (j, p) copies chunks p, p + P, ... (P programs a guess, ``ROUNDS`` chunks each) of guess j's image
+    when it is to be copied; units are 4-byte words where ``WORDS`` (every address a multiple of 16 bytes,
+    ``length`` of 64), else bytes."""
     j = tl.program_id(0)
-    first = tl.program_id(1).to(tl.int64) * CHUNK
     if WORDS:
         source = src_ptr.to(tl.pointer_type(tl.int32))
         target = dst_ptr.to(tl.pointer_type(tl.int32))
@@ -122,10 +128,12 @@ def _gather_images_kernel(src_ptr, dst_ptr, guess_ptr, free_ptr, slots_ptr, star
             s = tl.multiple_of(s, 4)
             d = tl.multiple_of(d, 4)
         offs = tl.arange(0, BLOCK)
-        for at in range(0, CHUNK, BLOCK):
-            pos = first + at + offs
-            mask = pos < length
-            tl.store(target + d + pos, tl.load(source + s + pos, mask=mask), mask=mask)
+        for r in range(0, ROUNDS):
+            first = (tl.program_id(1).to(tl.int64) + r * tl.num_programs(1)) * CHUNK
+            for at in range(0, CHUNK, BLOCK):
+                pos = first + at + offs
+                mask = pos < length
+                tl.store(target + d + pos, tl.load(source + s + pos, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -161,9 +169,12 @@ def gather_images(src: torch.Tensor, dst: torch.Tensor, guess: torch.Tensor, fre
     unit = 4 if words else 1
     n = (wide if words else length) // unit
     chunk = IMAGE_CHUNK // unit
-    grid = (guess.numel(), triton.cdiv(n, chunk))
-    _gather_images_kernel[grid](src, dst, guess, free, slots, start // unit, stride // unit, row // unit, n,
-                                WORDS=words, CHUNK=chunk, BLOCK=IMAGE_BLOCK // unit, num_warps=4)
+    chunks = triton.cdiv(n, chunk)
+    per_guess = max(1, min(chunks, IMAGE_PROGRAMS // max(guess.numel(), 1)))
+    rounds = triton.cdiv(chunks, per_guess)
+    _gather_images_kernel[(guess.numel(), per_guess)](src, dst, guess, free, slots, start // unit, stride // unit,
+                                                      row // unit, n, ROUNDS=rounds, WORDS=words, CHUNK=chunk,
+                                                      BLOCK=IMAGE_BLOCK // unit, num_warps=IMAGE_WARPS)
 
 
 def spec_settle(table: torch.Tensor, guess: torch.Tensor, free: torch.Tensor, slots: torch.Tensor) -> None:
