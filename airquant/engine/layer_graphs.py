@@ -94,7 +94,9 @@ PASSES_KEPT = 8
 # The graphs a pass graph is captured in, split at layer boundaries (1: one graph). A pass is ~1 500 nodes for
 # Qwen3-30B-A3B at batch 1 and its cudaGraphLaunch took 1.57 ms of host time before the GPU ran its first kernel
 # (H100 trace, wave3_moe33: ~12 % of the 12.0 ms hot-set step idle); in parts the GPU runs the first while the host
-# launches the next. Measured neither way yet: 1 until a device run compares them (moe_bench ``*_passparts``).
+# launches the next. Measured (H100, wave3_moe35, each case in its own process): no difference past the runs'
+# spread: the hot-set step 0.0119 and 0.0106 s in one graph against 0.0105 and 0.0110 in 4; no cache 0.0291
+# against 0.0289. Kept at 1 (fewer graphs to capture and keep).
 PASS_GRAPH_PARTS = 1
 _local = threading.local()  # .mode: None, "warmup" or "runner"; .work: the warm-up's host work
 
