@@ -39,6 +39,17 @@ def _interpreted(*args: str, timeout: int = 900) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def _interpreted_script(script: str) -> None:
+    """Run ``script`` under Triton's interpreter in a process of its own; it must print "ok"."""
+    pytest.importorskip("triton")
+    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_fused_decode_equals_the_per_expert_decode():
     rows = _interpreted("mixtral", "qwen3_moe:dq", "gpt_oss", "deepseek_v3:dq")
@@ -158,13 +169,7 @@ for s, d, n in rows:
 assert torch.equal(dst, want)
 print("ok")
 """
-    pytest.importorskip("triton")
-    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _interpreted_script(script)
 
 
 SPEC_KERNELS = """
@@ -217,12 +222,7 @@ def test_speculation_kernels_plan_copy_and_settle_the_guesses():
 torch.manual_seed(0)
 run(torch.randint(0, 256, (256 + 10 * 300_032,), dtype=torch.uint8), "cpu")
 """
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _interpreted_script(script)
 
 
 @pytest.mark.gpu
