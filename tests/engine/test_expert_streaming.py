@@ -333,6 +333,10 @@ def test_auto_speculation_takes_slots_only_beside_no_cache(tmp_path, real_tokeni
     assert room.cache == 0 and room.spec_slots == min(top_k, 2) and room.arena_bytes <= base + 2 * slot
     monkeypatch.setattr(sizing, "SPECULATE_BYTES", slot - 1)  # larger experts than the attention hides
     assert plan_experts(manifest, None, cache_bytes=0).spec_slots == 0
+    monkeypatch.setattr(sizing, "SPECULATE_BYTES", 2 * slot)
+    engine = Engine.open(store, device="cpu", experts="routed", resident_layers=0, expert_cache_gb=0.0)
+    assert engine.experts.plan.cache == 0 and engine.experts.plan.spec_slots == 0  # the CPU planner's pool
+    engine.close()
 
 
 def test_plan_with_fused_prefill_holds_no_gather_and_no_stacked_decode(tmp_path, real_tokenizer, monkeypatch):

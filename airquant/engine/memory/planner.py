@@ -344,7 +344,8 @@ def _place(manifest: Manifest, budgets: Budgets, fixed: int, streamed: list[int]
     if not routed or not choice.routed:  # a dense store, whole layers, or every layer resident: no pool
         return whole
     if budgets.vram_bytes is None:  # CPU: the pool is host memory, nothing to plan on a device
-        return replace(whole, experts=_size_pool(manifest, wl, None, expert_plan.fused_prefill(manifest, "cpu")))
+        return replace(whole, experts=_size_pool(manifest, wl, None, expert_plan.fused_prefill(manifest, "cpu"),
+                                                 device="cpu"))
     placed = _place_pool(manifest, budgets, fixed, streamed, wl, whole, choice, fused=False)
     if expert_plan.fused_prefill(manifest, "cuda"):
         why = _starved(manifest, wl, placed) if placed.experts_fit else "the expert arena would not fit"
@@ -507,10 +508,11 @@ def _expert_staging(manifest: Manifest, wl: Workload, gpu: bool) -> int:
     return sizing.work * sizing.slot_bytes
 
 
-def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, fused: bool = False) -> expert_plan.ExpertPlan:
-    """The expert pool's sizes; ``fused``: routed prefills by the fused kernels from the slots, without the gather
-    and the stacked decode (``_starved``)."""
+def _size_pool(manifest: Manifest, wl: Workload, spare: int | None, fused: bool = False,
+               device: str = "cuda") -> expert_plan.ExpertPlan:
+    """The expert pool's sizes on ``device``; ``fused``: routed prefills by the fused kernels from the slots,
+    without the gather and the stacked decode (``_starved``)."""
     run = wl.engine
     return expert_plan.plan_experts(manifest, spare, cache_bytes=wl.expert_cache_bytes, policy=run.expert_policy,
-                                    speculate=run.expert_prefetch, fused=fused,
+                                    speculate=run.expert_prefetch, fused=fused, device=device,
                                     tokens=run.batch_size * (run.context or DEFAULT_CONTEXT))

@@ -163,7 +163,7 @@ class ExpertPool:
         self.layers, self.plan, self.device, self.compute_dtype = layers, plan, device, compute_dtype
         self.ops, self.host_image, self.routers = ops, host_image, routers
         # Direct reads: the copy path keeps the working slots, the hot set takes the cache slots; speculative
-        # reads (sizing.spec_guesses: auto beside no cache) get the plan's spec_slots, a slot a guess beyond its slots.
+        # reads (sizing.spec_guesses: by default beside no cache) get the plan's spec_slots beyond its slots.
         reads = DIRECT and direct and (kernels.interpreting() or (ops is not None and kernels.triton_available()))
         rows = plan.slots + (plan.spec_slots if reads else 0)
         nbytes = rows * plan.slot_bytes

@@ -47,13 +47,14 @@ CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator 
 # into slots of their own beside the attention, while the link would idle; the call's kernels read them from VRAM.
 # None (auto): only in a pool with no hot set (a cache of fewer experts than a token routes) on a GPU, as many
 # guesses as ``SPECULATE_BYTES`` holds (with a hot set most guesses are hits already; a guess larger than the
-# attention's idle link only delays the call). True:
-# always, every one of the top-k guessed (``SPECULATE_GUESSES`` limits it); False: never.
-# Measured (H100, batch 1, Qwen3-30B-A3B, no cache, wave3_moe35/36): 2 guesses are 95 % right; copied by byte loads
-# after ~14 small kernels (0.2 ms against a 0.09 ms attention) the step took 0.0341 s against 0.0289 without; by
-# spec_plan and gather_images' 16-byte loads (51 GB/s) 0.0279 against 0.0285, the kernels reading 4.5 ms less but
-# the attention kernel starting ~55 us late a layer beside a copy that sat on every SM (uva_copy.IMAGE_PROGRAMS
-# since). The hot set's step: 0.0118 s with 2 guesses against 0.0112.
+# attention's idle link only delays the call). True: always, every one of the top-k guessed (``SPECULATE_GUESSES``
+# limits it); False: never.
+# Measured (H100, batch 1, Qwen3-30B-A3B, no cache, each case in its own process): 2 guesses are 95 % right. Copied
+# by byte loads after ~14 small kernels (0.2 ms against a 0.09 ms attention) the step took 0.0341 s against 0.0289
+# without (wave3_moe35); by spec_plan and gather_images' 16-byte loads (51 GB/s) 0.0279 against 0.0285, the
+# kernels reading 4.5 ms less but the attention kernel starting ~55 us late a layer beside a copy that sat on every
+# SM (wave3_moe36); in at most 48 programs (uva_copy.IMAGE_PROGRAMS) **0.0265 / 0.0267 s against 0.0287 / 0.0290**
+# (wave3_moe37). The hot set's step: 0.0118 s with 2 guesses against 0.0112 (wave3_moe36).
 SPECULATE: bool | None = None
 SPECULATE_BYTES = 6 * 2**20  # auto: the guesses' bytes a layer's attention hides (~0.1 ms of a 55 GB/s link)
 # How many of a call's top-k guesses are copied where ``SPECULATE`` is True (None: all k).
