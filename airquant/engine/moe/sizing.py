@@ -147,7 +147,8 @@ class ExpertPlan:
                 + f"expert compute {self.compute_bytes / GB:.2f} GB ({self.call_tokens} tokens a call), "
                 f"speculative prefetch "
                 f"{'on' if self.speculate else 'off'} (batch <= {SPECULATE_TOKENS})"
-                + (f", same-layer speculative reads {self.spec_slots} slots" if self.spec_slots else "")
+                + (f", same-layer speculative reads {self.spec_slots} slots (a one-token call's likeliest "
+                   f"{self.spec_slots} experts copied while the layer's attention runs)" if self.spec_slots else "")
                 + (f", one-token decode calls ({self.top_k * self.slot_bytes / 1e6:.0f} MB) copied by the copy engine"
                    if self.copied else "")
                 + (f", host staging {self.staging} x {self.slot_bytes / 1e6:.1f} MB" if self.staging else ""))
