@@ -183,7 +183,8 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                            decode_bytes_per_step=routed_step_bytes(b, engine, batch))
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
             gbps = step["bytes_per_step"] / step["step_s"] / GB
-            row.update(step_s=step["step_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
+            # host_s: the host's time to queue a step (the decode loop to the pass's last launch), untraced
+            row.update(step_s=step["step_s"], host_s=step["host_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
                        bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
                        link_fraction=gbps / link if link else None, kv_offload=engine.plan.kv_offload,
                        peak_allocated_gb=step["peak_allocated_gb"], peak_reserved_gb=step["peak_reserved_gb"])

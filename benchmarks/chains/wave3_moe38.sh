@@ -3,14 +3,15 @@
 # cache since wave3_moe37 (Qwen3-30B-A3B no cache 0.0265 s = 1.43x its floor, 2 guesses in at most 48 programs).
 # Each case alone in its own process, in priority order:
 # 1. the default no-cache step traced over 8 passes: whether the attention still starts late beside the copy, and
-#    where the rest of the step goes (wave3_moe36: ~2.2 ms a pass before its first layer untraced);
+#    where the rest of the step goes (wave3_moe36: ~2.2 ms a pass outside its layers, untraced), without Python
+#    stacks (they inflated the host side); every row now records host_s, the untraced time to queue a step;
 # 2. 3 guesses against the default 2 with the copy on few SMs (3 were slower with a copy on every SM);
 # 3. the hot set (the default step) against it with 2 guesses copied for its misses.
 cd /tmp/run && . benchmarks/device_env.sh
 R=/tmp/res; mkdir -p $R/traces/m38
 set -x
 . benchmarks/chains/moe_case.sh  # run PART LABEL CASE [arguments]
-run qwen3_routed m38t nocache_direct --steps 16 --trace nocache_direct --trace-stacks --trace-passes 8 \
+run qwen3_routed m38t nocache_direct --steps 16 --trace nocache_direct --trace-passes 8 \
     --trace-dir $R/traces/m38
 pairs 1 qwen3_routed m38g nocache_direct nocache_direct_specread3 --steps 16  # m38ga1 m38gb1
 pairs 1 qwen3_routed m38h lfu_direct_r1 lfu_direct_r1_specread2 --steps 16  # m38ha1 m38hb1

@@ -47,6 +47,7 @@ def test_quick_run_records_every_case(tmp_path, real_tokenizer, monkeypatch):
     # the A/B of the few-row path: lfu_stacked is lfu with expert_compute.GEMV_TOKENS = 0, both models
     ab = {(x["model"], x["case"]): x for x in r["expert_aware"] if x["case"] in ("lfu", "lfu_stacked")}
     assert len(ab) == 4 and all(x["error"] is None and x["step_s"] > 0 for x in ab.values())
+    assert all(0 < x["host_s"] <= x["step_s"] for x in ab.values())  # the host's untraced time to queue a step
     assert {(c, x["gemv_tokens"], x["settings"].get("gemv_tokens")) for (_, c), x in ab.items()} == {
         ("lfu", GEMV_TOKENS, None), ("lfu_stacked", 0, 0)}
     # the host path (issue 37): its figures measured in the same run, its rows at batch 1, 4 and 16 (16 runs at 8
