@@ -403,6 +403,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # call, the A/B since.
     **direct_pair("fusednorm", fused_norm=True),
     **direct_pair("eagernorm", fused_norm=False),
+    # The fused RMSNorm as one kernel (engine/norms.py ONE_KERNEL, engine/norm_kernel.py), off by default until
+    # measured: one kernel fewer per norm, four a Qwen3 layer.
+    **direct_pair("onenorm", one_kernel_norm=True),
     # Routed prefills gathered and decoded stacked, the plan holding both (expert_compute.FUSED_PREFILL off), against
     # the default since wave3_moe25: the grouped kernel from the pool's slots, that VRAM left to the hot set.
     **direct_pair("stackedprefill", fused_prefill=False),
@@ -512,7 +515,8 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "lfu_direct_r1_streamdense", "cpu_bs1_streamdense", "nocache_direct_nopass",
                         "lfu_direct_r1_nopass", "nocache_direct_huge", "lfu_direct_r1_huge", "nocache_direct_4k",
                         "lfu_direct_r1_4k", "nocache_direct_fusednorm", "lfu_direct_r1_fusednorm",
-                        "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_stackedprefill",
+                        "nocache_direct_eagernorm", "lfu_direct_r1_eagernorm", "nocache_direct_onenorm",
+                        "lfu_direct_r1_onenorm", "nocache_direct_stackedprefill",
                         "lfu_direct_r1_stackedprefill", "nocache_direct_fusedrope", "lfu_direct_r1_fusedrope",
                         "nocache_direct_eagerrope", "lfu_direct_r1_eagerrope", "nocache_direct_indexstatic",
                         "lfu_direct_r1_indexstatic", "nocache_direct_fusedrouter", "lfu_direct_r1_fusedrouter",
@@ -532,7 +536,8 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "uva_copy": (experts_mod, "UVA_COPY"), "direct": (experts_mod, "DIRECT"),
             "refresh": (direct_mod, "REFRESH_PASSES"), "static": (slots_mod, "STATIC_PASSES"),
             "pass_graphs": (graphs_mod, "PASS_GRAPHS"), "huge_pages": (streamer_mod, "HUGE_PAGES"),
-            "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "fused_prefill": (expert_compute, "FUSED_PREFILL"),
+            "fused_norm": (norms_mod, "FUSED_RMS_NORM"), "one_kernel_norm": (norms_mod, "ONE_KERNEL"),
+            "fused_prefill": (expert_compute, "FUSED_PREFILL"),
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
             "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (sizing_mod, "SPECULATE"),
             "spec_guesses": (sizing_mod, "SPECULATE_GUESSES"), "copy_reads": (sizing_mod, "COPY_READS_MIN_BYTES"),

@@ -34,6 +34,11 @@ from torch import nn
 # ``*_eagernorm`` cases turn it off for an A/B; tests/engine/test_norms.py's CUDA test checks the fused result
 # against the eager one.
 FUSED_RMS_NORM = True
+# The fused call as one Triton kernel (engine/norm_kernel.py: the statistic, both roundings and the weight in one
+# pass) instead of ``rms_norm`` and a multiply: one kernel fewer per norm, four a Qwen3 layer (each ~2 us in a
+# graph: ~0.4 ms of a 48-layer pass). Off until a device run measures it (moe_bench ``*_onenorm``) and its CUDA
+# test checks bfloat16 (the interpreter truncates it).
+ONE_KERNEL = False
 
 # The forward's body, statement by statement, that the fused call computes.
 STANDARD_BODY = (
@@ -80,7 +85,16 @@ class FusedRMSNorm:
 
 
 def fused(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The standard forward's result through ``rms_norm``: ``weight * rms_norm(x)`` in the input's dtype."""
+    """The standard forward's result through ``rms_norm``: ``weight * rms_norm(x)`` in the input's dtype; with
+    ``ONE_KERNEL`` by engine/norm_kernel.py's one launch where it applies."""
+    if ONE_KERNEL:
+        from airquant.engine.moe.compute import fused_runs_on
+
+        if fused_runs_on(hidden_states):
+            from airquant.engine import norm_kernel
+
+            if norm_kernel.applies(hidden_states, module.weight):
+                return norm_kernel.rms_norm(hidden_states, module.weight, module.variance_epsilon)
     normed = torch.nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=module.variance_epsilon)
     return module.weight * normed
 

@@ -1,5 +1,10 @@
 """engine/norms.py: transformers' standard RMSNorm fused on CUDA, every other forward left alone."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -63,9 +68,53 @@ def test_off_or_off_cuda_the_module_forward_runs(monkeypatch):
     assert len(calls) == 2
 
 
+ONE_KERNEL_CHECK = """
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+from airquant.engine import norm_kernel, norms
+from airquant.engine.norms import FusedRMSNorm
+torch.manual_seed(0)
+for dtype, wdtype in ((torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)):
+    for width in (256, 200):  # a power of two and a masked row
+        norm = Qwen3MoeRMSNorm(width, eps=1e-6).to(wdtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width) * 0.5 + 1)
+        x = (torch.randn(3, 7, width) * 3).to(dtype)[:, ::2]  # rows a stride apart
+        want = norm(x)
+        got = norm_kernel.rms_norm(x, norm.weight, norm.variance_epsilon)
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+        torch.testing.assert_close(got, want, rtol=torch.finfo(want.dtype).eps * 4, atol=0)
+        ratio = got.float() / want.float()  # in fp32 a row differs, if at all, by its statistic's one factor
+        assert (ratio.amax(-1) - ratio.amin(-1)).max().item() <= 4 * torch.finfo(torch.float32).eps
+norms.ONE_KERNEL = True
+calls = []
+real = norm_kernel.rms_norm
+norm_kernel.rms_norm = lambda *a: calls.append(1) or real(*a)
+norm = Qwen3MoeRMSNorm(64)
+x = torch.randn(2, 64)
+assert torch.equal(norms.fused(norm, x), real(x, norm.weight, norm.variance_epsilon)) and calls == [1]
+assert not norm_kernel.applies(x, torch.ones(32)) and not norm_kernel.applies(x.to(torch.int32), norm.weight)
+print("ok")
+"""
+
+
+def test_the_one_kernel_norm_computes_what_the_module_does():
+    """engine/norm_kernel.py (``norms.ONE_KERNEL``), interpreted on CPU tensors: the module's result in fp32 and
+    fp16 (a fp32 weight promotes the output), rows masked and a stride apart; in fp32 a row differs, if at all,
+    by one factor (the statistic's sum order); ``fused`` takes it where ``ONE_KERNEL`` is on."""
+    pytest.importorskip("triton")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", ONE_KERNEL_CHECK], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("one_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, monkeypatch):
+def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, one_kernel, monkeypatch):
     """The fused statistic sums in another order: at most one unit in the last place. In bf16 and fp16 the
     output's rounding absorbs that on nearly every value; in fp32 nothing rounds after the scaling, so a row whose
     statistic came out one unit apart differs throughout, by the same factor (seen on the H100: 15 % of values)."""
@@ -76,6 +125,7 @@ def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, monkeypatch):
     x = (torch.randn(64, 2048, device="cuda") * 3).to(dtype)
     want = norm(x)
     monkeypatch.setattr(norms, "FUSED_RMS_NORM", True)
+    monkeypatch.setattr(norms, "ONE_KERNEL", one_kernel)  # rms_norm and a multiply, or engine/norm_kernel.py
     got = FusedRMSNorm(norm, norm.forward)(x)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps * 2, atol=0)

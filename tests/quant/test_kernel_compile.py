@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from airquant.engine import rope_kernel  # noqa: E402
+from airquant.engine import norm_kernel, rope_kernel  # noqa: E402
 from airquant.engine.moe import uva_copy  # noqa: E402
 from airquant.kv import triton_kernel as tq  # noqa: E402
 from airquant.quant import kernels  # noqa: E402
@@ -145,6 +145,8 @@ KERNELS = [
     Kernel("rope", lambda: rope_kernel.rope_kernel, dict.fromkeys(("q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cos_ptr",
                                                                    "sin_ptr"), "X"),
            lambda x: {"D": 128, "BLOCK": 128}, {"num_warps": 1}),
+    Kernel("rms_norm", lambda: norm_kernel.rms_norm_kernel, {"x_ptr": "X", "w_ptr": "X", "out_ptr": "X"},
+           lambda x: {"BLOCK": 2048}, {"num_warps": 8}),
     Kernel("uva_gather", lambda: uva_copy._gather_kernel, {"src_ptr": "u8", "dst_ptr": "u8", "table_ptr": "i64"},
            lambda x: {"CHUNK": uva_copy.CHUNK, "BLOCK": uva_copy.BLOCK}),
     *(Kernel(f"uva_gather_images{'_words' if words else ''}", lambda: uva_copy._gather_images_kernel,
