@@ -50,7 +50,7 @@ CACHE_FRACTION = 0.9  # of the VRAM the plan leaves free, the rest is allocator 
 # attention's idle link only delays the call). True: always, every one of the top-k guessed (``SPECULATE_GUESSES``
 # limits it); False: never.
 # Measured (H100, batch 1, Qwen3-30B-A3B, no cache, each case in its own process): 2 guesses are 95 % right. Copied
-# by byte loads after ~14 small kernels (0.2 ms against a 0.09 ms attention) the step took 0.0341 s against 0.0289
+# by byte loads after ~14 small kernels (0.2 ms against a 0.09 ms attention) the step took 0.0341 s against 0.0291
 # without (wave3_moe35); by spec_plan and gather_images' 16-byte loads (51 GB/s) 0.0279 against 0.0285, the
 # kernels reading 4.5 ms less but the attention kernel starting ~55 us late a layer beside a copy that sat on every
 # SM (wave3_moe36); in at most 48 programs (uva_copy.IMAGE_PROGRAMS) **0.0265 / 0.0267 s against 0.0287 / 0.0290**
