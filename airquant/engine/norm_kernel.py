@@ -32,7 +32,7 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, stride_x, stride_o, eps, BLOCK: tl
     tl.store(out_ptr + row * stride_o + i, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rms_norm`` takes the call: a contiguous last dimension of at most ``MAX_WIDTH`` that the weight
     matches, float dtypes, one device."""
     return x.dim() >= 1 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] <= MAX_WIDTH and \
@@ -43,7 +43,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x)).to(x.dtype)`` in ``torch.promote_types(weight.dtype, x.dtype)``, by one launch
-    (``applies`` must hold)."""
+    (``rms_norm_applies`` must hold)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:

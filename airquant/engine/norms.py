@@ -30,6 +30,8 @@ import textwrap
 import torch
 from torch import nn
 
+from airquant.engine.moe.compute import fused_runs_on
+
 # On: standard RMSNorms run fused on CUDA (read at engine build: off, nothing is wrapped). benchmarks/moe_bench.py's
 # ``*_eagernorm`` cases turn it off for an A/B; tests/engine/test_norms.py's CUDA test checks the fused result
 # against the eager one.
@@ -87,14 +89,11 @@ class FusedRMSNorm:
 def fused(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The standard forward's result through ``rms_norm``: ``weight * rms_norm(x)`` in the input's dtype; with
     ``ONE_KERNEL`` by engine/norm_kernel.py's one launch where it applies."""
-    if ONE_KERNEL:
-        from airquant.engine.moe.compute import fused_runs_on
+    if ONE_KERNEL and fused_runs_on(hidden_states):
+        from airquant.engine import norm_kernel
 
-        if fused_runs_on(hidden_states):
-            from airquant.engine import norm_kernel
-
-            if norm_kernel.applies(hidden_states, module.weight):
-                return norm_kernel.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+        if norm_kernel.rms_norm_applies(hidden_states, module.weight):
+            return norm_kernel.rms_norm(hidden_states, module.weight, module.variance_epsilon)
     normed = torch.nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=module.variance_epsilon)
     return module.weight * normed
 

@@ -93,7 +93,8 @@ norm_kernel.rms_norm = lambda *a: calls.append(1) or real(*a)
 norm = Qwen3MoeRMSNorm(64)
 x = torch.randn(2, 64)
 assert torch.equal(norms.fused(norm, x), real(x, norm.weight, norm.variance_epsilon)) and calls == [1]
-assert not norm_kernel.applies(x, torch.ones(32)) and not norm_kernel.applies(x.to(torch.int32), norm.weight)
+assert not norm_kernel.rms_norm_applies(x, torch.ones(32))
+assert not norm_kernel.rms_norm_applies(x.to(torch.int32), norm.weight)
 print("ok")
 """
 
