@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models saved as real checkpoints, and the embedded default model."""
+"""Shared fixtures: tiny random models saved as real checkpoints, and the embedded default model; scripts run
+under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import atexit
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +23,25 @@ from airquant.models import DEFAULT_GGUF, DEFAULT_PACKAGE
 FIGURES_DIR = Path(tempfile.mkdtemp(prefix="airquant-figures-"))
 os.environ[FIGURES_ENV] = str(FIGURES_DIR / "session.json")
 atexit.register(shutil.rmtree, FIGURES_DIR, ignore_errors=True)  # also when a test imports this module again
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def interpreter_env() -> dict:
+    """A process environment that runs Triton's interpreter (``TRITON_INTERPRET=1`` must be set before Triton
+    defines the kernels): the repository first on the path, then what the caller's path had (a GPU machine's
+    wheels outside the environment)."""
+    return {**os.environ, "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+
+def run_interpreted(script: str, timeout: int = 600) -> None:
+    """Run ``script`` under Triton's interpreter in a process of its own; it must print "ok"."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=interpreter_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ decode of the same stores in int2; GPTQ and AWQ experts of a hub checkpoint, sta
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,33 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TOKENIZER_DIR
+from tests.conftest import REPO, TOKENIZER_DIR, interpreter_env, run_interpreted
 from tests.engine.test_expert_gemv import stores  # noqa: F401 - the tiny NF4 stores fixture
 
-REPO = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("fused_experts_check.py")
 
 
 def _interpreted(*args: str, timeout: int = 900) -> list[dict]:
     pytest.importorskip("triton")
-    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, str(CHECK), str(TOKENIZER_DIR), *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(CHECK), str(TOKENIZER_DIR), *args], cwd=REPO, env=interpreter_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-def _interpreted_script(script: str) -> None:
-    """Run ``script`` under Triton's interpreter in a process of its own; it must print "ok"."""
-    pytest.importorskip("triton")
-    # the repository first, then what the caller's path had (a GPU machine's wheels outside the environment)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -169,7 +153,7 @@ for s, d, n in rows:
 assert torch.equal(dst, want)
 print("ok")
 """
-    _interpreted_script(script)
+    run_interpreted(script)
 
 
 SPEC_KERNELS = """
@@ -222,7 +206,7 @@ def test_speculation_kernels_plan_copy_and_settle_the_guesses():
 torch.manual_seed(0)
 run(torch.randint(0, 256, (256 + 10 * 300_032,), dtype=torch.uint8), "cpu")
 """
-    _interpreted_script(script)
+    run_interpreted(script)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,5 @@
 """engine/norms.py: transformers' standard RMSNorm fused on CUDA, every other forward left alone."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -14,6 +9,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 from airquant.engine import norms
 from airquant.engine.norms import FusedRMSNorm, fuse_rms_norms, fused, standard
+from tests.conftest import run_interpreted
 
 
 def test_only_the_standard_forward_is_recognised():
@@ -103,13 +99,7 @@ def test_the_one_kernel_norm_computes_what_the_module_does():
     """engine/norm_kernel.py (``norms.ONE_KERNEL``), interpreted on CPU tensors: the module's result in fp32 and
     fp16 (a fp32 weight promotes the output), rows masked and a stride apart; in fp32 a row differs, if at all,
     by one factor (the statistic's sum order); ``fused`` takes it where ``ONE_KERNEL`` is on."""
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-c", ONE_KERNEL_CHECK], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    run_interpreted(ONE_KERNEL_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
