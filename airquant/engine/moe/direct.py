@@ -280,8 +280,8 @@ class DirectReads:
             uva_copy.spec_settle(self.table[i], guess, free, slots)
             return
         row = self.table[i]
-        mine = free.bool() & (row.index_select(0, guess) == slots)
-        row.index_put_((guess,), torch.where(mine, torch.full_like(slots, -1), row.index_select(0, guess)))
+        held = row.index_select(0, guess)
+        row.index_put_((guess,), torch.where(free.bool() & (held == slots), torch.full_like(slots, -1), held))
 
     def code_books(self, src: torch.Tensor, arranged, matrices) -> dict[str, torch.Tensor]:  # NF4 only
         """The NF4 code books (``quant_map``, ``nested_quant_map``) every expert image of a layer's RAM-tier

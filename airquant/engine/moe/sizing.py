@@ -459,17 +459,17 @@ def plan_experts(manifest: Manifest, spare_bytes: int | None, *, cache_bytes: in
         compute = max(m.compute_bytes(width, cap) for m, cap in zip(shapes, caps))
         tokens = min(m.call_tokens(width, cap) for m, cap in zip(shapes, caps))
     total = sum(e.experts["num"] for e in moe)
+    # the spare VRAM the cache and the guesses' slots share (None: a cache given, or no VRAM to plan)
+    free = None if cache_bytes is not None or spare_bytes is None else \
+        spare_bytes - (work * slot + gather + decode + compute)
     if cache_bytes is not None:
         cache = cache_bytes // slot
-    elif spare_bytes is None:
-        cache = 0
     else:
-        cache = max(int((spare_bytes - (work * slot + gather + decode + compute)) * CACHE_FRACTION), 0) // slot
+        cache = 0 if free is None else max(int(free * CACHE_FRACTION), 0) // slot
     cache = min(cache, max(total - num, 0))  # more than every other expert of the store is never used
     # the pool's rows beyond its slots; a cache of fewer experts than a token routes is no hot set worth them
     spec = spec_guesses(top_k, slot, hot_set=cache >= top_k, device=device)
-    if spare_bytes is not None and cache_bytes is None:  # the cache leaves the guesses' slots room
-        free = spare_bytes - (work * slot + gather + decode + compute)
+    if free is not None:  # the cache leaves the guesses' slots room
         cache = min(cache, max(int((free - spec * slot) * CACHE_FRACTION), 0) // slot)
         if spec and cache == 0 and free < spec * slot:
             spec = 0  # no room for them either
