@@ -303,11 +303,27 @@ class EmulatedGraph(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple] = []
 
+    HOST_READ = "emulated graph capture: a host read of a tensor (operation not permitted when stream is capturing)"
+
+    def __enter__(self):
+        # ``tolist`` of a CPU tensor reads its memory without an op the mode sees (a copy path's routing read ran
+        # in captures and replayed its first call's routing); on CUDA it is a device-to-host copy, refused
+        self._tolist = torch.Tensor.tolist
+
+        def refused(*_args, **_kwargs):
+            raise RuntimeError(self.HOST_READ)
+
+        torch.Tensor.tolist = refused
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
-            raise RuntimeError("emulated graph capture: a host read of a tensor (operation not permitted when "
-                               "stream is capturing)")
+            raise RuntimeError(self.HOST_READ)
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out

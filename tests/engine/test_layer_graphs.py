@@ -704,13 +704,31 @@ def test_host_work_runs_once_a_call_whoever_owns_it():
     assert ran == ["w"]
 
 
-def test_emulated_capture_refuses_a_host_read():
+@pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: t.tolist()], ids=["item", "tolist"])
+def test_emulated_capture_refuses_a_host_read(read):
+    """``tolist`` too (a CPU tensor's is no op the mode sees: the copy path's routing read was captured and its
+    first call's routing replayed, giving other tokens than eager); after the capture it reads again."""
     graph = layer_graphs.EmulatedBackend().begin()
     try:
         with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
-            torch.ones(2).sum().item()
+            read(torch.ones(2))
     finally:
         layer_graphs.EmulatedBackend.end(graph)
+    assert torch.ones(2).tolist() == [1.0, 1.0]
+
+
+def test_routed_copy_path_layers_run_eagerly_under_emulated_graphs(stores):
+    """Qwen3-MoE with its experts routed through the copy path (its routing read on the host): the layers are
+    refused at capture and run eagerly, and three sequences decode as with no graphs at all."""
+    from tests.engine.test_queue_ahead import _streamed_job
+
+    plain = Engine.open(stores["qwen3_moe"], device="cpu", dtype="float32", resident_layers=0, experts="routed")
+    want = _streamed_job(plain)[0]
+    plain.close()
+    engine, graphs = _graphed(stores["qwen3_moe"], experts="routed")
+    got = _streamed_job(engine)[0]
+    engine.close()
+    assert got == want and graphs.stats["eager"] > 0 and graphs.stats["replays"] == 0, graphs.stats
 
 
 def _nf4_store(tmp_path_factory, tokenizer, model_type: str):
