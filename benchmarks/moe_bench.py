@@ -59,6 +59,7 @@ from airquant.engine import moe_router as router_mod  # noqa: E402
 from airquant.engine import norms as norms_mod  # noqa: E402
 from airquant.engine import rope as rope_mod  # noqa: E402
 from airquant.engine import streamer as streamer_mod  # noqa: E402
+from airquant.engine.decode import loop as loop_mod  # noqa: E402
 from airquant.engine.decode import slots as slots_mod  # noqa: E402
 from airquant.engine.memory.placement import PlanError  # noqa: E402
 from airquant.engine.moe import compute as expert_compute  # noqa: E402
@@ -184,8 +185,9 @@ def measure(b: Bench, store: Path, model: str, cap_gb: float, batch: int, case: 
                 step["bytes_per_step"] = row["decode_bytes_per_step"]
             gbps = step["bytes_per_step"] / step["step_s"] / GB
             # host_s: the host's time to queue a step (the decode loop to the pass's last launch), untraced
-            row.update(step_s=step["step_s"], host_s=step["host_s"], tok_s=step["tok_s"], prefill_s=step["prefill_s"],
-                       bytes_per_step=step["bytes_per_step"], effective_gbps=gbps,
+            row.update(step_s=step["step_s"], host_s=step["host_s"], ahead_passes=step["ahead_passes"],
+                       tok_s=step["tok_s"], prefill_s=step["prefill_s"], bytes_per_step=step["bytes_per_step"],
+                       effective_gbps=gbps,
                        link_fraction=gbps / link if link else None, kv_offload=engine.plan.kv_offload,
                        peak_allocated_gb=step["peak_allocated_gb"], peak_reserved_gb=step["peak_reserved_gb"])
     except (PlanError, torch.OutOfMemoryError, CaseTimeout) as exc:  # did not fit under this cap, or too long
@@ -444,6 +446,9 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # 1 by default): the GPU runs the first while the host launches the next (one launch of the whole pass kept the
     # GPU idle 1.57 ms of Qwen3-30B-A3B's hot-set step, wave3_moe33).
     **direct_pair("passparts", pass_parts=4),
+    # Each greedy decode pass queued before the pass before's tokens are read (engine/decode/loop.py QUEUE_AHEAD):
+    # the device goes from pass to pass while the host turns the last one around.
+    **direct_pair("ahead", queue_ahead=True),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -526,7 +531,7 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_specread1",
                         "lfu_direct_r1_specread1", "nocache_direct_specread3", "lfu_direct_r1_specread3",
                         "nocache_direct_copied", "nocache_direct_uvaread", "nocache_direct_passparts",
-                        "lfu_direct_r1_passparts", *HOST_CASES),
+                        "lfu_direct_r1_passparts", "nocache_direct_ahead", "lfu_direct_r1_ahead", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass",
@@ -541,7 +546,7 @@ SWITCHES = {"gemv_tokens": (expert_compute, "GEMV_TOKENS"), "fused": (expert_com
             "fused_rope": (rope_mod, "FUSED_ROPE"), "lean_static": (slots_mod, "LEAN_STATIC"),
             "fused_router": (router_mod, "FUSED_ROUTER"), "spec_read": (sizing_mod, "SPECULATE"),
             "spec_guesses": (sizing_mod, "SPECULATE_GUESSES"), "copy_reads": (sizing_mod, "COPY_READS_MIN_BYTES"),
-            "pass_parts": (graphs_mod, "PASS_GRAPH_PARTS")}
+            "pass_parts": (graphs_mod, "PASS_GRAPH_PARTS"), "queue_ahead": (loop_mod, "QUEUE_AHEAD")}
 
 
 RUN = time.strftime("%Y-%m-%dT%H:%M:%S")  # this process's rows (keys that compare rows pair one run's)

@@ -147,6 +147,8 @@ def decode_step(b: Bench, engine: Engine, batch: int, case: str) -> dict:
     row = {"batch": batch, "step_s": step, "tok_s": batch / step, "steps_s": engine.last_timings["step_s"],
            # the host's share: a step whose host_s is close to step_s is bound by the host, not by the device
            "host_s": statistics.median(host) if host else None,
+           # passes queued before the pass before's tokens were read (engine/decode/loop.py QUEUE_AHEAD)
+           "ahead_passes": engine.last_timings.get("ahead_passes"),
            "prefill_s": engine.last_timings["prefill_s"], "bytes_per_step": engine.describe()["bytes_per_decode_step"],
            "peak_allocated_gb": stats.get("peak_vram_allocated_gb"), "peak_reserved_gb": stats.get("peak_vram_reserved_gb"),
            "resident_layers": len(engine.plan.vram_layers)}

@@ -306,7 +306,7 @@ class Engine:
         self.last_timings = {"ttft_s": ttft, "prefill_s": ttft, "decode_s": total - ttft, "decode_steps": len(steps),
                              "batch_size": len(seqs), "prompt_len": max(s.prompt_len for s in seqs), "total_s": total,
                              "step_s": list(steps), "host_s": list(loop.stats.decode_host_s),
-                             "passes": loop.stats.passes,
+                             "passes": loop.stats.passes, "ahead_passes": loop.stats.ahead,
                              "slot_utilization": loop.stats.utilization(loop.slots),
                              "decode_step_median_s": statistics.median(steps) if steps else None}
 

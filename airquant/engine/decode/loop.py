@@ -43,6 +43,12 @@ GREEDY_BELOW = 1e-5
 # and ``benchmarks/stream_bench.pass_breakdown`` reads the last one's wall against the device's busy time.
 PASS_MARK = "airquant.pass"
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+# Queue ahead: where every sequence of a pass is decoding greedily and nothing waits, the next pass is queued
+# (its tokens the device's own argmax, never read back first) before this pass's tokens are read, so the device
+# goes on from one pass into the next while the host reads, detokenizes and checks for ends. A sequence that
+# ended meanwhile (EOS, a stop string) gets one wasted row in the pass after, which is dropped. Without it the
+# device idles while the host turns a pass around (~1.5 ms a step: wave3_moe33, Qwen3-30B-A3B, H100).
+QUEUE_AHEAD = False
 
 
 class RequestSettingsError(AirQuantError):
@@ -144,6 +150,21 @@ class Event:
 
 
 @dataclass
+class _Queued:
+    """A pass queued on the device whose tokens are not read yet (``DecodeLoop._queue``)."""
+
+    plan: list  # (sequence, tokens this pass)
+    emit: list  # (sequence, row) of the rows that give a token
+    logits: torch.Tensor  # [len(emit), V] fp32
+    greedy: list[int]  # indices into emit of the greedy rows
+    picked: torch.Tensor | None  # their argmax, on the device
+    host: torch.Tensor | None  # the same on its way to the host
+    done: object  # a CUDA event after the copy (None on the CPU: copied already)
+    start: float  # when the host began queueing it
+    queued: float  # seconds the host took to queue it
+
+
+@dataclass
 class LoopStats:
     passes: int = 0
     useful_tokens: int = 0  # tokens generated (each pass gives at most one per slot)
@@ -154,6 +175,7 @@ class LoopStats:
     # waits for the device after). Near the pass's time: the host bounds the step, not the device.
     decode_host_s: list[float] = field(default_factory=list)
     busy_s: float = 0.0
+    ahead: int = 0  # passes queued before the pass before's tokens were read (QUEUE_AHEAD)
 
     def utilization(self, slots: int) -> float:
         return self.useful_tokens / (slots * self.passes) if self.passes else 0.0
@@ -183,6 +205,9 @@ class DecodeLoop:
         self.stats = LoopStats()
         self._ids = itertools.count()
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # 4D: transformers builds none
+        self._ahead: _Queued | None = None  # a pass queued ahead (QUEUE_AHEAD), its tokens not yet read
+        self._ahead_error: BaseException | None = None  # raised queueing it: raised by the next step
+        self._collected = 0.0  # when the last pass's tokens were read
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -217,7 +242,7 @@ class DecodeLoop:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self._ahead is None
 
     def run(self, requests: list[Request], on_event=None) -> list[Sequence]:
         seqs = [self.submit(r) for r in requests]
@@ -266,39 +291,90 @@ class DecodeLoop:
 
     def step(self) -> list[Event]:
         """One weight pass; the events of the sequences that produced tokens or finished."""
-        plan = self._schedule()
-        if not plan:
-            return []
+        if self._ahead_error is not None:  # queueing the pass ahead failed: raised after the pass before's events
+            error, self._ahead_error = self._ahead_error, None
+            raise error
+        with torch.profiler.record_function(PASS_MARK):
+            queued, self._ahead = self._ahead, None
+            if queued is None:
+                plan = self._schedule()
+                if not plan:
+                    return []
+                queued = self._queue(plan)
+            kept = self._go_ahead(queued)
+            if kept:
+                tokens = queued.picked if len(kept) == len(queued.plan) else queued.picked[kept]
+                try:
+                    self._ahead = self._queue([(queued.plan[k][0], 1) for k in kept], tokens=tokens)
+                    self.stats.ahead += 1
+                except Exception as exc:  # raised at the next step, this pass's tokens delivered first
+                    self._ahead_error = exc
+            events = self._collect(queued)
+        return events
+
+    def _queue(self, plan: list[tuple[Sequence, int]], tokens: torch.Tensor | None = None) -> _Queued:
+        """The pass of ``plan`` queued on the device: its greedy rows' argmax under way to the host (not waited
+        for). ``tokens``: the row's ids on the device (a pass queued ahead), else each sequence's own."""
         ids, pos, segments, emit = [], [], [], []
         for seq, n in plan:
-            tokens = seq.tokens(n)
-            segments.append(Segment(seq.slot, seq.cached, n, len(ids)))
-            ids.extend(tokens)
+            segments.append(Segment(seq.slot, seq.cached, n, len(pos)))
+            if tokens is None:
+                ids.extend(seq.tokens(n))
             pos.extend(range(seq.cached, seq.cached + n))
             if seq.cached + n >= seq.prompt_len:
-                emit.append((seq, len(ids) - 1))
+                emit.append((seq, len(pos) - 1))
         start = time.perf_counter()
-        with torch.profiler.record_function(PASS_MARK):
-            logits = self._forward(ids, pos, segments, [i for _, i in emit])
-            queued = time.perf_counter() - start
-            for seq, n in plan:
-                self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
-                seq.cached += n
-            # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
-            greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
-            picked = dict(zip(greedy, pick_greedy(logits[greedy]).tolist())) if greedy else {}
-            events = [self._advance_alone(seq, logits[k], picked.get(k)) for k, (seq, _) in enumerate(emit)]
+        logits = self._forward(ids if tokens is None else tokens, pos, segments, [i for _, i in emit])
+        for seq, n in plan:
+            self.stats.prompt_tokens += max(0, min(seq.cached + n, seq.prompt_len) - seq.cached)
+            seq.cached += n
+        # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
+        greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
+        picked = pick_greedy(logits[greedy]) if greedy else None
+        host, done = None, None
+        if picked is not None:
+            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
+            host.copy_(picked, non_blocking=picked.is_cuda)
+            if picked.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+        return _Queued(plan, emit, logits, greedy, picked, host, done, start, time.perf_counter() - start)
+
+    def _go_ahead(self, q: _Queued) -> list[int]:
+        """The rows of ``q`` whose sequences the pass after it takes, queued before ``q``'s tokens are read (none:
+        it is not queued ahead): with ``QUEUE_AHEAD`` on, where every sequence of ``q`` decodes one token
+        greedily with a token to go after ``q``'s and room in its slot, no prompt could take a free slot and the
+        cache is a plain one on the device; a sequence cancelled since ``q`` was queued is left out. (A prompt
+        waiting on a full loop may wait one pass longer for a slot a sequence frees by EOS or a stop string.)"""
+        if not QUEUE_AHEAD or q.picked is None or len(q.greedy) != len(q.plan) or self.kv.tq or self.kv.offload or \
+                (self.waiting and len(self.running) < self.slots):
+            return []
+        if not all(n == 1 and len(seq.out) + 2 <= seq.request.max_new_tokens and seq.cached < self.context
+                   for seq, n in q.plan):
+            return []
+        return [k for k, (seq, _) in enumerate(q.plan) if not seq.done]
+
+    def _collect(self, q: _Queued) -> list[Event]:
+        """``q``'s tokens read (waiting for its pass alone where one is queued after it) and its events."""
+        if q.done is not None:
+            q.done.synchronize()
+        picked = dict(zip(q.greedy, q.host.tolist())) if q.host is not None else {}
+        events = [self._advance_alone(seq, q.logits[k], picked.get(k)) for k, (seq, _) in enumerate(q.emit)]
+        if self._ahead is None:
             self.sync()
-        took = time.perf_counter() - start
+        now = time.perf_counter()
+        took = now - max(q.start, self._collected)  # a pass queued ahead: from the pass before's read
+        self._collected = now
         self.stats.passes += 1
         self.stats.pass_s.append(took)
         self.stats.busy_s += took
-        if all(n == 1 for _, n in plan):
+        if all(n == 1 for _, n in q.plan):
             self.stats.decode_pass_s.append(took)
-            self.stats.decode_host_s.append(queued)
+            self.stats.decode_host_s.append(q.queued)
         return [e for e in events if e is not None]
 
-    def _forward(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int] | torch.Tensor, pos: list[int], segments: list[Segment],
+                 keep: list[int]) -> torch.Tensor:
         """Logits ``[len(keep), V]`` (fp32) at the row positions ``keep``; a stack found changing what the cache
         returns (at its first pass) runs the pass again with the cache in prefix mode, which rewrites the
         same positions."""
@@ -310,12 +386,13 @@ class DecodeLoop:
             return self._model_pass(ids, pos, segments, keep)
 
     @torch.inference_mode()
-    def _model_pass(self, ids: list[int], pos: list[int], segments: list[Segment], keep: list[int]) -> torch.Tensor:
+    def _model_pass(self, ids: list[int] | torch.Tensor, pos: list[int], segments: list[Segment],
+                    keep: list[int]) -> torch.Tensor:
         config = self.model.config
         previous = config._attn_implementation
         config._attn_implementation = ATTN_NAME
         self.kv.begin(segments)
-        row = torch.tensor([ids], device=self.device)
+        row = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         positions = torch.tensor([pos], device=self.device)
         try:
             with self.scope():
