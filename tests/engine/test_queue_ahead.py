@@ -175,3 +175,43 @@ def test_cuda_queued_ahead_equals_read_first(tmp_path_factory, real_tokenizer, m
     (want, want_logits, none, _), (got, logits, ahead, stats) = results
     assert got == want and torch.equal(logits, want_logits)
     assert none == 0 and ahead > 0 and stats["layer_graphs"]["failed"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_cuda_a_pass_queued_ahead_never_waits_for_the_device(tmp_path_factory, real_tokenizer, monkeypatch,
+                                                            model_type):
+    """Queueing a pass ahead must not synchronize (a pageable host-to-device copy, a host read): the host would
+    wait for the pass before and nothing would overlap. Once the graphs are captured, a batch-1 greedy decode's
+    passes queued ahead run under torch's sync debug mode without a synchronizing call."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.engine.test_layer_graphs import _nf4_store
+
+    monkeypatch.setattr(loop_mod, "QUEUE_AHEAD", True)
+    store = _nf4_store(tmp_path_factory, real_tokenizer, model_type)
+    engine = Engine.open(store, device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    loop = engine.decode_loop(1, context=64)
+    real, synced = loop._queue, []
+
+    def watched(plan, tokens=None):
+        if tokens is None:
+            return real(plan, tokens)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real(plan, tokens)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                synced.append([str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)])
+
+    monkeypatch.setattr(loop, "_queue", watched)
+    try:
+        loop.run([Request(tuple(engine.prompt_ids(PROMPTS[0])), 16, ignore_eos=True)])
+        assert engine.stats()["layer_graphs"]["failed"] == 0
+    finally:
+        engine.close()
+    assert len(synced) >= 8 and synced[-6:] == [[]] * 6, synced

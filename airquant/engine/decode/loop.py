@@ -33,6 +33,7 @@ from airquant.engine.decode.slots import (
 from airquant.engine.decode.text import Detokenizer
 from airquant.errors import AirQuantError, PromptTooLongError
 from airquant.kv import model_dims
+from airquant.kv.rotation import to_device
 
 log = logging.getLogger(__name__)
 
@@ -392,12 +393,15 @@ class DecodeLoop:
         previous = config._attn_implementation
         config._attn_implementation = ATTN_NAME
         self.kv.begin(segments)
-        row = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
-        positions = torch.tensor([pos], device=self.device)
+        # through pinned memory, without a stream sync (a pageable copy waits for the device: a pass queued ahead
+        # would wait for the pass before)
+        row = ids.view(1, -1) if isinstance(ids, torch.Tensor) else to_device(torch.tensor([ids]), self.device)
+        positions = to_device(torch.tensor([pos]), self.device)
+        keep_rows = to_device(torch.tensor(keep, dtype=torch.long), self.device)
         try:
             with self.scope():
                 out = self.model(input_ids=row, position_ids=positions, attention_mask=self._mask, use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                                 logits_to_keep=keep_rows,
                                  **{self.cache_arg: self.kv}, **self._prefix)
             self.kv.end_pass()
         except BaseException:

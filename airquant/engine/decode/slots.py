@@ -73,6 +73,7 @@ from airquant.engine.decode.tqslots import PAGE_TOKENS, DecodePlan, SlotArena, d
 from airquant.kv.attention import compressed_attention, keep_mask
 from airquant.kv.cache import context_of, tag
 from airquant.kv.config import KVConfig, KVConfigError
+from airquant.kv.rotation import to_device
 
 ATTN_NAME = "airquant_ragged"
 
@@ -285,9 +286,8 @@ class SlotKV:
             self._static_begin(dec)
         elif dec:
             dev = self.device
-            self._decode = (torch.tensor([s.slot for s in dec], device=dev),
-                            torch.tensor([s.start for s in dec], device=dev),
-                            torch.tensor([s.offset for s in dec], device=dev))
+            self._decode = tuple(to_device(torch.tensor([getattr(s, k) for s in dec]), dev)
+                                 for k in ("slot", "start", "offset"))
             if self.offload and dev.type != "cpu":  # where the host copies' new tokens land (``_land``)
                 self._decode_host = (torch.tensor([s.slot for s in dec]), torch.tensor([s.start for s in dec]))
             else:
@@ -350,11 +350,13 @@ class SlotKV:
         if self._static is None:
             self._static = self.pool.static(n, self.device) if self.pool is not None else \
                 torch.zeros(4, n, dtype=torch.long, device=self.device)
-        host = torch.zeros(4, n, dtype=torch.long)
+        # pinned, copied without a stream sync: a pass queued ahead (decode/loop.py QUEUE_AHEAD) is queued while
+        # the pass before still runs (a pageable copy waited for it)
+        host = torch.zeros(4, n, dtype=torch.long, pin_memory=self.device.type == "cuda")
         host[3] = 1  # an idle slot attends to its first column (a row of its padding query, never read)
         for r, s in enumerate(dec):
             host[0, r], host[1, r], host[2, r], host[3, s.slot] = s.slot, s.start, s.offset, s.start + 1
-        self._static.copy_(host)
+        self._static.copy_(host, non_blocking=True)
         self._decode = (self._static[0, :rows], self._static[1, :rows], self._static[2, :rows])
         self._length = self._static[3]
         # where offloaded layers' host copies land the tokens: this pass's own host tensor (the static one
@@ -368,11 +370,11 @@ class SlotKV:
             count = self.kv.schedule.quantized_count
             if self._tq_static is None:
                 self._tq_static = torch.zeros(3, n, dtype=torch.long, device=self.device)
-            tq = torch.zeros(3, n, dtype=torch.long)
+            tq = torch.zeros(3, n, dtype=torch.long, pin_memory=self.device.type == "cuda")
             for r, s in enumerate(dec):
                 hist = count(s.start)
                 tq[0, r], tq[1, r], tq[2, r] = s.start - hist, hist, s.start + 1 - hist  # window: the new one's
-            self._tq_static.copy_(tq)
+            self._tq_static.copy_(tq, non_blocking=True)
             longest = int(tq[1].max())
             self.tq_hist = static_span(longest, count(self.cap)) if longest else 0
 
