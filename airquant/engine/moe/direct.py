@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # against 0.140 (H200, same run).
 REFRESH_PASSES = 1
 HOT_DECAY = 0.5  # weight of the scores so far at a refresh: what was hot 4 refreshes ago counts 1/16
+# A refresh reads the counts as of the refresh before (copied to the host then, without a sync), not the counts
+# so far (a sync: the host waits for the device). None: where the decode loop queues passes ahead
+# (engine/decode/loop.py QUEUE_AHEAD), whose next pass a refresh's sync would keep from overlapping this one.
+LATE_COUNTS: bool | None = None
 
 
 # The buffers' dtypes the int2 tiered kernel reads (quant/int2.py writes these).
@@ -118,6 +122,7 @@ class DirectReads:
         self._matrices: dict[int, tuple | None] = {}
         self._books: dict[int, dict[str, torch.Tensor]] = {}
         self._reachable: bool | None = None if mem.is_cuda else True
+        self._late: tuple | None = None  # LATE_COUNTS: the pinned counts of the last refresh and their copy's event
         # Speculative reads: pool slots of their own (never the copy path's nor the hot set's), the guesses of
         # the layer whose call has not run yet, the images copied per layer (counted on the device).
         self.spec_slots = spec_slots
@@ -323,8 +328,7 @@ class DirectReads:
 
     def refresh(self) -> None:
         """The hot set becomes the top-scoring experts (decayed counts), in the compute stream's order."""
-        counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
-        self.counts.zero_()
+        counts = self._take_counts()
         if self.policy == "lru":  # the pass an expert was last routed in: the most recent ones stay
             self.scores = torch.where(counts > 0, float(self.passes), self.scores)
         else:
@@ -352,6 +356,32 @@ class DirectReads:
             copied.append((key, slot))
         if copied:
             self._write_table([k for k, _ in copied], [s for _, s in copied])
+
+    def _take_counts(self) -> torch.Tensor:
+        """The counts to score (float64, host) and zeroed on the device: those so far (one host sync), or with
+        ``LATE_COUNTS`` on a GPU those the last refresh copied (their copy waited for; it ran a pass ago) while
+        these are copied for the next."""
+        late = LATE_COUNTS
+        if late is None:
+            from airquant.engine.decode import loop
+
+            late = loop.QUEUE_AHEAD
+        if not (late and self.counts.is_cuda):
+            counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
+            self.counts.zero_()
+            return counts
+        if self._late is None:
+            self._late = (torch.zeros(self.counts.shape, dtype=self.counts.dtype, pin_memory=True), None)
+        host, copied = self._late
+        if copied is not None:
+            copied.synchronize()
+        counts = host.to(torch.float64)  # zeros at the first refresh
+        host.copy_(self.counts, non_blocking=True)
+        self.counts.zero_()
+        done = torch.cuda.Event()
+        done.record()
+        self._late = (host, done)
+        return counts
 
     def _top(self, n: int) -> set[tuple[int, int]]:
         """The ``n`` (layer, expert) keys of the highest positive scores among eligible layers' stored experts."""
