@@ -405,9 +405,10 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # call, the A/B since.
     **direct_pair("fusednorm", fused_norm=True),
     **direct_pair("eagernorm", fused_norm=False),
-    # The fused RMSNorm as one kernel (engine/norms.py ONE_KERNEL, engine/norm_kernel.py), off by default until
-    # measured: one kernel fewer per norm, four a Qwen3 layer.
+    # The fused RMSNorm as one kernel (engine/norms.py ONE_KERNEL, engine/norm_kernel.py): "onenorm" measured it
+    # while it was off (wave3_moe38) and now equals the default; "twonorm" is rms_norm and a multiply, the A/B since.
     **direct_pair("onenorm", one_kernel_norm=True),
+    **direct_pair("twonorm", one_kernel_norm=False),
     # Routed prefills gathered and decoded stacked, the plan holding both (expert_compute.FUSED_PREFILL off), against
     # the default since wave3_moe25: the grouped kernel from the pool's slots, that VRAM left to the hot set.
     **direct_pair("stackedprefill", fused_prefill=False),
@@ -446,9 +447,12 @@ ROUTED_CASES = {  # name: (batch, EngineConfig fields); cache 0 = every routed e
     # 1 by default): the GPU runs the first while the host launches the next (one launch of the whole pass kept the
     # GPU idle 1.57 ms of Qwen3-30B-A3B's hot-set step, wave3_moe33).
     **direct_pair("passparts", pass_parts=4),
-    # Each greedy decode pass queued before the pass before's tokens are read (engine/decode/loop.py QUEUE_AHEAD):
-    # the device goes from pass to pass while the host turns the last one around.
+    # Each greedy decode pass queued before the pass before's tokens are read (engine/decode/loop.py QUEUE_AHEAD,
+    # on a GPU by default): the device goes from pass to pass while the host turns the last one around. "ahead"
+    # measured it while it was off (wave3_moe38, with host syncs left in the pass) and equals the default now;
+    # "readfirst" reads each pass's tokens before the next is queued, the A/B since.
     **direct_pair("ahead", queue_ahead=True),
+    **direct_pair("readfirst", queue_ahead=False),
     "lfu_bs4": (4, dict(experts="routed", expert_policy="lfu", direct=False)),
     "lfu_bs256": (256, dict(experts="routed", expert_policy="lfu")),
     "lfu_bs16": (16, dict(experts="routed", expert_policy="lfu")),
@@ -531,7 +535,9 @@ PART_CASES = {"qwen3": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "lfu
                         "nocache_direct_specread1",
                         "lfu_direct_r1_specread1", "nocache_direct_specread3", "lfu_direct_r1_specread3",
                         "nocache_direct_copied", "nocache_direct_uvaread", "nocache_direct_passparts",
-                        "lfu_direct_r1_passparts", "nocache_direct_ahead", "lfu_direct_r1_ahead", *HOST_CASES),
+                        "lfu_direct_r1_passparts", "nocache_direct_ahead", "lfu_direct_r1_ahead",
+                        "nocache_direct_readfirst", "lfu_direct_r1_readfirst", "nocache_direct_twonorm",
+                        "lfu_direct_r1_twonorm", *HOST_CASES),
               "gptoss": ("nocache", "lfu", "nocache_unfused", "lfu_unfused", "nocache_direct", "lfu_direct_r1",
                          "nocache_direct_eager", "lfu_direct_r1_eager", "nocache_direct_island",
                          "nocache_direct_streamdense", "lfu_direct_r1_streamdense", "nocache_direct_nopass",

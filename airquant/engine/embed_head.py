@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from airquant.kv.rotation import to_device
 from airquant.quant import make_linear
 from airquant.store.head import ordered_chunks
 from airquant.store.manifest import ShardEntry
@@ -30,11 +31,41 @@ class HostEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.shape
         # transformers reads model.device and model.dtype from the first parameter, which is this one.
         self.anchor = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self._device_reads: bool | None = None  # ids on the GPU read their rows there (``_reads_on_device``)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.to(self.table.device)
+        if input_ids.is_cuda and self._reads_on_device(input_ids.device):
+            return self._gather_on_device(input_ids)
+        ids = input_ids.to(self.table.device)  # ids on a GPU: a host read (the host waits for the device)
         rows = torch.func.functional_call(self.embedding[0], {"weight": self.table, **self.host_buffers}, (ids,))
-        return rows.to(device=self.anchor.device, dtype=self.anchor.dtype)  # [B, S, H]
+        return to_device(rows, self.anchor.device).to(self.anchor.dtype)  # [B, S, H]
+
+    def _reads_on_device(self, device: torch.device) -> bool:
+        """Whether ids already on the GPU (a decode pass queued ahead: its tokens are the device's argmax) take
+        their rows by a kernel reading the pinned table (unified virtual addressing), with no host read: a
+        plain ``nn.Embedding`` (no scale, no max_norm) over a pinned contiguous table the GPU reads exactly
+        (probed once, engine/moe/uva_copy)."""
+        if self._device_reads is None:
+            from airquant.engine.moe import uva_copy
+
+            embedding = self.embedding[0]
+            plain = type(embedding) is nn.Embedding and embedding.max_norm is None
+            self._device_reads = plain and self.table.is_pinned() and self.table.is_contiguous() and \
+                uva_copy.probe(self.table.view(-1).view(torch.uint8), device)
+        return self._device_reads
+
+    def _gather_on_device(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from airquant.engine.moe import uva_copy
+
+        # a token past the table (a head with more rows than the embedding) would read past it: the last row
+        ids = input_ids.reshape(-1).long().clamp(0, self.num_embeddings - 1)
+        row = self.embedding_dim * self.table.element_size()
+        out = torch.empty((ids.numel(), row), dtype=torch.uint8, device=input_ids.device)
+        places = torch.arange(ids.numel(), device=ids.device) * row
+        slices = torch.stack((ids * row, places, torch.full_like(places, row)), dim=1)
+        uva_copy.gather(self.table.view(-1).view(torch.uint8), out, slices, row)
+        rows = out.view(self.table.dtype).view(*input_ids.shape, self.embedding_dim)
+        return rows.to(self.anchor.dtype)
 
     @property
     def weight(self) -> torch.Tensor:

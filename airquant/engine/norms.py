@@ -38,9 +38,11 @@ from airquant.engine.moe.compute import fused_runs_on
 FUSED_RMS_NORM = True
 # The fused call as one Triton kernel (engine/norm_kernel.py: the statistic, both roundings and the weight in one
 # pass) instead of ``rms_norm`` and a multiply: one kernel fewer per norm, four a Qwen3 layer (each ~2 us in a
-# graph: ~0.4 ms of a 48-layer pass). Off until a device run measures it (moe_bench ``*_onenorm``) and its CUDA
-# test checks bfloat16 (the interpreter truncates it).
-ONE_KERNEL = False
+# graph: ~0.4 ms of a 48-layer pass). Measured (H100, Qwen3-30B-A3B batch 1, wave3_moe38, one run each): no cache
+# 0.0263 s a step against 0.0266-0.0272 for three runs of the two kernels; hot set 0.0113 against 0.0117. Its CUDA
+# test: bfloat16 and float16 within 2 units in the last place of the two kernels, float32 within 4 (it multiplies
+# in another order). moe_bench ``*_twonorm`` is the two kernels, the A/B since.
+ONE_KERNEL = True
 
 # The forward's body, statement by statement, that the fused call computes.
 STANDARD_BODY = (

@@ -155,7 +155,13 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
         if group == "embed" and on_host:
             embed = model.get_submodule(layout.embed)
-            _set_module(model, layout.embed, embed_head.HostEmbedding(embed, tensors["weight"], device, dtype))
+            table = tensors["weight"]
+            if device.type == "cuda":  # pinned: ids on the GPU read their rows there (HostEmbedding)
+                try:
+                    table = table.pin_memory()
+                except RuntimeError as exc:  # the host would not lock it: ids are read to the host instead
+                    log.info("the host embedding table stays pageable (%s)", exc)
+            _set_module(model, layout.embed, embed_head.HostEmbedding(embed, table, device, dtype))
         elif group == "lm_head" and entry.modules:
             head = embed_head.quantized_head(entry, tensors, model.config.hidden_size, dtype)
             _set_module(model, layout.head, head)

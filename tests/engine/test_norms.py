@@ -119,8 +119,11 @@ def test_on_cuda_the_fused_kernel_matches_the_eager_forward(dtype, one_kernel, m
     monkeypatch.setattr(norms, "ONE_KERNEL", one_kernel)  # rms_norm and a multiply, or engine/norm_kernel.py
     got = FusedRMSNorm(norm, norm.forward)(x)
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps * 2, atol=0)
-    if dtype == torch.float32:  # each row is the eager row times one factor: its statistic's, near 1
+    # the one kernel multiplies the weight, the value and the statistic in another order: in float32, where
+    # nothing rounds after, up to 4 units in the last place (H100: 3.4e-7 relative at most, wave3_moe38)
+    units = 4 if one_kernel and dtype == torch.float32 else 2
+    torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps * units, atol=0)
+    if dtype == torch.float32 and not one_kernel:  # each row is the eager row times one factor: its statistic's
         ratio = got / want
         assert (ratio.amax(-1) - ratio.amin(-1)).max().item() <= 4 * torch.finfo(dtype).eps
     else:

@@ -155,10 +155,12 @@ def test_queued_ahead_through_emulated_layer_graphs(tmp_path_factory, real_token
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_cuda_queued_ahead_equals_read_first(tmp_path_factory, real_tokenizer, monkeypatch, model_type):
+@pytest.mark.parametrize("model_type, host_embedding", [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_cuda_queued_ahead_equals_read_first(tmp_path_factory, real_tokenizer, monkeypatch, model_type,
+                                             host_embedding):
     """On CUDA with the layer graphs (a streamed dense NF4 store; Qwen3-MoE NF4 with direct expert reads, its
-    pass one graph): the passes queued ahead give the tokens and logits the read-first passes give."""
+    pass one graph; its embedding table in host RAM, rows then read by the GPU): the passes queued ahead give the
+    tokens and logits the read-first passes give."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from tests.engine.test_layer_graphs import _batch, _nf4_store
@@ -167,7 +169,8 @@ def test_cuda_queued_ahead_equals_read_first(tmp_path_factory, real_tokenizer, m
     results = []
     for on in (False, True):
         monkeypatch.setattr(loop_mod, "QUEUE_AHEAD", on)
-        engine = Engine.open(store, device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+        engine = Engine.open(store, device="cuda", dtype="bfloat16", resident_layers=0, host_embedding=host_embedding,
+                             **({"experts": "routed"} if model_type == "qwen3_moe" else {}))
         try:
             results.append((*_batch(engine), engine.last_timings["ahead_passes"], engine.stats()))
         finally:
@@ -178,12 +181,13 @@ def test_cuda_queued_ahead_equals_read_first(tmp_path_factory, real_tokenizer, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type, host_embedding", [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True)])
 def test_cuda_a_pass_queued_ahead_never_waits_for_the_device(tmp_path_factory, real_tokenizer, monkeypatch,
-                                                            model_type):
+                                                            model_type, host_embedding):
     """Queueing a pass ahead must not synchronize (a pageable host-to-device copy, a host read): the host would
     wait for the pass before and nothing would overlap. Once the graphs are captured, a batch-1 greedy decode's
-    passes queued ahead run under torch's sync debug mode without a synchronizing call."""
+    passes queued ahead run under torch's sync debug mode without a synchronizing call; with the embedding table
+    in host RAM too (its rows read by the GPU from the pinned table)."""
     import warnings
 
     if not torch.cuda.is_available():
@@ -192,7 +196,10 @@ def test_cuda_a_pass_queued_ahead_never_waits_for_the_device(tmp_path_factory, r
 
     monkeypatch.setattr(loop_mod, "QUEUE_AHEAD", True)
     store = _nf4_store(tmp_path_factory, real_tokenizer, model_type)
-    engine = Engine.open(store, device="cuda", dtype="bfloat16", experts="routed", resident_layers=0)
+    engine = Engine.open(store, device="cuda", dtype="bfloat16", resident_layers=0, host_embedding=host_embedding,
+                         **({"experts": "routed"} if model_type == "qwen3_moe" else {}))
+    if host_embedding:
+        assert type(engine.model.get_input_embeddings()).__name__ == "HostEmbedding"
     loop = engine.decode_loop(1, context=64)
     real, synced = loop._queue, []
 

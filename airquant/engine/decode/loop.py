@@ -49,7 +49,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed acc
 # goes on from one pass into the next while the host reads, detokenizes and checks for ends. A sequence that
 # ended meanwhile (EOS, a stop string) gets one wasted row in the pass after, which is dropped. Without it the
 # device idles while the host turns a pass around (~1.5 ms a step: wave3_moe33, Qwen3-30B-A3B, H100).
-QUEUE_AHEAD = False
+QUEUE_AHEAD: bool | None = None  # None: on a GPU (on the CPU a pass runs as it is queued: nothing to overlap)
 
 
 class RequestSettingsError(AirQuantError):
@@ -331,7 +331,11 @@ class DecodeLoop:
             seq.cached += n
         # Greedy rows in one argmax and one host read for the pass (was one sync per sequence).
         greedy = [k for k, (seq, _) in enumerate(emit) if seq.greedy]
-        picked = pick_greedy(logits[greedy]) if greedy else None
+        # indexed on the device (a list index is a pageable host-to-device copy: a stream sync)
+        picked = None
+        if greedy:
+            picked = pick_greedy(logits if len(greedy) == len(emit) else
+                                 logits[to_device(torch.tensor(greedy, dtype=torch.long), logits.device)])
         host, done = None, None
         if picked is not None:
             host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
@@ -347,7 +351,7 @@ class DecodeLoop:
         greedily with a token to go after ``q``'s and room in its slot, no prompt could take a free slot and the
         cache is a plain one on the device; a sequence cancelled since ``q`` was queued is left out. (A prompt
         waiting on a full loop may wait one pass longer for a slot a sequence frees by EOS or a stop string.)"""
-        if not QUEUE_AHEAD or q.picked is None or len(q.greedy) != len(q.plan) or self.kv.tq or self.kv.offload or \
+        if not queues_ahead(self.device) or q.picked is None or len(q.greedy) != len(q.plan) or self.kv.tq or self.kv.offload or \
                 (self.waiting and len(self.running) < self.slots):
             return []
         if not all(n == 1 and len(seq.out) + 2 <= seq.request.max_new_tokens and seq.cached < self.context
@@ -451,6 +455,11 @@ class DecodeLoop:
             del self.running[seq.slot]
             self.kv.free(seq.slot)
         return seq.detok.flush() if reason not in ("cancelled", "error") else ""
+
+
+def queues_ahead(device: torch.device) -> bool:
+    """Whether a decode loop on ``device`` queues its greedy passes ahead (``QUEUE_AHEAD``)."""
+    return QUEUE_AHEAD if QUEUE_AHEAD is not None else device.type == "cuda"
 
 
 def pick_greedy(logits: torch.Tensor) -> torch.Tensor:

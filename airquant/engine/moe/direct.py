@@ -365,7 +365,7 @@ class DirectReads:
         if late is None:
             from airquant.engine.decode import loop
 
-            late = loop.QUEUE_AHEAD
+            late = loop.queues_ahead(self.counts.device)
         if not (late and self.counts.is_cuda):
             counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
             self.counts.zero_()
