@@ -353,8 +353,8 @@ class DecodeLoop:
         greedily with a token to go after ``q``'s and room in its slot, no prompt could take a free slot and the
         cache is a plain one on the device; a sequence cancelled since ``q`` was queued is left out. (A prompt
         waiting on a full loop may wait one pass longer for a slot a sequence frees by EOS or a stop string.)"""
-        if not queues_ahead(self.device) or q.picked is None or len(q.greedy) != len(q.plan) or self.kv.tq or self.kv.offload or \
-                (self.waiting and len(self.running) < self.slots):
+        if not queues_ahead(self.device) or q.picked is None or len(q.greedy) != len(q.plan) or self.kv.tq or \
+                self.kv.offload or (self.waiting and len(self.running) < self.slots):
             return []
         if not all(n == 1 and len(seq.out) + 2 <= seq.request.max_new_tokens and seq.cached < self.context
                    for seq, n in q.plan):
