@@ -31,6 +31,7 @@ import logging
 import torch
 
 from airquant.engine import layer_graphs
+from airquant.engine.decode import loop as decode_loop
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe import sizing
 from airquant.engine.moe.layout import LayerExperts
@@ -361,11 +362,7 @@ class DirectReads:
         """The counts to score (float64, host) and zeroed on the device: those so far (one host sync), or with
         ``LATE_COUNTS`` on a GPU those the last refresh copied (their copy waited for; it ran a pass ago) while
         these are copied for the next."""
-        late = LATE_COUNTS
-        if late is None:
-            from airquant.engine.decode import loop
-
-            late = loop.queues_ahead(self.counts.device)
+        late = LATE_COUNTS if LATE_COUNTS is not None else decode_loop.queues_ahead(self.counts.device)
         if not (late and self.counts.is_cuda):
             counts = self.counts.to("cpu", torch.float64)  # the one host sync of a refresh
             self.counts.zero_()
