@@ -60,15 +60,8 @@ class HostMemory:
         buf = raw[skip:skip + nbytes]
         if huge_pages:
             advise_huge_pages(buf)
-        if not pinned or nbytes == 0:
+        if not pinned or nbytes == 0 or (err := self._register(buf)) == 0:
             return buf
-        cudart = torch.cuda.cudart()
-        err = int(getattr(code := cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0), "value", code))
-        if err == 0:
-            self._registered.append(buf)
-            return buf
-        if hasattr(cudart, "cudaGetLastError"):  # do not leave the error for the next kernel launch check
-            cudart.cudaGetLastError()
         del buf, raw
         held = pinned_allocator_bytes(nbytes)
         log.warning("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator, which "
@@ -76,6 +69,22 @@ class HostMemory:
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._rounded.append((buf, held))
         return buf
+
+    def register(self, buf: torch.Tensor) -> bool:
+        """Page-lock ``buf`` (a host buffer of its own, from ``empty(..., pinned=False)``) at its exact size and
+        keep it registered until ``free`` or ``close``; False where the host refuses (nothing registered)."""
+        return self._register(buf) == 0
+
+    def _register(self, buf: torch.Tensor) -> int:
+        """``cudaHostRegister`` of ``buf``: its error code, 0 where registered (kept in ``_registered``)."""
+        cudart = torch.cuda.cudart()
+        err = int(getattr(code := cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0),
+                          "value", code))
+        if err == 0:
+            self._registered.append(buf)
+        elif hasattr(cudart, "cudaGetLastError"):  # do not leave the error for the next kernel launch check
+            cudart.cudaGetLastError()
+        return err
 
     def free(self, buf: torch.Tensor) -> None:
         """Unpin a buffer from ``empty`` that is being replaced (its last copy must have run)."""

@@ -32,6 +32,7 @@ class HostEmbedding(nn.Module):
         # transformers reads model.device and model.dtype from the first parameter, which is this one.
         self.anchor = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
         self._device_reads: bool | None = None  # ids on the GPU read their rows there (``_reads_on_device``)
+        self.host_memory = None  # the owner of a table page-locked in place (engine/cuda_ops.HostMemory), if any
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.is_cuda and self._reads_on_device(input_ids.device):
@@ -50,7 +51,8 @@ class HostEmbedding(nn.Module):
 
             embedding = self.embedding[0]
             plain = type(embedding) is nn.Embedding and embedding.max_norm is None
-            self._device_reads = plain and self.table.is_pinned() and self.table.is_contiguous() and \
+            locked = self.host_memory is not None or self.table.is_pinned()
+            self._device_reads = plain and locked and self.table.is_contiguous() and \
                 uva_copy.probe(self.table.view(-1).view(torch.uint8), device)
         return self._device_reads
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from airquant.config import MLP_CHUNK_TOKENS
-from airquant.engine import embed_head
+from airquant.engine import cuda_ops, embed_head
 from airquant.engine.moe import compute as expert_compute
 from airquant.engine.moe.pool import RoutedForward, speculation_hook
 from airquant.engine.moe_router import fuse_routers
@@ -136,6 +136,20 @@ def swap_quantized_modules(layer: nn.Module, entry: ShardEntry, compute_dtype: t
         setattr(parent, child, new)
 
 
+def _page_locked(table: torch.Tensor) -> tuple[torch.Tensor, cuda_ops.HostMemory | None]:
+    """``table`` copied into host memory page-locked at its exact size (``cudaHostRegister``; torch's
+    ``pin_memory`` rounds up to a power of two: a 2.1 GB table would lock 4 GB), and its owner; where the host
+    refuses to lock it, ``table`` as it is (ids are then read to the host)."""
+    memory = cuda_ops.HostMemory(pinned=True)
+    flat = memory.empty(table.numel() * table.element_size(), pinned=False)
+    locked = flat.view(table.dtype).view(table.shape)
+    locked.copy_(table)
+    if not memory.register(flat):
+        log.info("the host embedding table stays pageable: the host did not lock %d bytes", flat.numel())
+        return table, None
+    return locked, memory
+
+
 def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: torch.device,
                      dtype: torch.dtype, *, host_embedding: bool = False, verify_reads: bool = True) -> None:
     """Embeddings, lm_head (tied, dense or quantized), the rest (final norm ...) and buffers, made real.
@@ -155,13 +169,12 @@ def load_fixed_parts(model: nn.Module, store: Path, manifest: Manifest, device: 
         tensors = _cast_dense(entry, load_file(store / entry.file, device=str(target)), dtype)
         if group == "embed" and on_host:
             embed = model.get_submodule(layout.embed)
-            table = tensors["weight"]
-            if device.type == "cuda":  # pinned: ids on the GPU read their rows there (HostEmbedding)
-                try:
-                    table = table.pin_memory()
-                except RuntimeError as exc:  # the host would not lock it: ids are read to the host instead
-                    log.info("the host embedding table stays pageable (%s)", exc)
-            _set_module(model, layout.embed, embed_head.HostEmbedding(embed, table, device, dtype))
+            table, memory = tensors["weight"], None
+            if device.type == "cuda":  # page-locked: ids on the GPU read their rows there (HostEmbedding)
+                table, memory = _page_locked(table)
+            host = embed_head.HostEmbedding(embed, table, device, dtype)
+            host.host_memory = memory  # keeps the table registered while the module lives
+            _set_module(model, layout.embed, host)
         elif group == "lm_head" and entry.modules:
             head = embed_head.quantized_head(entry, tensors, model.config.hidden_size, dtype)
             _set_module(model, layout.head, head)

@@ -234,3 +234,27 @@ def test_huge_page_buffers_start_on_2_mb_and_are_advised_before_registration(mon
     assert order == [("advise", sys.platform.startswith("linux")), ("register",)]
     assert list(fake.registered.values()) == [5 << 20]
     memory.close()
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["registered", "refused"])
+def test_a_host_embedding_table_is_page_locked_at_its_exact_size(monkeypatch, refused):
+    """``--host-embedding`` on CUDA: the table is copied into host memory registered at its exact size (torch's
+    ``pin_memory`` would hold the next power of two: 4 GB for a 70B model's 2.1 GB table), so the GPU can read the
+    rows of ids it holds; where the host refuses to lock it, the table stays as it was, pageable."""
+    from airquant.engine.skeleton import _page_locked
+
+    fake = FakeCudart()
+    if refused:
+        monkeypatch.setattr(fake, "cudaHostRegister", lambda *a: 2)
+    fake.cudaGetLastError = lambda: 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    table = torch.randn(1000, 24, dtype=torch.bfloat16)
+    locked, memory = _page_locked(table)
+    if refused:
+        assert locked is table and memory is None and fake.registered == {}
+        return
+    assert torch.equal(locked, table) and locked.data_ptr() != table.data_ptr() and locked.is_contiguous()
+    assert list(fake.registered.values()) == [1000 * 24 * 2] and locked.data_ptr() in fake.registered
+    assert memory.pinned_bytes() == {"registered": 48_000, "allocator": 0, "rounding": 0}
+    memory.close()
+    assert fake.registered == {}
