@@ -720,13 +720,11 @@ def test_emulated_capture_refuses_a_host_read(read):
 def test_routed_copy_path_layers_run_eagerly_under_emulated_graphs(stores):
     """Qwen3-MoE with its experts routed through the copy path (its routing read on the host): the layers are
     refused at capture and run eagerly, and three sequences decode as with no graphs at all."""
-    from tests.engine.test_queue_ahead import _streamed_job
-
     plain = Engine.open(stores["qwen3_moe"], device="cpu", dtype="float32", resident_layers=0, experts="routed")
-    want = _streamed_job(plain)[0]
+    want = _batch(plain)[0]
     plain.close()
     engine, graphs = _graphed(stores["qwen3_moe"], experts="routed")
-    got = _streamed_job(engine)[0]
+    got = _batch(engine)[0]
     engine.close()
     assert got == want and graphs.stats["eager"] > 0 and graphs.stats["replays"] == 0, graphs.stats
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from airquant.config import GenerateConfig
 from airquant.engine.decode import Request
 from airquant.engine.decode import loop as loop_mod
 from airquant.engine.runner import Engine
@@ -124,20 +123,12 @@ def test_a_failure_queueing_ahead_comes_after_the_pass_before_is_delivered(engin
     assert len(seq.out) == 8
 
 
-def _streamed_job(engine) -> tuple[list[list[int]], int]:
-    """Three greedy sequences of different lengths (passes of 3, 2 and 1 rows): tokens and passes queued ahead."""
-    out = engine.generate_requests([engine.request(engine.prompt_ids(p), GenerateConfig(max_new_tokens=n,
-                                                                                           ignore_eos=True))
-                                    for p, n in zip(PROMPTS, (9, 6, 12))])
-    return [list(c.token_ids) for c in out], engine.last_timings["ahead_passes"]
-
-
 @pytest.mark.parametrize("model_type, experts", [("llama", "whole"), ("qwen3_moe", "whole"), ("qwen3_moe", "routed")])
 def test_queued_ahead_through_emulated_layer_graphs(tmp_path_factory, real_tokenizer, monkeypatch, model_type,
                                                     experts):
     """Streamed layers replayed from (emulated) layer graphs, a MoE's experts whole (replayed) or routed (the copy
     path reads its routing on the host: those layers run eagerly): the same tokens ahead."""
-    from tests.engine.test_layer_graphs import _graphed, _store
+    from tests.engine.test_layer_graphs import _batch, _graphed, _store
 
     store = _store(tmp_path_factory, real_tokenizer, model_type)
     results = []
@@ -145,7 +136,7 @@ def test_queued_ahead_through_emulated_layer_graphs(tmp_path_factory, real_token
         monkeypatch.setattr(loop_mod, "QUEUE_AHEAD", on)
         engine, graphs = _graphed(store, experts=experts)
         try:
-            results.append(_streamed_job(engine))
+            results.append((_batch(engine)[0], engine.last_timings["ahead_passes"]))
             replayed = graphs.stats["replays"] + graphs.stats["pass_calls"]
             assert replayed > 0 if experts == "whole" else graphs.stats["eager"] > 0, graphs.stats
         finally:

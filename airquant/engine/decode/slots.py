@@ -286,12 +286,10 @@ class SlotKV:
             self._static_begin(dec)
         elif dec:
             dev = self.device
-            self._decode = tuple(to_device(torch.tensor([getattr(s, k) for s in dec]), dev)
-                                 for k in ("slot", "start", "offset"))
-            if self.offload and dev.type != "cpu":  # where the host copies' new tokens land (``_land``)
-                self._decode_host = (torch.tensor([s.slot for s in dec]), torch.tensor([s.start for s in dec]))
-            else:
-                self._decode_host = self._decode[:2]
+            host = [torch.tensor([getattr(s, k) for s in dec]) for k in ("slot", "start", "offset")]
+            self._decode = tuple(to_device(t, dev) for t in host)  # a pinned copy each: ``host`` stays as it is
+            # where the host copies' new tokens land (``_land``)
+            self._decode_host = tuple(host[:2]) if self.offload and dev.type != "cpu" else self._decode[:2]
         if self.tq:
             self._tq_begin(segments, dec)
         self._ahead.clear()  # a pass cut short leaves its copies (their memory held until they ran: copy_target)
